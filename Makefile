@@ -1,0 +1,121 @@
+# modeld - build, run, test. `make run` and `make test` install missing
+# Debian packages first (make deps), so each works alone on a fresh Debian 12.
+
+CC      ?= cc
+CXX     ?= g++
+PYTHON  := /usr/bin/python3
+PORT    ?= 8080
+
+# Debian packages the build, the tests and the benchmarks need.
+DEB_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
+	libcurl4-openssl-dev libssl-dev zlib1g-dev libcmocka-dev libtorch-dev \
+	libopenblas0-pthread python3 python3-pytest python3-requests python3-numpy curl \
+	ca-certificates sqlite3
+
+# libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one.
+LIBTORCH ?=
+ifeq ($(LIBTORCH),)
+TORCH_CFLAGS := -I/usr/include/torch/csrc/api/include
+TORCH_LIBS   := -ltorch -ltorch_cpu -lc10
+else
+TORCH_CFLAGS := -I$(LIBTORCH)/include -I$(LIBTORCH)/include/torch/csrc/api/include
+TORCH_LIBS   := -L$(LIBTORCH)/lib -Wl,-rpath,$(LIBTORCH)/lib -Wl,--no-as-needed -ltorch \
+	-ltorch_cpu -lc10
+ifeq ($(WITH_CUDA),1)
+TORCH_LIBS   += -ltorch_cuda -lc10_cuda -Wl,--as-needed
+endif
+endif
+ifeq ($(WITH_CUDA),1)
+TORCH_CFLAGS += -DWITH_CUDA=1
+endif
+
+SAN_FLAGS ?=
+OPT       ?= -O2 -g
+WARN      := -Wall -Wextra -Werror
+CFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(OPT) $(WARN) -pthread $(SAN_FLAGS)
+CXXFLAGS  := -std=c++17 $(OPT) $(WARN) -Wno-unused-parameter -pthread $(TORCH_CFLAGS) $(SAN_FLAGS)
+LIBS      := -lmicrohttpd -ljansson -lsqlite3 -lcurl -lcrypto -lz $(TORCH_LIBS) -lstdc++ -lm -pthread
+
+BUILD := build$(if $(SAN_FLAGS),-asan,)
+
+# every C module but main.c; the binary and the unit tests link these
+LIB_C   := config/md_err.c config/config.c server/router.c server/http.c \
+	handlers/routes.c handlers/health.c handlers/openapi.c
+LIB_CXX := predictor/torch_backend.cpp
+LIB_S   := handlers/openapi_blob.S
+LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
+
+UNIT_TESTS := test_config test_router
+UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
+
+MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
+
+.PHONY: all run test unit e2e asan bench deps clean lint-openapi fixtures
+
+all: $(MODELD)
+
+$(MODELD): $(BUILD)/server/main.o $(LIB_OBJ)
+	$(CC) $(CFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/%.o: %.c $(wildcard */*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c -o $@ $<
+
+$(BUILD)/%.o: %.cpp $(wildcard */*.h)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) -c -o $@ $<
+
+$(BUILD)/handlers/openapi_blob.o: handlers/openapi_blob.S openapi.yaml
+	@mkdir -p $(dir $@)
+	$(CC) -c -DOPENAPI_PATH='"$(CURDIR)/openapi.yaml"' -o $@ $<
+
+$(BUILD)/tests/%: tests/%.c $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LIBS) -lcmocka
+
+# Install the Debian packages that are missing (non-interactive).
+deps:
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+run: deps
+	$(MAKE) all
+	OPENBLAS_NUM_THREADS=1 ./modeld --port $(PORT)
+
+unit: $(UNIT_BINS)
+	@fail=0; for t in $(UNIT_BINS); do echo "== $$t"; $$t || fail=1; done; exit $$fail
+
+e2e: $(MODELD)
+	MODELD_BIN=$(CURDIR)/$(MODELD) $(PYTHON) -m pytest -q tests/e2e $(PYTEST_ARGS)
+
+lint-openapi:
+	@if command -v npx >/dev/null 2>&1; then \
+	  npx --yes @redocly/cli@2.77.0 lint --format=stylish openapi.yaml; \
+	else echo "npx not found: skipping the openapi.yaml lint (install nodejs and npm)"; fi
+
+test: deps
+	$(MAKE) all
+	$(MAKE) unit
+	$(MAKE) e2e
+	$(MAKE) lint-openapi
+
+# Address + undefined sanitizers over the whole suite, in a separate build dir.
+asan: deps
+	$(MAKE) SAN_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" \
+	  OPT="-O1 -g" ASAN_E2E=1 unit e2e
+
+fixtures:
+	$(PYTHON) tests/fixtures/make_fixtures.py
+
+bench: deps
+	$(MAKE) all
+	bash bench/run.sh
+
+clean:
+	rm -rf build build-asan modeld

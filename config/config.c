@@ -1,0 +1,501 @@
+/*
+ * config.c - settings table, the four sources, validation, help and JSON dump.
+ *
+ * Every setting is one row of `settings`: key, type, offset into md_cfg,
+ * default, bounds and help. Flag and environment names are derived from the
+ * key, so a new setting is one row and is at once a JSON key, a flag, an
+ * environment variable, a line of --help and a field of --print-config.
+ */
+#include "config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef enum { T_INT, T_SIZE, T_STR, T_ENUM, T_LIST } setting_type;
+
+typedef struct setting {
+    const char *key;
+    setting_type type;
+    size_t offset;
+    long long min, max;      /* T_INT, T_SIZE */
+    const char *def;         /* default, as text */
+    const char *choices;     /* T_ENUM: "a|b|c" */
+    const char *help;
+} setting;
+
+#define OFF(f) offsetof(md_cfg, f)
+#define MiB (1024LL * 1024)
+#define GiB (1024LL * MiB)
+
+static const setting settings[] = {
+    {"host", T_STR, OFF(host), 0, 0, "127.0.0.1", NULL, "address to listen on (0.0.0.0 for all)"},
+    {"port", T_INT, OFF(port), 1, 65535, "8080", NULL, "TCP port to listen on"},
+    {"threads", T_INT, OFF(threads), 0, 1024, "0", NULL, "HTTP threads; 0 = one per core"},
+    {"max_body_bytes", T_SIZE, OFF(max_body_bytes), 1, 64 * GiB, "67108864", NULL,
+     "largest request body accepted (413 past it)"},
+    {"connection_timeout_s", T_INT, OFF(connection_timeout_s), 1, 86400, "30", NULL,
+     "drop a connection whose request makes no progress for this long"},
+    {"keepalive_timeout_s", T_INT, OFF(keepalive_timeout_s), 1, 86400, "75", NULL,
+     "close an idle keep-alive connection after this long"},
+    {"drain_seconds", T_INT, OFF(drain_seconds), 0, 3600, "5", NULL,
+     "on SIGTERM, report not ready this long before closing the listener"},
+    {"access_log", T_STR, OFF(access_log), 0, 0, "stderr", NULL,
+     "where to write one JSON line per request: stderr, off, or a file path"},
+    {"log_level", T_ENUM, OFF(log_level), 0, 0, "info", "debug|info|warn|error",
+     "least severe message logged"},
+    {"store", T_STR, OFF(store), 0, 0, "./modeld-data", NULL,
+     "store directory: index.sqlite and checkpoint blobs"},
+    {"max_checkpoint_bytes", T_SIZE, OFF(max_checkpoint_bytes), 1, 1024 * GiB, "4294967296", NULL,
+     "largest checkpoint accepted by upload or download"},
+    {"allowed_paths", T_LIST, OFF(allowed_paths), 0, 0, "", NULL,
+     "directories file:// sources and job inputs may come from (comma-separated)"},
+    {"allowed_urls", T_LIST, OFF(allowed_urls), 0, 0, "", NULL,
+     "when set, URL sources must start with one of these prefixes (comma-separated)"},
+    {"download_connect_timeout_s", T_INT, OFF(download_connect_timeout_s), 1, 3600, "10", NULL,
+     "connect timeout for checkpoint and dataset downloads"},
+    {"download_timeout_s", T_INT, OFF(download_timeout_s), 1, 86400, "600", NULL,
+     "total time allowed for one download"},
+    {"download_max_redirects", T_INT, OFF(download_max_redirects), 0, 50, "5", NULL,
+     "redirects followed by a download"},
+    {"workers", T_INT, OFF(workers), 0, 256, "0", NULL,
+     "predictor workers per loaded model version; 0 = one per core"},
+    {"intra_op_threads", T_INT, OFF(intra_op_threads), 1, 256, "1", NULL,
+     "libtorch threads inside one worker's forward"},
+    {"max_batch_size", T_INT, OFF(max_batch_size), 1, 1000000, "64", NULL,
+     "most rows in one forward"},
+    {"max_delay_us", T_INT, OFF(max_delay_us), 0, 10000000, "0", NULL,
+     "wait for more rows until this long after a batch's first request"},
+    {"queue_limit", T_INT, OFF(queue_limit), 1, 10000000, "1024", NULL,
+     "queued requests per model version before answering 503"},
+    {"timeout_ms", T_INT, OFF(timeout_ms), 1, 3600000, "30000", NULL,
+     "a prediction not done in this long answers 504"},
+    {"default_model", T_STR, OFF(default_model), 0, 0, "", NULL,
+     "model answering POST /predict; empty = the only deployed model"},
+    {"max_jobs", T_INT, OFF(max_jobs), 1, 1024, "2", NULL, "batch jobs running at once"},
+};
+#define N_SETTINGS (sizeof settings / sizeof settings[0])
+
+int md_cfg_cores(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+static void *field(md_cfg *cfg, const setting *s) { return (char *)cfg + s->offset; }
+static const void *cfield(const md_cfg *cfg, const setting *s)
+{
+    return (const char *)cfg + s->offset;
+}
+
+static void strlist_free(md_strlist *l)
+{
+    for (int i = 0; i < l->count; i++)
+        free(l->items[i]);
+    free(l->items);
+    l->items = NULL;
+    l->count = 0;
+}
+
+static void strlist_push(md_strlist *l, const char *s, size_t n)
+{
+    l->items = realloc(l->items, sizeof(char *) * (size_t)(l->count + 2));
+    if (!l->items)
+        md_assert(!"out of memory");
+    char *copy = md_xmalloc(n + 1);
+    memcpy(copy, s, n);
+    copy[n] = '\0';
+    l->items[l->count++] = copy;
+    l->items[l->count] = NULL;
+}
+
+/* Parse text (from env, flag or default) into the field. `source` names where
+ * the value came from, for the error message. */
+static md_status set_from_text(md_cfg *cfg, const setting *s, const char *value, const char *source,
+                               md_err *err)
+{
+    switch (s->type) {
+    case T_INT:
+    case T_SIZE: {
+        errno = 0;
+        char *end = NULL;
+        while (isspace((unsigned char)*value))
+            value++;
+        long long v = strtoll(value, &end, 10);
+        if (end == value || *end != '\0' || errno == ERANGE)
+            return md_err_set(err, MD_EINVAL, "%s: %s=\"%s\" is not an integer; allowed %lld..%lld",
+                              source, s->key, value, s->min, s->max);
+        if (v < s->min || v > s->max)
+            return md_err_set(err, MD_EINVAL, "%s: %s=%lld is out of range; allowed %lld..%lld",
+                              source, s->key, v, s->min, s->max);
+        if (s->type == T_INT)
+            *(int *)field(cfg, s) = (int)v;
+        else
+            *(long long *)field(cfg, s) = v;
+        return MD_OK;
+    }
+    case T_ENUM: {
+        size_t n = strlen(value);
+        const char *c = s->choices;
+        while (c) {
+            const char *bar = strchr(c, '|');
+            size_t len = bar ? (size_t)(bar - c) : strlen(c);
+            if (len == n && n > 0 && strncmp(c, value, n) == 0)
+                break;
+            c = bar ? bar + 1 : NULL;
+        }
+        if (!c)
+            return md_err_set(err, MD_EINVAL, "%s: %s=\"%s\" is not allowed; allowed: %s", source,
+                              s->key, value, s->choices);
+    } /* fall through */
+    case T_STR: {
+        char **p = field(cfg, s);
+        if (s->type == T_STR && strcmp(s->key, "host") == 0 && value[0] == '\0')
+            return md_err_set(err, MD_EINVAL, "%s: host is empty; give an address such as 127.0.0.1",
+                              source);
+        if (s->type == T_STR && strcmp(s->key, "store") == 0 && value[0] == '\0')
+            return md_err_set(err, MD_EINVAL, "%s: store is empty; give a directory path", source);
+        free(*p);
+        *p = md_xstrdup(value);
+        return MD_OK;
+    }
+    case T_LIST: {
+        md_strlist *l = field(cfg, s);
+        strlist_free(l);
+        const char *p = value;
+        while (*p) {
+            const char *comma = strchr(p, ',');
+            size_t len = comma ? (size_t)(comma - p) : strlen(p);
+            if (len > 0)
+                strlist_push(l, p, len);
+            if (!comma)
+                break;
+            p = comma + 1;
+        }
+        return MD_OK;
+    }
+    }
+    return md_err_set(err, MD_EINTERNAL, "unknown setting type");
+}
+
+/* Apply one JSON value from the config file. */
+static md_status set_from_json(md_cfg *cfg, const setting *s, json_t *v, const char *source,
+                               md_err *err)
+{
+    char text[64];
+    switch (s->type) {
+    case T_INT:
+    case T_SIZE:
+        if (!json_is_integer(v)) {
+            char *dump = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+            md_err_set(err, MD_EINVAL, "%s: %s=%s is not an integer; allowed %lld..%lld", source,
+                       s->key, dump ? dump : "?", s->min, s->max);
+            free(dump);
+            return MD_EINVAL;
+        }
+        snprintf(text, sizeof text, "%lld", (long long)json_integer_value(v));
+        return set_from_text(cfg, s, text, source, err);
+    case T_STR:
+    case T_ENUM:
+        if (!json_is_string(v)) {
+            char *dump = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+            md_err_set(err, MD_EINVAL, "%s: %s=%s is not a string", source, s->key,
+                       dump ? dump : "?");
+            free(dump);
+            return MD_EINVAL;
+        }
+        return set_from_text(cfg, s, json_string_value(v), source, err);
+    case T_LIST: {
+        md_strlist *l = field(cfg, s);
+        if (json_is_string(v))
+            return set_from_text(cfg, s, json_string_value(v), source, err);
+        if (!json_is_array(v))
+            return md_err_set(err, MD_EINVAL, "%s: %s must be an array of strings", source, s->key);
+        strlist_free(l);
+        size_t i;
+        json_t *item;
+        json_array_foreach(v, i, item)
+        {
+            if (!json_is_string(item))
+                return md_err_set(err, MD_EINVAL, "%s: %s[%zu] is not a string", source, s->key, i);
+            strlist_push(l, json_string_value(item), strlen(json_string_value(item)));
+        }
+        return MD_OK;
+    }
+    }
+    return md_err_set(err, MD_EINTERNAL, "unknown setting type");
+}
+
+static const setting *find_key(const char *key)
+{
+    for (size_t i = 0; i < N_SETTINGS; i++)
+        if (strcmp(settings[i].key, key) == 0)
+            return &settings[i];
+    return NULL;
+}
+
+/* "--drain-seconds" -> "drain_seconds"; returns NULL if not a settings flag. */
+static const setting *find_flag(const char *flag, size_t len)
+{
+    char key[64];
+    if (len >= sizeof key)
+        return NULL;
+    for (size_t i = 0; i < len; i++)
+        key[i] = flag[i] == '-' ? '_' : flag[i];
+    key[len] = '\0';
+    /* only the dashed spelling is a flag: --drain_seconds is not */
+    if (memchr(flag, '_', len))
+        return NULL;
+    return find_key(key);
+}
+
+static void env_name(const setting *s, char *out, size_t size)
+{
+    size_t n = (size_t)snprintf(out, size, "MODELD_");
+    for (const char *k = s->key; *k && n + 1 < size; k++)
+        out[n++] = (char)toupper((unsigned char)*k);
+    out[n] = '\0';
+}
+
+static void flag_name(const setting *s, char *out, size_t size)
+{
+    size_t n = (size_t)snprintf(out, size, "--");
+    for (const char *k = s->key; *k && n + 1 < size; k++)
+        out[n++] = *k == '_' ? '-' : *k;
+    out[n] = '\0';
+}
+
+void md_cfg_defaults(md_cfg *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    for (size_t i = 0; i < N_SETTINGS; i++) {
+        md_err err;
+        md_status st = set_from_text(cfg, &settings[i], settings[i].def, "default", &err);
+        md_assert(st == MD_OK);
+    }
+}
+
+void md_cfg_free(md_cfg *cfg)
+{
+    if (!cfg)
+        return;
+    for (size_t i = 0; i < N_SETTINGS; i++) {
+        const setting *s = &settings[i];
+        if (s->type == T_STR || s->type == T_ENUM)
+            free(*(char **)field(cfg, s));
+        else if (s->type == T_LIST)
+            strlist_free(field(cfg, s));
+    }
+    memset(cfg, 0, sizeof *cfg);
+}
+
+static md_status load_file(md_cfg *cfg, const char *path, md_err *err)
+{
+    char source[600];
+    snprintf(source, sizeof source, "config file %s", path);
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return md_err_set(err, MD_EINVAL, "%s: cannot read: %s", source, strerror(errno));
+    json_error_t jerr;
+    json_t *root = json_loadf(f, JSON_REJECT_DUPLICATES, &jerr);
+    fclose(f);
+    if (!root)
+        return md_err_set(err, MD_EINVAL, "%s: invalid JSON at line %d, column %d: %s", source,
+                          jerr.line, jerr.column, jerr.text);
+    md_status st = MD_OK;
+    if (!json_is_object(root)) {
+        st = md_err_set(err, MD_EINVAL, "%s: the top level must be a JSON object of settings",
+                        source);
+        goto out;
+    }
+    const char *key;
+    json_t *v;
+    json_object_foreach(root, key, v)
+    {
+        const setting *s = find_key(key);
+        if (!s) {
+            st = md_err_set(err, MD_EINVAL,
+                            "%s: unknown key \"%s\"; see modeld --help for the settings", source,
+                            key);
+            goto out;
+        }
+        if ((st = set_from_json(cfg, s, v, source, err)) != MD_OK)
+            goto out;
+    }
+out:
+    json_decref(root);
+    return st;
+}
+
+static const char *env_get(char **envp, const char *name)
+{
+    size_t n = strlen(name);
+    for (char **e = envp; e && *e; e++)
+        if (strncmp(*e, name, n) == 0 && (*e)[n] == '=')
+            return *e + n + 1;
+    return NULL;
+}
+
+/* The value of a flag: "--key=value" or "--key value". Advances *i. */
+static md_status flag_value(int argc, char **argv, int *i, const char *eq, const char *flag,
+                            const char **value, md_err *err)
+{
+    if (eq) {
+        *value = eq + 1;
+        return MD_OK;
+    }
+    if (*i + 1 >= argc)
+        return md_err_set(err, MD_EINVAL, "flag %s: missing value; write %s VALUE", flag, flag);
+    *value = argv[++*i];
+    return MD_OK;
+}
+
+md_status md_cfg_load(md_cfg *cfg, int argc, char **argv, char **envp, md_cfg_action *action,
+                      md_err *err)
+{
+    md_cfg_defaults(cfg);
+    *action = MD_CFG_RUN;
+
+    /* Pass 1: find --config (flag wins over MODELD_CONFIG) and the actions. */
+    const char *config_path = env_get(envp, "MODELD_CONFIG");
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0)
+            *action = MD_CFG_HELP;
+        else if (strcmp(a, "--version") == 0)
+            *action = MD_CFG_VERSION;
+        else if (strcmp(a, "--print-config") == 0)
+            *action = *action == MD_CFG_RUN ? MD_CFG_PRINT_CONFIG : *action;
+        else if (strncmp(a, "--config", 8) == 0 && (a[8] == '\0' || a[8] == '=')) {
+            const char *eq = a[8] == '=' ? a + 8 : NULL;
+            if (flag_value(argc, argv, &i, eq, "--config", &config_path, err) != MD_OK)
+                return MD_EINVAL;
+        }
+    }
+    if (*action == MD_CFG_HELP || *action == MD_CFG_VERSION)
+        return MD_OK;
+
+    if (config_path && *config_path && load_file(cfg, config_path, err) != MD_OK)
+        return MD_EINVAL;
+
+    /* Environment: every MODELD_* must be a known setting, so typos are caught. */
+    for (char **e = envp; e && *e; e++) {
+        if (strncmp(*e, "MODELD_", 7) != 0)
+            continue;
+        const char *eq = strchr(*e, '=');
+        if (!eq)
+            continue;
+        char name[96];
+        size_t n = (size_t)(eq - *e);
+        if (n >= sizeof name)
+            n = sizeof name - 1;
+        memcpy(name, *e, n);
+        name[n] = '\0';
+        if (strcmp(name, "MODELD_CONFIG") == 0)
+            continue;
+        const setting *s = NULL;
+        for (size_t k = 0; k < N_SETTINGS && !s; k++) {
+            char env[96];
+            env_name(&settings[k], env, sizeof env);
+            if (strcmp(env, name) == 0)
+                s = &settings[k];
+        }
+        char source[128];
+        snprintf(source, sizeof source, "environment %s", name);
+        if (!s)
+            return md_err_set(err, MD_EINVAL,
+                              "%s: unknown setting; see modeld --help for the MODELD_* names",
+                              source);
+        if (set_from_text(cfg, s, eq + 1, source, err) != MD_OK)
+            return MD_EINVAL;
+    }
+
+    /* Flags. */
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0 || strcmp(a, "--version") == 0 ||
+            strcmp(a, "--print-config") == 0)
+            continue;
+        if (strncmp(a, "--config", 8) == 0 && (a[8] == '\0' || a[8] == '=')) {
+            if (a[8] == '\0')
+                i++;
+            continue;
+        }
+        if (strncmp(a, "--", 2) != 0)
+            return md_err_set(err, MD_EINVAL,
+                              "argument \"%s\": not a flag; settings are given as --key value", a);
+        const char *eq = strchr(a, '=');
+        size_t len = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
+        const setting *s = find_flag(a + 2, len);
+        if (!s)
+            return md_err_set(err, MD_EINVAL, "flag %.*s: unknown flag; see modeld --help",
+                              (int)(len + 2), a);
+        char flag[80], source[96];
+        flag_name(s, flag, sizeof flag);
+        snprintf(source, sizeof source, "flag %s", flag);
+        const char *value = NULL;
+        if (flag_value(argc, argv, &i, eq, flag, &value, err) != MD_OK)
+            return MD_EINVAL;
+        if (set_from_text(cfg, s, value, source, err) != MD_OK)
+            return MD_EINVAL;
+    }
+    return MD_OK;
+}
+
+static json_t *setting_json(const md_cfg *cfg, const setting *s)
+{
+    switch (s->type) {
+    case T_INT:
+        return json_integer(*(const int *)cfield(cfg, s));
+    case T_SIZE:
+        return json_integer(*(const long long *)cfield(cfg, s));
+    case T_STR:
+    case T_ENUM:
+        return json_string(*(char *const *)cfield(cfg, s));
+    case T_LIST: {
+        const md_strlist *l = cfield(cfg, s);
+        json_t *a = json_array();
+        for (int i = 0; i < l->count; i++)
+            json_array_append_new(a, json_string(l->items[i]));
+        return a;
+    }
+    }
+    return json_null();
+}
+
+char *md_cfg_to_json(const md_cfg *cfg)
+{
+    json_t *o = json_object();
+    for (size_t i = 0; i < N_SETTINGS; i++)
+        json_object_set_new(o, settings[i].key, setting_json(cfg, &settings[i]));
+    char *s = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(o);
+    md_assert(s != NULL);
+    return s;
+}
+
+void md_cfg_print_help(FILE *out)
+{
+    fprintf(out,
+            "usage: modeld [--config FILE] [--print-config] [--help] [--version] [--KEY VALUE ...]\n"
+            "\n"
+            "Serves PyTorch TorchScript models over HTTP. Settings, later wins:\n"
+            "defaults < JSON file (--config FILE or MODELD_CONFIG) < environment < flags.\n"
+            "\n");
+    for (size_t i = 0; i < N_SETTINGS; i++) {
+        const setting *s = &settings[i];
+        char flag[80], env[96];
+        flag_name(s, flag, sizeof flag);
+        env_name(s, env, sizeof env);
+        fprintf(out, "  %-30s %s\n", flag, s->help);
+        fprintf(out, "  %-30s default: %s%s%s  env: %s%s%s\n", "",
+                s->type == T_STR || s->type == T_LIST ? "\"" : "", s->def,
+                s->type == T_STR || s->type == T_LIST ? "\"" : "", env,
+                s->choices ? "  allowed: " : "", s->choices ? s->choices : "");
+    }
+}

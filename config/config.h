@@ -1,0 +1,101 @@
+/*
+ * config.h - every setting of modeld, its default, and where it came from.
+ *
+ * Sources, later wins: defaults < JSON file (--config PATH or MODELD_CONFIG) <
+ * environment (MODELD_*) < command-line flags. Naming is mechanical: the key
+ * `drain_seconds` is the flag `--drain-seconds` and the variable
+ * `MODELD_DRAIN_SECONDS`. A bad value is reported in one line naming the
+ * source, the key, the value and what is allowed.
+ *
+ * md_cfg is a plain struct of values (not opaque): every module reads its
+ * settings directly, and after loading it is never mutated, so it is safe to
+ * read from any thread.
+ */
+#ifndef MD_CONFIG_H
+#define MD_CONFIG_H
+
+#include <stdio.h>
+
+#include "md_err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A NULL-terminated list of strings (allowed_paths, allowed_urls). */
+typedef struct md_strlist {
+    char **items; /* owned; items[count] == NULL */
+    int count;
+} md_strlist;
+
+typedef struct md_cfg {
+    /* server */
+    char *host;                 /* address to bind */
+    int port;                   /* TCP port */
+    int threads;                /* HTTP threads; 0 = number of cores */
+    long long max_body_bytes;   /* largest request body accepted in memory */
+    int connection_timeout_s;   /* a request idle this long is dropped */
+    int keepalive_timeout_s;    /* an idle keep-alive connection is closed after this */
+    int drain_seconds;          /* on SIGTERM: not ready, then close the listener after this */
+    char *access_log;           /* "stderr", "off", or a file path */
+    char *log_level;            /* debug | info | warn | error */
+    /* store */
+    char *store;                /* store directory (index.sqlite, blobs/) */
+    long long max_checkpoint_bytes; /* largest checkpoint upload or download */
+    md_strlist allowed_paths;   /* file:// sources and job inputs must be under one */
+    md_strlist allowed_urls;    /* when non-empty, URL sources must start with one */
+    int download_connect_timeout_s;
+    int download_timeout_s;
+    int download_max_redirects;
+    /* predictor */
+    int workers;                /* default workers per loaded version; 0 = cores */
+    int intra_op_threads;       /* libtorch intra-op threads per worker */
+    int max_batch_size;         /* default rows per forward */
+    int max_delay_us;           /* default wait for more rows after a batch's first */
+    int queue_limit;            /* default queued requests per version before 503 */
+    int timeout_ms;             /* default request deadline before 504 */
+    char *default_model;        /* model answering POST /predict; "" = the only one */
+    /* jobs */
+    int max_jobs;               /* jobs running at once */
+} md_cfg;
+
+/* What main should do after loading. */
+typedef enum md_cfg_action {
+    MD_CFG_RUN = 0,       /* start the server */
+    MD_CFG_HELP,          /* print md_cfg_print_help and exit 0 */
+    MD_CFG_PRINT_CONFIG,  /* print md_cfg_to_json and exit 0 */
+    MD_CFG_VERSION,       /* print the version and exit 0 */
+} md_cfg_action;
+
+/* Fill `cfg` with the defaults. `cfg` must later be freed with md_cfg_free. */
+void md_cfg_defaults(md_cfg *cfg);
+
+/*
+ * Load every source into `cfg` (which this function initialises with the
+ * defaults first): the JSON file named by --config or MODELD_CONFIG, then
+ * `envp` (NULL-terminated "KEY=VALUE" strings; NULL for none), then argv[1..].
+ * On failure returns MD_EINVAL with a one-line message in `err` naming the
+ * source, key, value and what is allowed; `cfg` still needs md_cfg_free.
+ * `action` receives what the flags ask for (--help, --print-config, --version).
+ * Not thread-safe (call once at start).
+ */
+md_status md_cfg_load(md_cfg *cfg, int argc, char **argv, char **envp, md_cfg_action *action,
+                      md_err *err);
+
+/* Free what `cfg` owns. Accepts NULL; leaves `cfg` zeroed. */
+void md_cfg_free(md_cfg *cfg);
+
+/* The effective configuration as a JSON object text. Returns a new malloc'd
+ * string the caller frees. */
+char *md_cfg_to_json(const md_cfg *cfg);
+
+/* Print usage: every setting with its flag, env name, default and meaning. */
+void md_cfg_print_help(FILE *out);
+
+/* The number of online CPU cores (at least 1). */
+int md_cfg_cores(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

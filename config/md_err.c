@@ -1,0 +1,169 @@
+/* md_err.c - status codes, their HTTP mapping, checked allocation. */
+#include "md_err.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const struct {
+    int http;
+    const char *code;
+} status_table[MD_STATUS_COUNT] = {
+    [MD_OK] = {200, "ok"},
+    [MD_EINVAL] = {400, "invalid_request"},
+    [MD_ENOTFOUND] = {404, "not_found"},
+    [MD_EMETHOD] = {405, "method_not_allowed"},
+    [MD_ECONFLICT] = {409, "conflict"},
+    [MD_ETOOBIG] = {413, "payload_too_large"},
+    [MD_EMEDIA] = {415, "unsupported_media_type"},
+    [MD_EUNPROC] = {422, "unprocessable"},
+    [MD_EAUTH] = {401, "unauthorized"},
+    [MD_EBUSY] = {503, "overloaded"},
+    [MD_EUNAVAIL] = {503, "unavailable"},
+    [MD_ETIMEOUT] = {504, "timeout"},
+    [MD_ENOMEM] = {503, "out_of_memory"},
+    [MD_EIO] = {500, "io_error"},
+    [MD_EINTERNAL] = {500, "internal_error"},
+};
+
+void md_err_clear(md_err *err)
+{
+    if (!err)
+        return;
+    err->status = MD_OK;
+    err->code[0] = '\0';
+    err->msg[0] = '\0';
+}
+
+static md_status err_vset(md_err *err, md_status status, const char *code, const char *fmt,
+                          va_list ap)
+{
+    if (!err)
+        return status;
+    err->status = status;
+    snprintf(err->code, sizeof err->code, "%s", code ? code : "");
+    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    return status;
+}
+
+md_status md_err_set(md_err *err, md_status status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    err_vset(err, status, NULL, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+md_status md_err_setc(md_err *err, md_status status, const char *code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    err_vset(err, status, code, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+int md_status_http(md_status status)
+{
+    if ((unsigned)status >= MD_STATUS_COUNT)
+        return 500;
+    return status_table[status].http;
+}
+
+const char *md_status_code(md_status status)
+{
+    if ((unsigned)status >= MD_STATUS_COUNT)
+        return "internal_error";
+    return status_table[status].code;
+}
+
+const char *md_err_code(const md_err *err)
+{
+    return err->code[0] ? err->code : md_status_code(err->status);
+}
+
+void *md_malloc_checked(size_t size, const char *what, md_err *err)
+{
+    void *p = malloc(size ? size : 1);
+    if (!p)
+        md_err_set(err, MD_ENOMEM, "could not allocate %zu bytes for %s; retry later or send less",
+                   size, what);
+    return p;
+}
+
+static void oom(size_t size)
+{
+    fprintf(stderr, "modeld: out of memory allocating %zu bytes\n", size);
+    abort();
+}
+
+void *md_xmalloc(size_t size)
+{
+    void *p = malloc(size ? size : 1);
+    if (!p)
+        oom(size);
+    return p;
+}
+
+void *md_xcalloc(size_t n, size_t size)
+{
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    if (!p)
+        oom(n * size);
+    return p;
+}
+
+char *md_xstrdup(const char *s)
+{
+    size_t n = strlen(s) + 1;
+    char *p = md_xmalloc(n);
+    memcpy(p, s, n);
+    return p;
+}
+
+void md_assert_fail(const char *expr, const char *file, int line)
+{
+    fprintf(stderr, "modeld: assertion failed: %s (%s:%d)\n", expr, file, line);
+    abort();
+}
+
+/* ---- diagnostics log ---- */
+#include <time.h>
+
+static md_log_level log_min = MD_LOG_INFO;
+
+void md_log_set_level(const char *name)
+{
+    static const char *names[] = {"debug", "info", "warn", "error"};
+    for (int i = 0; i < 4; i++)
+        if (strcmp(name, names[i]) == 0)
+            log_min = (md_log_level)i;
+}
+
+void md_log(md_log_level level, const char *fmt, ...)
+{
+    static const char *names[] = {"debug", "info", "warn", "error"};
+    if (level < log_min)
+        return;
+    char line[1024];
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    int n = (int)strftime(line, sizeof line, "%Y-%m-%dT%H:%M:%S", &tm);
+    n += snprintf(line + n, sizeof line - (size_t)n, ".%03ldZ %s ", ts.tv_nsec / 1000000L,
+                  names[level]);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    va_end(ap);
+    /* one fputs of a whole line: stdio locks the stream, so lines never interleave */
+    size_t len = strlen(line);
+    if (len + 1 < sizeof line) {
+        line[len] = '\n';
+        line[len + 1] = '\0';
+    }
+    fputs(line, stderr);
+}

@@ -1,0 +1,106 @@
+/*
+ * md_err.h - the one status enum and error detail type shared by every module.
+ *
+ * Functions return an md_status; detail goes into a caller-owned md_err whose
+ * message lives in a fixed buffer, so reporting an error never allocates
+ * (SQLite result codes + jansson's json_error_t). md_status_http() is the only
+ * place a status becomes an HTTP status.
+ *
+ * This header lives in config/ because config is the lowest layer every other
+ * module already depends on; it is the one exception to "one header per folder".
+ */
+#ifndef MD_ERR_H
+#define MD_ERR_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum md_status {
+    MD_OK = 0,        /* success */
+    MD_EINVAL,        /* the request or value is malformed (400) */
+    MD_ENOTFOUND,     /* the named thing does not exist (404) */
+    MD_EMETHOD,       /* the path exists but not with this method (405) */
+    MD_ECONFLICT,     /* the request conflicts with current state (409) */
+    MD_ETOOBIG,       /* a body, file or count is past its configured limit (413) */
+    MD_EMEDIA,        /* unsupported Content-Type (415) */
+    MD_EUNPROC,       /* well-formed but semantically unusable, e.g. bad model (422) */
+    MD_EAUTH,         /* missing or wrong credentials (401) */
+    MD_EBUSY,         /* a queue or resource is full; retry later (503) */
+    MD_EUNAVAIL,      /* the server is starting or draining (503) */
+    MD_ETIMEOUT,      /* a deadline passed before the work was done (504) */
+    MD_ENOMEM,        /* an allocation sized by a request failed (503) */
+    MD_EIO,           /* a file, database or network operation failed (500) */
+    MD_EINTERNAL,     /* a bug or an unexpected library failure (500) */
+    MD_STATUS_COUNT
+} md_status;
+
+#define MD_ERR_MSG_MAX 512
+
+/* Caller-owned error detail. `code` overrides the default machine-readable
+ * code of `status` (e.g. "model_not_found") when non-empty. */
+typedef struct md_err {
+    md_status status;
+    char code[48];
+    char msg[MD_ERR_MSG_MAX];
+} md_err;
+
+/* Clear `err` to MD_OK. Accepts NULL. */
+void md_err_clear(md_err *err);
+
+/* Record `status` with a printf-style message; returns `status` so callers can
+ * write `return md_err_set(err, MD_EINVAL, "...")`. Accepts a NULL err. */
+md_status md_err_set(md_err *err, md_status status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* As md_err_set, with an explicit machine-readable code ("model_not_found"). */
+md_status md_err_setc(md_err *err, md_status status, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* The HTTP status for `status`: the single mapping the handlers use. */
+int md_status_http(md_status status);
+
+/* The default machine-readable code for `status` ("invalid_request", ...). */
+const char *md_status_code(md_status status);
+
+/* The code to report for `err`: its own code when set, else md_status_code(). */
+const char *md_err_code(const md_err *err);
+
+/* Checked allocation for sizes chosen by a request: returns NULL (never aborts)
+ * and sets MD_ENOMEM on `err` naming `what`. */
+void *md_malloc_checked(size_t size, const char *what, md_err *err);
+
+/* Small internal allocations: abort with a message on OOM. */
+void *md_xmalloc(size_t size);
+void *md_xcalloc(size_t n, size_t size);
+char *md_xstrdup(const char *s);
+
+/* Invariant check: logs the expression, file and line, then aborts. Never for input. */
+#define md_assert(expr) \
+    ((expr) ? (void)0 : md_assert_fail(#expr, __FILE__, __LINE__))
+void md_assert_fail(const char *expr, const char *file, int line) __attribute__((noreturn));
+
+#ifdef __cplusplus
+}
+#endif
+#endif
+
+/* ---- diagnostics log (stderr), shared by every module ---- */
+#ifndef MD_LOG_H
+#define MD_LOG_H
+#ifdef __cplusplus
+extern "C" {
+#endif
+typedef enum md_log_level { MD_LOG_DEBUG, MD_LOG_INFO, MD_LOG_WARN, MD_LOG_ERROR } md_log_level;
+
+/* Set the least severe level written; "debug", "info", "warn" or "error". */
+void md_log_set_level(const char *name);
+
+/* Write one line "TIME LEVEL message" to stderr. Thread-safe. */
+void md_log(md_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#ifdef __cplusplus
+}
+#endif
+#endif

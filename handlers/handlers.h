@@ -1,0 +1,44 @@
+/*
+ * handlers.h - the HTTP resources of modeld and the application state they
+ * share. Each handlers/<resource>.c translates HTTP into calls to the modules
+ * (checkpoint/, predictor/) and their md_status into replies through
+ * md_reply_error, the one place statuses become HTTP statuses.
+ */
+#ifndef MD_HANDLERS_H
+#define MD_HANDLERS_H
+
+#include <stdatomic.h>
+
+#include "../config/config.h"
+#include "../server/server.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Everything a handler can reach. Created by main; outlives the HTTP server.
+ * `ready` is an md_ready_state, changed by main and read by /readyz. */
+typedef struct md_app {
+    const md_cfg *cfg;
+    atomic_int ready;
+    char not_ready_reason[160]; /* written before `ready` changes */
+} md_app;
+
+/* The routing table: every route modeld serves. openapi.yaml lists the same
+ * set (tests/e2e checks both directions). */
+extern const md_route md_routes[];
+extern const size_t md_n_routes;
+
+/* The embedded openapi.yaml (built in from the file at build time). */
+const char *md_openapi_text(size_t *len);
+
+/* health.c */
+void md_handle_healthz(md_req *req);
+void md_handle_readyz(md_req *req);
+/* openapi.c */
+void md_handle_openapi(md_req *req);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

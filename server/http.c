@@ -1,0 +1,549 @@
+/*
+ * http.c - libmicrohttpd glue: one access handler for every route.
+ *
+ * DESIGN
+ * libmicrohttpd calls the access handler several times per request: first
+ * with the headers (we create an md_req, route it, check Content-Length),
+ * then once per body chunk (buffered under max_body_bytes or passed to the
+ * route's streaming sink), then with no data (we run the handler). An error
+ * found before the body is read (404, 405, 413 by Content-Length) is queued
+ * at once, so the body is never read; libmicrohttpd then closes the
+ * connection after the reply. A handler either replies or suspends; the
+ * thread that later replies to a suspended request resumes it, and the next
+ * call of the access handler queues the stored reply.
+ *
+ * Timeouts: the daemon's timeout is keepalive_timeout_s (idle connections);
+ * once a request starts, its connection gets connection_timeout_s, so a
+ * client trickling a body is dropped; when the request completes, the
+ * keep-alive timeout is restored. Suspended connections do not time out in
+ * libmicrohttpd; the predictor enforces its own deadline on them.
+ */
+#define _GNU_SOURCE
+#include "server.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_REPLY_HEADERS 8
+
+struct md_http {
+    struct MHD_Daemon *daemon;
+    const md_cfg *cfg;
+    const md_route *routes;
+    size_t n_routes;
+    void *app;
+    int listen_fd;
+    int port;
+    FILE *access_log;       /* NULL when off */
+    int access_log_owned;
+    atomic_long in_flight;
+    atomic_int quiesced;
+    atomic_ulong next_id;
+    unsigned long id_seed;
+};
+
+typedef enum { REPLY_NONE, REPLY_BUFFER, REPLY_FD } reply_kind;
+
+struct md_req {
+    md_http *http;
+    struct MHD_Connection *conn;
+    char method[16];
+    char *path;               /* owned copy of the URL path */
+    char id[72];
+    struct timespec start;
+    md_route_match match;
+    md_body body;
+    size_t bytes_in;
+    int v2;                   /* Open Inference Protocol error shape */
+    int handled;              /* the handler has run */
+    int suspended;
+    int rejected;             /* an early error is queued; discard the rest */
+    md_err early_err;         /* error found while reading the body */
+    void *state;
+    void (*state_free)(void *);
+    /* the reply */
+    reply_kind reply;
+    int status;
+    char content_type[64];
+    char *data;
+    size_t len;
+    int fd;
+    int n_headers;
+    char *header_names[MAX_REPLY_HEADERS];
+    char *header_values[MAX_REPLY_HEADERS];
+    size_t bytes_out;
+};
+
+/* ---- request ids ---- */
+
+static int id_char_ok(char c) { return c > 0x20 && c < 0x7f && c != '"' && c != '\\'; }
+
+static void set_request_id(md_http *h, md_req *r, const char *client)
+{
+    if (client) {
+        size_t n = strlen(client);
+        int ok = n > 0 && n < sizeof r->id;
+        for (size_t i = 0; ok && i < n; i++)
+            ok = id_char_ok(client[i]);
+        if (ok) {
+            memcpy(r->id, client, n + 1);
+            return;
+        }
+    }
+    unsigned long seq = atomic_fetch_add(&h->next_id, 1);
+    snprintf(r->id, sizeof r->id, "%08lx%08lx", h->id_seed & 0xffffffffUL, seq & 0xffffffffUL);
+}
+
+/* ---- access log ---- */
+
+static void access_log_line(md_req *r)
+{
+    FILE *f = r->http->access_log;
+    if (!f)
+        return;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    double ms = (double)(now.tv_sec - r->start.tv_sec) * 1e3 +
+                (double)(now.tv_nsec - r->start.tv_nsec) / 1e6;
+    struct timespec wall;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    struct tm tm;
+    gmtime_r(&wall.tv_sec, &tm);
+    char ts[40];
+    size_t n = strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
+    snprintf(ts + n, sizeof ts - n, ".%03ldZ", wall.tv_nsec / 1000000L);
+    json_t *line = json_pack("{s:s,s:s,s:s,s:i,s:I,s:I,s:f,s:s}", "time", ts, "method", r->method,
+                             "path", r->path, "status", r->status, "bytes_in",
+                             (json_int_t)r->bytes_in, "bytes_out", (json_int_t)r->bytes_out,
+                             "duration_ms", ms, "request_id", r->id);
+    if (!line)
+        return;
+    char *text = json_dumps(line, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(6));
+    json_decref(line);
+    if (text) {
+        /* one write per line so concurrent requests never interleave */
+        size_t len = strlen(text);
+        text[len] = '\n';
+        fwrite(text, 1, len + 1, f);
+        fflush(f);
+        free(text);
+    }
+}
+
+/* ---- replies ---- */
+
+static void reply_reset_headers(md_req *r)
+{
+    for (int i = 0; i < r->n_headers; i++) {
+        free(r->header_names[i]);
+        free(r->header_values[i]);
+    }
+    r->n_headers = 0;
+}
+
+void md_reply_header(md_req *r, const char *name, const char *value)
+{
+    md_assert(r->n_headers < MAX_REPLY_HEADERS);
+    r->header_names[r->n_headers] = md_xstrdup(name);
+    r->header_values[r->n_headers] = md_xstrdup(value);
+    r->n_headers++;
+}
+
+void md_reply_bytes(md_req *r, int http_status, const char *content_type, char *data, size_t len)
+{
+    md_assert(r->reply == REPLY_NONE);
+    r->reply = REPLY_BUFFER;
+    r->status = http_status;
+    snprintf(r->content_type, sizeof r->content_type, "%s", content_type);
+    r->data = data;
+    r->len = len;
+}
+
+void md_reply_fd(md_req *r, int http_status, const char *content_type, int fd, size_t size)
+{
+    md_assert(r->reply == REPLY_NONE);
+    r->reply = REPLY_FD;
+    r->status = http_status;
+    snprintf(r->content_type, sizeof r->content_type, "%s", content_type);
+    r->fd = fd;
+    r->len = size;
+}
+
+void md_reply_json(md_req *r, int http_status, json_t *body)
+{
+    char *text = body ? json_dumps(body, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+    json_decref(body);
+    if (!text) {
+        /* only an allocation failure gets here */
+        text = md_xstrdup("{\"error\":{\"code\":\"internal_error\",\"message\":\"could not encode "
+                          "the response\"}}");
+        http_status = 500;
+    }
+    size_t len = strlen(text);
+    /* a trailing newline keeps curl output readable */
+    char *nl = realloc(text, len + 2);
+    if (nl) {
+        text = nl;
+        text[len++] = '\n';
+        text[len] = '\0';
+    }
+    md_reply_bytes(r, http_status, "application/json", text, len);
+}
+
+void md_reply_error(md_req *r, const md_err *err)
+{
+    if (err->status == MD_EBUSY && r->n_headers < MAX_REPLY_HEADERS)
+        md_reply_header(r, "Retry-After", "1");
+    md_reply_json(r, md_status_http(err->status), md_error_body(err, r->v2));
+}
+
+/* Build and queue the stored reply. */
+static enum MHD_Result queue_reply(md_req *r)
+{
+    struct MHD_Response *resp;
+    if (r->reply == REPLY_FD) {
+        resp = MHD_create_response_from_fd((uint64_t)r->len, r->fd);
+        r->fd = -1; /* the response owns it now */
+    } else {
+        resp = MHD_create_response_from_buffer(r->len, r->data, MHD_RESPMEM_MUST_FREE);
+        if (resp)
+            r->data = NULL;
+    }
+    if (!resp)
+        return MHD_NO;
+    r->bytes_out = r->len;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, r->content_type);
+    MHD_add_response_header(resp, "X-Request-Id", r->id);
+    for (int i = 0; i < r->n_headers; i++)
+        MHD_add_response_header(resp, r->header_names[i], r->header_values[i]);
+    if (atomic_load(&r->http->quiesced))
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
+    enum MHD_Result ret = MHD_queue_response(r->conn, (unsigned)r->status, resp);
+    MHD_destroy_response(resp);
+    return ret;
+}
+
+/* ---- request accessors ---- */
+
+void *md_req_app(md_req *r) { return r->http->app; }
+const char *md_req_method(md_req *r) { return r->method; }
+const char *md_req_path(md_req *r) { return r->path; }
+const char *md_req_id(md_req *r) { return r->id; }
+
+const char *md_req_param(md_req *r, const char *name)
+{
+    size_t n = strlen(name);
+    for (int i = 0; i < r->match.n_params; i++)
+        if (r->match.params[i].name_len == n && memcmp(r->match.params[i].name, name, n) == 0)
+            return r->match.params[i].value;
+    return NULL;
+}
+
+const char *md_req_query(md_req *r, const char *key)
+{
+    return MHD_lookup_connection_value(r->conn, MHD_GET_ARGUMENT_KIND, key);
+}
+
+const char *md_req_header(md_req *r, const char *name)
+{
+    return MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, name);
+}
+
+const char *md_req_body(md_req *r, size_t *len)
+{
+    if (len)
+        *len = r->body.len;
+    return r->body.len ? r->body.data : NULL;
+}
+
+void md_req_set_state(md_req *r, void *state, void (*free_fn)(void *))
+{
+    r->state = state;
+    r->state_free = free_fn;
+}
+
+void *md_req_state(md_req *r) { return r->state; }
+
+void md_req_suspend(md_req *r)
+{
+    r->suspended = 1;
+    MHD_suspend_connection(r->conn);
+}
+
+void md_req_resume(md_req *r) { MHD_resume_connection(r->conn); }
+
+/* ---- libmicrohttpd callbacks ---- */
+
+static void req_free(md_req *r)
+{
+    if (r->state_free)
+        r->state_free(r->state);
+    md_body_free(&r->body);
+    reply_reset_headers(r);
+    free(r->data);
+    if (r->fd >= 0)
+        close(r->fd);
+    free(r->path);
+    free(r);
+}
+
+static enum MHD_Result reply_now_error(md_req *r, const md_err *err)
+{
+    md_reply_error(r, err);
+    r->rejected = 1;
+    return queue_reply(r);
+}
+
+static md_req *req_new(md_http *h, struct MHD_Connection *conn, const char *url, const char *method)
+{
+    md_req *r = md_xcalloc(1, sizeof *r);
+    r->http = h;
+    r->conn = conn;
+    r->fd = -1;
+    snprintf(r->method, sizeof r->method, "%s", method);
+    r->path = md_xstrdup(url);
+    clock_gettime(CLOCK_MONOTONIC, &r->start);
+    set_request_id(h, r, MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "X-Request-Id"));
+    r->body.limit = (size_t)h->cfg->max_body_bytes;
+    r->v2 = strncmp(url, "/v2/", 4) == 0 || strcmp(url, "/v2") == 0;
+    atomic_fetch_add(&h->in_flight, 1);
+    return r;
+}
+
+static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const char *url,
+                                 const char *method, const char *version, const char *upload_data,
+                                 size_t *upload_data_size, void **req_cls)
+{
+    (void)version;
+    md_http *h = cls;
+    md_req *r = *req_cls;
+    md_err err;
+    md_err_clear(&err);
+
+    if (!r) {
+        r = req_new(h, conn, url, method);
+        *req_cls = r;
+        MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT,
+                                  (unsigned)h->cfg->connection_timeout_s);
+        char allow[128];
+        md_status st = md_route_find(h->routes, h->n_routes, method, url, &r->match, allow,
+                                     sizeof allow);
+        if (st == MD_ENOTFOUND) {
+            md_err_setc(&err, MD_ENOTFOUND, "route_not_found",
+                        "no route for %s %s; see GET /openapi.yaml for the API", method, url);
+            return reply_now_error(r, &err);
+        }
+        if (st == MD_EMETHOD) {
+            md_reply_header(r, MHD_HTTP_HEADER_ALLOW, allow);
+            md_err_setc(&err, MD_EMETHOD, "method_not_allowed",
+                        "%s is not allowed on %s; allowed: %s", method, url, allow);
+            return reply_now_error(r, &err);
+        }
+        const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
+                                                     MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl && !r->match.route->on_body) {
+            char *end;
+            errno = 0;
+            unsigned long long n = strtoull(cl, &end, 10);
+            if (errno == 0 && end != cl && n > (unsigned long long)h->cfg->max_body_bytes) {
+                md_err_setc(&err, MD_ETOOBIG, "body_too_large",
+                            "request body of %llu bytes is larger than the limit of %lld bytes; "
+                            "send less or raise max_body_bytes",
+                            n, h->cfg->max_body_bytes);
+                return reply_now_error(r, &err);
+            }
+        }
+        return MHD_YES;
+    }
+
+    if (*upload_data_size) {
+        size_t n = *upload_data_size;
+        *upload_data_size = 0;
+        r->bytes_in += n;
+        if (r->rejected)
+            return MHD_YES; /* discard: the error is already queued */
+        md_status st = r->match.route->on_body
+                           ? r->match.route->on_body(r, upload_data, n, &err)
+                           : md_body_append(&r->body, upload_data, n, &err);
+        if (st != MD_OK)
+            return reply_now_error(r, &err);
+        return MHD_YES;
+    }
+
+    if (r->rejected)
+        return MHD_YES;
+    if (!r->handled) {
+        r->handled = 1;
+        r->match.route->handler(r);
+        if (r->suspended && r->reply == REPLY_NONE)
+            return MHD_YES; /* another thread replies and resumes */
+    }
+    if (r->reply == REPLY_NONE) {
+        /* resumed without a reply: a handler bug, answered rather than hung */
+        md_err_set(&err, MD_EINTERNAL, "the handler for %s %s produced no response", r->method,
+                   r->path);
+        md_reply_error(r, &err);
+    }
+    r->suspended = 0;
+    return queue_reply(r);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
+                         enum MHD_RequestTerminationCode toe)
+{
+    md_http *h = cls;
+    md_req *r = *req_cls;
+    if (!r)
+        return;
+    *req_cls = NULL;
+    if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK && r->status == 0)
+        r->status = 499; /* the client went away before a reply (nginx's convention) */
+    access_log_line(r);
+    MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT,
+                              (unsigned)h->cfg->keepalive_timeout_s);
+    req_free(r);
+    atomic_fetch_sub(&h->in_flight, 1);
+}
+
+static void on_mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    (void)cls;
+    char msg[512];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t n = strlen(msg);
+    while (n && (msg[n - 1] == '\n' || msg[n - 1] == '\r'))
+        msg[--n] = '\0';
+    md_log(MD_LOG_DEBUG, "libmicrohttpd: %s", msg);
+}
+
+/* ---- lifecycle ---- */
+
+static int bind_listener(const md_cfg *cfg, md_err *err)
+{
+    char port[16];
+    snprintf(port, sizeof port, "%d", cfg->port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    int rc = getaddrinfo(cfg->host, port, &hints, &res);
+    if (rc != 0) {
+        md_err_set(err, MD_EIO, "cannot listen on %s:%d: %s; check the host setting", cfg->host,
+                   cfg->port, gai_strerror(rc));
+        return -1;
+    }
+    int fd = -1, saved = 0;
+    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) {
+            saved = errno;
+            continue;
+        }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 1024) == 0)
+            break;
+        saved = errno;
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    if (fd < 0)
+        md_err_set(err, MD_EIO, "cannot listen on %s:%d: %s", cfg->host, cfg->port,
+                   strerror(saved));
+    return fd;
+}
+
+md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_routes, void *app,
+                        md_http **out, md_err *err)
+{
+    *out = NULL;
+    int fd = bind_listener(cfg, err);
+    if (fd < 0)
+        return MD_EIO;
+    md_http *h = md_xcalloc(1, sizeof *h);
+    h->cfg = cfg;
+    h->routes = routes;
+    h->n_routes = n_routes;
+    h->app = app;
+    h->listen_fd = fd;
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    if (getsockname(fd, (struct sockaddr *)&ss, &sl) == 0)
+        h->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                                 : ((struct sockaddr_in *)&ss)->sin_port);
+    if (getrandom(&h->id_seed, sizeof h->id_seed, 0) != (ssize_t)sizeof h->id_seed)
+        h->id_seed = (unsigned long)time(NULL) ^ (unsigned long)getpid();
+
+    if (strcmp(cfg->access_log, "off") == 0) {
+        h->access_log = NULL;
+    } else if (strcmp(cfg->access_log, "stderr") == 0) {
+        h->access_log = stderr;
+    } else {
+        h->access_log = fopen(cfg->access_log, "a");
+        if (!h->access_log) {
+            md_err_set(err, MD_EIO, "access_log %s: cannot open for appending: %s",
+                       cfg->access_log, strerror(errno));
+            close(fd);
+            free(h);
+            return MD_EIO;
+        }
+        h->access_log_owned = 1;
+    }
+
+    unsigned threads = (unsigned)(cfg->threads > 0 ? cfg->threads : md_cfg_cores());
+    h->daemon = MHD_start_daemon(
+        MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
+            MHD_USE_ERROR_LOG,
+        0, NULL, NULL, on_access, h, MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_THREAD_POOL_SIZE,
+        threads, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)cfg->keepalive_timeout_s,
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log,
+        NULL, MHD_OPTION_CONNECTION_LIMIT, 10000u, MHD_OPTION_END);
+    if (!h->daemon) {
+        md_err_set(err, MD_EIO, "cannot start the HTTP server on %s:%d", cfg->host, cfg->port);
+        if (h->access_log_owned)
+            fclose(h->access_log);
+        close(fd);
+        free(h);
+        return MD_EIO;
+    }
+    h->listen_fd = -1; /* libmicrohttpd owns the listener now */
+    *out = h;
+    return MD_OK;
+}
+
+void md_http_quiesce(md_http *h)
+{
+    if (!h || atomic_exchange(&h->quiesced, 1))
+        return;
+    MHD_socket fd = MHD_quiesce_daemon(h->daemon);
+    if (fd != MHD_INVALID_SOCKET)
+        close(fd);
+}
+
+long md_http_in_flight(const md_http *h) { return atomic_load(&h->in_flight); }
+
+int md_http_port(const md_http *h) { return h->port; }
+
+void md_http_stop(md_http *h)
+{
+    if (!h)
+        return;
+    MHD_stop_daemon(h->daemon);
+    if (h->listen_fd >= 0)
+        close(h->listen_fd);
+    if (h->access_log_owned)
+        fclose(h->access_log);
+    free(h);
+}

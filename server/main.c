@@ -1,0 +1,141 @@
+/*
+ * main.c - flags, signals and the lifecycle of the modeld process.
+ *
+ * Start: load the configuration (exit 2 on a bad value), bind the port (exit 1
+ * if it cannot), then report ready. Stop: on the first SIGTERM or SIGINT,
+ * /readyz turns 503 at once so load balancers stop sending; after
+ * drain_seconds the listener closes; requests in flight finish; exit 0. A
+ * second signal exits at once. Signals are blocked in every thread and taken
+ * synchronously here with sigtimedwait, so no handler runs in signal context.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../config/config.h"
+#include "../handlers/handlers.h"
+#include "../predictor/torch_backend.h"
+#include "server.h"
+
+#define MODELD_VERSION "0.1.0"
+
+extern char **environ;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* Wait up to `seconds` for a signal in `set`; returns the signal or 0. */
+static int wait_signal(const sigset_t *set, double seconds)
+{
+    if (seconds < 0)
+        seconds = 0;
+    struct timespec ts = {.tv_sec = (time_t)seconds,
+                          .tv_nsec = (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    for (;;) {
+        int sig = sigtimedwait(set, NULL, &ts);
+        if (sig > 0)
+            return sig;
+        if (errno == EAGAIN)
+            return 0;
+        /* EINTR: retry with the same bound; the drain loop re-checks time */
+    }
+}
+
+int main(int argc, char **argv)
+{
+    md_cfg cfg;
+    md_cfg_action action;
+    md_err err;
+    md_err_clear(&err);
+    if (md_cfg_load(&cfg, argc, argv, environ, &action, &err) != MD_OK) {
+        fprintf(stderr, "modeld: %s\n", err.msg);
+        md_cfg_free(&cfg);
+        return 2;
+    }
+    if (action == MD_CFG_HELP) {
+        md_cfg_print_help(stdout);
+        md_cfg_free(&cfg);
+        return 0;
+    }
+    if (action == MD_CFG_VERSION) {
+        printf("modeld %s (libtorch %s%s)\n", MODELD_VERSION, md_torch_version(),
+               md_torch_built_with_cuda() ? ", CUDA" : "");
+        md_cfg_free(&cfg);
+        return 0;
+    }
+    if (action == MD_CFG_PRINT_CONFIG) {
+        char *json = md_cfg_to_json(&cfg);
+        printf("%s\n", json);
+        free(json);
+        md_cfg_free(&cfg);
+        return 0;
+    }
+    md_log_set_level(cfg.log_level);
+
+    /* Block the stop signals before any thread starts, so every thread
+     * inherits the mask and only sigtimedwait below receives them. */
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGTERM);
+    sigaddset(&stop_signals, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    static md_app app;
+    app.cfg = &cfg;
+    snprintf(app.not_ready_reason, sizeof app.not_ready_reason, "the server is starting");
+    atomic_store(&app.ready, MD_STARTING);
+
+    md_http *http = NULL;
+    if (md_http_start(&cfg, md_routes, md_n_routes, &app, &http, &err) != MD_OK) {
+        fprintf(stderr, "modeld: %s\n", err.msg);
+        md_cfg_free(&cfg);
+        return 1;
+    }
+    app.not_ready_reason[0] = '\0';
+    atomic_store(&app.ready, MD_READY);
+    md_log(MD_LOG_INFO, "modeld %s listening on %s:%d (libtorch %s)", MODELD_VERSION, cfg.host,
+           md_http_port(http), md_torch_version());
+
+    int sig = wait_signal(&stop_signals, 1e9);
+    while (sig == 0)
+        sig = wait_signal(&stop_signals, 1e9);
+
+    snprintf(app.not_ready_reason, sizeof app.not_ready_reason,
+             "the server is shutting down (signal %d)", sig);
+    atomic_store(&app.ready, MD_DRAINING);
+    md_log(MD_LOG_INFO, "signal %d: not ready; closing the listener in %d s", sig,
+           cfg.drain_seconds);
+
+    /* Drain: keep serving for drain_seconds while load balancers notice. */
+    double until = now_s() + cfg.drain_seconds;
+    while (now_s() < until) {
+        if (wait_signal(&stop_signals, until - now_s()) > 0) {
+            md_log(MD_LOG_WARN, "second signal: exiting at once");
+            _exit(1);
+        }
+    }
+    md_http_quiesce(http);
+    md_log(MD_LOG_INFO, "listener closed; waiting for %ld request(s) in flight",
+           md_http_in_flight(http));
+    while (md_http_in_flight(http) > 0) {
+        if (wait_signal(&stop_signals, 0.02) > 0) {
+            md_log(MD_LOG_WARN, "second signal: exiting at once");
+            _exit(1);
+        }
+    }
+    md_http_stop(http);
+    md_log(MD_LOG_INFO, "stopped");
+    md_cfg_free(&cfg);
+    return 0;
+}

@@ -1,0 +1,156 @@
+/*
+ * router.c - the pure parts of the HTTP layer: path pattern matching,
+ * the bounded body accumulator and the JSON error body. No libmicrohttpd
+ * here, so each piece is unit-tested alone.
+ */
+#include "server.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* Percent-decode one path segment into out; 0 on success, -1 if malformed,
+ * too long or decoding to '/' or NUL (a parameter never spans segments). */
+static int decode_segment(const char *s, size_t n, char *out, size_t size)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (c == '%') {
+            if (i + 2 >= n)
+                return -1;
+            int hi = hexval(s[i + 1]), lo = hexval(s[i + 2]);
+            if (hi < 0 || lo < 0)
+                return -1;
+            c = (char)(hi * 16 + lo);
+            if (c == '\0' || c == '/')
+                return -1;
+            i += 2;
+        }
+        if (o + 1 >= size)
+            return -1;
+        out[o++] = c;
+    }
+    out[o] = '\0';
+    return 0;
+}
+
+/* Match `path` against `pattern`; fills params on success. */
+static int pattern_match(const char *pattern, const char *path, md_route_match *m)
+{
+    m->n_params = 0;
+    const char *p = pattern, *s = path;
+    while (*p && *s) {
+        if (*p != '/' || *s != '/')
+            return 0;
+        p++, s++;
+        const char *pend = strchr(p, '/');
+        const char *send = strchr(s, '/');
+        size_t plen = pend ? (size_t)(pend - p) : strlen(p);
+        size_t slen = send ? (size_t)(send - s) : strlen(s);
+        if (plen >= 2 && p[0] == '{' && p[plen - 1] == '}') {
+            if (slen == 0 || m->n_params >= MD_ROUTE_MAX_PARAMS)
+                return 0;
+            int k = m->n_params;
+            if (decode_segment(s, slen, m->params[k].value, sizeof m->params[k].value) != 0)
+                return 0;
+            m->params[k].name = p + 1;
+            m->params[k].name_len = plen - 2;
+            m->n_params++;
+        } else if (plen != slen || memcmp(p, s, plen) != 0) {
+            return 0;
+        }
+        p += plen;
+        s += slen;
+    }
+    return *p == '\0' && *s == '\0';
+}
+
+md_status md_route_find(const md_route *routes, size_t n_routes, const char *method,
+                        const char *path, md_route_match *match, char *allow, size_t allow_size)
+{
+    int path_matched = 0;
+    size_t used = 0;
+    if (allow_size)
+        allow[0] = '\0';
+    /* HEAD is answered by GET routes, as HTTP requires. */
+    const char *want = strcmp(method, "HEAD") == 0 ? "GET" : method;
+    for (size_t i = 0; i < n_routes; i++) {
+        md_route_match m;
+        if (!pattern_match(routes[i].pattern, path, &m))
+            continue;
+        if (strcmp(routes[i].method, want) == 0) {
+            *match = m;
+            match->route = &routes[i];
+            return MD_OK;
+        }
+        /* list each method once */
+        size_t mlen = strlen(routes[i].method);
+        const char *found = strstr(allow, routes[i].method);
+        int dup = found && (found[mlen] == '\0' || found[mlen] == ',');
+        if (!dup && used + mlen + 3 < allow_size) {
+            if (used) {
+                memcpy(allow + used, ", ", 2);
+                used += 2;
+            }
+            memcpy(allow + used, routes[i].method, mlen);
+            used += mlen;
+            allow[used] = '\0';
+        }
+        path_matched = 1;
+    }
+    return path_matched ? MD_EMETHOD : MD_ENOTFOUND;
+}
+
+md_status md_body_append(md_body *body, const char *data, size_t n, md_err *err)
+{
+    if (n > body->limit || body->len > body->limit - n)
+        return md_err_setc(err, MD_ETOOBIG, "body_too_large",
+                           "request body is larger than the limit of %zu bytes; send less or raise "
+                           "max_body_bytes",
+                           body->limit);
+    if (body->len + n + 1 > body->cap) {
+        size_t cap = body->cap ? body->cap : 4096;
+        while (cap < body->len + n + 1)
+            cap *= 2;
+        if (cap > body->limit + 1)
+            cap = body->limit + 1;
+        char *p = realloc(body->data, cap);
+        if (!p)
+            return md_err_set(err, MD_ENOMEM,
+                              "could not allocate %zu bytes for the request body; retry later", cap);
+        body->data = p;
+        body->cap = cap;
+    }
+    memcpy(body->data + body->len, data, n);
+    body->len += n;
+    body->data[body->len] = '\0';
+    return MD_OK;
+}
+
+void md_body_free(md_body *body)
+{
+    if (!body)
+        return;
+    free(body->data);
+    body->data = NULL;
+    body->len = body->cap = 0;
+}
+
+json_t *md_error_body(const md_err *err, int v2)
+{
+    const char *msg = err->msg[0] ? err->msg : md_status_code(err->status);
+    if (v2)
+        return json_pack("{s:s}", "error", msg);
+    return json_pack("{s:{s:s,s:s}}", "error", "code", md_err_code(err), "message", msg);
+}

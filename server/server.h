@@ -1,0 +1,159 @@
+/*
+ * server.h - the HTTP layer: libmicrohttpd glue, routing table, request bodies,
+ * replies, suspend/resume, request ids and the access log.
+ *
+ * A handler receives an md_req and either replies at once (md_reply_*) or
+ * suspends the connection (md_req_suspend) and hands the request to another
+ * thread, which replies and then calls md_req_resume. No server thread ever
+ * waits on inference. Every JSON error goes through md_reply_error, which
+ * maps the md_status to the HTTP status (md_status_http) and builds
+ * {"error": {"code", "message"}} (or the Open Inference Protocol's
+ * {"error": "message"} on /v2 routes).
+ */
+#ifndef MD_SERVER_H
+#define MD_SERVER_H
+
+#include <jansson.h>
+#include <stdatomic.h>
+#include <stddef.h>
+
+#include "../config/config.h"
+#include "../config/md_err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct md_req md_req;
+typedef struct md_http md_http;
+
+#define MD_ROUTE_MAX_PARAMS 4
+
+/* Called once the whole body is in (or at once for bodyless routes). */
+typedef void (*md_handler_fn)(md_req *req);
+
+/* Optional streaming body sink: receives each chunk instead of buffering it.
+ * Returns MD_OK to go on; any other status stops the upload and is answered
+ * with `err`. The handler then runs only if every chunk was accepted. */
+typedef md_status (*md_body_fn)(md_req *req, const char *data, size_t len, md_err *err);
+
+/* One row of the routing table. `pattern` is a path with {param} segments,
+ * e.g. "/models/{name}/versions/{version}". */
+typedef struct md_route {
+    const char *method;
+    const char *pattern;
+    md_handler_fn handler;
+    md_body_fn on_body; /* NULL: body buffered up to max_body_bytes */
+} md_route;
+
+/* ---- routing (pure functions, unit-tested) ---- */
+
+typedef struct md_route_match {
+    const md_route *route;
+    int n_params;
+    struct {
+        const char *name; /* borrowed from the pattern; not NUL-terminated at name_len */
+        size_t name_len;
+        char value[256];  /* percent-decoded segment */
+    } params[MD_ROUTE_MAX_PARAMS];
+} md_route_match;
+
+/*
+ * Find the route for `method` and `path` (no query string). Returns MD_OK and
+ * fills `match`; MD_ENOTFOUND when no pattern matches the path; MD_EMETHOD
+ * when patterns match with other methods, listing them in `allow` (e.g.
+ * "GET, DELETE"). Thread-safe (reads only).
+ */
+md_status md_route_find(const md_route *routes, size_t n_routes, const char *method,
+                        const char *path, md_route_match *match, char *allow, size_t allow_size);
+
+/* ---- request body accumulator (unit-tested) ---- */
+
+typedef struct md_body {
+    char *data;       /* owned; NUL-terminated for convenience */
+    size_t len;
+    size_t cap;
+    size_t limit;     /* most bytes accepted */
+} md_body;
+
+/* Append `n` bytes; MD_ETOOBIG (with a message naming the limit and the
+ * setting) once the total would pass `limit`, MD_ENOMEM if allocation fails.
+ * Nothing past the limit is ever buffered. */
+md_status md_body_append(md_body *body, const char *data, size_t n, md_err *err);
+void md_body_free(md_body *body);
+
+/* ---- error bodies (unit-tested) ---- */
+
+/* The JSON body for `err`: {"error": {"code", "message"}}, or for Open
+ * Inference Protocol routes (v2 != 0) {"error": "message"}. New reference. */
+json_t *md_error_body(const md_err *err, int v2);
+
+/* ---- the server ---- */
+
+/* Readiness, read by /readyz and set by main. */
+typedef enum md_ready_state { MD_STARTING = 0, MD_READY, MD_DRAINING } md_ready_state;
+
+/*
+ * Bind host:port from `cfg` and start serving `routes` (borrowed; must
+ * outlive the server) with libmicrohttpd's epoll thread pool. `app` is handed
+ * to handlers through md_req_app. On failure returns MD_EIO naming host and
+ * port. Not thread-safe.
+ */
+md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_routes, void *app,
+                        md_http **out, md_err *err);
+
+/* Stop accepting new connections (close the listener); connections already
+ * open are served, each response after this carries "Connection: close". */
+void md_http_quiesce(md_http *http);
+
+/* Requests begun and not yet completed. Thread-safe. */
+long md_http_in_flight(const md_http *http);
+
+/* The port actually bound (useful with port 0). */
+int md_http_port(const md_http *http);
+
+/* Stop every thread and close every connection. Accepts NULL. */
+void md_http_stop(md_http *http);
+
+/* ---- the request, for handlers ---- */
+
+void *md_req_app(md_req *req);
+const char *md_req_method(md_req *req);
+const char *md_req_path(md_req *req);
+const char *md_req_id(md_req *req);
+/* The route parameter `name` (decoded), or NULL. Borrowed, valid for the request. */
+const char *md_req_param(md_req *req, const char *name);
+/* The query argument `key`, or NULL. Borrowed. Call only from a handler thread. */
+const char *md_req_query(md_req *req, const char *key);
+/* The request header `name`, or NULL. Borrowed. Call only from a handler thread. */
+const char *md_req_header(md_req *req, const char *name);
+/* The buffered body (NUL-terminated) and its length; NULL when empty or streamed. */
+const char *md_req_body(md_req *req, size_t *len);
+/* Per-request state for streaming routes; `free_fn` runs when the request completes. */
+void md_req_set_state(md_req *req, void *state, void (*free_fn)(void *));
+void *md_req_state(md_req *req);
+
+/* ---- replies: exactly one per request ---- */
+
+/* Add a header to the reply being built (copied). */
+void md_reply_header(md_req *req, const char *name, const char *value);
+/* Reply with a JSON body; steals `body`. */
+void md_reply_json(md_req *req, int http_status, json_t *body);
+/* Reply with an error: status from md_status_http(err->status). */
+void md_reply_error(md_req *req, const md_err *err);
+/* Reply with bytes; takes ownership of malloc'd `data`. */
+void md_reply_bytes(md_req *req, int http_status, const char *content_type, char *data,
+                    size_t len);
+/* Reply with `size` bytes of open file `fd` from offset 0; takes ownership of fd. */
+void md_reply_fd(md_req *req, int http_status, const char *content_type, int fd, size_t size);
+
+/* Suspend the connection: the handler returns without replying; another
+ * thread later replies and calls md_req_resume. Call from the handler only. */
+void md_req_suspend(md_req *req);
+/* Resume a suspended request after its reply is set. Thread-safe. */
+void md_req_resume(md_req *req);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
