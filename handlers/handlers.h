@@ -9,6 +9,7 @@
 
 #include <stdatomic.h>
 
+#include "../checkpoint/checkpoint.h"
 #include "../config/config.h"
 #include "../server/server.h"
 
@@ -20,6 +21,7 @@ extern "C" {
  * `ready` is an md_ready_state, changed by main and read by /readyz. */
 typedef struct md_app {
     const md_cfg *cfg;
+    md_store *store;
     atomic_int ready;
     char not_ready_reason[160]; /* written before `ready` changes */
 } md_app;
@@ -35,6 +37,18 @@ const char *md_openapi_text(size_t *len);
 /* health.c */
 void md_handle_healthz(md_req *req);
 void md_handle_readyz(md_req *req);
+/* models.c */
+md_status md_upload_body(md_req *req, const char *data, size_t len, md_err *err);
+void md_handle_version_upload(md_req *req);
+void md_handle_models_register(md_req *req);
+void md_handle_models_list(md_req *req);
+void md_handle_model_get(md_req *req);
+void md_handle_model_patch(md_req *req);
+void md_handle_model_delete(md_req *req);
+void md_handle_versions_list(md_req *req);
+void md_handle_version_get(md_req *req);
+void md_handle_version_delete(md_req *req);
+void md_handle_version_checkpoint(md_req *req);
 /* openapi.c */
 void md_handle_openapi(md_req *req);
 

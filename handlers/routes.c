@@ -5,5 +5,15 @@ const md_route md_routes[] = {
     {"GET", "/healthz", md_handle_healthz, NULL},
     {"GET", "/readyz", md_handle_readyz, NULL},
     {"GET", "/openapi.yaml", md_handle_openapi, NULL},
+    {"GET", "/models", md_handle_models_list, NULL},
+    {"POST", "/models", md_handle_models_register, NULL},
+    {"GET", "/models/{name}", md_handle_model_get, NULL},
+    {"PATCH", "/models/{name}", md_handle_model_patch, NULL},
+    {"DELETE", "/models/{name}", md_handle_model_delete, NULL},
+    {"GET", "/models/{name}/versions", md_handle_versions_list, NULL},
+    {"POST", "/models/{name}/versions", md_handle_version_upload, md_upload_body},
+    {"GET", "/models/{name}/versions/{version}", md_handle_version_get, NULL},
+    {"DELETE", "/models/{name}/versions/{version}", md_handle_version_delete, NULL},
+    {"GET", "/models/{name}/versions/{version}/checkpoint", md_handle_version_checkpoint, NULL},
 };
 const size_t md_n_routes = sizeof md_routes / sizeof md_routes[0];

@@ -30,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -69,10 +70,16 @@ struct md_req {
     int v2;                   /* Open Inference Protocol error shape */
     int handled;              /* the handler has run */
     int suspended;
-    int rejected;             /* an early error is queued; discard the rest */
+    int rejected;             /* an error reply is set; discard the rest of the body */
+    int queued;               /* the reply was handed to libmicrohttpd */
+    size_t discarded;
     md_err early_err;         /* error found while reading the body */
     void *state;
     void (*state_free)(void *);
+    struct MHD_PostProcessor *form;
+    md_form_fn form_fn;
+    md_err *form_err;
+    void (*deferred)(md_req *);
     /* the reply */
     reply_kind reply;
     int status;
@@ -183,7 +190,7 @@ void md_reply_fd(md_req *r, int http_status, const char *content_type, int fd, s
 
 void md_reply_json(md_req *r, int http_status, json_t *body)
 {
-    char *text = body ? json_dumps(body, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+    char *text = body ? json_dumps(body, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(15)) : NULL;
     json_decref(body);
     if (!text) {
         /* only an allocation failure gets here */
@@ -230,6 +237,7 @@ static enum MHD_Result queue_reply(md_req *r)
         MHD_add_response_header(resp, r->header_names[i], r->header_values[i]);
     if (atomic_load(&r->http->quiesced))
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
+    r->queued = 1;
     enum MHD_Result ret = MHD_queue_response(r->conn, (unsigned)r->status, resp);
     MHD_destroy_response(resp);
     return ret;
@@ -284,10 +292,77 @@ void md_req_suspend(md_req *r)
 
 void md_req_resume(md_req *r) { MHD_resume_connection(r->conn); }
 
+static enum MHD_Result on_form_field(void *cls, enum MHD_ValueKind kind, const char *key,
+                                     const char *filename, const char *content_type,
+                                     const char *transfer_encoding, const char *data,
+                                     uint64_t off, size_t size)
+{
+    (void)kind, (void)content_type, (void)transfer_encoding, (void)off;
+    md_req *r = cls;
+    if (r->form_err->status != MD_OK)
+        return MHD_NO;
+    return r->form_fn(r, key, filename, data, size, r->form_err) == MD_OK ? MHD_YES : MHD_NO;
+}
+
+md_status md_req_form_feed(md_req *r, md_form_fn field_fn, const char *data, size_t len,
+                           md_err *err)
+{
+    if (!r->form) {
+        const char *ct = md_req_header(r, MHD_HTTP_HEADER_CONTENT_TYPE);
+        if (!ct || strncasecmp(ct, "multipart/form-data", 19) != 0)
+            return md_err_set(err, MD_EMEDIA, "expected a multipart/form-data body");
+        r->form = MHD_create_post_processor(r->conn, 64 * 1024, on_form_field, r);
+        if (!r->form)
+            return md_err_set(err, MD_EINVAL,
+                              "the multipart/form-data body has no boundary; let curl -F build it");
+    }
+    r->form_fn = field_fn;
+    r->form_err = err;
+    md_err_clear(err);
+    if (MHD_post_process(r->form, data, len) != MHD_YES && err->status == MD_OK)
+        md_err_set(err, MD_EINVAL, "the multipart/form-data body is malformed");
+    r->form_err = NULL;
+    return err->status;
+}
+
+static void *defer_main(void *arg)
+{
+    md_req *r = arg;
+    r->deferred(r);
+    if (r->reply == REPLY_NONE) {
+        md_err err;
+        md_err_set(&err, MD_EINTERNAL, "the handler for %s %s produced no response", r->method,
+                   r->path);
+        md_reply_error(r, &err);
+    }
+    md_req_resume(r);
+    return NULL;
+}
+
+void md_req_defer(md_req *r, void (*fn)(md_req *req))
+{
+    r->deferred = fn;
+    md_req_suspend(r);
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, defer_main, r) != 0) {
+        md_err err;
+        md_err_set(&err, MD_EBUSY, "cannot start a thread for %s %s; retry later", r->method,
+                   r->path);
+        md_reply_error(r, &err);
+        md_req_resume(r);
+    }
+    pthread_attr_destroy(&attr);
+}
+
 /* ---- libmicrohttpd callbacks ---- */
 
 static void req_free(md_req *r)
 {
+    if (r->form)
+        MHD_destroy_post_processor(r->form);
     if (r->state_free)
         r->state_free(r->state);
     md_body_free(&r->body);
@@ -365,6 +440,9 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
                 return reply_now_error(r, &err);
             }
         }
+        /* streaming routes check their headers now, before any byte is read */
+        if (r->match.route->on_body && r->match.route->on_body(r, NULL, 0, &err) != MD_OK)
+            return reply_now_error(r, &err);
         return MHD_YES;
     }
 
@@ -372,23 +450,30 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         size_t n = *upload_data_size;
         *upload_data_size = 0;
         r->bytes_in += n;
-        if (r->rejected)
-            return MHD_YES; /* discard: the error is already queued */
+        if (r->rejected) {
+            /* libmicrohttpd can only answer once the body is in: discard it,
+             * but drop a client that sends more than another full limit */
+            r->discarded += n;
+            return r->discarded > (size_t)h->cfg->max_body_bytes ? MHD_NO : MHD_YES;
+        }
         md_status st = r->match.route->on_body
                            ? r->match.route->on_body(r, upload_data, n, &err)
                            : md_body_append(&r->body, upload_data, n, &err);
-        if (st != MD_OK)
-            return reply_now_error(r, &err);
+        if (st != MD_OK) {
+            /* answered when the body ends (libmicrohttpd cannot reply mid-upload) */
+            md_reply_error(r, &err);
+            r->rejected = 1;
+        }
         return MHD_YES;
     }
 
     if (r->rejected)
-        return MHD_YES;
+        return r->reply != REPLY_NONE && !r->queued ? queue_reply(r) : MHD_YES;
     if (!r->handled) {
         r->handled = 1;
         r->match.route->handler(r);
-        if (r->suspended && r->reply == REPLY_NONE)
-            return MHD_YES; /* another thread replies and resumes */
+        if (r->suspended)
+            return MHD_YES; /* another thread replies and resumes; do not touch the reply */
     }
     if (r->reply == REPLY_NONE) {
         /* resumed without a reply: a handler bug, answered rather than hung */

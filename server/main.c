@@ -96,9 +96,18 @@ int main(int argc, char **argv)
     snprintf(app.not_ready_reason, sizeof app.not_ready_reason, "the server is starting");
     atomic_store(&app.ready, MD_STARTING);
 
+    /* Open the store before binding: a replica that cannot read its store
+     * must not take traffic. */
+    if (md_store_open(cfg.store, &app.store, &err) != MD_OK) {
+        fprintf(stderr, "modeld: %s\n", err.msg);
+        md_cfg_free(&cfg);
+        return 1;
+    }
+
     md_http *http = NULL;
     if (md_http_start(&cfg, md_routes, md_n_routes, &app, &http, &err) != MD_OK) {
         fprintf(stderr, "modeld: %s\n", err.msg);
+        md_store_close(app.store);
         md_cfg_free(&cfg);
         return 1;
     }
@@ -135,6 +144,7 @@ int main(int argc, char **argv)
         }
     }
     md_http_stop(http);
+    md_store_close(app.store);
     md_log(MD_LOG_INFO, "stopped");
     md_cfg_free(&cfg);
     return 0;

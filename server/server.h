@@ -33,8 +33,11 @@ typedef struct md_http md_http;
 typedef void (*md_handler_fn)(md_req *req);
 
 /* Optional streaming body sink: receives each chunk instead of buffering it.
- * Returns MD_OK to go on; any other status stops the upload and is answered
- * with `err`. The handler then runs only if every chunk was accepted. */
+ * It is first called with data == NULL once the headers are in, so it can
+ * refuse the request before any byte is read (answered at once). Returns
+ * MD_OK to go on; any other status stops the upload: the rest of the body is
+ * discarded and `err` is answered when it ends (libmicrohttpd cannot reply
+ * mid-upload). The handler runs only if every chunk was accepted. */
 typedef md_status (*md_body_fn)(md_req *req, const char *data, size_t len, md_err *err);
 
 /* One row of the routing table. `pattern` is a path with {param} segments,
@@ -146,6 +149,20 @@ void md_reply_bytes(md_req *req, int http_status, const char *content_type, char
                     size_t len);
 /* Reply with `size` bytes of open file `fd` from offset 0; takes ownership of fd. */
 void md_reply_fd(md_req *req, int http_status, const char *content_type, int fd, size_t size);
+
+/* Multipart form bodies, for streaming routes: feed each chunk given to the
+ * route's md_body_fn; `field_fn` receives every piece of every field in
+ * order (`filename` non-NULL for file fields). MD_EMEDIA when the request is
+ * not multipart/form-data. The parser is freed with the request. */
+typedef md_status (*md_form_fn)(md_req *req, const char *field, const char *filename,
+                                const char *data, size_t len, md_err *err);
+md_status md_req_form_feed(md_req *req, md_form_fn field_fn, const char *data, size_t len,
+                           md_err *err);
+
+/* Run `fn(req)` on a background thread with the connection suspended; `fn`
+ * must reply; the connection is resumed when it returns. For work that may
+ * block (downloads, fsync, loading a model). Call from the handler only. */
+void md_req_defer(md_req *req, void (*fn)(md_req *req));
 
 /* Suspend the connection: the handler returns without replying; another
  * thread later replies and calls md_req_resume. Call from the handler only. */

@@ -1,0 +1,155 @@
+/*
+ * checkpoint.h - the checkpoint store: a directory holding index.sqlite and
+ * content-addressed checkpoint files (blobs/<sha256>).
+ *
+ * Files arrive through an md_blob_writer, which streams into tmp/ while
+ * hashing, then fsyncs and renames to blobs/<sha256>: a final name only ever
+ * holds complete bytes, and identical bytes are stored once. Rows are added
+ * after their blob is in place, in one transaction, so a committed row always
+ * has its file. A blob is unlinked only when no row references it. At open,
+ * stale temp files and blobs no row references are swept, and rows whose blob
+ * is missing are marked failed.
+ *
+ * Thread safety: every md_store_* function is safe to call from any thread
+ * (one mutex serialises use of the SQLite connection). An md_blob_writer is
+ * used by one thread at a time.
+ *
+ * JSON results are new references the caller decrefs.
+ */
+#ifndef MD_CHECKPOINT_H
+#define MD_CHECKPOINT_H
+
+#include <jansson.h>
+#include <stddef.h>
+
+#include "../config/config.h"
+#include "../config/md_err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct md_store md_store;
+typedef struct md_blob_writer md_blob_writer;
+
+#define MD_SHA256_HEX 65 /* 64 hex digits and a NUL */
+
+/* Open (creating if needed) the store in `dir`: migrate the schema forward,
+ * sweep temp files, check every blob. */
+md_status md_store_open(const char *dir, md_store **out, md_err *err);
+/* Close the store. Accepts NULL. */
+void md_store_close(md_store *store);
+
+/* The current index generation: bumped by every change, so replicas sharing
+ * the store can notice changes made by another process. */
+long long md_store_generation(md_store *store);
+
+/* ---- blobs ---- */
+
+/* Start a new upload into the store's tmp/ directory; at most `max_bytes`. */
+md_status md_blob_begin(md_store *store, long long max_bytes, md_blob_writer **out, md_err *err);
+/* Append bytes (hashing as they go). MD_ETOOBIG past the limit. */
+md_status md_blob_write(md_blob_writer *w, const void *data, size_t len, md_err *err);
+/* Bytes written so far. */
+long long md_blob_size(const md_blob_writer *w);
+/* Finish writing: check it is non-empty, a TorchScript archive, and (when
+ * `expect_sha256` is non-NULL and non-empty) has that hash; fsync. Fills
+ * `sha256` and `size`. On failure the writer and its temp file are gone; on
+ * success the writer must be handed to md_store_add_version (which renames
+ * the file to blobs/<sha256>) or dropped with md_blob_abort. */
+md_status md_blob_finish(md_blob_writer *w, const char *expect_sha256, char sha256[MD_SHA256_HEX],
+                         long long *size, md_err *err);
+/* Drop an unfinished upload and its temp file. Accepts NULL. */
+void md_blob_abort(md_blob_writer *w);
+
+/* Check that `path` holds a TorchScript archive (a zip whose entries sit
+ * under one top-level folder with data.pkl). Exposed for tests. */
+md_status md_archive_check(const char *path, md_err *err);
+
+/* ---- downloads (download.c) ---- */
+
+typedef struct md_fetch_opts {
+    long long max_bytes;
+    int connect_timeout_s;
+    int timeout_s;
+    int max_redirects;
+    const md_strlist *allowed_paths; /* file:// only under these */
+    const md_strlist *allowed_urls;  /* when non-empty, http(s) URLs must start with one */
+} md_fetch_opts;
+
+/* Check a source URL against the scheme and the allow lists without fetching:
+ * MD_EINVAL for a malformed, unsupported or forbidden URL, naming the setting
+ * that would allow it. */
+md_status md_source_check(const char *url, const md_fetch_opts *opts, md_err *err);
+
+/* Download `url` (http, https or file) into a new blob writer with libcurl:
+ * connect and total timeouts, size limit, bounded redirects (to http/https
+ * only). On success `*out` is an unfinished writer for md_blob_finish. */
+md_status md_fetch_blob(md_store *store, const char *url, const md_fetch_opts *opts,
+                        md_blob_writer **out, md_err *err);
+
+/* ---- models and versions ---- */
+
+/* Whether `name` is a valid model name: [A-Za-z0-9._-]{1,64}. */
+int md_model_name_ok(const char *name);
+
+typedef struct md_version_spec {
+    const char *model;
+    int version;             /* 0: next number */
+    const char *sha256;      /* a blob already in the store */
+    long long size;
+    const char *source;      /* "upload" or the URL */
+    json_t *config;          /* borrowed; NULL = {} */
+    json_t *metadata;        /* borrowed; NULL = {} */
+    json_t *metrics;         /* borrowed; NULL = {} */
+    int make_default;
+    const char *state;       /* "stored" (default) or "ready" */
+} md_version_spec;
+
+/* Move the finished upload `blob` (takes ownership, even on failure; NULL
+ * when spec->sha256 names a blob already stored) to blobs/<sha256>, then add
+ * the version row (creating the model row if needed) in one transaction and
+ * apply the model's retention policy. MD_ECONFLICT when the number is taken.
+ * Returns the new version's JSON in `*out` (out may be NULL). */
+md_status md_store_add_version(md_store *store, const md_version_spec *spec, md_blob_writer *blob,
+                               json_t **out, md_err *err);
+
+/* GET /models: models ordered by name after `after` (NULL = from the start),
+ * at most `limit`. `*out` = {"models": [...], "next": name|null}. */
+md_status md_store_list_models(md_store *store, const char *after, int limit, json_t **out,
+                               md_err *err);
+/* One model with its versions. MD_ENOTFOUND naming the model. */
+md_status md_store_get_model(md_store *store, const char *name, json_t **out, md_err *err);
+/* One version. */
+md_status md_store_get_version(md_store *store, const char *name, int version, json_t **out,
+                               md_err *err);
+/* Versions ordered by "version", "created_at" or "metrics.KEY"; asc != 0 ascending. */
+md_status md_store_list_versions(md_store *store, const char *name, const char *order_by, int asc,
+                                 json_t **out, md_err *err);
+/* Move the default version. */
+md_status md_store_set_default(md_store *store, const char *name, int version, md_err *err);
+/* Set the model's retention policy: {"keep_last": N?, "keep_best": N?, "metric": "metrics.K"?,
+ * "order": "asc"|"desc"?} or null to clear; applied at once. */
+md_status md_store_set_retention(md_store *store, const char *name, json_t *retention,
+                                 md_err *err);
+/* Validate a retention policy object without storing it. */
+md_status md_retention_check(json_t *retention, md_err *err);
+/* Delete a version; MD_ECONFLICT if it is the default while others exist,
+ * unless `force` (then the newest other version becomes default). */
+md_status md_store_delete_version(md_store *store, const char *name, int version, int force,
+                                  md_err *err);
+/* Delete a model and all its versions. */
+md_status md_store_delete_model(md_store *store, const char *name, md_err *err);
+/* Record a version's state ("stored", "loading", "ready", "failed") and reason. */
+md_status md_store_set_state(md_store *store, const char *name, int version, const char *state,
+                             const char *reason, md_err *err);
+/* The path of a version's checkpoint file and its sha256. */
+md_status md_store_blob_path(md_store *store, const char *name, int version, char *path,
+                             size_t path_size, char sha256[MD_SHA256_HEX], md_err *err);
+/* Every model's default version: [{"model", "version", "config", "path"}]. */
+md_status md_store_defaults(md_store *store, json_t **out, md_err *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,1329 @@
+/*
+ * store.c - the checkpoint store: SQLite index, content-addressed blobs,
+ * crash-safe uploads, retention.
+ *
+ * DESIGN
+ * Crash safety comes from ordering, not from cleanup code:
+ *   1. bytes stream into tmp/upload-<pid>-XXXXXX while SHA-256 is computed;
+ *   2. the temp file is checked (non-empty, TorchScript archive, hash) and fsynced;
+ *   3. under the store mutex it is renamed to blobs/<sha256> (or dropped when
+ *      those bytes are already stored) and the blobs directory is fsynced;
+ *   4. the version row is inserted in one transaction (synchronous=FULL);
+ *      only then is the deploy acknowledged.
+ * A crash before 3 leaves a temp file, swept at the next open (only files of
+ * processes that are gone, so replicas sharing the store keep theirs). A
+ * crash between 3 and 4 leaves a blob no row references, swept at open once
+ * it is older than ORPHAN_GRACE_S. Nothing ever leaves a row without its
+ * file or a partial file under a final name. Blobs are unlinked, under the
+ * same mutex, only when the last row referencing them is deleted.
+ */
+#define _GNU_SOURCE
+#include "checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sqlite3.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define ORPHAN_GRACE_S 600
+
+struct md_store {
+    char *dir;
+    sqlite3 *db;
+    pthread_mutex_t mu;
+};
+
+struct md_blob_writer {
+    md_store *store;
+    int fd;
+    char tmp_path[4096];
+    long long size;
+    long long max_bytes;
+    EVP_MD_CTX *sha;
+    int finished;
+    char sha256[MD_SHA256_HEX];
+};
+
+/* ---- schema ---- */
+
+/* Forward-only migrations: entry i moves user_version i to i+1. */
+static const char *const migrations[] = {
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+    "INSERT INTO meta VALUES ('generation', '0');"
+    "CREATE TABLE models ("
+    "  name TEXT PRIMARY KEY,"
+    "  default_version INTEGER,"
+    "  settings TEXT NOT NULL DEFAULT '{}',"
+    "  created_at TEXT NOT NULL,"
+    "  updated_at TEXT NOT NULL);"
+    "CREATE TABLE versions ("
+    "  model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,"
+    "  version INTEGER NOT NULL CHECK (version > 0),"
+    "  sha256 TEXT NOT NULL,"
+    "  size INTEGER NOT NULL,"
+    "  format TEXT NOT NULL DEFAULT 'torchscript',"
+    "  source TEXT NOT NULL,"
+    "  config TEXT NOT NULL DEFAULT '{}',"
+    "  metadata TEXT NOT NULL DEFAULT '{}',"
+    "  metrics TEXT NOT NULL DEFAULT '{}',"
+    "  state TEXT NOT NULL CHECK (state IN ('stored','loading','ready','failed')),"
+    "  state_reason TEXT,"
+    "  created_at TEXT NOT NULL,"
+    "  PRIMARY KEY (model, version));"
+    "CREATE INDEX versions_sha256 ON versions(sha256);",
+};
+#define SCHEMA_VERSION ((int)(sizeof migrations / sizeof migrations[0]))
+
+static void now_iso(char out[32])
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    size_t n = strftime(out, 32, "%Y-%m-%dT%H:%M:%S", &tm);
+    snprintf(out + n, 32 - n, ".%03ldZ", ts.tv_nsec / 1000000L);
+}
+
+static md_status db_fail(md_store *s, md_err *err, const char *what)
+{
+    return md_err_set(err, MD_EIO, "store index %s/index.sqlite: %s: %s", s->dir, what,
+                      sqlite3_errmsg(s->db));
+}
+
+static md_status exec(md_store *s, const char *sql, md_err *err)
+{
+    char *msg = NULL;
+    if (sqlite3_exec(s->db, sql, NULL, NULL, &msg) != SQLITE_OK) {
+        md_err_set(err, MD_EIO, "store index %s/index.sqlite: %s", s->dir, msg ? msg : "error");
+        sqlite3_free(msg);
+        return MD_EIO;
+    }
+    return MD_OK;
+}
+
+static sqlite3_stmt *prep(md_store *s, const char *sql, md_err *err)
+{
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_prepare_v2(s->db, sql, -1, &st, NULL) != SQLITE_OK) {
+        db_fail(s, err, "prepare");
+        return NULL;
+    }
+    return st;
+}
+
+static md_status bump_generation(md_store *s, md_err *err)
+{
+    return exec(s, "UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'generation'",
+                err);
+}
+
+static md_status migrate(md_store *s, md_err *err)
+{
+    sqlite3_stmt *st = prep(s, "PRAGMA user_version", err);
+    if (!st)
+        return MD_EIO;
+    int have = sqlite3_step(st) == SQLITE_ROW ? sqlite3_column_int(st, 0) : 0;
+    sqlite3_finalize(st);
+    if (have > SCHEMA_VERSION)
+        return md_err_set(err, MD_EIO,
+                          "store %s has schema version %d, newer than this modeld's %d; run a "
+                          "newer modeld or use another store directory",
+                          s->dir, have, SCHEMA_VERSION);
+    for (int v = have; v < SCHEMA_VERSION; v++) {
+        char bump[64];
+        snprintf(bump, sizeof bump, "PRAGMA user_version = %d", v + 1);
+        if (exec(s, "BEGIN IMMEDIATE", err) != MD_OK)
+            return MD_EIO;
+        if (exec(s, migrations[v], err) != MD_OK || exec(s, bump, err) != MD_OK) {
+            exec(s, "ROLLBACK", NULL);
+            return MD_EIO;
+        }
+        if (exec(s, "COMMIT", err) != MD_OK)
+            return MD_EIO;
+        md_log(MD_LOG_INFO, "store %s: schema migrated to version %d", s->dir, v + 1);
+    }
+    return MD_OK;
+}
+
+static void blob_path(const md_store *s, const char *sha, char *out, size_t size)
+{
+    snprintf(out, size, "%s/blobs/%s", s->dir, sha);
+}
+
+static int fsync_dir(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    int rc = fsync(fd);
+    close(fd);
+    return rc;
+}
+
+/* Temp files of processes that are gone: tmp/upload-<pid>-XXXXXX. */
+static void sweep_tmp(md_store *s)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tmp", s->dir);
+    DIR *d = opendir(path);
+    if (!d)
+        return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        long pid = 0;
+        int owned = sscanf(e->d_name, "upload-%ld-", &pid) == 1 && pid > 0;
+        if (owned && pid != (long)getpid() && (kill((pid_t)pid, 0) == 0 || errno == EPERM))
+            continue; /* a live replica is still writing it */
+        char full[4352];
+        snprintf(full, sizeof full, "%s/%s", path, e->d_name);
+        if (unlink(full) == 0)
+            md_log(MD_LOG_INFO, "store: removed stale temp file %s", full);
+    }
+    closedir(d);
+}
+
+static int sha_referenced(md_store *s, const char *sha)
+{
+    sqlite3_stmt *st = prep(s, "SELECT 1 FROM versions WHERE sha256 = ? LIMIT 1", NULL);
+    if (!st)
+        return 1; /* when unsure, keep the file */
+    sqlite3_bind_text(st, 1, sha, -1, SQLITE_STATIC);
+    int rc = sqlite3_step(st);
+    sqlite3_finalize(st);
+    return rc != SQLITE_DONE;
+}
+
+/* Blobs no row references (a crash between rename and commit). */
+static void sweep_orphans(md_store *s)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/blobs", s->dir);
+    DIR *d = opendir(path);
+    if (!d)
+        return;
+    struct dirent *e;
+    time_t now = time(NULL);
+    while ((e = readdir(d))) {
+        if (strlen(e->d_name) != 64)
+            continue;
+        char full[4352];
+        snprintf(full, sizeof full, "%s/%s", path, e->d_name);
+        struct stat sb;
+        if (stat(full, &sb) != 0 || now - sb.st_mtime < ORPHAN_GRACE_S)
+            continue;
+        if (!sha_referenced(s, e->d_name) && unlink(full) == 0)
+            md_log(MD_LOG_INFO, "store: removed unreferenced blob %s", full);
+    }
+    closedir(d);
+}
+
+/* Rows whose blob is missing are marked failed with the reason. */
+static md_status check_blobs(md_store *s, md_err *err)
+{
+    sqlite3_stmt *st = prep(s, "SELECT model, version, sha256 FROM versions WHERE state != "
+                               "'failed' OR state_reason NOT LIKE 'checkpoint file %'", err);
+    if (!st)
+        return MD_EIO;
+    sqlite3_stmt *up = prep(s, "UPDATE versions SET state = 'failed', state_reason = ? WHERE "
+                               "model = ? AND version = ?", err);
+    if (!up) {
+        sqlite3_finalize(st);
+        return MD_EIO;
+    }
+    while (sqlite3_step(st) == SQLITE_ROW) {
+        const char *sha = (const char *)sqlite3_column_text(st, 2);
+        char path[4096];
+        blob_path(s, sha, path, sizeof path);
+        if (access(path, R_OK) == 0)
+            continue;
+        char reason[4200];
+        snprintf(reason, sizeof reason, "checkpoint file %s is missing; upload the version again",
+                 path);
+        sqlite3_bind_text(up, 1, reason, -1, SQLITE_TRANSIENT);
+        sqlite3_bind_text(up, 2, (const char *)sqlite3_column_text(st, 0), -1, SQLITE_TRANSIENT);
+        sqlite3_bind_int(up, 3, sqlite3_column_int(st, 1));
+        sqlite3_step(up);
+        sqlite3_reset(up);
+        md_log(MD_LOG_WARN, "model %s version %d: %s", sqlite3_column_text(st, 0),
+               sqlite3_column_int(st, 1), reason);
+    }
+    sqlite3_finalize(up);
+    sqlite3_finalize(st);
+    return MD_OK;
+}
+
+static int mkdir_p(const char *path)
+{
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s", path);
+    for (char *p = tmp + 1; *p; p++) {
+        if (*p == '/') {
+            *p = '\0';
+            if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+                return -1;
+            *p = '/';
+        }
+    }
+    return mkdir(tmp, 0755) == 0 || errno == EEXIST ? 0 : -1;
+}
+
+md_status md_store_open(const char *dir, md_store **out, md_err *err)
+{
+    *out = NULL;
+    char path[4096];
+    const char *subs[] = {"", "/blobs", "/tmp"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(path, sizeof path, "%s%s", dir, subs[i]);
+        if (mkdir_p(path) != 0)
+            return md_err_set(err, MD_EIO, "store %s: cannot create directory %s: %s; check the "
+                                           "store setting and permissions",
+                              dir, path, strerror(errno));
+    }
+    md_store *s = md_xcalloc(1, sizeof *s);
+    s->dir = md_xstrdup(dir);
+    pthread_mutex_init(&s->mu, NULL);
+    snprintf(path, sizeof path, "%s/index.sqlite", dir);
+    if (sqlite3_open_v2(path, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE |
+                                          SQLITE_OPEN_FULLMUTEX, NULL) != SQLITE_OK) {
+        md_err_set(err, MD_EIO, "store %s: cannot open %s: %s", dir, path,
+                   s->db ? sqlite3_errmsg(s->db) : "out of memory");
+        md_store_close(s);
+        return MD_EIO;
+    }
+    sqlite3_busy_timeout(s->db, 5000);
+    md_status st;
+    if ((st = exec(s, "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; "
+                      "PRAGMA foreign_keys = ON;",
+                   err)) != MD_OK ||
+        (st = migrate(s, err)) != MD_OK || (st = check_blobs(s, err)) != MD_OK) {
+        md_store_close(s);
+        return st;
+    }
+    sweep_tmp(s);
+    sweep_orphans(s);
+    *out = s;
+    return MD_OK;
+}
+
+void md_store_close(md_store *s)
+{
+    if (!s)
+        return;
+    sqlite3_close(s->db);
+    pthread_mutex_destroy(&s->mu);
+    free(s->dir);
+    free(s);
+}
+
+long long md_store_generation(md_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    long long g = 0;
+    sqlite3_stmt *st = prep(s, "SELECT CAST(value AS INTEGER) FROM meta WHERE key='generation'",
+                            NULL);
+    if (st && sqlite3_step(st) == SQLITE_ROW)
+        g = sqlite3_column_int64(st, 0);
+    sqlite3_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    return g;
+}
+
+/* ---- blobs ---- */
+
+md_status md_blob_begin(md_store *s, long long max_bytes, md_blob_writer **out, md_err *err)
+{
+    *out = NULL;
+    md_blob_writer *w = md_xcalloc(1, sizeof *w);
+    w->store = s;
+    w->max_bytes = max_bytes;
+    snprintf(w->tmp_path, sizeof w->tmp_path, "%s/tmp/upload-%ld-XXXXXX", s->dir, (long)getpid());
+    w->fd = mkostemp(w->tmp_path, O_CLOEXEC);
+    if (w->fd < 0) {
+        md_err_set(err, MD_EIO, "store %s: cannot create a temp file in tmp/: %s", s->dir,
+                   strerror(errno));
+        free(w);
+        return MD_EIO;
+    }
+    w->sha = EVP_MD_CTX_new();
+    if (!w->sha || EVP_DigestInit_ex(w->sha, EVP_sha256(), NULL) != 1) {
+        md_blob_abort(w);
+        return md_err_set(err, MD_EINTERNAL, "cannot start SHA-256");
+    }
+    *out = w;
+    return MD_OK;
+}
+
+md_status md_blob_write(md_blob_writer *w, const void *data, size_t len, md_err *err)
+{
+    if ((long long)len > w->max_bytes - w->size)
+        return md_err_setc(err, MD_ETOOBIG, "checkpoint_too_large",
+                           "checkpoint is larger than the limit of %lld bytes; raise "
+                           "max_checkpoint_bytes to accept it",
+                           w->max_bytes);
+    const char *p = data;
+    size_t left = len;
+    while (left) {
+        ssize_t n = write(w->fd, p, left);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return md_err_set(err, errno == ENOSPC ? MD_ENOMEM : MD_EIO,
+                              "store %s: writing the checkpoint failed: %s", w->store->dir,
+                              strerror(errno));
+        }
+        p += n;
+        left -= (size_t)n;
+    }
+    EVP_DigestUpdate(w->sha, data, len);
+    w->size += (long long)len;
+    return MD_OK;
+}
+
+long long md_blob_size(const md_blob_writer *w) { return w->size; }
+
+void md_blob_abort(md_blob_writer *w)
+{
+    if (!w)
+        return;
+    if (w->fd >= 0)
+        close(w->fd);
+    if (w->tmp_path[0])
+        unlink(w->tmp_path);
+    EVP_MD_CTX_free(w->sha);
+    free(w);
+}
+
+md_status md_blob_finish(md_blob_writer *w, const char *expect, char sha256[MD_SHA256_HEX],
+                         long long *size, md_err *err)
+{
+    md_status st = MD_OK;
+    unsigned char digest[32];
+    unsigned int dlen = 0;
+    if (w->size == 0) {
+        st = md_err_setc(err, MD_EINVAL, "empty_checkpoint",
+                         "the checkpoint is empty; send the bytes of a TorchScript file "
+                         "(torch.jit.save)");
+        goto fail;
+    }
+    EVP_DigestFinal_ex(w->sha, digest, &dlen);
+    for (unsigned i = 0; i < 32; i++)
+        snprintf(w->sha256 + 2 * i, 3, "%02x", digest[i]);
+    if (expect && *expect && strcasecmp(expect, w->sha256) != 0) {
+        st = md_err_setc(err, MD_EINVAL, "sha256_mismatch",
+                         "the checkpoint's sha256 is %s but %s was expected; check the file or the "
+                         "sha256 given",
+                         w->sha256, expect);
+        goto fail;
+    }
+    if (fsync(w->fd) != 0) {
+        st = md_err_set(err, MD_EIO, "store %s: fsync of the checkpoint failed: %s",
+                        w->store->dir, strerror(errno));
+        goto fail;
+    }
+    if ((st = md_archive_check(w->tmp_path, err)) != MD_OK)
+        goto fail;
+    close(w->fd);
+    w->fd = -1;
+    w->finished = 1;
+    memcpy(sha256, w->sha256, MD_SHA256_HEX);
+    *size = w->size;
+    return MD_OK;
+fail:
+    md_blob_abort(w);
+    return st;
+}
+
+/* ---- TorchScript archive check ---- */
+
+static unsigned rd16(const unsigned char *p) { return (unsigned)p[0] | (unsigned)p[1] << 8; }
+static unsigned long rd32(const unsigned char *p)
+{
+    return (unsigned long)p[0] | (unsigned long)p[1] << 8 | (unsigned long)p[2] << 16 |
+           (unsigned long)p[3] << 24;
+}
+
+md_status md_archive_check(const char *path, md_err *err)
+{
+    static const char *fix = "save the model with torch.jit.save (TorchScript), not torch.save "
+                             "of a state_dict";
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return md_err_set(err, MD_EIO, "cannot read %s: %s", path, strerror(errno));
+    md_status st = MD_OK;
+    unsigned char head[4];
+    unsigned char *tail = NULL, *cd = NULL;
+    if (fread(head, 1, 4, f) != 4 || memcmp(head, "PK\3\4", 4) != 0) {
+        st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                         "the checkpoint is not a TorchScript archive (not a zip file); %s", fix);
+        goto out;
+    }
+    /* The end-of-central-directory record is in the last 65557 bytes. */
+    fseeko(f, 0, SEEK_END);
+    off_t fsize = ftello(f);
+    long tail_len = fsize < 65557 ? (long)fsize : 65557;
+    tail = md_xmalloc((size_t)tail_len);
+    fseeko(f, fsize - tail_len, SEEK_SET);
+    if (fread(tail, 1, (size_t)tail_len, f) != (size_t)tail_len) {
+        st = md_err_set(err, MD_EIO, "cannot read %s", path);
+        goto out;
+    }
+    long eocd = -1;
+    for (long i = tail_len - 22; i >= 0; i--)
+        if (rd32(tail + i) == 0x06054b50UL) {
+            eocd = i;
+            break;
+        }
+    if (eocd < 0) {
+        st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                         "the checkpoint is not a TorchScript archive (truncated zip: no central "
+                         "directory); %s",
+                         fix);
+        goto out;
+    }
+    unsigned long cd_size = rd32(tail + eocd + 12), cd_off = rd32(tail + eocd + 16);
+    if (cd_size == 0xffffffffUL || cd_off == 0xffffffffUL)
+        goto out; /* zip64: a very large archive; the predictor's load is the real check */
+    if ((off_t)(cd_off + cd_size) > fsize || cd_size > 64UL * 1024 * 1024) {
+        st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                         "the checkpoint is not a TorchScript archive (corrupt zip); %s", fix);
+        goto out;
+    }
+    cd = md_xmalloc(cd_size ? cd_size : 1);
+    fseeko(f, (off_t)cd_off, SEEK_SET);
+    if (fread(cd, 1, cd_size, f) != cd_size) {
+        st = md_err_set(err, MD_EIO, "cannot read %s", path);
+        goto out;
+    }
+    /* Every entry sits under one top-level folder, and <folder>/data.pkl exists. */
+    char top[256] = "";
+    int has_data = 0, entries = 0;
+    for (unsigned long p = 0; p + 46 <= cd_size;) {
+        if (rd32(cd + p) != 0x02014b50UL)
+            break;
+        unsigned nlen = rd16(cd + p + 28), xlen = rd16(cd + p + 30), clen = rd16(cd + p + 32);
+        if (p + 46 + nlen > cd_size)
+            break;
+        const char *name = (const char *)cd + p + 46;
+        const char *slash = memchr(name, '/', nlen);
+        if (!slash || (size_t)(slash - name) >= sizeof top) {
+            st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                             "the checkpoint is a zip but not a TorchScript archive (entry "
+                             "\"%.*s\" is not inside the archive folder); %s",
+                             (int)(nlen > 100 ? 100 : nlen), name, fix);
+            goto out;
+        }
+        size_t tl = (size_t)(slash - name);
+        if (!top[0]) {
+            memcpy(top, name, tl);
+            top[tl] = '\0';
+        } else if (strlen(top) != tl || memcmp(top, name, tl) != 0) {
+            st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                             "the checkpoint is a zip but not a TorchScript archive (entries in "
+                             "several top-level folders); %s",
+                             fix);
+            goto out;
+        }
+        if (nlen - tl - 1 == 8 && memcmp(slash + 1, "data.pkl", 8) == 0)
+            has_data = 1;
+        entries++;
+        p += 46 + nlen + xlen + clen;
+    }
+    if (!has_data)
+        st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                         "the checkpoint is a zip but not a TorchScript archive (%d entries, no "
+                         "data.pkl); %s",
+                         entries, fix);
+out:
+    free(tail);
+    free(cd);
+    fclose(f);
+    return st;
+}
+
+/* ---- rows ---- */
+
+int md_model_name_ok(const char *name)
+{
+    size_t n = strlen(name);
+    if (n < 1 || n > 64)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = name[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '.' || c == '_' || c == '-'))
+            return 0;
+    }
+    return 1;
+}
+
+static json_t *json_col(sqlite3_stmt *st, int col)
+{
+    const char *text = (const char *)sqlite3_column_text(st, col);
+    json_t *v = text ? json_loads(text, JSON_DECODE_ANY, NULL) : NULL;
+    return v ? v : json_object();
+}
+
+#define VERSION_COLS                                                                          \
+    "v.model, v.version, v.sha256, v.size, v.format, v.source, v.config, v.metadata, "        \
+    "v.metrics, v.state, v.state_reason, v.created_at, (m.default_version = v.version) "
+
+static json_t *version_json(sqlite3_stmt *st)
+{
+    json_t *v = json_pack("{s:s,s:i,s:s,s:I,s:s,s:s,s:o,s:o,s:o,s:s,s:s,s:b}", "model",
+                          sqlite3_column_text(st, 0), "version", sqlite3_column_int(st, 1),
+                          "sha256", sqlite3_column_text(st, 2), "size",
+                          (json_int_t)sqlite3_column_int64(st, 3), "format",
+                          sqlite3_column_text(st, 4), "source", sqlite3_column_text(st, 5),
+                          "config", json_col(st, 6), "metadata", json_col(st, 7), "metrics",
+                          json_col(st, 8), "state", sqlite3_column_text(st, 9), "created_at",
+                          sqlite3_column_text(st, 11), "default", sqlite3_column_int(st, 12));
+    if (sqlite3_column_type(st, 10) != SQLITE_NULL)
+        json_object_set_new(v, "state_reason", json_string((const char *)sqlite3_column_text(st, 10)));
+    return v;
+}
+
+static md_status get_version_locked(md_store *s, const char *name, int version, json_t **out,
+                                    md_err *err)
+{
+    sqlite3_stmt *st = prep(s,
+                            "SELECT " VERSION_COLS
+                            "FROM versions v JOIN models m ON m.name = v.model "
+                            "WHERE v.model = ? AND v.version = ?",
+                            err);
+    if (!st)
+        return MD_EIO;
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 2, version);
+    md_status rc = MD_OK;
+    if (sqlite3_step(st) == SQLITE_ROW)
+        *out = version_json(st);
+    else
+        rc = md_err_setc(err, MD_ENOTFOUND, "version_not_found",
+                         "model %s has no version %d; GET /models/%s lists its versions", name,
+                         version, name);
+    sqlite3_finalize(st);
+    return rc;
+}
+
+static int model_exists(md_store *s, const char *name)
+{
+    sqlite3_stmt *st = prep(s, "SELECT 1 FROM models WHERE name = ?", NULL);
+    if (!st)
+        return 0;
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    int found = sqlite3_step(st) == SQLITE_ROW;
+    sqlite3_finalize(st);
+    return found;
+}
+
+static md_status model_missing(const char *name, md_err *err)
+{
+    return md_err_setc(err, MD_ENOTFOUND, "model_not_found",
+                       "model %s does not exist; GET /models lists the models", name);
+}
+
+/* Unlink the blob if no row references it any more. Caller holds the mutex. */
+static void release_blob(md_store *s, const char *sha)
+{
+    if (sha_referenced(s, sha))
+        return;
+    char path[4096];
+    blob_path(s, sha, path, sizeof path);
+    if (unlink(path) == 0)
+        md_log(MD_LOG_DEBUG, "store: removed blob %s", path);
+}
+
+/* Collect the sha256 of rows about to be deleted so their blobs can be
+ * released after the commit. */
+typedef struct sha_list {
+    char (*items)[MD_SHA256_HEX];
+    int count;
+} sha_list;
+
+static void sha_list_add(sha_list *l, const char *sha)
+{
+    l->items = realloc(l->items, sizeof *l->items * (size_t)(l->count + 1));
+    md_assert(l->items != NULL);
+    snprintf(l->items[l->count++], MD_SHA256_HEX, "%s", sha);
+}
+
+static void release_all(md_store *s, sha_list *l)
+{
+    for (int i = 0; i < l->count; i++)
+        release_blob(s, l->items[i]);
+    free(l->items);
+    l->items = NULL;
+    l->count = 0;
+}
+
+md_status md_retention_check(json_t *r, md_err *err)
+{
+    if (json_is_null(r))
+        return MD_OK;
+    if (!json_is_object(r))
+        return md_err_set(err, MD_EINVAL, "retention must be an object such as {\"keep_last\": 5}");
+    const char *key;
+    json_t *v;
+    json_object_foreach(r, key, v)
+    {
+        if (strcmp(key, "keep_last") == 0 || strcmp(key, "keep_best") == 0) {
+            if (!json_is_integer(v) || json_integer_value(v) < 1)
+                return md_err_set(err, MD_EINVAL, "retention.%s must be an integer >= 1", key);
+        } else if (strcmp(key, "metric") == 0) {
+            const char *m = json_string_value(v);
+            if (!m || strncmp(m, "metrics.", 8) != 0 || !md_model_name_ok(m + 8))
+                return md_err_set(err, MD_EINVAL,
+                                  "retention.metric must name a metric as \"metrics.KEY\", e.g. "
+                                  "\"metrics.loss\"");
+        } else if (strcmp(key, "order") == 0) {
+            const char *o = json_string_value(v);
+            if (!o || (strcmp(o, "asc") != 0 && strcmp(o, "desc") != 0))
+                return md_err_set(err, MD_EINVAL,
+                                  "retention.order must be \"asc\" (lower is better, e.g. loss) "
+                                  "or \"desc\"");
+        } else {
+            return md_err_set(err, MD_EINVAL,
+                              "retention has an unknown key \"%s\"; allowed: keep_last, keep_best, "
+                              "metric, order",
+                              key);
+        }
+    }
+    if (json_object_get(r, "keep_best") && !json_object_get(r, "metric"))
+        return md_err_set(err, MD_EINVAL,
+                          "retention.keep_best needs a metric, e.g. \"metric\": \"metrics.loss\"");
+    return MD_OK;
+}
+
+/* Apply the model's retention policy inside the open transaction: keep the
+ * default, the newest keep_last and the best keep_best; delete the rest. */
+static md_status apply_retention(md_store *s, const char *name, sha_list *released, md_err *err)
+{
+    sqlite3_stmt *st = prep(s, "SELECT settings, default_version FROM models WHERE name = ?", err);
+    if (!st)
+        return MD_EIO;
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    json_t *settings = NULL;
+    int def = 0;
+    if (sqlite3_step(st) == SQLITE_ROW) {
+        settings = json_col(st, 0);
+        def = sqlite3_column_int(st, 1);
+    }
+    sqlite3_finalize(st);
+    json_t *r = settings ? json_object_get(settings, "retention") : NULL;
+    if (!json_is_object(r)) {
+        json_decref(settings);
+        return MD_OK;
+    }
+    json_int_t keep_last = json_integer_value(json_object_get(r, "keep_last"));
+    json_int_t keep_best = json_integer_value(json_object_get(r, "keep_best"));
+    const char *metric = json_string_value(json_object_get(r, "metric"));
+    const char *order = json_string_value(json_object_get(r, "order"));
+    int asc = !order || strcmp(order, "asc") == 0;
+    char path[80] = "$.";
+    if (metric)
+        snprintf(path, sizeof path, "$.%s", metric + 8);
+
+    /* keep = newest keep_last UNION best keep_best UNION default */
+    char sql[1024];
+    snprintf(sql, sizeof sql,
+             "SELECT version, sha256 FROM versions WHERE model = ?1 AND version != ?2 "
+             "AND state != 'loading' "
+             "AND (?3 = 0 OR version NOT IN (SELECT version FROM versions WHERE model = ?1 "
+             "     ORDER BY version DESC LIMIT ?3)) "
+             "AND (?4 = 0 OR version NOT IN (SELECT version FROM versions WHERE model = ?1 "
+             "     AND json_extract(metrics, ?5) IS NOT NULL "
+             "     ORDER BY json_extract(metrics, ?5) %s, version DESC LIMIT ?4)) "
+             "AND (?3 != 0 OR ?4 != 0)",
+             asc ? "ASC" : "DESC");
+    st = prep(s, sql, err);
+    if (!st) {
+        json_decref(settings);
+        return MD_EIO;
+    }
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 2, def);
+    sqlite3_bind_int64(st, 3, keep_last);
+    sqlite3_bind_int64(st, 4, keep_best);
+    sqlite3_bind_text(st, 5, path, -1, SQLITE_STATIC);
+    int victims[4096], n = 0;
+    while (sqlite3_step(st) == SQLITE_ROW && n < 4096) {
+        victims[n++] = sqlite3_column_int(st, 0);
+        sha_list_add(released, (const char *)sqlite3_column_text(st, 1));
+    }
+    sqlite3_finalize(st);
+    json_decref(settings);
+    st = prep(s, "DELETE FROM versions WHERE model = ? AND version = ?", err);
+    if (!st)
+        return MD_EIO;
+    for (int i = 0; i < n; i++) {
+        sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+        sqlite3_bind_int(st, 2, victims[i]);
+        if (sqlite3_step(st) != SQLITE_DONE) {
+            sqlite3_finalize(st);
+            return db_fail(s, err, "retention delete");
+        }
+        sqlite3_reset(st);
+        md_log(MD_LOG_INFO, "model %s: retention removed version %d", name, victims[i]);
+    }
+    sqlite3_finalize(st);
+    return MD_OK;
+}
+
+static md_status json_text(json_t *v, char **out)
+{
+    *out = json_dumps(v ? v : json_object(), JSON_COMPACT | JSON_ENCODE_ANY);
+    md_assert(*out != NULL);
+    return MD_OK;
+}
+
+md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob_writer *blob,
+                               json_t **out, md_err *err)
+{
+    if (out)
+        *out = NULL;
+    char path[4096];
+    char sha[MD_SHA256_HEX];
+    snprintf(sha, sizeof sha, "%s", blob ? blob->sha256 : spec->sha256);
+    blob_path(s, sha, path, sizeof path);
+    md_status rc = MD_OK;
+    sha_list released = {0};
+    char *config = NULL, *metadata = NULL, *metrics = NULL;
+    json_text(spec->config, &config);
+    json_text(spec->metadata, &metadata);
+    json_text(spec->metrics, &metrics);
+
+    pthread_mutex_lock(&s->mu);
+    if (blob) {
+        md_assert(blob->finished);
+        struct stat sb;
+        if (stat(path, &sb) == 0) {
+            unlink(blob->tmp_path); /* the same bytes are already stored */
+        } else if (rename(blob->tmp_path, path) != 0) {
+            rc = md_err_set(err, MD_EIO, "store %s: cannot move the checkpoint into blobs/: %s",
+                            s->dir, strerror(errno));
+            goto unlock;
+        }
+        blob->tmp_path[0] = '\0';
+        char blobs_dir[4096];
+        snprintf(blobs_dir, sizeof blobs_dir, "%s/blobs", s->dir);
+        fsync_dir(blobs_dir);
+    } else if (access(path, R_OK) != 0) {
+        rc = md_err_set(err, MD_EIO, "store %s: checkpoint %s is no longer stored; retry", s->dir,
+                        sha);
+        goto unlock;
+    }
+    /* One transaction: model row, version row, default, retention, generation. */
+    if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
+        goto unlock;
+    char now[32];
+    now_iso(now);
+    sqlite3_stmt *st = prep(s,
+                            "INSERT INTO models (name, created_at, updated_at) VALUES (?1, ?2, ?2) "
+                            "ON CONFLICT(name) DO UPDATE SET updated_at = ?2",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto rollback;
+    }
+    sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, now, -1, SQLITE_STATIC);
+    int ok = sqlite3_step(st) == SQLITE_DONE;
+    sqlite3_finalize(st);
+    if (!ok) {
+        rc = db_fail(s, err, "insert model");
+        goto rollback;
+    }
+    int version = spec->version;
+    if (version == 0) {
+        st = prep(s, "SELECT COALESCE(MAX(version), 0) + 1 FROM versions WHERE model = ?", err);
+        if (!st) {
+            rc = MD_EIO;
+            goto rollback;
+        }
+        sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
+        version = sqlite3_step(st) == SQLITE_ROW ? sqlite3_column_int(st, 0) : 1;
+        sqlite3_finalize(st);
+    }
+    st = prep(s,
+              "INSERT INTO versions (model, version, sha256, size, source, config, metadata, "
+              "metrics, state, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+              err);
+    if (!st) {
+        rc = MD_EIO;
+        goto rollback;
+    }
+    sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 2, version);
+    sqlite3_bind_text(st, 3, sha, -1, SQLITE_STATIC);
+    sqlite3_bind_int64(st, 4, blob ? blob->size : spec->size);
+    sqlite3_bind_text(st, 5, spec->source ? spec->source : "upload", -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 6, config, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 7, metadata, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 8, metrics, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 9, spec->state ? spec->state : "stored", -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 10, now, -1, SQLITE_STATIC);
+    int step = sqlite3_step(st);
+    sqlite3_finalize(st);
+    if (step == SQLITE_CONSTRAINT) {
+        rc = md_err_setc(err, MD_ECONFLICT, "version_exists",
+                         "model %s already has version %d; choose another number or omit it",
+                         spec->model, version);
+        goto rollback;
+    }
+    if (step != SQLITE_DONE) {
+        rc = db_fail(s, err, "insert version");
+        goto rollback;
+    }
+    /* The first version of a model is its default whatever make_default says. */
+    st = prep(s,
+              "UPDATE models SET default_version = ?2 WHERE name = ?1 AND (?3 OR default_version "
+              "IS NULL)",
+              err);
+    if (!st) {
+        rc = MD_EIO;
+        goto rollback;
+    }
+    sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 2, version);
+    sqlite3_bind_int(st, 3, spec->make_default);
+    ok = sqlite3_step(st) == SQLITE_DONE;
+    sqlite3_finalize(st);
+    if (!ok) {
+        rc = db_fail(s, err, "set default");
+        goto rollback;
+    }
+    if ((rc = apply_retention(s, spec->model, &released, err)) != MD_OK ||
+        (rc = bump_generation(s, err)) != MD_OK)
+        goto rollback;
+    if ((rc = exec(s, "COMMIT", err)) != MD_OK)
+        goto rollback;
+    release_all(s, &released);
+    if (out)
+        get_version_locked(s, spec->model, version, out, NULL);
+    goto unlock;
+rollback:
+    exec(s, "ROLLBACK", NULL);
+    free(released.items);
+    released.items = NULL;
+    release_blob(s, sha); /* the upload's bytes, unless other rows use them */
+unlock:
+    pthread_mutex_unlock(&s->mu);
+    md_blob_abort(blob);
+    free(config);
+    free(metadata);
+    free(metrics);
+    return rc;
+}
+
+md_status md_store_list_models(md_store *s, const char *after, int limit, json_t **out,
+                               md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s,
+                            "SELECT m.name, m.default_version, m.created_at, m.updated_at, "
+                            "(SELECT COUNT(*) FROM versions v WHERE v.model = m.name), "
+                            "(SELECT state FROM versions v WHERE v.model = m.name AND v.version = "
+                            "m.default_version) "
+                            "FROM models m WHERE m.name > ? ORDER BY m.name LIMIT ?",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, after ? after : "", -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 2, limit + 1);
+    json_t *models = json_array();
+    json_t *next = json_null();
+    int n = 0;
+    while (sqlite3_step(st) == SQLITE_ROW) {
+        if (n++ == limit) {
+            json_decref(next);
+            json_t *last = json_array_get(models, json_array_size(models) - 1);
+            next = json_incref(json_object_get(last, "name"));
+            break;
+        }
+        json_t *m = json_pack("{s:s,s:o,s:s,s:s,s:i}", "name", sqlite3_column_text(st, 0),
+                              "default_version",
+                              sqlite3_column_type(st, 1) == SQLITE_NULL
+                                  ? json_null()
+                                  : json_integer(sqlite3_column_int(st, 1)),
+                              "created_at", sqlite3_column_text(st, 2), "updated_at",
+                              sqlite3_column_text(st, 3), "versions", sqlite3_column_int(st, 4));
+        if (sqlite3_column_type(st, 5) != SQLITE_NULL)
+            json_object_set_new(m, "state", json_string((const char *)sqlite3_column_text(st, 5)));
+        json_array_append_new(models, m);
+    }
+    sqlite3_finalize(st);
+    *out = json_pack("{s:o,s:o}", "models", models, "next", next);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+static md_status list_versions_locked(md_store *s, const char *name, const char *order_by,
+                                      int asc, json_t **out, md_err *err)
+{
+    char path[80] = "";
+    const char *order_expr;
+    if (!order_by || strcmp(order_by, "version") == 0)
+        order_expr = "v.version";
+    else if (strcmp(order_by, "created_at") == 0)
+        order_expr = "v.created_at";
+    else if (strncmp(order_by, "metrics.", 8) == 0 && md_model_name_ok(order_by + 8)) {
+        snprintf(path, sizeof path, "$.%s", order_by + 8);
+        order_expr = "json_extract(v.metrics, ?2)";
+    } else
+        return md_err_setc(err, MD_EINVAL, "invalid_order_by",
+                           "order_by=%s is not supported; use version, created_at or "
+                           "metrics.KEY (e.g. metrics.loss)",
+                           order_by);
+    char sql[600];
+    snprintf(sql, sizeof sql,
+             "SELECT " VERSION_COLS "FROM versions v JOIN models m ON m.name = v.model "
+             "WHERE v.model = ?1 ORDER BY %s IS NULL, %s %s, v.version %s",
+             order_expr, order_expr, asc ? "ASC" : "DESC", asc ? "ASC" : "DESC");
+    sqlite3_stmt *st = prep(s, sql, err);
+    if (!st)
+        return MD_EIO;
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    if (path[0])
+        sqlite3_bind_text(st, 2, path, -1, SQLITE_STATIC);
+    json_t *a = json_array();
+    while (sqlite3_step(st) == SQLITE_ROW)
+        json_array_append_new(a, version_json(st));
+    sqlite3_finalize(st);
+    *out = a;
+    return MD_OK;
+}
+
+md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s,
+                            "SELECT name, default_version, settings, created_at, updated_at FROM "
+                            "models WHERE name = ?",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    if (sqlite3_step(st) != SQLITE_ROW) {
+        sqlite3_finalize(st);
+        rc = model_missing(name, err);
+        goto out;
+    }
+    json_t *settings = json_col(st, 2);
+    json_t *m = json_pack("{s:s,s:o,s:O,s:s,s:s}", "name", sqlite3_column_text(st, 0),
+                          "default_version",
+                          sqlite3_column_type(st, 1) == SQLITE_NULL
+                              ? json_null()
+                              : json_integer(sqlite3_column_int(st, 1)),
+                          "retention",
+                          json_object_get(settings, "retention") ? json_object_get(settings,
+                                                                                   "retention")
+                                                                 : json_null(),
+                          "created_at", sqlite3_column_text(st, 3), "updated_at",
+                          sqlite3_column_text(st, 4));
+    json_decref(settings);
+    sqlite3_finalize(st);
+    json_t *versions = NULL;
+    if ((rc = list_versions_locked(s, name, "version", 1, &versions, err)) != MD_OK) {
+        json_decref(m);
+        goto out;
+    }
+    json_object_set_new(m, "versions", versions);
+    *out = m;
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_get_version(md_store *s, const char *name, int version, json_t **out,
+                               md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = model_exists(s, name) ? get_version_locked(s, name, version, out, err)
+                                         : model_missing(name, err);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_list_versions(md_store *s, const char *name, const char *order_by, int asc,
+                                 json_t **out, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = model_exists(s, name) ? list_versions_locked(s, name, order_by, asc, out, err)
+                                         : model_missing(name, err);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_set_default(md_store *s, const char *name, int version, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    json_t *v = NULL;
+    if (!model_exists(s, name)) {
+        rc = model_missing(name, err);
+        goto out;
+    }
+    if ((rc = get_version_locked(s, name, version, &v, err)) != MD_OK)
+        goto out;
+    const char *state = json_string_value(json_object_get(v, "state"));
+    if (strcmp(state, "failed") == 0) {
+        rc = md_err_setc(err, MD_ECONFLICT, "version_failed",
+                         "model %s version %d failed (%s) and cannot be the default", name, version,
+                         json_string_value(json_object_get(v, "state_reason")));
+        goto out;
+    }
+    sqlite3_stmt *st = prep(s, "UPDATE models SET default_version = ?, updated_at = ? WHERE name = ?",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    char now[32];
+    now_iso(now);
+    sqlite3_bind_int(st, 1, version);
+    sqlite3_bind_text(st, 2, now, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 3, name, -1, SQLITE_STATIC);
+    if (sqlite3_step(st) != SQLITE_DONE)
+        rc = db_fail(s, err, "set default");
+    sqlite3_finalize(st);
+    if (rc == MD_OK)
+        rc = bump_generation(s, err);
+out:
+    json_decref(v);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_set_retention(md_store *s, const char *name, json_t *retention, md_err *err)
+{
+    md_status rc = md_retention_check(retention, err);
+    if (rc != MD_OK)
+        return rc;
+    sha_list released = {0};
+    pthread_mutex_lock(&s->mu);
+    if (!model_exists(s, name)) {
+        rc = model_missing(name, err);
+        goto out;
+    }
+    if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
+        goto out;
+    char *text = json_dumps(retention, JSON_COMPACT | JSON_ENCODE_ANY);
+    sqlite3_stmt *st = prep(s,
+                            "UPDATE models SET settings = json_set(settings, '$.retention', "
+                            "json(?)) WHERE name = ?",
+                            err);
+    if (st) {
+        sqlite3_bind_text(st, 1, text, -1, SQLITE_TRANSIENT);
+        sqlite3_bind_text(st, 2, name, -1, SQLITE_STATIC);
+        if (sqlite3_step(st) != SQLITE_DONE)
+            rc = db_fail(s, err, "set retention");
+        sqlite3_finalize(st);
+    } else {
+        rc = MD_EIO;
+    }
+    free(text);
+    if (rc == MD_OK)
+        rc = apply_retention(s, name, &released, err);
+    if (rc == MD_OK)
+        rc = bump_generation(s, err);
+    if (rc == MD_OK)
+        rc = exec(s, "COMMIT", err);
+    if (rc != MD_OK) {
+        exec(s, "ROLLBACK", NULL);
+        free(released.items);
+        released.items = NULL;
+        released.count = 0;
+    }
+    release_all(s, &released);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_delete_version(md_store *s, const char *name, int version, int force,
+                                  md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    json_t *v = NULL;
+    sha_list released = {0};
+    if (!model_exists(s, name)) {
+        rc = model_missing(name, err);
+        goto out;
+    }
+    if ((rc = get_version_locked(s, name, version, &v, err)) != MD_OK)
+        goto out;
+    int is_default = json_is_true(json_object_get(v, "default"));
+    if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
+        goto out;
+    sqlite3_stmt *st;
+    if (is_default) {
+        st = prep(s, "SELECT MAX(version) FROM versions WHERE model = ? AND version != ? AND "
+                     "state != 'failed'", err);
+        sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+        sqlite3_bind_int(st, 2, version);
+        int other = 0;
+        if (sqlite3_step(st) == SQLITE_ROW && sqlite3_column_type(st, 0) != SQLITE_NULL)
+            other = sqlite3_column_int(st, 0);
+        sqlite3_finalize(st);
+        if (other && !force) {
+            rc = md_err_setc(err, MD_ECONFLICT, "version_is_default",
+                             "version %d is the default of model %s; make another version the "
+                             "default first (PATCH /models/%s {\"default_version\": N}) or add "
+                             "?force=true",
+                             version, name, name);
+            goto rollback;
+        }
+        st = prep(s, "UPDATE models SET default_version = ? WHERE name = ?", err);
+        if (other)
+            sqlite3_bind_int(st, 1, other);
+        else
+            sqlite3_bind_null(st, 1);
+        sqlite3_bind_text(st, 2, name, -1, SQLITE_STATIC);
+        sqlite3_step(st);
+        sqlite3_finalize(st);
+    }
+    st = prep(s, "DELETE FROM versions WHERE model = ? AND version = ?", err);
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 2, version);
+    int ok = sqlite3_step(st) == SQLITE_DONE;
+    sqlite3_finalize(st);
+    if (!ok) {
+        rc = db_fail(s, err, "delete version");
+        goto rollback;
+    }
+    sha_list_add(&released, json_string_value(json_object_get(v, "sha256")));
+    if ((rc = bump_generation(s, err)) != MD_OK || (rc = exec(s, "COMMIT", err)) != MD_OK)
+        goto rollback;
+    release_all(s, &released);
+    goto out;
+rollback:
+    exec(s, "ROLLBACK", NULL);
+    free(released.items);
+out:
+    json_decref(v);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_delete_model(md_store *s, const char *name, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sha_list released = {0};
+    if (!model_exists(s, name)) {
+        rc = model_missing(name, err);
+        goto out;
+    }
+    if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
+        goto out;
+    sqlite3_stmt *st = prep(s, "SELECT sha256 FROM versions WHERE model = ?", err);
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    while (sqlite3_step(st) == SQLITE_ROW)
+        sha_list_add(&released, (const char *)sqlite3_column_text(st, 0));
+    sqlite3_finalize(st);
+    st = prep(s, "DELETE FROM models WHERE name = ?", err);
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    int ok = sqlite3_step(st) == SQLITE_DONE;
+    sqlite3_finalize(st);
+    if (!ok || bump_generation(s, err) != MD_OK || exec(s, "COMMIT", err) != MD_OK) {
+        rc = ok ? MD_EIO : db_fail(s, err, "delete model");
+        exec(s, "ROLLBACK", NULL);
+        free(released.items);
+        goto out;
+    }
+    release_all(s, &released);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_set_state(md_store *s, const char *name, int version, const char *state,
+                             const char *reason, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s,
+                            "UPDATE versions SET state = ?, state_reason = ? WHERE model = ? AND "
+                            "version = ?",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, state, -1, SQLITE_STATIC);
+    if (reason)
+        sqlite3_bind_text(st, 2, reason, -1, SQLITE_STATIC);
+    else
+        sqlite3_bind_null(st, 2);
+    sqlite3_bind_text(st, 3, name, -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 4, version);
+    if (sqlite3_step(st) != SQLITE_DONE)
+        rc = db_fail(s, err, "set state");
+    else if (sqlite3_changes(s->db) == 0)
+        rc = md_err_setc(err, MD_ENOTFOUND, "version_not_found", "model %s has no version %d",
+                         name, version);
+    sqlite3_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_blob_path(md_store *s, const char *name, int version, char *path,
+                             size_t path_size, char sha256[MD_SHA256_HEX], md_err *err)
+{
+    json_t *v = NULL;
+    md_status rc = md_store_get_version(s, name, version, &v, err);
+    if (rc != MD_OK)
+        return rc;
+    snprintf(sha256, MD_SHA256_HEX, "%s", json_string_value(json_object_get(v, "sha256")));
+    blob_path(s, sha256, path, path_size);
+    json_decref(v);
+    return MD_OK;
+}
+
+md_status md_store_defaults(md_store *s, json_t **out, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s,
+                            "SELECT " VERSION_COLS "FROM versions v JOIN models m ON m.name = "
+                            "v.model AND m.default_version = v.version ORDER BY v.model",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    json_t *a = json_array();
+    while (sqlite3_step(st) == SQLITE_ROW) {
+        json_t *v = version_json(st);
+        char path[4096];
+        blob_path(s, json_string_value(json_object_get(v, "sha256")), path, sizeof path);
+        json_object_set_new(v, "path", json_string(path));
+        json_array_append_new(a, v);
+    }
+    sqlite3_finalize(st);
+    *out = a;
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}

@@ -1,0 +1,796 @@
+/*
+ * models.c - the model registry over HTTP: deploy by upload (multipart or raw
+ * bytes) or by URL, list, read, roll the default, retention, delete, and
+ * download a stored checkpoint.
+ *
+ * Uploads stream: each body chunk goes straight into the store's blob writer
+ * (hashing as it goes), never into memory. Everything that can be checked
+ * before bytes are committed is checked first (name, content type, size,
+ * config, metrics), so a bad request stores nothing. Finishing (fsync,
+ * rename, SQLite commit) and downloads run on a deferred thread with the
+ * connection suspended, so no server thread waits on disk or network.
+ */
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../checkpoint/checkpoint.h"
+#include "../predictor/predictor.h"
+#include "handlers.h"
+
+#define FIELD_MAX (1024 * 1024)
+
+/* ---- what a deployment asks for, whichever way it came ---- */
+
+typedef struct deploy_req {
+    char name[72];
+    int version;      /* 0 = next */
+    int make_default; /* default 1 */
+    int deploy;       /* default 1 */
+    char sha256[MD_SHA256_HEX];
+    char *source;     /* owned; NULL for uploads */
+    json_t *config, *metadata, *metrics, *retention;
+} deploy_req;
+
+static void deploy_req_free(deploy_req *d)
+{
+    free(d->source);
+    json_decref(d->config);
+    json_decref(d->metadata);
+    json_decref(d->metrics);
+    json_decref(d->retention);
+    memset(d, 0, sizeof *d);
+}
+
+static md_status check_name(const char *name, md_err *err)
+{
+    if (!name || !md_model_name_ok(name))
+        return md_err_setc(err, MD_EINVAL, "invalid_name",
+                           "model name \"%.80s\" is invalid; use 1 to 64 of A-Z a-z 0-9 . _ -",
+                           name ? name : "");
+    return MD_OK;
+}
+
+static md_status parse_bool(const char *field, const char *text, int *out, md_err *err)
+{
+    if (strcmp(text, "true") == 0 || strcmp(text, "1") == 0)
+        *out = 1;
+    else if (strcmp(text, "false") == 0 || strcmp(text, "0") == 0)
+        *out = 0;
+    else
+        return md_err_set(err, MD_EINVAL, "%s=\"%.40s\" is not a boolean; use true or false", field,
+                          text);
+    return MD_OK;
+}
+
+static md_status parse_version_text(const char *text, int *out, md_err *err)
+{
+    char *end;
+    long v = strtol(text, &end, 10);
+    if (end == text || *end || v < 1 || v > 1000000000)
+        return md_err_setc(err, MD_EINVAL, "invalid_version",
+                           "version \"%.40s\" is not a positive integer", text);
+    *out = (int)v;
+    return MD_OK;
+}
+
+static md_status check_sha(const char *text, md_err *err)
+{
+    size_t n = strlen(text);
+    int ok = n == 64;
+    for (size_t i = 0; ok && i < n; i++)
+        ok = strchr("0123456789abcdefABCDEF", text[i]) != NULL;
+    if (!ok)
+        return md_err_set(err, MD_EINVAL, "sha256 \"%.80s\" is not 64 hex digits", text);
+    return MD_OK;
+}
+
+/* config/metadata/metrics: a JSON object; metrics values must be numbers
+ * (they are ordered and compared). */
+static md_status set_json_field(deploy_req *d, const char *field, json_t *v, md_err *err)
+{
+    md_status st;
+    if (strcmp(field, "retention") == 0) {
+        if ((st = md_retention_check(v, err)) != MD_OK)
+            return st;
+        d->retention = json_incref(v);
+        return MD_OK;
+    }
+    if (!json_is_object(v))
+        return md_err_setc(err, MD_EINVAL, "invalid_json", "%s must be a JSON object, e.g. %s",
+                           field,
+                           strcmp(field, "metrics") == 0 ? "{\"epoch\": 4, \"loss\": 0.31}"
+                                                         : "{\"key\": \"value\"}");
+    if (strcmp(field, "config") == 0) {
+        if ((st = md_model_config_check(v, err)) != MD_OK)
+            return st;
+        d->config = json_incref(v);
+    } else if (strcmp(field, "metrics") == 0) {
+        const char *k;
+        json_t *x;
+        json_object_foreach(v, k, x)
+        {
+            if (!json_is_number(x))
+                return md_err_setc(err, MD_EINVAL, "invalid_json",
+                                   "metrics.%s must be a number (metrics are compared and ordered)",
+                                   k);
+        }
+        d->metrics = json_incref(v);
+    } else {
+        d->metadata = json_incref(v);
+    }
+    return MD_OK;
+}
+
+/* A text field (multipart field or query argument). */
+static md_status set_text_field(deploy_req *d, const char *field, const char *text, md_err *err)
+{
+    if (strcmp(field, "version") == 0)
+        return parse_version_text(text, &d->version, err);
+    if (strcmp(field, "make_default") == 0)
+        return parse_bool(field, text, &d->make_default, err);
+    if (strcmp(field, "deploy") == 0)
+        return parse_bool(field, text, &d->deploy, err);
+    if (strcmp(field, "sha256") == 0) {
+        if (check_sha(text, err) != MD_OK)
+            return MD_EINVAL;
+        snprintf(d->sha256, sizeof d->sha256, "%s", text);
+        return MD_OK;
+    }
+    json_error_t jerr;
+    json_t *v = json_loads(text, JSON_DECODE_ANY, &jerr);
+    if (!v)
+        return md_err_setc(err, MD_EINVAL, "invalid_json",
+                           "%s is not valid JSON (line %d, column %d: %s)", field, jerr.line,
+                           jerr.column, jerr.text);
+    md_status st = set_json_field(d, field, v, err);
+    json_decref(v);
+    return st;
+}
+
+static int text_field_known(const char *f)
+{
+    static const char *known[] = {"config", "metadata", "metrics", "version", "make_default",
+                                  "deploy", "sha256", "retention", NULL};
+    for (int i = 0; known[i]; i++)
+        if (strcmp(f, known[i]) == 0)
+            return 1;
+    return 0;
+}
+
+static md_fetch_opts fetch_opts(const md_cfg *cfg)
+{
+    md_fetch_opts o = {
+        .max_bytes = cfg->max_checkpoint_bytes,
+        .connect_timeout_s = cfg->download_connect_timeout_s,
+        .timeout_s = cfg->download_timeout_s,
+        .max_redirects = cfg->download_max_redirects,
+        .allowed_paths = &cfg->allowed_paths,
+        .allowed_urls = &cfg->allowed_urls,
+    };
+    return o;
+}
+
+/* Add the version row and answer 201 with it. Takes ownership of `blob`. */
+static void commit_and_reply(md_req *req, deploy_req *d, const char *sha, long long size,
+                             md_blob_writer *blob)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    md_version_spec spec = {
+        .model = d->name,
+        .version = d->version,
+        .sha256 = sha,
+        .size = size,
+        .source = d->source ? d->source : "upload",
+        .config = d->config,
+        .metadata = d->metadata,
+        .metrics = d->metrics,
+        .make_default = d->deploy && d->make_default,
+        .state = "stored",
+    };
+    json_t *version = NULL;
+    md_status st = md_store_add_version(app->store, &spec, blob, &version, &err);
+    if (st == MD_OK && d->retention)
+        st = md_store_set_retention(app->store, d->name, d->retention, &err);
+    if (st != MD_OK) {
+        json_decref(version);
+        md_reply_error(req, &err);
+        return;
+    }
+    char loc[160];
+    snprintf(loc, sizeof loc, "/models/%s/versions/%lld", d->name,
+             (long long)json_integer_value(json_object_get(version, "version")));
+    md_reply_header(req, "Location", loc);
+    md_reply_json(req, 201, version);
+}
+
+/* ---- POST /models/{name}/versions: upload ---- */
+
+typedef struct upload {
+    deploy_req d;
+    md_blob_writer *blob;
+    int multipart;
+    int saw_file;
+    char field[32];   /* the text field being accumulated */
+    md_body text;     /* its bytes so far */
+    md_err err;
+} upload;
+
+static void upload_free(void *p)
+{
+    upload *u = p;
+    if (!u)
+        return;
+    md_blob_abort(u->blob); /* an unfinished upload leaves no temp file */
+    md_body_free(&u->text);
+    deploy_req_free(&u->d);
+    free(u);
+}
+
+/* End the text field being accumulated, if any. */
+static md_status flush_text_field(upload *u, md_err *err)
+{
+    if (!u->field[0])
+        return MD_OK;
+    md_status st = set_text_field(&u->d, u->field, u->text.data ? u->text.data : "", err);
+    u->field[0] = '\0';
+    u->text.len = 0;
+    if (u->text.data)
+        u->text.data[0] = '\0';
+    return st;
+}
+
+static md_status on_form_field(md_req *req, const char *field, const char *filename,
+                               const char *data, size_t len, md_err *err)
+{
+    upload *u = md_req_state(req);
+    if (strcmp(field, "checkpoint") == 0 || strcmp(field, "file") == 0) {
+        (void)filename;
+        if (flush_text_field(u, err) != MD_OK)
+            return err->status;
+        u->saw_file = 1;
+        return md_blob_write(u->blob, data, len, err);
+    }
+    if (!text_field_known(field))
+        return md_err_setc(err, MD_EINVAL, "unknown_field",
+                           "unknown form field \"%.40s\"; allowed: checkpoint, config, metadata, "
+                           "metrics, version, make_default, deploy, sha256, retention",
+                           field);
+    if (strcmp(u->field, field) != 0) {
+        if (flush_text_field(u, err) != MD_OK)
+            return err->status;
+        snprintf(u->field, sizeof u->field, "%s", field);
+    }
+    if (md_body_append(&u->text, data, len, err) != MD_OK)
+        return md_err_set(err, MD_ETOOBIG, "form field %s is larger than %d bytes", field,
+                          FIELD_MAX);
+    return MD_OK;
+}
+
+static upload *upload_start(md_req *req, md_err *err)
+{
+    md_app *app = md_req_app(req);
+    const char *name = md_req_param(req, "name");
+    if (check_name(name, err) != MD_OK)
+        return NULL;
+    const char *ct = md_req_header(req, "Content-Type");
+    int multipart = ct && strncasecmp(ct, "multipart/form-data", 19) == 0;
+    if (!multipart && !(ct && strncasecmp(ct, "application/octet-stream", 24) == 0)) {
+        md_err_setc(err, MD_EMEDIA, "unsupported_media_type",
+                    "Content-Type %s is not accepted here; send the checkpoint as multipart "
+                    "(curl -F checkpoint=@model.pt) or raw bytes with Content-Type: "
+                    "application/octet-stream",
+                    ct ? ct : "(none)");
+        return NULL;
+    }
+    const char *cl = md_req_header(req, "Content-Length");
+    if (cl && strtoll(cl, NULL, 10) > app->cfg->max_checkpoint_bytes) {
+        md_err_setc(err, MD_ETOOBIG, "checkpoint_too_large",
+                    "the upload of %s bytes is larger than max_checkpoint_bytes (%lld); raise the "
+                    "setting to accept it",
+                    cl, app->cfg->max_checkpoint_bytes);
+        return NULL;
+    }
+    upload *u = md_xcalloc(1, sizeof *u);
+    snprintf(u->d.name, sizeof u->d.name, "%s", name);
+    u->d.make_default = u->d.deploy = 1;
+    u->multipart = multipart;
+    u->text.limit = FIELD_MAX;
+    if (md_blob_begin(app->store, app->cfg->max_checkpoint_bytes, &u->blob, err) != MD_OK) {
+        upload_free(u);
+        return NULL;
+    }
+    md_req_set_state(req, u, upload_free);
+    return u;
+}
+
+md_status md_upload_body(md_req *req, const char *data, size_t len, md_err *err)
+{
+    upload *u = md_req_state(req);
+    if (!u && !(u = upload_start(req, err)))
+        return err->status;
+    if (!data)
+        return MD_OK; /* headers only: checked by upload_start */
+    if (u->multipart)
+        return md_req_form_feed(req, on_form_field, data, len, err);
+    return md_blob_write(u->blob, data, len, err);
+}
+
+static void upload_commit(md_req *req)
+{
+    upload *u = md_req_state(req);
+    md_err err;
+    md_err_clear(&err);
+    char sha[MD_SHA256_HEX];
+    long long size = 0;
+    md_blob_writer *blob = u->blob;
+    u->blob = NULL; /* finish and add_version own it from here */
+    if (md_blob_finish(blob, u->d.sha256, sha, &size, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    commit_and_reply(req, &u->d, sha, size, blob);
+}
+
+void md_handle_version_upload(md_req *req)
+{
+    md_err err;
+    md_err_clear(&err);
+    upload *u = md_req_state(req);
+    if (!u) {
+        /* no body at all */
+        if (check_name(md_req_param(req, "name"), &err) == MD_OK)
+            md_err_setc(&err, MD_EINVAL, "empty_checkpoint",
+                        "the request has no checkpoint; send curl -F checkpoint=@model.pt or "
+                        "--data-binary @model.pt with Content-Type: application/octet-stream");
+        md_reply_error(req, &err);
+        return;
+    }
+    if (flush_text_field(u, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    if (u->multipart && !u->saw_file) {
+        md_err_setc(&err, MD_EINVAL, "missing_checkpoint",
+                    "the form has no checkpoint field; add -F checkpoint=@model.pt");
+        md_reply_error(req, &err);
+        return;
+    }
+    /* query arguments work for both forms (raw uploads have no other place) */
+    static const char *args[] = {"config", "metadata", "metrics", "version", "make_default",
+                                 "deploy", "sha256", "retention", NULL};
+    for (int i = 0; args[i]; i++) {
+        const char *v = md_req_query(req, args[i]);
+        if (v && set_text_field(&u->d, args[i], v, &err) != MD_OK) {
+            md_reply_error(req, &err);
+            return;
+        }
+    }
+    md_req_defer(req, upload_commit);
+}
+
+/* ---- POST /models: register from a URL ---- */
+
+/* Concurrent registrations of one source share one download. */
+typedef struct fetch {
+    char *source;
+    int done;
+    md_status status;
+    md_err err;
+    char sha[MD_SHA256_HEX];
+    long long size;
+    int refs;
+    pthread_cond_t cv;
+    struct fetch *next;
+} fetch;
+
+static pthread_mutex_t fetch_mu = PTHREAD_MUTEX_INITIALIZER;
+static fetch *fetches;
+
+static void fetch_release(fetch *f)
+{
+    /* fetch_mu held */
+    if (--f->refs > 0)
+        return;
+    for (fetch **p = &fetches; *p; p = &(*p)->next)
+        if (*p == f) {
+            *p = f->next;
+            break;
+        }
+    pthread_cond_destroy(&f->cv);
+    free(f->source);
+    free(f);
+}
+
+static void register_commit(md_req *req)
+{
+    deploy_req *d = md_req_state(req);
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+
+    pthread_mutex_lock(&fetch_mu);
+    fetch *f = fetches;
+    while (f && (f->done || strcmp(f->source, d->source) != 0))
+        f = f->next;
+    if (f) {
+        /* another request is downloading this source: wait for its bytes */
+        f->refs++;
+        while (!f->done)
+            pthread_cond_wait(&f->cv, &fetch_mu);
+        md_status st = f->status;
+        md_err ferr = f->err;
+        char sha[MD_SHA256_HEX];
+        long long size = f->size;
+        memcpy(sha, f->sha, sizeof sha);
+        fetch_release(f);
+        pthread_mutex_unlock(&fetch_mu);
+        if (st != MD_OK) {
+            md_reply_error(req, &ferr);
+            return;
+        }
+        if (d->sha256[0] && strcasecmp(d->sha256, sha) != 0) {
+            md_err_setc(&err, MD_EINVAL, "sha256_mismatch",
+                        "the checkpoint's sha256 is %s but %s was expected", sha, d->sha256);
+            md_reply_error(req, &err);
+            return;
+        }
+        commit_and_reply(req, d, sha, size, NULL);
+        return;
+    }
+    f = md_xcalloc(1, sizeof *f);
+    f->source = md_xstrdup(d->source);
+    f->refs = 1;
+    pthread_cond_init(&f->cv, NULL);
+    f->next = fetches;
+    fetches = f;
+    pthread_mutex_unlock(&fetch_mu);
+
+    md_fetch_opts opts = fetch_opts(app->cfg);
+    md_blob_writer *blob = NULL;
+    char sha[MD_SHA256_HEX] = "";
+    long long size = 0;
+    md_status st = md_fetch_blob(app->store, d->source, &opts, &blob, &err);
+    /* check the hash only against our own request's sha256 after the fact,
+     * so waiters with another expectation get their own answer */
+    if (st == MD_OK)
+        st = md_blob_finish(blob, NULL, sha, &size, &err);
+    if (st == MD_OK && d->sha256[0] && strcasecmp(d->sha256, sha) != 0) {
+        st = md_err_setc(&err, MD_EINVAL, "sha256_mismatch",
+                         "the checkpoint's sha256 is %s but %s was expected", sha, d->sha256);
+        md_blob_abort(blob);
+        /* waiters may still use the bytes: nothing is stored for them either */
+    }
+    if (st == MD_OK) {
+        /* commit ours first: this also puts the blob in blobs/ for the waiters */
+        commit_and_reply(req, d, sha, size, blob);
+    } else {
+        md_reply_error(req, &err);
+    }
+    pthread_mutex_lock(&fetch_mu);
+    f->done = 1;
+    f->status = st;
+    f->err = err;
+    memcpy(f->sha, sha, sizeof sha);
+    f->size = size;
+    pthread_cond_broadcast(&f->cv);
+    fetch_release(f);
+    pthread_mutex_unlock(&fetch_mu);
+}
+
+static void deploy_req_free_cb(void *p)
+{
+    deploy_req_free(p);
+    free(p);
+}
+
+/* Parse a JSON request body into an object; replies and returns NULL on error. */
+static json_t *body_object(md_req *req, const char *example)
+{
+    md_err err;
+    size_t len;
+    const char *body = md_req_body(req, &len);
+    if (!body) {
+        md_err_setc(&err, MD_EINVAL, "empty_body", "the request needs a JSON body such as %s",
+                    example);
+        md_reply_error(req, &err);
+        return NULL;
+    }
+    json_error_t jerr;
+    json_t *v = json_loadb(body, len, 0, &jerr);
+    if (!v || !json_is_object(v)) {
+        if (v)
+            md_err_setc(&err, MD_EINVAL, "invalid_json", "the body must be a JSON object such as %s",
+                        example);
+        else
+            md_err_setc(&err, MD_EINVAL, "invalid_json",
+                        "the body is not valid JSON (line %d, column %d: %s)", jerr.line,
+                        jerr.column, jerr.text);
+        json_decref(v);
+        md_reply_error(req, &err);
+        return NULL;
+    }
+    return v;
+}
+
+void md_handle_models_register(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    json_t *body = body_object(req, "{\"name\": \"mnist\", \"source\": \"https://host/model.pt\"}");
+    if (!body)
+        return;
+    deploy_req *d = md_xcalloc(1, sizeof *d);
+    d->make_default = d->deploy = 1;
+    md_status st = MD_OK;
+    const char *key;
+    json_t *v;
+    json_object_foreach(body, key, v)
+    {
+        if (strcmp(key, "name") == 0) {
+            if ((st = check_name(json_string_value(v), &err)) != MD_OK)
+                break;
+            snprintf(d->name, sizeof d->name, "%s", json_string_value(v));
+        } else if (strcmp(key, "source") == 0) {
+            if (!json_is_string(v)) {
+                st = md_err_setc(&err, MD_EINVAL, "invalid_source",
+                                 "source must be a URL string (https://, http:// or file:///)");
+                break;
+            }
+            d->source = md_xstrdup(json_string_value(v));
+        } else if (strcmp(key, "sha256") == 0) {
+            if (!json_is_string(v) || check_sha(json_string_value(v), &err) != MD_OK) {
+                st = md_err_set(&err, MD_EINVAL, "sha256 must be a string of 64 hex digits");
+                break;
+            }
+            snprintf(d->sha256, sizeof d->sha256, "%s", json_string_value(v));
+        } else if (strcmp(key, "version") == 0) {
+            if (!json_is_integer(v) || json_integer_value(v) < 1 ||
+                json_integer_value(v) > 1000000000) {
+                st = md_err_setc(&err, MD_EINVAL, "invalid_version",
+                                 "version must be a positive integer");
+                break;
+            }
+            d->version = (int)json_integer_value(v);
+        } else if (strcmp(key, "make_default") == 0 || strcmp(key, "deploy") == 0) {
+            if (!json_is_boolean(v)) {
+                st = md_err_set(&err, MD_EINVAL, "%s must be true or false", key);
+                break;
+            }
+            *(strcmp(key, "deploy") == 0 ? &d->deploy : &d->make_default) = json_is_true(v);
+        } else if (strcmp(key, "config") == 0 || strcmp(key, "metadata") == 0 ||
+                   strcmp(key, "metrics") == 0 || strcmp(key, "retention") == 0) {
+            if ((st = set_json_field(d, key, v, &err)) != MD_OK)
+                break;
+        } else {
+            st = md_err_setc(&err, MD_EINVAL, "unknown_field",
+                             "unknown key \"%.40s\"; allowed: name, source, sha256, version, "
+                             "make_default, deploy, config, metadata, metrics, retention",
+                             key);
+            break;
+        }
+    }
+    json_decref(body);
+    if (st == MD_OK && !d->name[0])
+        st = md_err_setc(&err, MD_EINVAL, "invalid_name", "name is required");
+    if (st == MD_OK && !d->source)
+        st = md_err_setc(&err, MD_EINVAL, "invalid_source",
+                         "source is required: the URL of the checkpoint (https://, http:// or "
+                         "file:///); to upload bytes use POST /models/NAME/versions");
+    md_fetch_opts opts = fetch_opts(app->cfg);
+    if (st == MD_OK)
+        st = md_source_check(d->source, &opts, &err);
+    if (st != MD_OK) {
+        deploy_req_free_cb(d);
+        md_reply_error(req, &err);
+        return;
+    }
+    md_req_set_state(req, d, deploy_req_free_cb);
+    md_req_defer(req, register_commit);
+}
+
+/* ---- reading ---- */
+
+static int parse_version_param(md_req *req, int *version)
+{
+    md_err err;
+    if (parse_version_text(md_req_param(req, "version"), version, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return 0;
+    }
+    return 1;
+}
+
+static void reply_result(md_req *req, md_status st, json_t *out, const md_err *err)
+{
+    if (st == MD_OK)
+        md_reply_json(req, 200, out);
+    else
+        md_reply_error(req, err);
+}
+
+void md_handle_models_list(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    int limit = 100;
+    const char *l = md_req_query(req, "limit");
+    if (l) {
+        char *end;
+        long v = strtol(l, &end, 10);
+        if (end == l || *end || v < 1 || v > 1000) {
+            md_err_setc(&err, MD_EINVAL, "invalid_limit", "limit=%.20s: give an integer in 1..1000",
+                        l);
+            md_reply_error(req, &err);
+            return;
+        }
+        limit = (int)v;
+    }
+    json_t *out = NULL;
+    md_status st = md_store_list_models(app->store, md_req_query(req, "after"), limit, &out, &err);
+    reply_result(req, st, out, &err);
+}
+
+void md_handle_model_get(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    json_t *out = NULL;
+    md_status st = md_store_get_model(app->store, md_req_param(req, "name"), &out, &err);
+    reply_result(req, st, out, &err);
+}
+
+void md_handle_versions_list(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    const char *order = md_req_query(req, "order");
+    if (order && strcmp(order, "asc") != 0 && strcmp(order, "desc") != 0) {
+        md_err_setc(&err, MD_EINVAL, "invalid_order", "order=%.20s: use asc or desc", order);
+        md_reply_error(req, &err);
+        return;
+    }
+    json_t *out = NULL;
+    md_status st = md_store_list_versions(app->store, md_req_param(req, "name"),
+                                          md_req_query(req, "order_by"),
+                                          !order || strcmp(order, "asc") == 0, &out, &err);
+    if (st == MD_OK)
+        out = json_pack("{s:o}", "versions", out);
+    reply_result(req, st, out, &err);
+}
+
+void md_handle_version_get(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    int version;
+    if (!parse_version_param(req, &version))
+        return;
+    json_t *out = NULL;
+    md_status st = md_store_get_version(app->store, md_req_param(req, "name"), version, &out, &err);
+    reply_result(req, st, out, &err);
+}
+
+void md_handle_version_checkpoint(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    int version;
+    if (!parse_version_param(req, &version))
+        return;
+    char path[4096], sha[MD_SHA256_HEX];
+    md_status st = md_store_blob_path(app->store, md_req_param(req, "name"), version, path,
+                                      sizeof path, sha, &err);
+    if (st != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    char etag[MD_SHA256_HEX + 2];
+    snprintf(etag, sizeof etag, "\"%s\"", sha);
+    md_reply_header(req, "ETag", etag);
+    const char *inm = md_req_header(req, "If-None-Match");
+    if (inm && (strcmp(inm, etag) == 0 || strcmp(inm, sha) == 0)) {
+        md_reply_bytes(req, 304, "application/octet-stream", NULL, 0);
+        return;
+    }
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat sb;
+    if (fd < 0 || fstat(fd, &sb) != 0) {
+        if (fd >= 0)
+            close(fd);
+        md_err_setc(&err, MD_EIO, "checkpoint_missing",
+                    "the checkpoint file of model %s version %d is missing from the store",
+                    md_req_param(req, "name"), version);
+        md_reply_error(req, &err);
+        return;
+    }
+    char disp[160];
+    snprintf(disp, sizeof disp, "attachment; filename=\"%s-v%d.pt\"", md_req_param(req, "name"),
+             version);
+    md_reply_header(req, "Content-Disposition", disp);
+    md_reply_fd(req, 200, "application/octet-stream", fd, (size_t)sb.st_size);
+}
+
+/* ---- changing and deleting ---- */
+
+void md_handle_model_patch(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    const char *name = md_req_param(req, "name");
+    json_t *body = body_object(req, "{\"default_version\": 2}");
+    if (!body)
+        return;
+    md_status st = MD_OK;
+    const char *key;
+    json_t *v;
+    json_object_foreach(body, key, v)
+    {
+        if (strcmp(key, "default_version") != 0 && strcmp(key, "retention") != 0) {
+            st = md_err_setc(&err, MD_EINVAL, "unknown_field",
+                             "unknown key \"%.40s\"; allowed: default_version, retention", key);
+            break;
+        }
+    }
+    json_t *dv = json_object_get(body, "default_version");
+    json_t *ret = json_object_get(body, "retention");
+    if (st == MD_OK && dv && (!json_is_integer(dv) || json_integer_value(dv) < 1))
+        st = md_err_setc(&err, MD_EINVAL, "invalid_version",
+                         "default_version must be a positive integer");
+    if (st == MD_OK && ret)
+        st = md_retention_check(ret, &err);
+    if (st == MD_OK && !dv && !ret)
+        st = md_err_setc(&err, MD_EINVAL, "empty_patch",
+                         "nothing to change; give default_version and/or retention");
+    if (st == MD_OK && dv)
+        st = md_store_set_default(app->store, name, (int)json_integer_value(dv), &err);
+    if (st == MD_OK && ret)
+        st = md_store_set_retention(app->store, name, ret, &err);
+    json_decref(body);
+    json_t *out = NULL;
+    if (st == MD_OK)
+        st = md_store_get_model(app->store, name, &out, &err);
+    reply_result(req, st, out, &err);
+}
+
+void md_handle_version_delete(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    int version, force = 0;
+    if (!parse_version_param(req, &version))
+        return;
+    const char *f = md_req_query(req, "force");
+    if (f && parse_bool("force", f, &force, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    const char *name = md_req_param(req, "name");
+    md_status st = md_store_delete_version(app->store, name, version, force, &err);
+    reply_result(req, st,
+                 st == MD_OK ? json_pack("{s:{s:s,s:i}}", "deleted", "model", name, "version",
+                                         version)
+                             : NULL,
+                 &err);
+}
+
+void md_handle_model_delete(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    const char *name = md_req_param(req, "name");
+    md_status st = md_store_delete_model(app->store, name, &err);
+    reply_result(req, st, st == MD_OK ? json_pack("{s:{s:s}}", "deleted", "model", name) : NULL,
+                 &err);
+}

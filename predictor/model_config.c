@@ -1,0 +1,168 @@
+/* model_config.c - validation of per-version model config (see predictor.h). */
+#include <string.h>
+
+#include "predictor.h"
+
+static md_status bad(md_err *err, const char *key, const char *allowed)
+{
+    return md_err_setc(err, MD_EUNPROC, "invalid_config", "config.%s is invalid; %s", key,
+                       allowed);
+}
+
+static int is_num(json_t *v) { return json_is_integer(v) || json_is_real(v); }
+
+static int int_in(json_t *v, json_int_t lo, json_int_t hi)
+{
+    return json_is_integer(v) && json_integer_value(v) >= lo && json_integer_value(v) <= hi;
+}
+
+static md_status check_num_array(json_t *a, const char *key, int positive, md_err *err)
+{
+    size_t i;
+    json_t *x;
+    if (!json_is_array(a) || json_array_size(a) == 0)
+        return bad(err, key, "give a non-empty array of numbers, one per channel");
+    json_array_foreach(a, i, x)
+    {
+        if (!is_num(x) || (positive && json_number_value(x) <= 0))
+            return bad(err, key, positive ? "every value must be a number > 0"
+                                          : "every value must be a number");
+    }
+    return MD_OK;
+}
+
+md_status md_model_config_check(json_t *c, md_err *err)
+{
+    if (!c || json_is_null(c))
+        return MD_OK;
+    if (!json_is_object(c))
+        return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                           "config must be a JSON object such as {\"input\": {\"shape\": [784]}}");
+    const char *key;
+    json_t *v;
+    json_object_foreach(c, key, v)
+    {
+        if (strcmp(key, "input") == 0) {
+            if (!json_is_object(v))
+                return bad(err, "input", "give {\"shape\": [d, ...], \"dtype\": \"float32\"}");
+            const char *k2;
+            json_t *v2;
+            json_object_foreach(v, k2, v2)
+            {
+                if (strcmp(k2, "shape") == 0) {
+                    size_t i;
+                    json_t *d;
+                    if (!json_is_array(v2) || json_array_size(v2) == 0 ||
+                        json_array_size(v2) > 8)
+                        return bad(err, "input.shape",
+                                   "give the per-row shape as 1 to 8 positive integers, e.g. "
+                                   "[784] or [1, 28, 28]");
+                    json_array_foreach(v2, i, d)
+                    {
+                        if (!int_in(d, 1, 1 << 30))
+                            return bad(err, "input.shape", "every dimension must be an integer >= 1");
+                    }
+                } else if (strcmp(k2, "dtype") == 0) {
+                    const char *t = json_string_value(v2);
+                    if (!t || (strcmp(t, "float32") && strcmp(t, "float64") && strcmp(t, "int64") &&
+                               strcmp(t, "uint8")))
+                        return bad(err, "input.dtype", "allowed: float32, float64, int64, uint8");
+                } else {
+                    char k[96];
+                    snprintf(k, sizeof k, "input.%s", k2);
+                    return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                                       "config has an unknown key \"%s\"; input allows shape, dtype",
+                                       k);
+                }
+            }
+        } else if (strcmp(key, "preprocess") == 0) {
+            if (!json_is_object(v))
+                return bad(err, "preprocess", "give {\"scale\": 0.00392, \"mean\": [..], \"std\": [..]}");
+            const char *k2;
+            json_t *v2;
+            md_status st;
+            json_object_foreach(v, k2, v2)
+            {
+                if (strcmp(k2, "scale") == 0) {
+                    if (!is_num(v2))
+                        return bad(err, "preprocess.scale", "give a number, e.g. 0.00392156862745098 (1/255)");
+                } else if (strcmp(k2, "mean") == 0) {
+                    if ((st = check_num_array(v2, "preprocess.mean", 0, err)) != MD_OK)
+                        return st;
+                } else if (strcmp(k2, "std") == 0) {
+                    if ((st = check_num_array(v2, "preprocess.std", 1, err)) != MD_OK)
+                        return st;
+                } else {
+                    return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                                       "config has an unknown key \"preprocess.%s\"; preprocess "
+                                       "allows scale, mean, std",
+                                       k2);
+                }
+            }
+            json_t *mean = json_object_get(v, "mean"), *std = json_object_get(v, "std");
+            if ((mean || std) && (!mean || !std || json_array_size(mean) != json_array_size(std)))
+                return bad(err, "preprocess", "mean and std must be given together, with the same length");
+        } else if (strcmp(key, "output") == 0) {
+            const char *t = json_string_value(v);
+            if (!t || (strcmp(t, "logits") && strcmp(t, "probabilities") && strcmp(t, "raw")))
+                return bad(err, "output", "allowed: logits, probabilities, raw");
+        } else if (strcmp(key, "labels") == 0) {
+            size_t i;
+            json_t *x;
+            if (!json_is_array(v) || json_array_size(v) == 0)
+                return bad(err, "labels", "give a non-empty array of class names");
+            json_array_foreach(v, i, x)
+            {
+                if (!json_is_string(x))
+                    return bad(err, "labels", "every label must be a string");
+            }
+        } else if (strcmp(key, "batching") == 0) {
+            if (!json_is_object(v))
+                return bad(err, "batching", "give an object with max_batch_size, max_delay_us, queue_limit, timeout_ms");
+            const char *k2;
+            json_t *v2;
+            json_object_foreach(v, k2, v2)
+            {
+                json_int_t lo = 1, hi = 1000000;
+                if (strcmp(k2, "max_delay_us") == 0)
+                    lo = 0, hi = 10000000;
+                else if (strcmp(k2, "queue_limit") == 0)
+                    hi = 10000000;
+                else if (strcmp(k2, "timeout_ms") == 0)
+                    hi = 3600000;
+                else if (strcmp(k2, "max_batch_size") != 0)
+                    return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                                       "config has an unknown key \"batching.%s\"; batching allows "
+                                       "max_batch_size, max_delay_us, queue_limit, timeout_ms",
+                                       k2);
+                if (!int_in(v2, lo, hi)) {
+                    char k[96], allowed[96];
+                    snprintf(k, sizeof k, "batching.%s", k2);
+                    snprintf(allowed, sizeof allowed, "give an integer in %lld..%lld",
+                             (long long)lo, (long long)hi);
+                    return bad(err, k, allowed);
+                }
+            }
+        } else if (strcmp(key, "workers") == 0) {
+            if (!int_in(v, 1, 256))
+                return bad(err, "workers", "give an integer in 1..256");
+        } else if (strcmp(key, "device") == 0) {
+            const char *t = json_string_value(v);
+            int ok = t && (strcmp(t, "cpu") == 0 || strcmp(t, "cuda") == 0 ||
+                           strcmp(t, "auto") == 0);
+            if (t && strncmp(t, "cuda:", 5) == 0 && t[5]) {
+                ok = 1;
+                for (const char *p = t + 5; *p; p++)
+                    ok &= *p >= '0' && *p <= '9';
+            }
+            if (!ok)
+                return bad(err, "device", "allowed: cpu, cuda, cuda:N, auto");
+        } else {
+            return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                               "config has an unknown key \"%s\"; allowed: input, preprocess, "
+                               "output, labels, batching, workers, device",
+                               key);
+        }
+    }
+    return MD_OK;
+}
