@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 typedef enum { T_INT, T_SIZE, T_STR, T_ENUM, T_LIST } setting_type;
@@ -223,6 +224,8 @@ static md_status set_from_json(md_cfg *cfg, const setting *s, json_t *v, const c
         {
             if (!json_is_string(item))
                 return md_err_set(err, MD_EINVAL, "%s: %s[%zu] is not a string", source, s->key, i);
+            if (json_string_length(item) == 0)
+                continue; /* as in "a,,b" from env or flags: an empty prefix would allow all */
             strlist_push(l, json_string_value(item), strlen(json_string_value(item)));
         }
         return MD_OK;
@@ -301,6 +304,11 @@ static md_status load_file(md_cfg *cfg, const char *path, md_err *err)
     FILE *f = fopen(path, "rb");
     if (!f)
         return md_err_set(err, MD_EINVAL, "%s: cannot read: %s", source, strerror(errno));
+    struct stat sb;
+    if (fstat(fileno(f), &sb) == 0 && S_ISDIR(sb.st_mode)) {
+        fclose(f);
+        return md_err_set(err, MD_EINVAL, "%s: cannot read: Is a directory", source);
+    }
     json_error_t jerr;
     json_t *root = json_loadf(f, JSON_REJECT_DUPLICATES, &jerr);
     fclose(f);
@@ -375,7 +383,8 @@ md_status md_cfg_load(md_cfg *cfg, int argc, char **argv, char **envp, md_cfg_ac
             const char *eq = a[8] == '=' ? a + 8 : NULL;
             if (flag_value(argc, argv, &i, eq, "--config", &config_path, err) != MD_OK)
                 return MD_EINVAL;
-        }
+        } else if (strncmp(a, "--", 2) == 0 && !strchr(a, '=') && find_flag(a + 2, strlen(a + 2)))
+            i++; /* skip the setting's value: "--store --help" names a store */
     }
     if (*action == MD_CFG_HELP || *action == MD_CFG_VERSION)
         return MD_OK;
