@@ -52,6 +52,10 @@ md_status md_blob_begin(md_store *store, long long max_bytes, md_blob_writer **o
 md_status md_blob_write(md_blob_writer *w, const void *data, size_t len, md_err *err);
 /* Bytes written so far. */
 long long md_blob_size(const md_blob_writer *w);
+/* The temp file being written (valid until the writer is consumed). */
+const char *md_blob_path(const md_blob_writer *w);
+/* The final path of the blob with this sha256. */
+void md_store_sha_path(const md_store *store, const char *sha256, char *out, size_t size);
 /* Finish writing: check it is non-empty, a TorchScript archive, and (when
  * `expect_sha256` is non-NULL and non-empty) has that hash; fsync. Fills
  * `sha256` and `size`. On failure the writer and its temp file are gone; on

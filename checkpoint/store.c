@@ -393,6 +393,13 @@ md_status md_blob_write(md_blob_writer *w, const void *data, size_t len, md_err 
 
 long long md_blob_size(const md_blob_writer *w) { return w->size; }
 
+const char *md_blob_path(const md_blob_writer *w) { return w->tmp_path; }
+
+void md_store_sha_path(const md_store *s, const char *sha, char *out, size_t size)
+{
+    blob_path(s, sha, out, size);
+}
+
 void md_blob_abort(md_blob_writer *w)
 {
     if (!w)

@@ -11,6 +11,7 @@
 
 #include "../checkpoint/checkpoint.h"
 #include "../config/config.h"
+#include "../predictor/predictor.h"
 #include "../server/server.h"
 
 #ifdef __cplusplus
@@ -22,6 +23,8 @@ extern "C" {
 typedef struct md_app {
     const md_cfg *cfg;
     md_store *store;
+    md_registry *registry;
+    md_model_defaults model_defaults;
     atomic_int ready;
     char not_ready_reason[160]; /* written before `ready` changes */
 } md_app;
@@ -38,6 +41,12 @@ const char *md_openapi_text(size_t *len);
 void md_handle_healthz(md_req *req);
 void md_handle_readyz(md_req *req);
 /* models.c */
+/* Load the stored version described by `v` (its JSON from the store), and
+ * record its state (ready, or failed with libtorch's reason). Returns the
+ * model with one reference, or NULL with `err` set. */
+md_model *md_app_load_version(md_app *app, json_t *v, md_err *err);
+/* At start: load every model's default version into the registry. */
+void md_app_load_defaults(md_app *app);
 md_status md_upload_body(md_req *req, const char *data, size_t len, md_err *err);
 void md_handle_version_upload(md_req *req);
 void md_handle_models_register(md_req *req);
@@ -49,6 +58,19 @@ void md_handle_versions_list(md_req *req);
 void md_handle_version_get(md_req *req);
 void md_handle_version_delete(md_req *req);
 void md_handle_version_checkpoint(md_req *req);
+/* predict.c */
+void md_handle_predict_default(md_req *req);
+void md_handle_predict_model(md_req *req);
+void md_handle_predict_version(md_req *req);
+void md_handle_v2_infer(md_req *req);
+void md_handle_v2_infer_version(md_req *req);
+void md_handle_v2_model(md_req *req);
+void md_handle_v2_model_version(md_req *req);
+void md_handle_v2_model_ready(md_req *req);
+void md_handle_v2_model_version_ready(md_req *req);
+void md_handle_v2_live(md_req *req);
+void md_handle_v2_ready(md_req *req);
+void md_handle_v2_server(md_req *req);
 /* openapi.c */
 void md_handle_openapi(md_req *req);
 

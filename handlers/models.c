@@ -175,13 +175,69 @@ static md_fetch_opts fetch_opts(const md_cfg *cfg)
     return o;
 }
 
-/* Add the version row and answer 201 with it. Takes ownership of `blob`. */
+md_model *md_app_load_version(md_app *app, json_t *v, md_err *err)
+{
+    const char *name = json_string_value(json_object_get(v, "model"));
+    int version = (int)json_integer_value(json_object_get(v, "version"));
+    char path[4096];
+    md_store_sha_path(app->store, json_string_value(json_object_get(v, "sha256")), path,
+                      sizeof path);
+    md_model *m = NULL;
+    md_status st = md_model_load(name, version, path, json_object_get(v, "config"),
+                                 &app->model_defaults, &m, err);
+    md_store_set_state(app->store, name, version, st == MD_OK ? "ready" : "failed",
+                       st == MD_OK ? NULL : err->msg, NULL);
+    if (st != MD_OK)
+        md_log(MD_LOG_WARN, "model %s version %d failed to load: %s", name, version, err->msg);
+    return m;
+}
+
+void md_app_load_defaults(md_app *app)
+{
+    md_err err;
+    json_t *defaults = NULL;
+    if (md_store_defaults(app->store, &defaults, &err) != MD_OK) {
+        md_log(MD_LOG_ERROR, "cannot list the deployed models: %s", err.msg);
+        return;
+    }
+    size_t i;
+    json_t *v;
+    json_array_foreach(defaults, i, v)
+    {
+        const char *state = json_string_value(json_object_get(v, "state"));
+        if (strcmp(state, "failed") == 0)
+            continue;
+        md_model *m = md_app_load_version(app, v, &err);
+        if (m) {
+            md_registry_put(app->registry, m, 1);
+            md_log(MD_LOG_INFO, "model %s version %d loaded", md_model_name(m),
+                   md_model_version(m));
+        }
+    }
+    json_decref(defaults);
+}
+
+/* Load the checkpoint (the real validation), add the version row, put the
+ * model in the registry when deploying, and answer 201. Takes ownership of
+ * `blob`. A checkpoint that does not load stores nothing (422). */
 static void commit_and_reply(md_req *req, deploy_req *d, const char *sha, long long size,
                              md_blob_writer *blob)
 {
     md_app *app = md_req_app(req);
     md_err err;
     md_err_clear(&err);
+    char path[4096];
+    if (blob)
+        snprintf(path, sizeof path, "%s", md_blob_path(blob));
+    else
+        md_store_sha_path(app->store, sha, path, sizeof path);
+    md_model *model = NULL;
+    if (md_model_load(d->name, d->version, path, d->config, &app->model_defaults, &model, &err) !=
+        MD_OK) {
+        md_blob_abort(blob);
+        md_reply_error(req, &err);
+        return;
+    }
     md_version_spec spec = {
         .model = d->name,
         .version = d->version,
@@ -192,20 +248,27 @@ static void commit_and_reply(md_req *req, deploy_req *d, const char *sha, long l
         .metadata = d->metadata,
         .metrics = d->metrics,
         .make_default = d->deploy && d->make_default,
-        .state = "stored",
+        .state = d->deploy ? "ready" : "stored",
     };
     json_t *version = NULL;
     md_status st = md_store_add_version(app->store, &spec, blob, &version, &err);
     if (st == MD_OK && d->retention)
         st = md_store_set_retention(app->store, d->name, d->retention, &err);
     if (st != MD_OK) {
+        md_model_release(model);
         json_decref(version);
         md_reply_error(req, &err);
         return;
     }
+    int number = (int)json_integer_value(json_object_get(version, "version"));
+    if (d->deploy) {
+        md_model_set_version(model, number);
+        md_registry_put(app->registry, model, json_is_true(json_object_get(version, "default")));
+    } else {
+        md_model_release(model);
+    }
     char loc[160];
-    snprintf(loc, sizeof loc, "/models/%s/versions/%lld", d->name,
-             (long long)json_integer_value(json_object_get(version, "version")));
+    snprintf(loc, sizeof loc, "/models/%s/versions/%d", d->name, number);
     md_reply_header(req, "Location", loc);
     md_reply_json(req, 201, version);
 }
@@ -754,6 +817,18 @@ void md_handle_model_patch(md_req *req)
                          "nothing to change; give default_version and/or retention");
     if (st == MD_OK && dv)
         st = md_store_set_default(app->store, name, (int)json_integer_value(dv), &err);
+    if (st == MD_OK && dv &&
+        !md_registry_set_default(app->registry, name, (int)json_integer_value(dv))) {
+        /* not loaded yet: load it, then swap it in as the default */
+        json_t *ver = NULL;
+        st = md_store_get_version(app->store, name, (int)json_integer_value(dv), &ver, &err);
+        md_model *m = st == MD_OK ? md_app_load_version(app, ver, &err) : NULL;
+        if (m)
+            md_registry_put(app->registry, m, 1);
+        else
+            st = err.status;
+        json_decref(ver);
+    }
     if (st == MD_OK && ret)
         st = md_store_set_retention(app->store, name, ret, &err);
     json_decref(body);
@@ -778,6 +853,27 @@ void md_handle_version_delete(md_req *req)
     }
     const char *name = md_req_param(req, "name");
     md_status st = md_store_delete_version(app->store, name, version, force, &err);
+    if (st == MD_OK) {
+        md_registry_remove(app->registry, name, version);
+        /* a forced delete of the default moved it: follow in the registry */
+        json_t *info = NULL;
+        if (md_store_get_model(app->store, name, &info, NULL) == MD_OK) {
+            json_t *dv = json_object_get(info, "default_version");
+            if (json_is_integer(dv) &&
+                !md_registry_set_default(app->registry, name, (int)json_integer_value(dv))) {
+                json_t *ver = NULL;
+                md_err lerr;
+                if (md_store_get_version(app->store, name, (int)json_integer_value(dv), &ver,
+                                         &lerr) == MD_OK) {
+                    md_model *m = md_app_load_version(app, ver, &lerr);
+                    if (m)
+                        md_registry_put(app->registry, m, 1);
+                }
+                json_decref(ver);
+            }
+            json_decref(info);
+        }
+    }
     reply_result(req, st,
                  st == MD_OK ? json_pack("{s:{s:s,s:i}}", "deleted", "model", name, "version",
                                          version)
@@ -791,6 +887,8 @@ void md_handle_model_delete(md_req *req)
     md_err err;
     const char *name = md_req_param(req, "name");
     md_status st = md_store_delete_model(app->store, name, &err);
+    if (st == MD_OK)
+        md_registry_remove(app->registry, name, 0);
     reply_result(req, st, st == MD_OK ? json_pack("{s:{s:s}}", "deleted", "model", name) : NULL,
                  &err);
 }

@@ -14,6 +14,8 @@
 #define MD_PREDICTOR_H
 
 #include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
 
 #include "../config/md_err.h"
 
@@ -21,9 +23,129 @@
 extern "C" {
 #endif
 
+#define MD_MAX_DIMS 8
+
+typedef struct md_tensor md_tensor;
+
 /* Check a version config object; MD_EUNPROC naming the key and what is
  * allowed when a key is unknown or a value is wrong. NULL is a valid {}. */
 md_status md_model_config_check(json_t *config, md_err *err);
+
+/* ---- loaded model versions and their batchers (batcher.c) ---- */
+
+typedef struct md_model md_model;
+
+/* Defaults for settings a version's config does not give. */
+typedef struct md_model_defaults {
+    int workers;
+    int max_batch_size;
+    int max_delay_us;
+    int queue_limit;
+    int timeout_ms;
+} md_model_defaults;
+
+/*
+ * Load version `version` of model `name` from the TorchScript file `path`
+ * with its `config` (borrowed), run one test forward on the declared input
+ * shape, and start its batching workers. Returns a model holding one
+ * reference. MD_EUNPROC with libtorch's message when it does not load or the
+ * test forward fails.
+ */
+md_status md_model_load(const char *name, int version, const char *path, json_t *config,
+                        const md_model_defaults *defaults, md_model **out, md_err *err);
+
+/* Reference counting; the last release stops the workers (after the queue is
+ * empty) and frees the model. Thread-safe; release accepts NULL. */
+void md_model_retain(md_model *m);
+void md_model_release(md_model *m);
+
+const char *md_model_name(const md_model *m);
+/* Set the version number once it is known (before the model is shared). */
+void md_model_set_version(md_model *m, int version);
+int md_model_version(const md_model *m);
+/* The declared labels (borrowed JSON array) or NULL. */
+json_t *md_model_labels(const md_model *m);
+/* 1 when the output is declared logits (softmax before scores). */
+int md_model_output_logits(const md_model *m);
+/* The declared per-row input shape (0 dims when not declared). */
+int md_model_input_shape(const md_model *m, int64_t *shape);
+/* Counters as JSON: batches, rows, requests, queue wait, batch size histogram. New reference. */
+json_t *md_model_stats(const md_model *m);
+
+/* Called on a worker thread when a submitted request is done. `out` (shape
+ * `out_shape[0..ndim)`, C order float32) is valid only during the call. */
+typedef void (*md_predict_cb)(void *ctx, md_status st, const md_err *err, const float *out,
+                              const int64_t *out_shape, int ndim);
+
+typedef enum md_priority { MD_PRIO_ONLINE = 0, MD_PRIO_BATCH = 1 } md_priority;
+
+/*
+ * Queue `in` (ownership taken, even on failure) for prediction. The input
+ * is shaped to the model's declared per-row shape (a single row is a batch
+ * of one), cast and preprocessed. On MD_OK `cb` will be called exactly once
+ * from a worker thread; on failure (bad shape MD_EINVAL, queue full MD_EBUSY)
+ * it is not called. Requests larger than max_batch_size are split and
+ * reassembled. Thread-safe.
+ */
+md_status md_model_submit(md_model *m, md_tensor *in, md_priority prio, md_predict_cb cb,
+                          void *ctx, md_err *err);
+
+/* ---- the registry of loaded versions (registry.c) ---- */
+
+typedef struct md_registry md_registry;
+
+md_registry *md_registry_new(void);
+/* Releases every model. Accepts NULL. */
+void md_registry_free(md_registry *r);
+/* The loaded model for name and version (0 = the default), retained; or NULL. */
+md_model *md_registry_get(md_registry *r, const char *name, int version);
+/* Add `m` (takes the caller's reference); when `make_default` it becomes the
+ * default of its name atomically, and the old default is released once its
+ * queue drains. Replaces an entry for the same name and version. */
+void md_registry_put(md_registry *r, md_model *m, int make_default);
+/* Make a loaded version the default; 0 when it is not loaded. */
+int md_registry_set_default(md_registry *r, const char *name, int version);
+/* Drop one version (version 0: every version of `name`). */
+void md_registry_remove(md_registry *r, const char *name, int version);
+/* Names of the models with a default, as a JSON array. New reference. */
+json_t *md_registry_names(md_registry *r);
+/* Stats of every loaded version, as a JSON array. New reference. */
+json_t *md_registry_stats(md_registry *r);
+
+/* ---- tensors and codecs (tensor.c) ---- */
+
+/* A dense float32 tensor in C order. `data` is owned (malloc). */
+struct md_tensor {
+    int ndim;
+    int64_t shape[MD_MAX_DIMS];
+    float *data;
+    size_t count; /* product of shape */
+};
+
+/* Free the data of `t` and zero it. Accepts NULL. */
+void md_tensor_free(md_tensor *t);
+
+/*
+ * Decode a prediction request body into a tensor: a JSON array of rows,
+ * {"instances": rows} (TF Serving), {"array": data, "shape"?: [...]} (Ray
+ * Serve), or an NPY file when `content_type` is application/x-npy. Numbers
+ * are decoded without building a JSON tree. Errors (MD_EINVAL) name the row
+ * and column: ragged rows, strings, NaN, non-numbers. At most `max_values`
+ * numbers (MD_ETOOBIG past it). Thread-safe.
+ */
+md_status md_tensor_decode(const char *body, size_t len, const char *content_type,
+                           size_t max_values, md_tensor *out, md_err *err);
+
+/* Decode an NPY file (float32/64, int64/32, uint8, bool; C order) into float32. */
+md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tensor *out,
+                        md_err *err);
+
+/* Encode `count` float32 values of `shape` as an NPY (<f4) file. Returns a
+ * new malloc'd buffer and its length in *len. */
+char *md_npy_encode(const float *data, const int64_t *shape, int ndim, size_t *len);
+
+/* Append the shortest decimal that reads back as the same float32. */
+int md_float_format(float v, char *buf, size_t size);
 
 #ifdef __cplusplus
 }

@@ -1,8 +1,54 @@
 // torch_backend.cpp - libtorch behind the C header torch_backend.h.
+// Every extern "C" body catches everything and reports through md_err.
 #include "torch_backend.h"
+
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <new>
+#include <string>
+#include <vector>
 
 #include <torch/script.h>
 #include <torch/version.h>
+#include <ATen/Parallel.h>
+#include <torch/cuda.h>
+
+struct md_torch_model {
+    torch::jit::script::Module module;
+    torch::Device device;
+    torch::ScalarType dtype;
+    std::string device_name;
+};
+
+static torch::ScalarType scalar_type(md_dtype d)
+{
+    switch (d) {
+    case MD_F64:
+        return torch::kFloat64;
+    case MD_I64:
+        return torch::kInt64;
+    case MD_U8:
+        return torch::kUInt8;
+    case MD_I32:
+        return torch::kInt32;
+    case MD_BOOL:
+        return torch::kBool;
+    default:
+        return torch::kFloat32;
+    }
+}
+
+/* libtorch messages carry a C++ backtrace after the first line: keep the first. */
+static void set_torch_err(md_err *err, md_status st, const char *what, const char *msg)
+{
+    std::string m(msg ? msg : "unknown error");
+    size_t nl = m.find('\n');
+    if (nl != std::string::npos)
+        m.resize(nl);
+    md_err_set(err, st, "%s: %s", what, m.c_str());
+}
 
 extern "C" const char *md_torch_version(void) { return TORCH_VERSION; }
 
@@ -14,3 +60,130 @@ extern "C" int md_torch_built_with_cuda(void)
     return 0;
 #endif
 }
+
+extern "C" int md_torch_cuda_device_count(void)
+{
+    try {
+        return torch::cuda::is_available() ? (int)torch::cuda::device_count() : 0;
+    } catch (...) {
+        return 0;
+    }
+}
+
+extern "C" void md_torch_init(int intra_op_threads)
+{
+    try {
+        /* OpenBLAS reads OPENBLAS_NUM_THREADS when it loads, before main;
+         * set it through its API so one worker is one core. */
+        typedef void (*set_threads_fn)(int);
+        set_threads_fn set = (set_threads_fn)dlsym(RTLD_DEFAULT, "openblas_set_num_threads");
+        if (set)
+            set(1);
+        at::set_num_threads(intra_op_threads > 0 ? intra_op_threads : 1);
+        at::set_num_interop_threads(1);
+    } catch (...) {
+        /* set_num_interop_threads throws if called twice; harmless */
+    }
+}
+
+extern "C" md_status md_torch_load(const char *path, const char *device, md_dtype input_dtype,
+                                   md_torch_model **out, md_err *err)
+{
+    *out = nullptr;
+    try {
+        std::string dev = device && *device ? device : "cpu";
+        int cuda_n = md_torch_cuda_device_count();
+        if (dev == "auto")
+            dev = cuda_n > 0 ? "cuda:0" : "cpu";
+        if (dev.rfind("cuda", 0) == 0) {
+            if (!md_torch_built_with_cuda())
+                return md_err_setc(err, MD_EUNPROC, "cuda_unavailable",
+                                   "device \"%s\" needs CUDA, but this modeld was built without "
+                                   "it; use \"cpu\" or \"auto\", or run the CUDA image "
+                                   "(docker/Dockerfile.cuda)",
+                                   dev.c_str());
+            if (cuda_n == 0)
+                return md_err_setc(err, MD_EUNPROC, "cuda_unavailable",
+                                   "device \"%s\" was asked for but no CUDA device is visible; "
+                                   "use \"cpu\" or \"auto\"",
+                                   dev.c_str());
+            if (dev == "cuda")
+                dev = "cuda:0";
+            int index = atoi(dev.c_str() + 5);
+            if (index >= cuda_n)
+                return md_err_setc(err, MD_EUNPROC, "cuda_unavailable",
+                                   "device \"%s\" does not exist; %d CUDA device(s) visible",
+                                   dev.c_str(), cuda_n);
+        }
+        torch::Device d(dev);
+        torch::jit::script::Module module = torch::jit::load(path, d);
+        module.eval();
+        md_torch_model *m = new (std::nothrow) md_torch_model{std::move(module), d,
+                                                              scalar_type(input_dtype), dev};
+        if (!m)
+            return md_err_set(err, MD_ENOMEM, "out of memory loading the model");
+        *out = m;
+        return MD_OK;
+    } catch (const std::exception &e) {
+        set_torch_err(err, MD_EUNPROC, "libtorch could not load the checkpoint", e.what());
+        return MD_EUNPROC;
+    } catch (...) {
+        return md_err_set(err, MD_EUNPROC, "libtorch could not load the checkpoint");
+    }
+}
+
+extern "C" const char *md_torch_device(const md_torch_model *m) { return m->device_name.c_str(); }
+
+extern "C" md_status md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape,
+                                      int ndim, float **out, int64_t *out_shape, int *out_ndim,
+                                      md_err *err)
+{
+    *out = nullptr;
+    try {
+        c10::InferenceMode guard;
+        std::vector<int64_t> sizes(shape, shape + ndim);
+        /* from_blob does not copy; the cast or the device move below does
+         * when needed, and the input outlives the forward. */
+        torch::Tensor x = torch::from_blob(const_cast<float *>(input), sizes, torch::kFloat32);
+        if (m->device.is_cuda())
+            x = x.pin_memory().to(m->device, m->dtype, /*non_blocking=*/true);
+        else if (m->dtype != torch::kFloat32)
+            x = x.to(m->dtype);
+        std::vector<torch::jit::IValue> args{x};
+        torch::jit::IValue r = m->module.forward(args);
+        torch::Tensor y;
+        if (r.isTensor())
+            y = r.toTensor();
+        else if (r.isTuple() && !r.toTuple()->elements().empty() &&
+                 r.toTuple()->elements()[0].isTensor())
+            y = r.toTuple()->elements()[0].toTensor();
+        else if (r.isList() && r.toList().size() > 0 && r.toList().get(0).isTensor())
+            y = r.toList().get(0).toTensor();
+        else
+            return md_err_setc(err, MD_EUNPROC, "bad_model_output",
+                               "the model's forward returned %s, not a tensor",
+                               r.tagKind().c_str());
+        y = y.to(torch::kCPU, torch::kFloat32).contiguous();
+        if (y.dim() > 8 || y.dim() < 1)
+            return md_err_setc(err, MD_EUNPROC, "bad_model_output",
+                               "the model's output has %d dimensions; 1 to 8 are supported",
+                               (int)y.dim());
+        size_t n = (size_t)y.numel();
+        float *buf = (float *)malloc(n ? n * sizeof(float) : 1);
+        if (!buf)
+            return md_err_set(err, MD_ENOMEM, "out of memory for the model's output");
+        memcpy(buf, y.data_ptr<float>(), n * sizeof(float));
+        *out_ndim = (int)y.dim();
+        for (int i = 0; i < y.dim(); i++)
+            out_shape[i] = y.size(i);
+        *out = buf;
+        return MD_OK;
+    } catch (const std::exception &e) {
+        set_torch_err(err, MD_EUNPROC, "the model's forward failed", e.what());
+        return MD_EUNPROC;
+    } catch (...) {
+        return md_err_set(err, MD_EUNPROC, "the model's forward failed");
+    }
+}
+
+extern "C" void md_torch_free(md_torch_model *m) { delete m; }

@@ -104,6 +104,16 @@ int main(int argc, char **argv)
         return 1;
     }
 
+    md_torch_init(cfg.intra_op_threads);
+    app.registry = md_registry_new();
+    app.model_defaults = (md_model_defaults){
+        .workers = cfg.workers > 0 ? cfg.workers : md_cfg_cores(),
+        .max_batch_size = cfg.max_batch_size,
+        .max_delay_us = cfg.max_delay_us,
+        .queue_limit = cfg.queue_limit,
+        .timeout_ms = cfg.timeout_ms,
+    };
+
     md_http *http = NULL;
     if (md_http_start(&cfg, md_routes, md_n_routes, &app, &http, &err) != MD_OK) {
         fprintf(stderr, "modeld: %s\n", err.msg);
@@ -111,6 +121,10 @@ int main(int argc, char **argv)
         md_cfg_free(&cfg);
         return 1;
     }
+    /* Serve /healthz and /readyz (503: starting) while the models load. */
+    snprintf(app.not_ready_reason, sizeof app.not_ready_reason,
+             "the server is loading its deployed models");
+    md_app_load_defaults(&app);
     app.not_ready_reason[0] = '\0';
     atomic_store(&app.ready, MD_READY);
     md_log(MD_LOG_INFO, "modeld %s listening on %s:%d (libtorch %s)", MODELD_VERSION, cfg.host,
@@ -144,6 +158,7 @@ int main(int argc, char **argv)
         }
     }
     md_http_stop(http);
+    md_registry_free(app.registry);
     md_store_close(app.store);
     md_log(MD_LOG_INFO, "stopped");
     md_cfg_free(&cfg);

@@ -1,0 +1,614 @@
+/*
+ * predict.c - online predictions: POST /predict, /models/{name}[/versions/{v}]/predict
+ * (JSON rows, TF Serving instances, Ray Serve array, NPY) and the Open
+ * Inference Protocol V2 routes.
+ *
+ * The handler decodes the body, finds the loaded version (retained), suspends
+ * the connection and submits; the batcher calls predict_done on a worker
+ * thread, which encodes the answer and resumes the connection. No server
+ * thread waits on inference.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "../predictor/predictor.h"
+#include "handlers.h"
+
+#define MODELD_VERSION "0.1.0"
+
+typedef struct pctx {
+    md_req *req;
+    md_model *model;
+    int top_k;      /* 0: none asked */
+    int npy;        /* answer application/x-npy */
+    int v2;         /* answer the V2 inference response */
+    char v2_id[128];
+    char v2_output[64];
+} pctx;
+
+/* ---- a small growable string for responses ---- */
+
+typedef struct sbuf {
+    char *p;
+    size_t len, cap;
+} sbuf;
+
+static void sb_reserve(sbuf *b, size_t n)
+{
+    if (b->len + n + 1 <= b->cap)
+        return;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + n + 1)
+        cap *= 2;
+    b->p = realloc(b->p, cap);
+    md_assert(b->p != NULL);
+    b->cap = cap;
+}
+
+static void sb_add(sbuf *b, const char *s, size_t n)
+{
+    sb_reserve(b, n);
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+static void sb_str(sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
+
+static void sb_float(sbuf *b, float v)
+{
+    sb_reserve(b, 32);
+    b->len += (size_t)md_float_format(v, b->p + b->len, 32);
+}
+
+static void sb_json_string(sbuf *b, const char *s)
+{
+    json_t *j = json_string(s);
+    char *t = json_dumps(j, JSON_ENCODE_ANY);
+    sb_str(b, t ? t : "\"\"");
+    free(t);
+    json_decref(j);
+}
+
+/* Nested JSON array of shape[d..] from data. */
+static const float *sb_nested(sbuf *b, const float *data, const int64_t *shape, int ndim, int d)
+{
+    sb_add(b, "[", 1);
+    for (int64_t i = 0; i < shape[d]; i++) {
+        if (i)
+            sb_add(b, ",", 1);
+        if (d == ndim - 1)
+            sb_float(b, *data++);
+        else
+            data = sb_nested(b, data, shape, ndim, d + 1);
+    }
+    sb_add(b, "]", 1);
+    return data;
+}
+
+/* ---- answers ---- */
+
+static void finish(pctx *c)
+{
+    md_req_resume(c->req);
+    md_model_release(c->model);
+    free(c);
+}
+
+static void add_labels_scores(sbuf *b, pctx *c, const float *out, const int64_t *shape, int ndim)
+{
+    json_t *labels = md_model_labels(c->model);
+    int k = c->top_k ? c->top_k : 1;
+    int64_t rows = shape[0], classes = ndim >= 2 ? shape[1] : 1;
+    for (int d = 2; d < ndim; d++)
+        classes *= shape[d];
+    if (k > classes)
+        k = (int)classes;
+    sbuf lab = {0}, sco = {0};
+    sb_str(&lab, ",\"labels\":[");
+    sb_str(&sco, ",\"scores\":[");
+    float *p = md_xmalloc(sizeof(float) * (size_t)classes);
+    int *top = md_xmalloc(sizeof(int) * (size_t)k);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = out + r * classes;
+        if (md_model_output_logits(c->model)) {
+            float mx = x[0];
+            for (int64_t j = 1; j < classes; j++)
+                mx = x[j] > mx ? x[j] : mx;
+            double sum = 0;
+            for (int64_t j = 0; j < classes; j++)
+                sum += (p[j] = expf(x[j] - mx));
+            for (int64_t j = 0; j < classes; j++)
+                p[j] = (float)(p[j] / sum);
+        } else {
+            memcpy(p, x, sizeof(float) * (size_t)classes);
+        }
+        /* top k by partial selection: k is small */
+        for (int t = 0; t < k; t++) {
+            int best = -1;
+            for (int64_t j = 0; j < classes; j++) {
+                int used = 0;
+                for (int u = 0; u < t; u++)
+                    used |= top[u] == j;
+                if (!used && (best < 0 || p[j] > p[best]))
+                    best = (int)j;
+            }
+            top[t] = best;
+        }
+        sb_str(&lab, r ? ",[" : "[");
+        sb_str(&sco, r ? ",[" : "[");
+        for (int t = 0; t < k; t++) {
+            if (t) {
+                sb_add(&lab, ",", 1);
+                sb_add(&sco, ",", 1);
+            }
+            json_t *name = labels ? json_array_get(labels, (size_t)top[t]) : NULL;
+            if (json_is_string(name)) {
+                sb_json_string(&lab, json_string_value(name));
+            } else {
+                char n[24];
+                snprintf(n, sizeof n, "%d", top[t]);
+                sb_str(&lab, n);
+            }
+            sb_float(&sco, p[top[t]]);
+        }
+        sb_add(&lab, "]", 1);
+        sb_add(&sco, "]", 1);
+    }
+    sb_add(&lab, "]", 1);
+    sb_add(&sco, "]", 1);
+    sb_add(b, lab.p, lab.len);
+    sb_add(b, sco.p, sco.len);
+    free(lab.p);
+    free(sco.p);
+    free(p);
+    free(top);
+}
+
+static void predict_done(void *ctx, md_status st, const md_err *err, const float *out,
+                         const int64_t *shape, int ndim)
+{
+    pctx *c = ctx;
+    (void)st;
+    if (!out) {
+        md_reply_error(c->req, err);
+        finish(c);
+        return;
+    }
+    if (c->npy) {
+        size_t len;
+        char *npy = md_npy_encode(out, shape, ndim, &len);
+        char v[16];
+        snprintf(v, sizeof v, "%d", md_model_version(c->model));
+        md_reply_header(c->req, "X-Model-Version", v);
+        md_reply_bytes(c->req, 200, "application/x-npy", npy, len);
+        finish(c);
+        return;
+    }
+    sbuf b = {0};
+    char head[200];
+    if (c->v2) {
+        sb_str(&b, "{\"model_name\":");
+        sb_json_string(&b, md_model_name(c->model));
+        snprintf(head, sizeof head, ",\"model_version\":\"%d\"", md_model_version(c->model));
+        sb_str(&b, head);
+        if (c->v2_id[0]) {
+            sb_str(&b, ",\"id\":");
+            sb_json_string(&b, c->v2_id);
+        }
+        sb_str(&b, ",\"outputs\":[{\"name\":");
+        sb_json_string(&b, c->v2_output[0] ? c->v2_output : "output0");
+        sb_str(&b, ",\"shape\":[");
+        size_t count = 1;
+        for (int d = 0; d < ndim; d++) {
+            snprintf(head, sizeof head, "%s%lld", d ? "," : "", (long long)shape[d]);
+            sb_str(&b, head);
+            count *= (size_t)shape[d];
+        }
+        sb_str(&b, "],\"datatype\":\"FP32\",\"data\":[");
+        for (size_t i = 0; i < count; i++) {
+            if (i)
+                sb_add(&b, ",", 1);
+            sb_float(&b, out[i]);
+        }
+        sb_str(&b, "]}]}\n");
+    } else {
+        sb_str(&b, "{\"model\":");
+        sb_json_string(&b, md_model_name(c->model));
+        snprintf(head, sizeof head, ",\"version\":%d,\"predictions\":", md_model_version(c->model));
+        sb_str(&b, head);
+        sb_nested(&b, out, shape, ndim, 0);
+        if (c->top_k || md_model_labels(c->model))
+            add_labels_scores(&b, c, out, shape, ndim);
+        sb_str(&b, "}\n");
+    }
+    md_reply_bytes(c->req, 200, "application/json", b.p, b.len);
+    finish(c);
+}
+
+/* ---- finding the model ---- */
+
+static md_model *find_model(md_req *req, const char *name, int version, md_err *err)
+{
+    md_app *app = md_req_app(req);
+    md_model *m = md_registry_get(app->registry, name, version);
+    if (m)
+        return m;
+    json_t *info = NULL;
+    if (md_store_get_model(app->store, name, &info, err) != MD_OK)
+        return NULL; /* model_not_found */
+    json_decref(info);
+    if (version) {
+        /* a stored version not loaded yet: load it now (not the default) */
+        json_t *v = NULL;
+        if (md_store_get_version(app->store, name, version, &v, err) != MD_OK)
+            return NULL;
+        m = md_app_load_version(app, v, err);
+        json_decref(v);
+        if (!m)
+            return NULL;
+        md_model_retain(m);
+        md_registry_put(app->registry, m, 0);
+        return m;
+    }
+    md_err_setc(err, MD_ECONFLICT, "model_not_ready",
+                "model %s has no loaded default version; GET /models/%s shows the versions and "
+                "their states",
+                name, name);
+    return NULL;
+}
+
+/* The model answering POST /predict: default_model, else the only one. */
+static md_model *default_model(md_req *req, md_err *err)
+{
+    md_app *app = md_req_app(req);
+    if (app->cfg->default_model[0])
+        return find_model(req, app->cfg->default_model, 0, err);
+    json_t *names = md_registry_names(app->registry);
+    md_model *m = NULL;
+    if (json_array_size(names) == 1) {
+        m = find_model(req, json_string_value(json_array_get(names, 0)), 0, err);
+    } else {
+        char *list = json_dumps(names, JSON_COMPACT);
+        md_err_setc(err, MD_EINVAL, "no_default_model",
+                    json_array_size(names) ? "several models are deployed (%s); use POST "
+                                             "/models/NAME/predict or set default_model"
+                                           : "no model is deployed%s; deploy one with POST "
+                                             "/models/NAME/versions",
+                    json_array_size(names) ? list : "");
+        free(list);
+    }
+    json_decref(names);
+    return m;
+}
+
+static int parse_top_k(md_req *req, int *k, md_err *err)
+{
+    const char *t = md_req_query(req, "top_k");
+    *k = 0;
+    if (!t)
+        return 1;
+    char *end;
+    long v = strtol(t, &end, 10);
+    if (end == t || *end || v < 1 || v > 1000) {
+        md_err_setc(err, MD_EINVAL, "invalid_top_k", "top_k=%.20s: give an integer in 1..1000", t);
+        return 0;
+    }
+    *k = (int)v;
+    return 1;
+}
+
+static size_t max_values(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    return (size_t)app->cfg->max_body_bytes / 2 + 1024;
+}
+
+static void submit(md_req *req, md_model *m, md_tensor *t, pctx *c)
+{
+    md_err err;
+    md_err_clear(&err);
+    c->req = req;
+    c->model = m;
+    /* suspend first: the answer may come before this thread returns */
+    md_req_suspend(req);
+    if (md_model_submit(m, t, MD_PRIO_ONLINE, predict_done, c, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        finish(c);
+    }
+}
+
+static void predict(md_req *req, const char *name, int version)
+{
+    md_err err;
+    md_err_clear(&err);
+    int top_k;
+    if (!parse_top_k(req, &top_k, &err)) {
+        md_reply_error(req, &err);
+        return;
+    }
+    md_model *m = name ? find_model(req, name, version, &err) : default_model(req, &err);
+    if (!m) {
+        md_reply_error(req, &err);
+        return;
+    }
+    size_t len;
+    const char *body = md_req_body(req, &len);
+    md_tensor t;
+    if (md_tensor_decode(body, len, md_req_header(req, "Content-Type"), max_values(req), &t, &err) !=
+        MD_OK) {
+        md_model_release(m);
+        md_reply_error(req, &err);
+        return;
+    }
+    pctx *c = md_xcalloc(1, sizeof *c);
+    c->top_k = top_k;
+    const char *accept = md_req_header(req, "Accept");
+    c->npy = accept && strstr(accept, "application/x-npy") != NULL;
+    submit(req, m, &t, c);
+}
+
+static int version_param(md_req *req, int *version)
+{
+    const char *v = md_req_param(req, "version");
+    char *end;
+    long n = strtol(v, &end, 10);
+    if (end == v || *end || n < 1 || n > 1000000000) {
+        md_err err;
+        md_err_setc(&err, MD_EINVAL, "invalid_version", "version \"%.40s\" is not a positive integer",
+                    v);
+        md_reply_error(req, &err);
+        return 0;
+    }
+    *version = (int)n;
+    return 1;
+}
+
+void md_handle_predict_default(md_req *req) { predict(req, NULL, 0); }
+
+void md_handle_predict_model(md_req *req) { predict(req, md_req_param(req, "name"), 0); }
+
+void md_handle_predict_version(md_req *req)
+{
+    int v;
+    if (version_param(req, &v))
+        predict(req, md_req_param(req, "name"), v);
+}
+
+/* ---- Open Inference Protocol V2 ---- */
+
+static md_status v2_decode(json_t *in, md_tensor *t, md_err *err)
+{
+    const char *dt = json_string_value(json_object_get(in, "datatype"));
+    json_t *shape = json_object_get(in, "shape"), *data = json_object_get(in, "data");
+    static const char *ok[] = {"FP32", "FP64", "INT64", "INT32", "UINT8", "BOOL", NULL};
+    int known = 0;
+    for (int i = 0; dt && ok[i]; i++)
+        known |= strcmp(dt, ok[i]) == 0;
+    if (!known)
+        return md_err_set(err, MD_EINVAL,
+                          "input datatype %s is not supported; use FP32, FP64, INT64, INT32, "
+                          "UINT8 or BOOL",
+                          dt ? dt : "(missing)");
+    if (!json_is_array(shape) || json_array_size(shape) == 0 ||
+        json_array_size(shape) > MD_MAX_DIMS)
+        return md_err_set(err, MD_EINVAL, "input shape must be an array of 1 to 8 integers");
+    size_t count = 1;
+    memset(t, 0, sizeof *t);
+    for (size_t i = 0; i < json_array_size(shape); i++) {
+        json_t *d = json_array_get(shape, i);
+        if (!json_is_integer(d) || json_integer_value(d) < 1)
+            return md_err_set(err, MD_EINVAL, "input shape[%zu] must be a positive integer", i);
+        t->shape[t->ndim++] = json_integer_value(d);
+        count *= (size_t)json_integer_value(d);
+    }
+    if (!json_is_array(data))
+        return md_err_set(err, MD_EINVAL, "input data must be an array (flat or nested)");
+    float *buf = md_malloc_checked(count * sizeof(float), "the input", err);
+    if (!buf)
+        return MD_ENOMEM;
+    /* flatten nested data depth-first */
+    json_t *stack[MD_MAX_DIMS + 1];
+    size_t pos[MD_MAX_DIMS + 1];
+    int depth = 0;
+    size_t n = 0;
+    stack[0] = data;
+    pos[0] = 0;
+    while (depth >= 0) {
+        if (pos[depth] >= json_array_size(stack[depth])) {
+            depth--;
+            if (depth >= 0)
+                pos[depth]++;
+            continue;
+        }
+        json_t *v = json_array_get(stack[depth], pos[depth]);
+        if (json_is_array(v)) {
+            if (depth + 1 > MD_MAX_DIMS) {
+                free(buf);
+                return md_err_set(err, MD_EINVAL, "input data is nested too deeply");
+            }
+            stack[++depth] = v;
+            pos[depth] = 0;
+            continue;
+        }
+        if (n >= count) {
+            free(buf);
+            return md_err_set(err, MD_EINVAL, "input data has more values than its shape (%zu)",
+                              count);
+        }
+        if (json_is_number(v))
+            buf[n++] = (float)json_number_value(v);
+        else if (json_is_boolean(v))
+            buf[n++] = json_is_true(v) ? 1.0f : 0.0f;
+        else {
+            free(buf);
+            return md_err_set(err, MD_EINVAL, "input data value %zu is not a number", n);
+        }
+        pos[depth]++;
+    }
+    if (n != count) {
+        free(buf);
+        return md_err_set(err, MD_EINVAL, "input data has %zu values but its shape needs %zu", n,
+                          count);
+    }
+    t->data = buf;
+    t->count = count;
+    return MD_OK;
+}
+
+static void v2_infer(md_req *req, int version)
+{
+    md_err err;
+    md_err_clear(&err);
+    const char *name = md_req_param(req, "name");
+    size_t len;
+    const char *body = md_req_body(req, &len);
+    json_error_t jerr;
+    json_t *root = body ? json_loadb(body, len, 0, &jerr) : NULL;
+    json_t *inputs = json_object_get(root, "inputs");
+    if (!root || !json_is_array(inputs) || json_array_size(inputs) != 1) {
+        md_err_set(&err, MD_EINVAL,
+                   root ? "the request needs \"inputs\": an array with one tensor"
+                        : "the body is not a JSON inference request");
+        json_decref(root);
+        md_reply_error(req, &err);
+        return;
+    }
+    md_tensor t;
+    if (v2_decode(json_array_get(inputs, 0), &t, &err) != MD_OK) {
+        json_decref(root);
+        md_reply_error(req, &err);
+        return;
+    }
+    md_model *m = find_model(req, name, version, &err);
+    if (!m) {
+        md_tensor_free(&t);
+        json_decref(root);
+        md_reply_error(req, &err);
+        return;
+    }
+    pctx *c = md_xcalloc(1, sizeof *c);
+    c->v2 = 1;
+    const char *id = json_string_value(json_object_get(root, "id"));
+    snprintf(c->v2_id, sizeof c->v2_id, "%s", id ? id : "");
+    json_t *outs = json_object_get(root, "outputs");
+    const char *oname = json_string_value(json_object_get(json_array_get(outs, 0), "name"));
+    snprintf(c->v2_output, sizeof c->v2_output, "%s", oname ? oname : "output0");
+    json_decref(root);
+    submit(req, m, &t, c);
+}
+
+void md_handle_v2_infer(md_req *req) { v2_infer(req, 0); }
+
+void md_handle_v2_infer_version(md_req *req)
+{
+    int v;
+    if (version_param(req, &v))
+        v2_infer(req, v);
+}
+
+static void v2_model_meta(md_req *req, int version)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    const char *name = md_req_param(req, "name");
+    json_t *info = NULL;
+    if (md_store_get_model(app->store, name, &info, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    json_t *versions = json_array();
+    size_t i;
+    json_t *v, *chosen = NULL;
+    json_int_t def = json_integer_value(json_object_get(info, "default_version"));
+    json_array_foreach(json_object_get(info, "versions"), i, v)
+    {
+        json_int_t n = json_integer_value(json_object_get(v, "version"));
+        char s[24];
+        snprintf(s, sizeof s, "%lld", (long long)n);
+        json_array_append_new(versions, json_string(s));
+        if (n == (version ? version : def))
+            chosen = v;
+    }
+    if (!chosen) {
+        json_decref(versions);
+        json_decref(info);
+        md_err_setc(&err, MD_ENOTFOUND, "version_not_found", "model %s has no version %d", name,
+                    version);
+        md_reply_error(req, &err);
+        return;
+    }
+    json_t *shape = json_array();
+    json_array_append_new(shape, json_integer(-1));
+    json_t *cshape = json_object_get(json_object_get(json_object_get(chosen, "config"), "input"),
+                                     "shape");
+    json_t *d;
+    json_array_foreach(cshape, i, d) json_array_append(shape, d);
+    const char *dtype = json_string_value(json_object_get(
+        json_object_get(json_object_get(chosen, "config"), "input"), "dtype"));
+    const char *v2type = !dtype || !strcmp(dtype, "float32") ? "FP32"
+                         : !strcmp(dtype, "float64")         ? "FP64"
+                         : !strcmp(dtype, "int64")           ? "INT64"
+                                                             : "UINT8";
+    json_t *out = json_pack("{s:s,s:o,s:s,s:[{s:s,s:s,s:o}],s:[{s:s,s:s,s:[i]}]}", "name", name,
+                            "versions", versions, "platform", "pytorch_torchscript", "inputs",
+                            "name", "input0", "datatype", v2type, "shape", shape, "outputs", "name",
+                            "output0", "datatype", "FP32", "shape", -1);
+    json_decref(info);
+    md_reply_json(req, 200, out);
+}
+
+void md_handle_v2_model(md_req *req) { v2_model_meta(req, 0); }
+
+void md_handle_v2_model_version(md_req *req)
+{
+    int v;
+    if (version_param(req, &v))
+        v2_model_meta(req, v);
+}
+
+static void v2_model_ready(md_req *req, int version)
+{
+    md_app *app = md_req_app(req);
+    const char *name = md_req_param(req, "name");
+    md_model *m = md_registry_get(app->registry, name, version);
+    md_model_release(m);
+    if (!m) {
+        md_err err;
+        json_t *info = NULL;
+        if (md_store_get_model(app->store, name, &info, &err) != MD_OK) {
+            md_reply_error(req, &err);
+            return;
+        }
+        json_decref(info);
+    }
+    md_reply_json(req, m ? 200 : 503, json_pack("{s:s,s:b}", "name", name, "ready", m != NULL));
+}
+
+void md_handle_v2_model_ready(md_req *req) { v2_model_ready(req, 0); }
+
+void md_handle_v2_model_version_ready(md_req *req)
+{
+    int v;
+    if (version_param(req, &v))
+        v2_model_ready(req, v);
+}
+
+void md_handle_v2_live(md_req *req) { md_reply_json(req, 200, json_pack("{s:b}", "live", 1)); }
+
+void md_handle_v2_ready(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    int ready = atomic_load(&app->ready) == MD_READY;
+    md_reply_json(req, ready ? 200 : 503, json_pack("{s:b}", "ready", ready));
+}
+
+void md_handle_v2_server(md_req *req)
+{
+    md_reply_json(req, 200,
+                  json_pack("{s:s,s:s,s:[]}", "name", "modeld", "version", MODELD_VERSION,
+                            "extensions"));
+}

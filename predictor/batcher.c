@@ -1,0 +1,577 @@
+/*
+ * batcher.c - a loaded model version: its config, its request queues and the
+ * workers that batch them into forwards.
+ *
+ * DESIGN
+ * One mutex and condition variable guard two FIFO queues per version
+ * (online first, then batch jobs), as redis' bio.c does. A free worker takes
+ * what is queued at once, up to max_batch_size rows: under load batches grow
+ * by themselves while the other workers compute. Only when max_delay_us > 0
+ * does it wait for more, and then only until max_delay_us after the batch's
+ * FIRST request arrived (the clock starts at arrival, not when a worker
+ * polls), so a fixed delay never stacks on top of queueing time.
+ * A request larger than max_batch_size is taken in pieces, possibly by
+ * several workers at once; each piece writes its rows of the shared output
+ * and the piece that completes the last row answers. A request whose
+ * deadline passed before any row was taken is answered 504 and never
+ * computed. The queue limit counts requests, answered 503 at submit.
+ * Lifetime: the registry and each queued request hold references; the last
+ * release sets `stopping`; workers finish the queue, exit, and the last one
+ * to exit frees the model, so a release from a worker thread never joins
+ * itself.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "predictor.h"
+#include "torch_backend.h"
+
+typedef struct item {
+    md_tensor in;              /* [rows, row shape...], preprocessed */
+    int64_t rows;
+    int64_t taken;             /* rows handed to workers (queue lock) */
+    atomic_llong done;         /* rows computed */
+    float *out;                /* allocated by the first finished piece (queue lock) */
+    int64_t out_row;           /* floats per output row */
+    int out_ndim;
+    int64_t out_shape[MD_MAX_DIMS];
+    atomic_int failed;
+    md_err err;
+    double enqueued, deadline; /* monotonic seconds */
+    md_predict_cb cb;
+    void *ctx;
+    struct item *next;
+} item;
+
+typedef struct queue {
+    item *head, *tail;
+    int64_t rows;
+    int count;
+} queue;
+
+struct md_model {
+    char name[72];
+    int version;
+    md_torch_model *torch;
+    /* config */
+    int row_ndim;
+    int64_t row_shape[MD_MAX_DIMS];
+    int64_t row_size;          /* floats per input row */
+    double scale;
+    int n_norm;
+    float *mean, *std;
+    int64_t norm_inner;        /* floats per channel within a row */
+    int logits;
+    json_t *labels;
+    int max_batch, max_delay_us, queue_limit, timeout_ms, workers;
+    /* queues */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    queue q[2];
+    int stopping;
+    int live_workers;
+    atomic_int refs;
+    /* stats */
+    atomic_llong n_batches, n_rows, n_requests, n_timeouts, n_rejected;
+    atomic_llong wait_us_total;
+    atomic_llong batch_hist[8]; /* batch rows <=1, 2, 4, 8, 16, 32, 64, more */
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static struct timespec abs_time(double mono_s)
+{
+    struct timespec ts;
+    ts.tv_sec = (time_t)mono_s;
+    ts.tv_nsec = (long)((mono_s - (double)ts.tv_sec) * 1e9);
+    return ts;
+}
+
+static int cfg_int(json_t *o, const char *k, int def)
+{
+    json_t *v = json_object_get(o, k);
+    return json_is_integer(v) ? (int)json_integer_value(v) : def;
+}
+
+static md_dtype parse_dtype(const char *t)
+{
+    if (!t)
+        return MD_F32;
+    if (!strcmp(t, "float64"))
+        return MD_F64;
+    if (!strcmp(t, "int64"))
+        return MD_I64;
+    if (!strcmp(t, "uint8"))
+        return MD_U8;
+    return MD_F32;
+}
+
+static void model_free(md_model *m)
+{
+    md_torch_free(m->torch);
+    json_decref(m->labels);
+    free(m->mean);
+    free(m->std);
+    pthread_mutex_destroy(&m->mu);
+    pthread_cond_destroy(&m->cv);
+    free(m);
+}
+
+static void finish_item(md_model *m, item *it)
+{
+    if (atomic_load(&it->failed))
+        it->cb(it->ctx, it->err.status, &it->err, NULL, NULL, 0);
+    else
+        it->cb(it->ctx, MD_OK, NULL, it->out, it->out_shape, it->out_ndim);
+    free(it->out);
+    md_tensor_free(&it->in);
+    free(it);
+    md_model_release(m);
+}
+
+typedef struct piece {
+    item *it;
+    int64_t start, rows;
+} piece;
+
+static void *worker_main(void *arg)
+{
+    md_model *m = arg;
+    size_t cap_pieces = 64;
+    piece *pieces = md_xmalloc(sizeof(piece) * cap_pieces);
+    float *batch = NULL;
+    size_t batch_cap = 0;
+    for (;;) {
+        pthread_mutex_lock(&m->mu);
+        while (!m->q[0].head && !m->q[1].head && !m->stopping)
+            pthread_cond_wait(&m->cv, &m->mu);
+        if (!m->q[0].head && !m->q[1].head) {
+            int last = --m->live_workers == 0;
+            pthread_mutex_unlock(&m->mu);
+            free(pieces);
+            free(batch);
+            if (last)
+                model_free(m);
+            return NULL;
+        }
+        if (m->max_delay_us > 0) {
+            /* wait for more rows, until max_delay after the first arrival */
+            queue *fq = m->q[0].head ? &m->q[0] : &m->q[1];
+            double until = fq->head->enqueued + m->max_delay_us / 1e6;
+            while (m->q[0].rows + m->q[1].rows < m->max_batch && !m->stopping &&
+                   now_s() < until) {
+                struct timespec ts = abs_time(until);
+                pthread_cond_timedwait(&m->cv, &m->mu, &ts);
+            }
+        }
+        /* take up to max_batch rows, online first */
+        int n = 0;
+        int64_t rows = 0;
+        item *expired = NULL;
+        double now = now_s();
+        for (int qi = 0; qi < 2 && rows < m->max_batch; qi++) {
+            queue *q = &m->q[qi];
+            while (q->head && rows < m->max_batch) {
+                item *it = q->head;
+                if (it->taken == 0 && now > it->deadline) {
+                    q->head = it->next;
+                    q->count--;
+                    q->rows -= it->rows;
+                    it->next = expired;
+                    expired = it;
+                    continue;
+                }
+                int64_t k = it->rows - it->taken;
+                if (k > m->max_batch - rows)
+                    k = m->max_batch - rows;
+                if (n == (int)cap_pieces) {
+                    cap_pieces *= 2;
+                    pieces = realloc(pieces, sizeof(piece) * cap_pieces);
+                    md_assert(pieces != NULL);
+                }
+                pieces[n++] = (piece){it, it->taken, k};
+                if (it->taken == 0)
+                    atomic_fetch_add(&m->wait_us_total, (long long)((now - it->enqueued) * 1e6));
+                it->taken += k;
+                rows += k;
+                q->rows -= k;
+                if (it->taken == it->rows) {
+                    q->head = it->next;
+                    q->count--;
+                }
+            }
+            if (!q->head)
+                q->tail = NULL;
+        }
+        pthread_mutex_unlock(&m->mu);
+
+        while (expired) {
+            item *it = expired;
+            expired = it->next;
+            atomic_fetch_add(&m->n_timeouts, 1);
+            md_err_setc(&it->err, MD_ETIMEOUT, "timeout",
+                        "the prediction waited past its timeout of %d ms in the queue of model "
+                        "%s; retry, add workers, or raise batching.timeout_ms",
+                        m->timeout_ms, m->name);
+            atomic_store(&it->failed, 1);
+            finish_item(m, it);
+        }
+        if (n == 0)
+            continue;
+
+        /* one piece: forward on its rows in place; else gather */
+        const float *input;
+        if (n == 1) {
+            input = pieces[0].it->in.data + pieces[0].start * m->row_size;
+        } else {
+            size_t need = (size_t)rows * (size_t)m->row_size;
+            if (need > batch_cap) {
+                free(batch);
+                batch = md_xmalloc(need * sizeof(float));
+                batch_cap = need;
+            }
+            size_t off = 0;
+            for (int i = 0; i < n; i++) {
+                size_t len = (size_t)pieces[i].rows * (size_t)m->row_size;
+                memcpy(batch + off, pieces[i].it->in.data + pieces[i].start * m->row_size,
+                       len * sizeof(float));
+                off += len;
+            }
+            input = batch;
+        }
+        int64_t shape[MD_MAX_DIMS + 1];
+        shape[0] = rows;
+        for (int d = 0; d < m->row_ndim; d++)
+            shape[d + 1] = m->row_shape[d];
+        float *out = NULL;
+        int64_t out_shape[MD_MAX_DIMS];
+        int out_ndim = 0;
+        md_err ferr;
+        md_err_clear(&ferr);
+        md_status st = md_torch_forward(m->torch, input, shape, m->row_ndim + 1, &out, out_shape,
+                                        &out_ndim, &ferr);
+        if (st == MD_OK && out_shape[0] != rows) {
+            st = md_err_setc(&ferr, MD_EUNPROC, "bad_model_output",
+                             "model %s returned %lld rows for a batch of %lld; its output must "
+                             "keep the batch dimension",
+                             m->name, (long long)out_shape[0], (long long)rows);
+        }
+        atomic_fetch_add(&m->n_batches, 1);
+        atomic_fetch_add(&m->n_rows, rows);
+        int bucket = 0;
+        while (bucket < 7 && (1LL << bucket) < rows)
+            bucket++;
+        atomic_fetch_add(&m->batch_hist[bucket], 1);
+
+        int64_t out_row = 1;
+        for (int d = 1; d < out_ndim; d++)
+            out_row *= out_shape[d];
+        int64_t off = 0;
+        for (int i = 0; i < n; i++) {
+            item *it = pieces[i].it;
+            if (st != MD_OK) {
+                if (atomic_exchange(&it->failed, 1) == 0)
+                    it->err = ferr;
+            } else {
+                pthread_mutex_lock(&m->mu);
+                if (!it->out && !atomic_load(&it->failed)) {
+                    it->out = malloc((size_t)(it->rows * out_row) * sizeof(float) + 1);
+                    it->out_row = out_row;
+                    it->out_ndim = out_ndim;
+                    memcpy(it->out_shape, out_shape, sizeof(int64_t) * (size_t)out_ndim);
+                    it->out_shape[0] = it->rows;
+                    if (!it->out && atomic_exchange(&it->failed, 1) == 0)
+                        md_err_set(&it->err, MD_ENOMEM, "out of memory for the output");
+                }
+                pthread_mutex_unlock(&m->mu);
+                if (it->out)
+                    memcpy(it->out + pieces[i].start * out_row, out + off * out_row,
+                           (size_t)(pieces[i].rows * out_row) * sizeof(float));
+            }
+            off += pieces[i].rows;
+            if (atomic_fetch_add(&it->done, pieces[i].rows) + pieces[i].rows == it->rows)
+                finish_item(m, it);
+        }
+        free(out);
+    }
+}
+
+md_status md_model_load(const char *name, int version, const char *path, json_t *config,
+                        const md_model_defaults *def, md_model **out, md_err *err)
+{
+    *out = NULL;
+    md_status st = md_model_config_check(config, err);
+    if (st != MD_OK)
+        return st;
+    md_model *m = md_xcalloc(1, sizeof *m);
+    snprintf(m->name, sizeof m->name, "%s", name);
+    m->version = version;
+    pthread_mutex_init(&m->mu, NULL);
+    pthread_cond_init(&m->cv, NULL);
+    atomic_store(&m->refs, 1);
+    json_t *input = json_object_get(config, "input");
+    json_t *shape = json_object_get(input, "shape");
+    m->row_size = 1;
+    for (size_t i = 0; i < json_array_size(shape); i++) {
+        m->row_shape[m->row_ndim++] = json_integer_value(json_array_get(shape, i));
+        m->row_size *= m->row_shape[m->row_ndim - 1];
+    }
+    json_t *pre = json_object_get(config, "preprocess");
+    m->scale = json_is_number(json_object_get(pre, "scale"))
+                   ? json_number_value(json_object_get(pre, "scale"))
+                   : 1.0;
+    json_t *mean = json_object_get(pre, "mean"), *std = json_object_get(pre, "std");
+    if (mean) {
+        m->n_norm = (int)json_array_size(mean);
+        if (m->n_norm > 1 && (m->row_ndim < 2 || m->row_shape[0] != m->n_norm)) {
+            model_free(m);
+            return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                               "config.preprocess.mean has %d channels but input.shape does not "
+                               "start with %d channels (C, H, W)",
+                               m->n_norm, m->n_norm);
+        }
+        m->mean = md_xmalloc(sizeof(float) * (size_t)m->n_norm);
+        m->std = md_xmalloc(sizeof(float) * (size_t)m->n_norm);
+        for (int i = 0; i < m->n_norm; i++) {
+            m->mean[i] = (float)json_number_value(json_array_get(mean, (size_t)i));
+            m->std[i] = (float)json_number_value(json_array_get(std, (size_t)i));
+        }
+        m->norm_inner = m->n_norm > 1 ? m->row_size / m->n_norm : 0;
+    }
+    const char *output = json_string_value(json_object_get(config, "output"));
+    m->logits = output && strcmp(output, "logits") == 0;
+    m->labels = json_incref(json_object_get(config, "labels"));
+    json_t *b = json_object_get(config, "batching");
+    m->max_batch = cfg_int(b, "max_batch_size", def->max_batch_size);
+    m->max_delay_us = cfg_int(b, "max_delay_us", def->max_delay_us);
+    m->queue_limit = cfg_int(b, "queue_limit", def->queue_limit);
+    m->timeout_ms = cfg_int(b, "timeout_ms", def->timeout_ms);
+    m->workers = cfg_int(config, "workers", def->workers);
+    const char *device = json_string_value(json_object_get(config, "device"));
+
+    st = md_torch_load(path, device ? device : "cpu",
+                       parse_dtype(json_string_value(json_object_get(input, "dtype"))), &m->torch,
+                       err);
+    if (st != MD_OK) {
+        model_free(m);
+        return st;
+    }
+    if (m->row_ndim > 0) {
+        /* the test forward: one zero row of the declared shape */
+        float *zeros = md_xcalloc((size_t)m->row_size, sizeof(float));
+        int64_t s[MD_MAX_DIMS + 1] = {1};
+        memcpy(s + 1, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
+        float *o = NULL;
+        int64_t os[MD_MAX_DIMS];
+        int on = 0;
+        md_err ferr;
+        st = md_torch_forward(m->torch, zeros, s, m->row_ndim + 1, &o, os, &on, &ferr);
+        free(zeros);
+        free(o);
+        if (st != MD_OK) {
+            md_err_setc(err, MD_EUNPROC, "model_test_failed",
+                        "the test forward on the declared input shape failed: %s; check "
+                        "config.input.shape",
+                        ferr.msg);
+            model_free(m);
+            return MD_EUNPROC;
+        }
+        if (m->labels && (on != 2 || os[1] != (int64_t)json_array_size(m->labels))) {
+            md_err_setc(err, MD_EUNPROC, "invalid_config",
+                        "config.labels has %zu names but the model outputs %lld values per row",
+                        json_array_size(m->labels), on >= 2 ? (long long)os[1] : 1LL);
+            model_free(m);
+            return MD_EUNPROC;
+        }
+    }
+    m->live_workers = m->workers;
+    for (int i = 0; i < m->workers; i++) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &attr, worker_main, m);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) {
+            pthread_mutex_lock(&m->mu);
+            m->live_workers -= m->workers - i;
+            pthread_mutex_unlock(&m->mu);
+            if (i == 0) {
+                model_free(m);
+                return md_err_set(err, MD_EBUSY, "cannot start worker threads for model %s", name);
+            }
+            break;
+        }
+    }
+    *out = m;
+    return MD_OK;
+}
+
+void md_model_retain(md_model *m) { atomic_fetch_add(&m->refs, 1); }
+
+void md_model_release(md_model *m)
+{
+    if (!m || atomic_fetch_sub(&m->refs, 1) != 1)
+        return;
+    pthread_mutex_lock(&m->mu);
+    m->stopping = 1;
+    pthread_cond_broadcast(&m->cv);
+    pthread_mutex_unlock(&m->mu);
+}
+
+const char *md_model_name(const md_model *m) { return m->name; }
+int md_model_version(const md_model *m) { return m->version; }
+void md_model_set_version(md_model *m, int version) { m->version = version; }
+json_t *md_model_labels(const md_model *m) { return m->labels; }
+int md_model_output_logits(const md_model *m) { return m->logits; }
+
+int md_model_input_shape(const md_model *m, int64_t *shape)
+{
+    memcpy(shape, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
+    return m->row_ndim;
+}
+
+json_t *md_model_stats(const md_model *m)
+{
+    json_t *hist = json_array();
+    for (int i = 0; i < 8; i++)
+        json_array_append_new(hist, json_integer(atomic_load(&m->batch_hist[i])));
+    md_model *mm = (md_model *)m;
+    pthread_mutex_lock(&mm->mu);
+    int queued = m->q[0].count + m->q[1].count;
+    pthread_mutex_unlock(&mm->mu);
+    return json_pack("{s:s,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:o,s:i,s:i,s:i}", "model", m->name,
+                     "version", m->version, "batches", (json_int_t)atomic_load(&m->n_batches),
+                     "rows", (json_int_t)atomic_load(&m->n_rows), "requests",
+                     (json_int_t)atomic_load(&m->n_requests), "timeouts",
+                     (json_int_t)atomic_load(&m->n_timeouts), "rejected",
+                     (json_int_t)atomic_load(&m->n_rejected), "queue_wait_us_total",
+                     (json_int_t)atomic_load(&m->wait_us_total), "queued", queued,
+                     "batch_size_histogram", hist, "workers", m->workers, "max_batch_size",
+                     m->max_batch, "max_delay_us", m->max_delay_us);
+}
+
+/* Shape `in` to [rows, row shape...]: a single row in the declared shape is
+ * a batch of one; flat rows of the right width are reshaped. */
+static md_status shape_input(md_model *m, md_tensor *in, md_err *err)
+{
+    int same = in->ndim == m->row_ndim;
+    for (int d = 0; same && d < m->row_ndim; d++)
+        same = in->shape[d] == m->row_shape[d];
+    if (same) { /* one row */
+        in->shape[0] = 1;
+        memcpy(in->shape + 1, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
+        in->ndim = m->row_ndim + 1;
+        return MD_OK;
+    }
+    int64_t rows = in->shape[0];
+    int64_t per = rows > 0 ? (int64_t)in->count / rows : 0;
+    if (in->ndim >= 2 && per == m->row_size) {
+        in->ndim = m->row_ndim + 1;
+        memcpy(in->shape + 1, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
+        return MD_OK;
+    }
+    char want[128];
+    int n = snprintf(want, sizeof want, "[");
+    for (int d = 0; d < m->row_ndim; d++)
+        n += snprintf(want + n, sizeof want - (size_t)n, "%s%lld", d ? ", " : "",
+                      (long long)m->row_shape[d]);
+    snprintf(want + n, sizeof want - (size_t)n, "]");
+    return md_err_setc(err, MD_EINVAL, "wrong_shape",
+                       "each row has %lld values but model %s version %d expects rows of shape "
+                       "%s (%lld values)",
+                       in->ndim >= 2 ? (long long)per : (long long)in->count, m->name, m->version,
+                       want, (long long)m->row_size);
+}
+
+static void preprocess(md_model *m, md_tensor *in)
+{
+    float scale = (float)m->scale;
+    size_t n = in->count;
+    float *x = in->data;
+    if (scale != 1.0f)
+        for (size_t i = 0; i < n; i++)
+            x[i] *= scale;
+    if (m->n_norm == 1) {
+        float mean = m->mean[0], inv = 1.0f / m->std[0];
+        for (size_t i = 0; i < n; i++)
+            x[i] = (x[i] - mean) * inv;
+    } else if (m->n_norm > 1) {
+        for (size_t i = 0; i < n; i++) {
+            int c = (int)((i % (size_t)m->row_size) / (size_t)m->norm_inner);
+            x[i] = (x[i] - m->mean[c]) / m->std[c];
+        }
+    }
+}
+
+md_status md_model_submit(md_model *m, md_tensor *in, md_priority prio, md_predict_cb cb,
+                          void *ctx, md_err *err)
+{
+    md_status st;
+    if (in->ndim == 1) {
+        /* a flat list is one row */
+        in->shape[1] = in->shape[0];
+        in->shape[0] = 1;
+        in->ndim = 2;
+    }
+    pthread_mutex_lock(&m->mu);
+    if (m->row_ndim == 0) {
+        /* no config.input.shape: the first request's row shape is the model's */
+        m->row_ndim = in->ndim - 1;
+        m->row_size = 1;
+        for (int d = 1; d < in->ndim; d++)
+            m->row_size *= (m->row_shape[d - 1] = in->shape[d]);
+        m->norm_inner = m->n_norm > 1 ? m->row_size / m->n_norm : 0;
+    }
+    pthread_mutex_unlock(&m->mu);
+    if ((st = shape_input(m, in, err)) != MD_OK) {
+        md_tensor_free(in);
+        return st;
+    }
+    preprocess(m, in);
+    item *it = md_xcalloc(1, sizeof *it);
+    it->in = *in;
+    memset(in, 0, sizeof *in);
+    it->rows = it->in.shape[0];
+    it->cb = cb;
+    it->ctx = ctx;
+    it->enqueued = now_s();
+    it->deadline = it->enqueued + m->timeout_ms / 1e3;
+    pthread_mutex_lock(&m->mu);
+    queue *q = &m->q[prio == MD_PRIO_BATCH ? 1 : 0];
+    if (prio == MD_PRIO_ONLINE && q->count >= m->queue_limit) {
+        pthread_mutex_unlock(&m->mu);
+        atomic_fetch_add(&m->n_rejected, 1);
+        md_tensor_free(&it->in);
+        free(it);
+        return md_err_setc(err, MD_EBUSY, "overloaded",
+                           "model %s has %d requests queued (queue_limit); retry after a moment",
+                           m->name, m->queue_limit);
+    }
+    md_model_retain(m);
+    if (q->tail)
+        q->tail->next = it;
+    else
+        q->head = it;
+    q->tail = it;
+    q->count++;
+    q->rows += it->rows;
+    atomic_fetch_add(&m->n_requests, 1);
+    /* wake one worker, or all when a delay is pending so the waiter re-checks */
+    if (m->max_delay_us > 0)
+        pthread_cond_broadcast(&m->cv);
+    else
+        pthread_cond_signal(&m->cv);
+    pthread_mutex_unlock(&m->mu);
+    return MD_OK;
+}
