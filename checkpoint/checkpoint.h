@@ -92,6 +92,10 @@ md_status md_source_check(const char *url, const md_fetch_opts *opts, md_err *er
 md_status md_fetch_blob(md_store *store, const char *url, const md_fetch_opts *opts,
                         md_blob_writer **out, md_err *err);
 
+/* Download `url` to the file `dest` (written under dest.download, fsynced,
+ * then renamed), with the same checks and limits as md_fetch_blob. */
+md_status md_fetch_file(const char *url, const md_fetch_opts *opts, const char *dest, md_err *err);
+
 /* ---- models and versions ---- */
 
 /* Whether `name` is a valid model name: [A-Za-z0-9._-]{1,64}. */
@@ -152,6 +156,26 @@ md_status md_store_blob_path(md_store *store, const char *name, int version, cha
                              size_t path_size, char sha256[MD_SHA256_HEX], md_err *err);
 /* Every model's default version: [{"model", "version", "config", "path"}]. */
 md_status md_store_defaults(md_store *store, json_t **out, md_err *err);
+
+/* ---- batch jobs ---- */
+
+/* The store directory (borrowed). */
+const char *md_store_dir(const md_store *store);
+
+/* Insert a queued job row. */
+md_status md_store_job_create(md_store *store, const char *id, const char *model, int version,
+                              json_t *spec, const char *output_path, md_err *err);
+/* One job as JSON (id, model, version, spec, status, rows_done, rows_total,
+ * rows_skipped, output_path, output_bytes, correct, labeled, confusion,
+ * rows_per_s, partial, error, created_at, started_at, finished_at, updated_at). */
+md_status md_store_job_get(md_store *store, const char *id, json_t **out, md_err *err);
+/* Jobs newest first, filtered by status and model (NULL = any), ids before
+ * `before` (pagination), at most `limit`: {"jobs": [...], "next": id|null}. */
+md_status md_store_job_list(md_store *store, const char *status, const char *model,
+                            const char *before, int limit, json_t **out, md_err *err);
+/* Set the columns named by the keys of `fields` (an object of known column
+ * names) in one statement, so progress commits atomically. */
+md_status md_store_job_update(md_store *store, const char *id, json_t *fields, md_err *err);
 
 #ifdef __cplusplus
 }

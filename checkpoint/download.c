@@ -6,7 +6,9 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "checkpoint.h"
 
@@ -68,6 +70,8 @@ md_status md_source_check(const char *url, const md_fetch_opts *o, md_err *err)
 
 typedef struct sink {
     md_blob_writer *w;
+    FILE *f;
+    long long written, max_bytes;
     md_err *err;
     int failed;
 } sink;
@@ -75,31 +79,40 @@ typedef struct sink {
 static size_t on_data(char *data, size_t size, size_t n, void *cls)
 {
     sink *s = cls;
-    if (md_blob_write(s->w, data, size * n, s->err) != MD_OK) {
-        s->failed = 1;
-        return 0; /* makes curl stop with CURLE_WRITE_ERROR */
+    size_t len = size * n;
+    if (s->w) {
+        if (md_blob_write(s->w, data, len, s->err) != MD_OK) {
+            s->failed = 1;
+            return 0; /* makes curl stop with CURLE_WRITE_ERROR */
+        }
+        return len;
     }
-    return size * n;
+    if (s->written + (long long)len > s->max_bytes) {
+        md_err_setc(s->err, MD_ETOOBIG, "download_too_large",
+                    "the download is larger than the limit of %lld bytes", s->max_bytes);
+        s->failed = 1;
+        return 0;
+    }
+    if (fwrite(data, 1, len, s->f) != len) {
+        md_err_set(s->err, MD_EIO, "writing the download failed: %s", strerror(errno));
+        s->failed = 1;
+        return 0;
+    }
+    s->written += (long long)len;
+    return len;
 }
 
-md_status md_fetch_blob(md_store *store, const char *url, const md_fetch_opts *o,
-                        md_blob_writer **out, md_err *err)
+/* One libcurl transfer into `s` with the limits of `o`. */
+static md_status fetch(const char *url, const md_fetch_opts *o, sink *s, md_err *err)
 {
-    *out = NULL;
     md_status st = md_source_check(url, o, err);
     if (st != MD_OK)
         return st;
     pthread_once(&curl_once, curl_init);
-    md_blob_writer *w = NULL;
-    if ((st = md_blob_begin(store, o->max_bytes, &w, err)) != MD_OK)
-        return st;
     CURL *c = curl_easy_init();
-    if (!c) {
-        md_blob_abort(w);
+    if (!c)
         return md_err_set(err, MD_EINTERNAL, "cannot start libcurl");
-    }
     char curl_err[CURL_ERROR_SIZE] = "";
-    sink s = {w, err, 0};
     curl_easy_setopt(c, CURLOPT_URL, url);
     curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https,file");
     curl_easy_setopt(c, CURLOPT_REDIR_PROTOCOLS_STR, "http,https");
@@ -111,25 +124,21 @@ md_status md_fetch_blob(md_store *store, const char *url, const md_fetch_opts *o
     curl_easy_setopt(c, CURLOPT_FAILONERROR, 1L);
     curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, &s);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, s);
     curl_easy_setopt(c, CURLOPT_ERRORBUFFER, curl_err);
     curl_easy_setopt(c, CURLOPT_USERAGENT, "modeld");
     CURLcode rc = curl_easy_perform(c);
     long http = 0;
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &http);
     curl_easy_cleanup(c);
-    if (rc == CURLE_OK) {
-        *out = w;
+    if (rc == CURLE_OK)
         return MD_OK;
-    }
-    md_blob_abort(w);
-    if (s.failed)
+    if (s->failed)
         return err->status;
     if (rc == CURLE_FILESIZE_EXCEEDED)
-        return md_err_setc(err, MD_ETOOBIG, "checkpoint_too_large",
-                           "source %.200s is larger than max_checkpoint_bytes (%lld); raise the "
-                           "setting to accept it",
-                           url, o->max_bytes);
+        return md_err_setc(err, MD_ETOOBIG, "download_too_large",
+                           "source %.200s is larger than the limit of %lld bytes", url,
+                           o->max_bytes);
     if (rc == CURLE_OPERATION_TIMEDOUT)
         return md_err_setc(err, MD_EUNPROC, "download_failed",
                            "downloading %.200s timed out (%s); check the URL or raise "
@@ -144,4 +153,44 @@ md_status md_fetch_blob(md_store *store, const char *url, const md_fetch_opts *o
                            "downloading %.200s: the server answered HTTP %ld", url, http);
     return md_err_setc(err, MD_EUNPROC, "download_failed", "downloading %.200s failed: %s", url,
                        curl_err[0] ? curl_err : curl_easy_strerror(rc));
+}
+
+md_status md_fetch_blob(md_store *store, const char *url, const md_fetch_opts *o,
+                        md_blob_writer **out, md_err *err)
+{
+    *out = NULL;
+    md_status st = md_source_check(url, o, err);
+    if (st != MD_OK)
+        return st;
+    md_blob_writer *w = NULL;
+    if ((st = md_blob_begin(store, o->max_bytes, &w, err)) != MD_OK)
+        return st;
+    sink s = {.w = w, .err = err};
+    if ((st = fetch(url, o, &s, err)) != MD_OK) {
+        md_blob_abort(w);
+        return st;
+    }
+    *out = w;
+    return MD_OK;
+}
+
+md_status md_fetch_file(const char *url, const md_fetch_opts *o, const char *dest, md_err *err)
+{
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.download", dest);
+    FILE *f = fopen(tmp, "wb");
+    if (!f)
+        return md_err_set(err, MD_EIO, "cannot create %s: %s", tmp, strerror(errno));
+    sink s = {.f = f, .max_bytes = o->max_bytes, .err = err};
+    md_status st = fetch(url, o, &s, err);
+    if (fflush(f) != 0 || fsync(fileno(f)) != 0) {
+        if (st == MD_OK)
+            st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));
+    }
+    fclose(f);
+    if (st == MD_OK && rename(tmp, dest) != 0)
+        st = md_err_set(err, MD_EIO, "cannot rename %s: %s", tmp, strerror(errno));
+    if (st != MD_OK)
+        unlink(tmp);
+    return st;
 }

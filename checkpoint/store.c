@@ -81,6 +81,30 @@ static const char *const migrations[] = {
     "  created_at TEXT NOT NULL,"
     "  PRIMARY KEY (model, version));"
     "CREATE INDEX versions_sha256 ON versions(sha256);",
+    /* 2: batch-predict jobs and their committed progress */
+    "CREATE TABLE jobs ("
+    "  id TEXT PRIMARY KEY,"
+    "  model TEXT NOT NULL,"
+    "  version INTEGER,"
+    "  spec TEXT NOT NULL,"
+    "  status TEXT NOT NULL CHECK (status IN "
+    "    ('queued','running','succeeded','failed','cancelled')),"
+    "  rows_done INTEGER NOT NULL DEFAULT 0,"
+    "  rows_total INTEGER,"
+    "  rows_skipped INTEGER NOT NULL DEFAULT 0,"
+    "  output_path TEXT NOT NULL,"
+    "  output_bytes INTEGER NOT NULL DEFAULT 0,"
+    "  correct INTEGER NOT NULL DEFAULT 0,"
+    "  labeled INTEGER NOT NULL DEFAULT 0,"
+    "  confusion TEXT,"
+    "  rows_per_s REAL,"
+    "  partial INTEGER NOT NULL DEFAULT 0,"
+    "  error TEXT,"
+    "  created_at TEXT NOT NULL,"
+    "  started_at TEXT,"
+    "  finished_at TEXT,"
+    "  updated_at TEXT NOT NULL);"
+    "CREATE INDEX jobs_status ON jobs(status, created_at);",
 };
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof migrations[0]))
 
@@ -911,14 +935,27 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
         rc = db_fail(s, err, "set default");
         goto rollback;
     }
+    /* the answer describes the new row even if retention removes it at once */
+    json_t *added = NULL;
+    get_version_locked(s, spec->model, version, &added, NULL);
     if ((rc = apply_retention(s, spec->model, &released, err)) != MD_OK ||
-        (rc = bump_generation(s, err)) != MD_OK)
+        (rc = bump_generation(s, err)) != MD_OK) {
+        json_decref(added);
         goto rollback;
-    if ((rc = exec(s, "COMMIT", err)) != MD_OK)
+    }
+    if ((rc = exec(s, "COMMIT", err)) != MD_OK) {
+        json_decref(added);
         goto rollback;
+    }
     release_all(s, &released);
+    json_t *still = NULL;
+    if (get_version_locked(s, spec->model, version, &still, NULL) != MD_OK && added)
+        json_object_set_new(added, "removed_by_retention", json_true());
+    json_decref(still);
     if (out)
-        get_version_locked(s, spec->model, version, out, NULL);
+        *out = added;
+    else
+        json_decref(added);
     goto unlock;
 rollback:
     exec(s, "ROLLBACK", NULL);
@@ -1334,3 +1371,201 @@ out:
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
+
+/* ---- jobs ---- */
+
+#define JOB_COLS                                                                              \
+    "id, model, version, spec, status, rows_done, rows_total, rows_skipped, output_path, "   \
+    "output_bytes, correct, labeled, confusion, rows_per_s, partial, error, created_at, "    \
+    "started_at, finished_at, updated_at "
+
+static json_t *col_or_null(sqlite3_stmt *st, int i)
+{
+    switch (sqlite3_column_type(st, i)) {
+    case SQLITE_NULL:
+        return json_null();
+    case SQLITE_INTEGER:
+        return json_integer(sqlite3_column_int64(st, i));
+    case SQLITE_FLOAT:
+        return json_real(sqlite3_column_double(st, i));
+    default:
+        return json_string((const char *)sqlite3_column_text(st, i));
+    }
+}
+
+static json_t *job_json(sqlite3_stmt *st)
+{
+    static const char *names[] = {"id", "model", "version", "spec", "status", "rows_done",
+                                  "rows_total", "rows_skipped", "output_path", "output_bytes",
+                                  "correct", "labeled", "confusion", "rows_per_s", "partial",
+                                  "error", "created_at", "started_at", "finished_at",
+                                  "updated_at"};
+    json_t *j = json_object();
+    for (int i = 0; i < 20; i++) {
+        if (i == 3 || i == 12) {
+            json_object_set_new(j, names[i], sqlite3_column_type(st, i) == SQLITE_NULL
+                                                 ? json_null()
+                                                 : json_col(st, i));
+        } else if (i == 14) {
+            json_object_set_new(j, names[i], json_boolean(sqlite3_column_int(st, i)));
+        } else {
+            json_object_set_new(j, names[i], col_or_null(st, i));
+        }
+    }
+    return j;
+}
+
+md_status md_store_job_create(md_store *s, const char *id, const char *model, int version,
+                              json_t *spec, const char *output_path, md_err *err)
+{
+    char *text = json_dumps(spec, JSON_COMPACT);
+    char now[32];
+    now_iso(now);
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s,
+                            "INSERT INTO jobs (id, model, version, spec, status, output_path, "
+                            "created_at, updated_at) VALUES (?,?,?,?, 'queued', ?, ?, ?)",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, model, -1, SQLITE_STATIC);
+    if (version)
+        sqlite3_bind_int(st, 3, version);
+    else
+        sqlite3_bind_null(st, 3);
+    sqlite3_bind_text(st, 4, text, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 5, output_path, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 6, now, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 7, now, -1, SQLITE_STATIC);
+    if (sqlite3_step(st) != SQLITE_DONE)
+        rc = db_fail(s, err, "insert job");
+    sqlite3_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    free(text);
+    return rc;
+}
+
+md_status md_store_job_get(md_store *s, const char *id, json_t **out, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s, "SELECT " JOB_COLS "FROM jobs WHERE id = ?", err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    if (sqlite3_step(st) == SQLITE_ROW)
+        *out = job_json(st);
+    else
+        rc = md_err_setc(err, MD_ENOTFOUND, "job_not_found",
+                         "job %s does not exist; GET /jobs lists the jobs", id);
+    sqlite3_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_job_list(md_store *s, const char *status, const char *model,
+                            const char *before, int limit, json_t **out, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s,
+                            "SELECT " JOB_COLS "FROM jobs WHERE (?1 IS NULL OR status = ?1) AND "
+                            "(?2 IS NULL OR model = ?2) AND (?3 IS NULL OR id < ?3) "
+                            "ORDER BY id DESC LIMIT ?4",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    if (status)
+        sqlite3_bind_text(st, 1, status, -1, SQLITE_STATIC);
+    if (model)
+        sqlite3_bind_text(st, 2, model, -1, SQLITE_STATIC);
+    if (before)
+        sqlite3_bind_text(st, 3, before, -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 4, limit + 1);
+    json_t *jobs = json_array();
+    json_t *next = json_null();
+    int n = 0;
+    while (sqlite3_step(st) == SQLITE_ROW) {
+        if (n++ == limit) {
+            next = json_incref(json_object_get(json_array_get(jobs, (size_t)limit - 1), "id"));
+            break;
+        }
+        json_array_append_new(jobs, job_json(st));
+    }
+    sqlite3_finalize(st);
+    *out = json_pack("{s:o,s:o}", "jobs", jobs, "next", next);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_job_update(md_store *s, const char *id, json_t *fields, md_err *err)
+{
+    static const char *allowed[] = {"status", "rows_done", "rows_total", "rows_skipped",
+                                    "output_bytes", "correct", "labeled", "confusion",
+                                    "rows_per_s", "partial", "error", "started_at",
+                                    "finished_at", "version", NULL};
+    char sql[1024];
+    size_t n = (size_t)snprintf(sql, sizeof sql, "UPDATE jobs SET updated_at = ?1");
+    const char *key;
+    json_t *v;
+    int idx = 2;
+    json_object_foreach(fields, key, v)
+    {
+        int ok = 0;
+        for (int i = 0; allowed[i]; i++)
+            ok |= strcmp(key, allowed[i]) == 0;
+        md_assert(ok);
+        n += (size_t)snprintf(sql + n, sizeof sql - n, ", %s = ?%d", key, idx++);
+    }
+    snprintf(sql + n, sizeof sql - n, " WHERE id = ?%d", idx);
+    char now[32];
+    now_iso(now);
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s, sql, err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, now, -1, SQLITE_TRANSIENT);
+    idx = 2;
+    json_object_foreach(fields, key, v)
+    {
+        if (json_is_integer(v))
+            sqlite3_bind_int64(st, idx, json_integer_value(v));
+        else if (json_is_real(v))
+            sqlite3_bind_double(st, idx, json_real_value(v));
+        else if (json_is_string(v))
+            sqlite3_bind_text(st, idx, json_string_value(v), -1, SQLITE_TRANSIENT);
+        else if (json_is_boolean(v))
+            sqlite3_bind_int(st, idx, json_is_true(v));
+        else if (json_is_null(v))
+            sqlite3_bind_null(st, idx);
+        else {
+            char *t = json_dumps(v, JSON_COMPACT);
+            sqlite3_bind_text(st, idx, t, -1, SQLITE_TRANSIENT);
+            free(t);
+        }
+        idx++;
+    }
+    sqlite3_bind_text(st, idx, id, -1, SQLITE_TRANSIENT);
+    if (sqlite3_step(st) != SQLITE_DONE)
+        rc = db_fail(s, err, "update job");
+    sqlite3_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+const char *md_store_dir(const md_store *s) { return s->dir; }

@@ -24,6 +24,7 @@ typedef struct md_app {
     const md_cfg *cfg;
     md_store *store;
     md_registry *registry;
+    md_jobs *jobs;
     md_model_defaults model_defaults;
     atomic_int ready;
     char not_ready_reason[160]; /* written before `ready` changes */
@@ -71,6 +72,14 @@ void md_handle_v2_model_version_ready(md_req *req);
 void md_handle_v2_live(md_req *req);
 void md_handle_v2_ready(md_req *req);
 void md_handle_v2_server(md_req *req);
+/* jobs.c */
+/* md_model_resolver over the registry (loads a named version on demand). */
+md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err);
+void md_handle_jobs_create(md_req *req);
+void md_handle_jobs_list(md_req *req);
+void md_handle_job_get(md_req *req);
+void md_handle_job_cancel(md_req *req);
+void md_handle_job_output(md_req *req);
 /* openapi.c */
 void md_handle_openapi(md_req *req);
 

@@ -261,7 +261,7 @@ static void commit_and_reply(md_req *req, deploy_req *d, const char *sha, long l
         return;
     }
     int number = (int)json_integer_value(json_object_get(version, "version"));
-    if (d->deploy) {
+    if (d->deploy && !json_is_true(json_object_get(version, "removed_by_retention"))) {
         md_model_set_version(model, number);
         md_registry_put(app->registry, model, json_is_true(json_object_get(version, "default")));
     } else {

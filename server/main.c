@@ -125,6 +125,17 @@ int main(int argc, char **argv)
     snprintf(app.not_ready_reason, sizeof app.not_ready_reason,
              "the server is loading its deployed models");
     md_app_load_defaults(&app);
+    md_fetch_opts job_fetch = {
+        .max_bytes = cfg.max_checkpoint_bytes,
+        .connect_timeout_s = cfg.download_connect_timeout_s,
+        .timeout_s = cfg.download_timeout_s,
+        .max_redirects = cfg.download_max_redirects,
+        .allowed_paths = &cfg.allowed_paths,
+        .allowed_urls = &cfg.allowed_urls,
+    };
+    if (md_jobs_start(app.store, cfg.max_jobs, &job_fetch, md_app_resolve, &app, &app.jobs, &err) !=
+        MD_OK)
+        md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);
     app.not_ready_reason[0] = '\0';
     atomic_store(&app.ready, MD_READY);
     md_log(MD_LOG_INFO, "modeld %s listening on %s:%d (libtorch %s)", MODELD_VERSION, cfg.host,
@@ -158,6 +169,7 @@ int main(int argc, char **argv)
         }
     }
     md_http_stop(http);
+    md_jobs_stop(app.jobs);
     md_registry_free(app.registry);
     md_store_close(app.store);
     md_log(MD_LOG_INFO, "stopped");

@@ -1,0 +1,386 @@
+/*
+ * jobs.c - batch-predict jobs as a REST resource: POST /jobs, GET /jobs,
+ * GET /jobs/{id}, DELETE /jobs/{id} (cancel), GET /jobs/{id}/output.
+ * Everything a job needs is checked here, before its row is inserted.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "handlers.h"
+
+md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err)
+{
+    md_app *app = ctx;
+    md_model *m = md_registry_get(app->registry, name, version);
+    if (m)
+        return m;
+    json_t *v = NULL;
+    if (!version) {
+        md_err_setc(err, MD_ECONFLICT, "model_not_ready",
+                    "model %s has no loaded default version", name);
+        return NULL;
+    }
+    if (md_store_get_version(app->store, name, version, &v, err) != MD_OK)
+        return NULL;
+    m = md_app_load_version(app, v, err);
+    json_decref(v);
+    if (!m)
+        return NULL;
+    md_model_retain(m);
+    md_registry_put(app->registry, m, 0);
+    return m;
+}
+
+static int under_allowed(const md_cfg *cfg, const char *path)
+{
+    char real[PATH_MAX], dir[PATH_MAX];
+    for (int i = 0; i < cfg->allowed_paths.count; i++) {
+        if (!realpath(cfg->allowed_paths.items[i], dir))
+            continue;
+        size_t n = strlen(dir);
+        if (realpath(path, real) && strncmp(real, dir, n) == 0 && (real[n] == '/' || !real[n]))
+            return 1;
+    }
+    return 0;
+}
+
+static md_status check_path(const md_cfg *cfg, const char *what, const char *path, int must_exist,
+                            md_err *err)
+{
+    if (path[0] != '/')
+        return md_err_setc(err, MD_EINVAL, "invalid_path", "%s \"%.200s\" must be an absolute path",
+                           what, path);
+    if (cfg->allowed_paths.count == 0)
+        return md_err_setc(err, MD_EINVAL, "path_not_allowed",
+                           "%s paths are disabled; set allowed_paths to the directories modeld may "
+                           "use, or give a URL",
+                           what);
+    char probe[PATH_MAX];
+    snprintf(probe, sizeof probe, "%s", path);
+    if (!must_exist) {
+        /* an output file need not exist: check its directory */
+        char *slash = strrchr(probe, '/');
+        if (slash && slash != probe)
+            *slash = '\0';
+    }
+    if (access(probe, F_OK) != 0)
+        return md_err_setc(err, MD_EINVAL, must_exist ? "input_not_found" : "invalid_path",
+                           "%s %.200s does not exist", what, probe);
+    if (!under_allowed(cfg, probe))
+        return md_err_setc(err, MD_EINVAL, "path_not_allowed",
+                           "%s %.200s is not under allowed_paths; add its directory to the "
+                           "allowed_paths setting",
+                           what, path);
+    return MD_OK;
+}
+
+static int one_of(const char *v, const char *const *choices)
+{
+    for (int i = 0; v && choices[i]; i++)
+        if (strcmp(v, choices[i]) == 0)
+            return 1;
+    return 0;
+}
+
+static md_status check_keys(json_t *o, const char *what, const char *const *allowed, md_err *err)
+{
+    const char *key;
+    json_t *v;
+    json_object_foreach(o, key, v)
+    {
+        if (!one_of(key, allowed)) {
+            char list[200] = "";
+            for (int i = 0; allowed[i]; i++) {
+                strcat(list, i ? ", " : "");
+                strcat(list, allowed[i]);
+            }
+            return md_err_setc(err, MD_EINVAL, "unknown_field",
+                               "%s has an unknown key \"%.40s\"; allowed: %s", what, key, list);
+        }
+    }
+    return MD_OK;
+}
+
+static md_status validate(md_app *app, json_t *spec, const char *id, char *out_path,
+                          size_t out_size, md_err *err)
+{
+    static const char *const top[] = {"model", "version", "input", "output", "batch_size",
+                                      "top_k", "on_error", NULL};
+    static const char *const in_keys[] = {"path", "url", "format", "features", "label", "shape",
+                                          NULL};
+    static const char *const out_keys[] = {"path", "format", "include", NULL};
+    static const char *const in_formats[] = {"csv", "jsonl", "npy", "idx", NULL};
+    static const char *const out_formats[] = {"jsonl", "csv", "npy", NULL};
+    static const char *const includes[] = {"index", "prediction", "label", "scores", NULL};
+    md_status st;
+    if ((st = check_keys(spec, "the job", top, err)) != MD_OK)
+        return st;
+    const char *model = json_string_value(json_object_get(spec, "model"));
+    if (!model)
+        return md_err_setc(err, MD_EINVAL, "invalid_job", "model is required: the name of a deployed model");
+    json_t *info = NULL;
+    if ((st = md_store_get_model(app->store, model, &info, err)) != MD_OK)
+        return st;
+    json_decref(info);
+    json_t *version = json_object_get(spec, "version");
+    if (version && (!json_is_integer(version) || json_integer_value(version) < 1))
+        return md_err_setc(err, MD_EINVAL, "invalid_version", "version must be a positive integer");
+    if (version) {
+        json_t *v = NULL;
+        if ((st = md_store_get_version(app->store, model, (int)json_integer_value(version), &v,
+                                       err)) != MD_OK)
+            return st;
+        json_decref(v);
+    }
+    json_t *in = json_object_get(spec, "input");
+    if (!json_is_object(in))
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "input is required: {\"path\" or \"url\", \"format\": csv|jsonl|npy|idx}");
+    if ((st = check_keys(in, "input", in_keys, err)) != MD_OK)
+        return st;
+    const char *path = json_string_value(json_object_get(in, "path"));
+    const char *url = json_string_value(json_object_get(in, "url"));
+    if (!!path == !!url)
+        return md_err_setc(err, MD_EINVAL, "invalid_job", "input needs exactly one of path and url");
+    if (!one_of(json_string_value(json_object_get(in, "format")), in_formats))
+        return md_err_setc(err, MD_EINVAL, "invalid_format",
+                           "input.format must be one of csv, jsonl, npy, idx");
+    if (path && (st = check_path(app->cfg, "input.path", path, 1, err)) != MD_OK)
+        return st;
+    md_fetch_opts fo = {.allowed_paths = &app->cfg->allowed_paths,
+                        .allowed_urls = &app->cfg->allowed_urls};
+    if (url && (st = md_source_check(url, &fo, err)) != MD_OK)
+        return st;
+    const char *label = json_string_value(json_object_get(in, "label"));
+    if (label && !strcmp(json_string_value(json_object_get(in, "format")), "idx") &&
+        (st = check_path(app->cfg, "input.label", label, 1, err)) != MD_OK)
+        return st;
+    json_t *out = json_object_get(spec, "output");
+    if (out && !json_is_object(out))
+        return md_err_setc(err, MD_EINVAL, "invalid_job", "output must be an object");
+    if (out && (st = check_keys(out, "output", out_keys, err)) != MD_OK)
+        return st;
+    const char *ofmt = json_string_value(json_object_get(out, "format"));
+    if (ofmt && !one_of(ofmt, out_formats))
+        return md_err_setc(err, MD_EINVAL, "invalid_format",
+                           "output.format must be one of jsonl, csv, npy");
+    json_t *inc = json_object_get(out, "include");
+    if (inc) {
+        size_t i;
+        json_t *v;
+        if (!json_is_array(inc))
+            return md_err_setc(err, MD_EINVAL, "invalid_job", "output.include must be an array");
+        json_array_foreach(inc, i, v)
+        {
+            if (!one_of(json_string_value(v), includes))
+                return md_err_setc(err, MD_EINVAL, "invalid_job",
+                                   "output.include[%zu] must be index, prediction, label or scores",
+                                   i);
+        }
+    }
+    const char *opath = json_string_value(json_object_get(out, "path"));
+    if (opath) {
+        if ((st = check_path(app->cfg, "output.path", opath, 0, err)) != MD_OK)
+            return st;
+        snprintf(out_path, out_size, "%s", opath);
+    } else {
+        snprintf(out_path, out_size, "%s/jobs/%s.%s", md_store_dir(app->store), id,
+                 ofmt ? ofmt : "jsonl");
+    }
+    json_t *bs = json_object_get(spec, "batch_size");
+    if (bs && (!json_is_integer(bs) || json_integer_value(bs) < 1 || json_integer_value(bs) > 65536))
+        return md_err_setc(err, MD_EINVAL, "invalid_job", "batch_size must be an integer in 1..65536");
+    json_t *tk = json_object_get(spec, "top_k");
+    if (tk && (!json_is_integer(tk) || json_integer_value(tk) < 1))
+        return md_err_setc(err, MD_EINVAL, "invalid_job", "top_k must be a positive integer");
+    json_t *oe = json_object_get(spec, "on_error");
+    if (oe && !one_of(json_string_value(oe), (const char *const[]){"fail", "skip", NULL}))
+        return md_err_setc(err, MD_EINVAL, "invalid_job", "on_error must be \"fail\" or \"skip\"");
+    return MD_OK;
+}
+
+void md_handle_jobs_create(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    size_t len;
+    const char *body = md_req_body(req, &len);
+    json_error_t jerr;
+    json_t *spec = body ? json_loadb(body, len, 0, &jerr) : NULL;
+    if (!json_is_object(spec)) {
+        md_err_setc(&err, MD_EINVAL, "invalid_json",
+                    "the body must be a JSON job such as {\"model\": \"fashion\", \"input\": "
+                    "{\"path\": \"/data/test.csv\", \"format\": \"csv\"}}");
+        json_decref(spec);
+        md_reply_error(req, &err);
+        return;
+    }
+    /* ids sort by creation time: j<ms since epoch><random> */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    unsigned rnd = 0;
+    if (getrandom(&rnd, sizeof rnd, 0) != sizeof rnd)
+        rnd = (unsigned)ts.tv_nsec;
+    char id[48];
+    snprintf(id, sizeof id, "j%013lld%06x", (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000,
+             rnd & 0xffffff);
+    char out_path[4096];
+    md_status st = validate(app, spec, id, out_path, sizeof out_path, &err);
+    if (st == MD_OK) {
+        if (!json_object_get(spec, "batch_size"))
+            json_object_set_new(spec, "batch_size", json_integer(app->cfg->max_batch_size));
+        json_t *version = json_object_get(spec, "version");
+        st = md_store_job_create(app->store, id, json_string_value(json_object_get(spec, "model")),
+                                 version ? (int)json_integer_value(version) : 0, spec, out_path,
+                                 &err);
+    }
+    json_decref(spec);
+    if (st != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    md_jobs_enqueue(app->jobs, id);
+    char loc[80];
+    snprintf(loc, sizeof loc, "/jobs/%s", id);
+    md_reply_header(req, "Location", loc);
+    md_reply_json(req, 202, json_pack("{s:s,s:s}", "id", id, "status", "queued"));
+}
+
+/* Add what is derived from the stored counters: accuracy, ETA. */
+static json_t *job_view(json_t *job)
+{
+    json_int_t labeled = json_integer_value(json_object_get(job, "labeled"));
+    json_int_t correct = json_integer_value(json_object_get(job, "correct"));
+    if (labeled > 0)
+        json_object_set_new(job, "accuracy", json_real((double)correct / (double)labeled));
+    json_t *total = json_object_get(job, "rows_total");
+    double rps = json_number_value(json_object_get(job, "rows_per_s"));
+    const char *status = json_string_value(json_object_get(job, "status"));
+    if (json_is_integer(total) && rps > 0 && !strcmp(status, "running"))
+        json_object_set_new(
+            job, "eta_s",
+            json_real((double)(json_integer_value(total) -
+                               json_integer_value(json_object_get(job, "rows_done"))) /
+                      rps));
+    char link[80];
+    snprintf(link, sizeof link, "/jobs/%s/output", json_string_value(json_object_get(job, "id")));
+    json_object_set_new(job, "output", json_string(link));
+    return job;
+}
+
+void md_handle_job_get(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    json_t *job = NULL;
+    if (md_store_job_get(app->store, md_req_param(req, "id"), &job, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    md_reply_json(req, 200, job_view(job));
+}
+
+void md_handle_jobs_list(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    int limit = 100;
+    const char *l = md_req_query(req, "limit");
+    if (l) {
+        char *end;
+        long v = strtol(l, &end, 10);
+        if (end == l || *end || v < 1 || v > 1000) {
+            md_err_setc(&err, MD_EINVAL, "invalid_limit", "limit=%.20s: give an integer in 1..1000", l);
+            md_reply_error(req, &err);
+            return;
+        }
+        limit = (int)v;
+    }
+    const char *status = md_req_query(req, "status");
+    static const char *const states[] = {"queued", "running", "succeeded", "failed", "cancelled",
+                                         NULL};
+    if (status && !one_of(status, states)) {
+        md_err_setc(&err, MD_EINVAL, "invalid_status",
+                    "status=%.20s: use queued, running, succeeded, failed or cancelled", status);
+        md_reply_error(req, &err);
+        return;
+    }
+    json_t *out = NULL;
+    if (md_store_job_list(app->store, status, md_req_query(req, "model"),
+                          md_req_query(req, "before"), limit, &out, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    size_t i;
+    json_t *j;
+    json_array_foreach(json_object_get(out, "jobs"), i, j) job_view(j);
+    md_reply_json(req, 200, out);
+}
+
+void md_handle_job_cancel(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    const char *id = md_req_param(req, "id");
+    if (md_jobs_cancel(app->jobs, id, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    json_t *job = NULL;
+    if (md_store_job_get(app->store, id, &job, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    md_reply_json(req, 202, job_view(job));
+}
+
+void md_handle_job_output(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    json_t *job = NULL;
+    if (md_store_job_get(app->store, md_req_param(req, "id"), &job, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    const char *status = json_string_value(json_object_get(job, "status"));
+    if (strcmp(status, "succeeded") != 0 && strcmp(status, "cancelled") != 0) {
+        md_err_setc(&err, MD_ECONFLICT, "job_not_finished",
+                    "job %s is %s; its output is available once it has succeeded or was "
+                    "cancelled",
+                    json_string_value(json_object_get(job, "id")), status);
+        json_decref(job);
+        md_reply_error(req, &err);
+        return;
+    }
+    const char *path = json_string_value(json_object_get(job, "output_path"));
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat sb;
+    if (fd < 0 || fstat(fd, &sb) != 0) {
+        if (fd >= 0)
+            close(fd);
+        md_err_setc(&err, MD_ENOTFOUND, "output_missing", "the output file %s is missing", path);
+        json_decref(job);
+        md_reply_error(req, &err);
+        return;
+    }
+    size_t n = strlen(path);
+    const char *ct = n > 4 && !strcmp(path + n - 4, ".npy")   ? "application/x-npy"
+                     : n > 4 && !strcmp(path + n - 4, ".csv") ? "text/csv"
+                                                              : "application/x-ndjson";
+    if (json_is_true(json_object_get(job, "partial")))
+        md_reply_header(req, "X-Partial", "true");
+    json_decref(job);
+    md_reply_fd(req, 200, ct, fd, (size_t)sb.st_size);
+}

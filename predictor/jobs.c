@@ -1,0 +1,790 @@
+/*
+ * jobs.c - batch-predict jobs over whole datasets, on the models' batching
+ * workers at the lower (batch) priority.
+ *
+ * DESIGN
+ * A job streams its input through a reader in chunks of batch_size rows and
+ * keeps up to PIPELINE chunks queued on the model, so the workers never wait
+ * for the reader. Chunks are written strictly in input order to
+ * <output>.partial; after each written chunk the file is fdatasync'ed and
+ * then ONE SQLite statement commits rows_done (input rows consumed, good and
+ * skipped), output_bytes and the running accuracy counts. Resume after a
+ * crash: truncate the partial file to output_bytes, reopen the input and
+ * skip rows_done rows. Rows written after the last commit are cut off and
+ * computed again, so every input row appears exactly once, in order. On
+ * success the partial file is renamed to the output path. NPY output keeps
+ * a fixed 128-byte header slot, filled in with the final shape at the end.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "predictor.h"
+
+#define PIPELINE 3
+#define NPY_HEADER 128
+
+typedef struct job_ref {
+    char id[64];
+    struct job_ref *next;
+} job_ref;
+
+struct md_jobs {
+    md_store *store;
+    md_fetch_opts fetch;
+    md_model_resolver resolve;
+    void *resolve_ctx;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    job_ref *head, *tail;
+    char (*running)[64];  /* id per runner, "" when idle */
+    atomic_int *cancel;   /* per runner */
+    int n_runners;
+    pthread_t *threads;
+    int stopping;
+};
+
+/* ---- one chunk in flight ---- */
+
+typedef struct chunk {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int done;
+    md_status st;
+    md_err err;
+    float *out;
+    int64_t out_shape[MD_MAX_DIMS];
+    int out_ndim;
+    int64_t rows;
+    int64_t first_index;  /* dataset row index of its first row */
+    int64_t end_position; /* reader position after its last row */
+    int64_t *labels;
+    int64_t *index;       /* dataset row index per row (skips leave gaps) */
+} chunk;
+
+static void chunk_cb(void *ctx, md_status st, const md_err *err, const float *out,
+                     const int64_t *shape, int ndim)
+{
+    chunk *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    c->st = st;
+    if (err)
+        c->err = *err;
+    if (out) {
+        size_t n = 1;
+        for (int d = 0; d < ndim; d++)
+            n *= (size_t)shape[d];
+        c->out = malloc(n * sizeof(float) + 1);
+        if (c->out)
+            memcpy(c->out, out, n * sizeof(float));
+        else
+            c->st = md_err_set(&c->err, MD_ENOMEM, "out of memory for a job chunk");
+        memcpy(c->out_shape, shape, sizeof(int64_t) * (size_t)ndim);
+        c->out_ndim = ndim;
+    }
+    c->done = 1;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void chunk_wait(chunk *c)
+{
+    pthread_mutex_lock(&c->mu);
+    while (!c->done)
+        pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void chunk_reset(chunk *c)
+{
+    free(c->out);
+    free(c->labels);
+    free(c->index);
+    c->out = NULL;
+    c->labels = c->index = NULL;
+    c->done = 0;
+    c->rows = 0;
+    md_err_clear(&c->err);
+    c->st = MD_OK;
+}
+
+/* ---- helpers ---- */
+
+static void now_iso(char out[32])
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    size_t n = strftime(out, 32, "%Y-%m-%dT%H:%M:%S", &tm);
+    snprintf(out + n, 32 - n, ".%03ldZ", ts.tv_nsec / 1000000L);
+}
+
+static double mono(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int write_all(int fd, const char *p, size_t n)
+{
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static void fail_job(md_jobs *J, const char *id, const md_err *err)
+{
+    char now[32];
+    now_iso(now);
+    json_t *f = json_pack("{s:s,s:s,s:s}", "status", "failed", "error", err->msg, "finished_at",
+                          now);
+    md_store_job_update(J->store, id, f, NULL);
+    json_decref(f);
+    md_log(MD_LOG_WARN, "job %s failed: %s", id, err->msg);
+}
+
+static int include_has(json_t *include, const char *what, int dflt)
+{
+    if (!json_is_array(include))
+        return dflt;
+    size_t i;
+    json_t *v;
+    json_array_foreach(include, i, v)
+    {
+        if (json_is_string(v) && strcmp(json_string_value(v), what) == 0)
+            return 1;
+    }
+    return 0;
+}
+
+typedef struct outfmt {
+    int kind; /* 0 jsonl, 1 csv, 2 npy */
+    int inc_index, inc_pred, inc_label, inc_scores;
+    int top_k;
+    int header_written;
+} outfmt;
+
+static int argmax(const float *x, int64_t n)
+{
+    int best = 0;
+    for (int64_t j = 1; j < n; j++)
+        if (x[j] > x[best])
+            best = (int)j;
+    return best;
+}
+
+/* Append one output row as text to `b`. */
+static void format_row(char **b, size_t *len, size_t *cap, const outfmt *o, md_model *m,
+                       int64_t index, const float *y, int64_t width, int has_label,
+                       int64_t label)
+{
+    json_t *labels = md_model_labels(m);
+    char num[40];
+#define ADD(s)                                                                                \
+    do {                                                                                      \
+        size_t l_ = strlen(s);                                                                \
+        if (*len + l_ + 1 > *cap) {                                                           \
+            *cap = (*cap + l_ + 1) * 2;                                                       \
+            *b = realloc(*b, *cap);                                                           \
+            md_assert(*b != NULL);                                                            \
+        }                                                                                     \
+        memcpy(*b + *len, s, l_ + 1);                                                         \
+        *len += l_;                                                                           \
+    } while (0)
+    int cls = argmax(y, width);
+    const char *sep = o->kind == 1 ? "," : ",";
+    int first = 1;
+    if (o->kind == 0)
+        ADD("{");
+    if (o->inc_index) {
+        if (o->kind == 0)
+            ADD("\"index\":");
+        snprintf(num, sizeof num, "%lld", (long long)index);
+        ADD(num);
+        first = 0;
+    }
+    if (o->inc_pred) {
+        if (!first)
+            ADD(sep);
+        if (o->kind == 0)
+            ADD("\"prediction\":");
+        if (labels && json_is_string(json_array_get(labels, (size_t)cls))) {
+            json_t *s = json_array_get(labels, (size_t)cls);
+            char *t = json_dumps(s, JSON_ENCODE_ANY);
+            ADD(t);
+            free(t);
+        } else if (width > 1 && (labels || md_model_output_logits(m))) {
+            snprintf(num, sizeof num, "%d", cls);
+            ADD(num);
+        } else {
+            if (o->kind == 0)
+                ADD("[");
+            for (int64_t j = 0; j < width; j++) {
+                if (j)
+                    ADD(o->kind == 0 ? "," : ";");
+                md_float_format(y[j], num, sizeof num);
+                ADD(num);
+            }
+            if (o->kind == 0)
+                ADD("]");
+        }
+        first = 0;
+    }
+    if (o->inc_label) {
+        if (!first)
+            ADD(sep);
+        if (o->kind == 0)
+            ADD("\"label\":");
+        if (has_label)
+            snprintf(num, sizeof num, "%lld", (long long)label);
+        else
+            snprintf(num, sizeof num, "%s", o->kind == 0 ? "null" : "");
+        ADD(num);
+        first = 0;
+    }
+    if (o->inc_scores) {
+        if (!first)
+            ADD(sep);
+        if (o->kind == 0)
+            ADD("\"scores\":[");
+        float mx = y[cls];
+        double sum = 0;
+        for (int64_t j = 0; j < width; j++)
+            sum += md_model_output_logits(m) ? exp((double)(y[j] - mx)) : 0;
+        for (int64_t j = 0; j < width; j++) {
+            if (j)
+                ADD(o->kind == 0 ? "," : ";");
+            float v = md_model_output_logits(m) ? (float)(exp((double)(y[j] - mx)) / sum) : y[j];
+            md_float_format(v, num, sizeof num);
+            ADD(num);
+        }
+        if (o->kind == 0)
+            ADD("]");
+    }
+    ADD(o->kind == 0 ? "}\n" : "\n");
+#undef ADD
+}
+
+static void npy_header(char out[NPY_HEADER], int64_t rows, const int64_t *shape, int ndim)
+{
+    char dims[200];
+    int n = snprintf(dims, sizeof dims, "%lld,", (long long)rows);
+    for (int d = 1; d < ndim; d++)
+        n += snprintf(dims + n, sizeof dims - (size_t)n, " %lld,", (long long)shape[d]);
+    if (ndim > 1)
+        dims[n - 1] = '\0';
+    memset(out, ' ', NPY_HEADER);
+    memcpy(out, "\x93NUMPY\x01\x00", 8);
+    out[8] = (char)(NPY_HEADER - 10);
+    out[9] = 0;
+    int h = snprintf(out + 10, NPY_HEADER - 10, "{'descr': '<f4', 'fortran_order': False, "
+                                                "'shape': (%s), }",
+                     dims);
+    out[10 + h] = ' '; /* snprintf's NUL */
+    out[NPY_HEADER - 1] = '\n';
+}
+
+/* ---- running one job ---- */
+
+static void run_job(md_jobs *J, int slot, const char *id)
+{
+    md_err err;
+    md_err_clear(&err);
+    json_t *job = NULL;
+    if (md_store_job_get(J->store, id, &job, &err) != MD_OK)
+        return;
+    const char *status = json_string_value(json_object_get(job, "status"));
+    if (strcmp(status, "queued") != 0 && strcmp(status, "running") != 0) {
+        json_decref(job);
+        return;
+    }
+    json_t *spec = json_object_get(job, "spec");
+    json_t *input = json_object_get(spec, "input"), *output = json_object_get(spec, "output");
+    const char *model_name = json_string_value(json_object_get(job, "model"));
+    int version = (int)json_integer_value(json_object_get(spec, "version"));
+    int skip_bad = json_is_string(json_object_get(spec, "on_error")) &&
+                   strcmp(json_string_value(json_object_get(spec, "on_error")), "skip") == 0;
+    int64_t rows_done = json_integer_value(json_object_get(job, "rows_done"));
+    long long out_bytes = json_integer_value(json_object_get(job, "output_bytes"));
+    int64_t correct = json_integer_value(json_object_get(job, "correct"));
+    int64_t labeled = json_integer_value(json_object_get(job, "labeled"));
+    int64_t skipped = json_integer_value(json_object_get(job, "rows_skipped"));
+    char out_path[4096], partial[4200], input_path[4200];
+    snprintf(out_path, sizeof out_path, "%s", json_string_value(json_object_get(job, "output_path")));
+    snprintf(partial, sizeof partial, "%s.partial", out_path);
+    md_model *m = NULL;
+    md_reader *r = NULL;
+    int fd = -1;
+    chunk ring[PIPELINE];
+    memset(ring, 0, sizeof ring);
+    for (int i = 0; i < PIPELINE; i++) {
+        pthread_mutex_init(&ring[i].mu, NULL);
+        pthread_cond_init(&ring[i].cv, NULL);
+    }
+    json_t *confusion = json_incref(json_object_get(job, "confusion"));
+    int64_t *conf = NULL;
+    int64_t classes = 0;
+    float *rowbuf = NULL;
+    int eof = 0, head = 0, inflight = 0;
+    char *text = NULL;
+    size_t text_cap = 0;
+
+    char now[32];
+    now_iso(now);
+    json_t *f = json_pack("{s:s}", "status", "running");
+    if (json_is_null(json_object_get(job, "started_at")))
+        json_object_set_new(f, "started_at", json_string(now));
+    md_store_job_update(J->store, id, f, NULL);
+    json_decref(f);
+
+    /* the model */
+    m = J->resolve(J->resolve_ctx, model_name, version, &err);
+    if (!m)
+        goto failed;
+    if (!version) {
+        f = json_pack("{s:i}", "version", md_model_version(m));
+        md_store_job_update(J->store, id, f, NULL);
+        json_decref(f);
+    }
+    /* the input: a URL is downloaded once into the store */
+    const char *url = json_string_value(json_object_get(input, "url"));
+    if (url) {
+        snprintf(input_path, sizeof input_path, "%s/jobs/%s.input", md_store_dir(J->store), id);
+        if (access(input_path, R_OK) != 0 && md_fetch_file(url, &J->fetch, input_path, &err) != MD_OK)
+            goto failed;
+    } else {
+        snprintf(input_path, sizeof input_path, "%s", json_string_value(json_object_get(input, "path")));
+    }
+    md_reader_opts ro = {
+        .path = input_path,
+        .format = json_string_value(json_object_get(input, "format")),
+        .features = json_object_get(input, "features"),
+        .label = json_string_value(json_object_get(input, "label")),
+    };
+    if (md_reader_open(&ro, &r, &err) != MD_OK)
+        goto failed;
+    int64_t width = md_reader_row_width(r);
+    int has_labels = md_reader_has_labels(r);
+    int64_t total = md_reader_total_rows(r);
+    if (total >= 0) {
+        f = json_pack("{s:I}", "rows_total", (json_int_t)total);
+        md_store_job_update(J->store, id, f, NULL);
+        json_decref(f);
+    }
+    /* resume: skip what is committed */
+    rowbuf = md_xmalloc(sizeof(float) * (size_t)(width > 0 ? width : 1));
+    while (md_reader_position(r) < rows_done) {
+        int64_t lab;
+        md_status st = md_reader_next(r, rowbuf, &lab, &err);
+        if (st == MD_ENOTFOUND)
+            break;
+        if (st == MD_EIO)
+            goto failed;
+    }
+    outfmt o = {0};
+    const char *ofmt = json_string_value(json_object_get(output, "format"));
+    o.kind = !ofmt || !strcmp(ofmt, "jsonl") ? 0 : !strcmp(ofmt, "csv") ? 1 : 2;
+    json_t *include = json_object_get(output, "include");
+    o.inc_index = include_has(include, "index", 1);
+    o.inc_pred = include_has(include, "prediction", 1);
+    o.inc_label = include_has(include, "label", has_labels);
+    o.inc_scores = include_has(include, "scores", 0);
+
+    fd = open(partial, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        md_err_set(&err, MD_EIO, "cannot open the job output %s: %s", partial, strerror(errno));
+        goto failed;
+    }
+    if (rows_done == 0 && out_bytes == 0) {
+        if (ftruncate(fd, 0) != 0) {
+            md_err_set(&err, MD_EIO, "cannot truncate %s: %s", partial, strerror(errno));
+            goto failed;
+        }
+        if (o.kind == 2) {
+            char h[NPY_HEADER];
+            int64_t s1[1] = {0};
+            npy_header(h, 0, s1, 1);
+            write_all(fd, h, NPY_HEADER);
+            out_bytes = NPY_HEADER;
+        } else if (o.kind == 1) {
+            char head[128] = "";
+            int first = 1;
+            if (o.inc_index)
+                strcat(head, "index"), first = 0;
+            if (o.inc_pred)
+                strcat(head, first ? "prediction" : ",prediction"), first = 0;
+            if (o.inc_label)
+                strcat(head, first ? "label" : ",label"), first = 0;
+            if (o.inc_scores)
+                strcat(head, first ? "scores" : ",scores");
+            strcat(head, "\n");
+            write_all(fd, head, strlen(head));
+            out_bytes = (long long)strlen(head);
+        }
+    } else if (ftruncate(fd, out_bytes) != 0) {
+        md_err_set(&err, MD_EIO, "cannot truncate %s: %s", partial, strerror(errno));
+        goto failed;
+    }
+    lseek(fd, out_bytes, SEEK_SET);
+
+    int batch = (int)json_integer_value(json_object_get(spec, "batch_size"));
+    if (batch <= 0)
+        batch = 64;
+    double t0 = mono();
+    int64_t rows_this_run = 0;
+    int64_t npy_width = 0;
+    int64_t index_next = md_reader_position(r);
+    for (;;) {
+        /* fill the pipeline */
+        while (!eof && inflight < PIPELINE && !atomic_load(&J->cancel[slot])) {
+            chunk *c = &ring[(head + inflight) % PIPELINE];
+            chunk_reset(c);
+            float *buf = md_malloc_checked(sizeof(float) * (size_t)(batch * width), "a job chunk", &err);
+            if (!buf)
+                goto failed;
+            c->labels = md_xmalloc(sizeof(int64_t) * (size_t)batch);
+            c->index = md_xmalloc(sizeof(int64_t) * (size_t)batch);
+            while (c->rows < batch) {
+                int64_t pos = md_reader_position(r);
+                md_status st = md_reader_next(r, buf + c->rows * width, &c->labels[c->rows], &err);
+                if (st == MD_ENOTFOUND) {
+                    eof = 1;
+                    break;
+                }
+                if (st == MD_EINVAL && skip_bad) {
+                    skipped++;
+                    continue;
+                }
+                if (st != MD_OK) {
+                    free(buf);
+                    goto failed;
+                }
+                c->index[c->rows++] = pos;
+            }
+            index_next = md_reader_position(r);
+            c->end_position = index_next;
+            if (c->rows == 0) {
+                free(buf);
+                c->done = 1;
+                c->st = MD_OK;
+                inflight++;
+                break;
+            }
+            md_tensor t = {.ndim = 2, .shape = {c->rows, width}, .data = buf,
+                           .count = (size_t)(c->rows * width)};
+            if (md_model_submit(m, &t, MD_PRIO_BATCH, chunk_cb, c, &err) != MD_OK)
+                goto failed;
+            inflight++;
+        }
+        if (inflight == 0)
+            break;
+        /* write the oldest chunk, then commit */
+        chunk *c = &ring[head];
+        chunk_wait(c);
+        head = (head + 1) % PIPELINE;
+        inflight--;
+        if (c->st != MD_OK) {
+            err = c->err;
+            goto failed;
+        }
+        size_t len = 0;
+        if (c->rows > 0) {
+            int64_t ow = 1;
+            for (int d = 1; d < c->out_ndim; d++)
+                ow *= c->out_shape[d];
+            if (has_labels && !conf && ow > 1 && ow <= 1000) {
+                classes = ow;
+                conf = md_xcalloc((size_t)(classes * classes), sizeof(int64_t));
+                if (json_is_array(confusion) && (int64_t)json_array_size(confusion) == classes)
+                    for (int64_t a = 0; a < classes; a++)
+                        for (int64_t b2 = 0; b2 < classes; b2++)
+                            conf[a * classes + b2] = json_integer_value(
+                                json_array_get(json_array_get(confusion, (size_t)a), (size_t)b2));
+            }
+            if (o.kind == 2) {
+                npy_width = ow;
+                len = (size_t)(c->rows * ow) * sizeof(float);
+                if (write_all(fd, (const char *)c->out, len) != 0) {
+                    md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));
+                    goto failed;
+                }
+            }
+            for (int64_t i = 0; i < c->rows; i++) {
+                const float *y = c->out + i * ow;
+                if (has_labels) {
+                    int cls = argmax(y, ow);
+                    labeled++;
+                    correct += cls == c->labels[i];
+                    if (conf && c->labels[i] >= 0 && c->labels[i] < classes)
+                        conf[c->labels[i] * classes + cls]++;
+                }
+                if (o.kind != 2)
+                    format_row(&text, &len, &text_cap, &o, m, c->index[i], y, ow, has_labels,
+                               c->labels[i]);
+            }
+            if (o.kind != 2 && write_all(fd, text, len) != 0) {
+                md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));
+                goto failed;
+            }
+            if (fdatasync(fd) != 0) {
+                md_err_set(&err, MD_EIO, "fdatasync of %s failed: %s", partial, strerror(errno));
+                goto failed;
+            }
+            out_bytes += (long long)len;
+            rows_this_run += c->rows;
+        }
+        double el = mono() - t0;
+        f = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f}", "rows_done", (json_int_t)c->end_position,
+                      "output_bytes", (json_int_t)out_bytes, "correct", (json_int_t)correct,
+                      "labeled", (json_int_t)labeled, "rows_skipped", (json_int_t)skipped,
+                      "rows_per_s", el > 0 ? (double)rows_this_run / el : 0.0);
+        if (conf) {
+            json_t *cm = json_array();
+            for (int64_t a = 0; a < classes; a++) {
+                json_t *row = json_array();
+                for (int64_t b2 = 0; b2 < classes; b2++)
+                    json_array_append_new(row, json_integer(conf[a * classes + b2]));
+                json_array_append_new(cm, row);
+            }
+            json_object_set_new(f, "confusion", cm);
+        }
+        md_status ust = md_store_job_update(J->store, id, f, &err);
+        json_decref(f);
+        if (ust != MD_OK)
+            goto failed;
+        if (atomic_load(&J->cancel[slot]) && inflight == 0) {
+            close(fd);
+            fd = -1;
+            rename(partial, out_path);
+            now_iso(now);
+            f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
+            md_store_job_update(J->store, id, f, NULL);
+            json_decref(f);
+            md_log(MD_LOG_INFO, "job %s cancelled after %lld rows", id, (long long)c->end_position);
+            goto out;
+        }
+        if (J->stopping && inflight == 0) {
+            md_log(MD_LOG_INFO, "job %s paused for shutdown at row %lld; it resumes at the next start",
+                   id, (long long)c->end_position);
+            goto out;
+        }
+        if (eof && inflight == 0)
+            break;
+    }
+    if (o.kind == 2) {
+        char h[NPY_HEADER];
+        int64_t shape[2] = {0, npy_width};
+        int64_t nrows = npy_width ? (out_bytes - NPY_HEADER) / (int64_t)sizeof(float) / npy_width : 0;
+        npy_header(h, nrows, shape, npy_width ? 2 : 1);
+        if (pwrite(fd, h, NPY_HEADER, 0) != NPY_HEADER) {
+            md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));
+            goto failed;
+        }
+    }
+    fsync(fd);
+    close(fd);
+    fd = -1;
+    if (rename(partial, out_path) != 0) {
+        md_err_set(&err, MD_EIO, "cannot rename %s: %s", partial, strerror(errno));
+        goto failed;
+    }
+    now_iso(now);
+    f = json_pack("{s:s,s:s,s:I}", "status", "succeeded", "finished_at", now, "rows_total",
+                  (json_int_t)md_reader_position(r));
+    md_store_job_update(J->store, id, f, NULL);
+    json_decref(f);
+    md_log(MD_LOG_INFO, "job %s succeeded: %lld rows", id, (long long)md_reader_position(r));
+    goto out;
+failed:
+    fail_job(J, id, &err);
+out:
+    /* never free a chunk a worker may still answer */
+    while (inflight > 0) {
+        chunk_wait(&ring[head]);
+        head = (head + 1) % PIPELINE;
+        inflight--;
+    }
+    for (int i = 0; i < PIPELINE; i++) {
+        chunk_reset(&ring[i]);
+        pthread_mutex_destroy(&ring[i].mu);
+        pthread_cond_destroy(&ring[i].cv);
+    }
+    if (fd >= 0)
+        close(fd);
+    free(rowbuf);
+    free(text);
+    free(conf);
+    json_decref(confusion);
+    md_reader_close(r);
+    md_model_release(m);
+    json_decref(job);
+}
+
+static void *runner_main(void *arg)
+{
+    md_jobs *J = ((void **)arg)[0];
+    int slot = (int)(intptr_t)((void **)arg)[1];
+    free(arg);
+    for (;;) {
+        pthread_mutex_lock(&J->mu);
+        while (!J->head && !J->stopping)
+            pthread_cond_wait(&J->cv, &J->mu);
+        if (J->stopping) {
+            pthread_mutex_unlock(&J->mu);
+            return NULL;
+        }
+        job_ref *j = J->head;
+        J->head = j->next;
+        if (!J->head)
+            J->tail = NULL;
+        snprintf(J->running[slot], 64, "%s", j->id);
+        atomic_store(&J->cancel[slot], 0);
+        pthread_mutex_unlock(&J->mu);
+        run_job(J, slot, j->id);
+        pthread_mutex_lock(&J->mu);
+        J->running[slot][0] = '\0';
+        pthread_mutex_unlock(&J->mu);
+        free(j);
+    }
+}
+
+void md_jobs_enqueue(md_jobs *J, const char *id)
+{
+    job_ref *j = md_xcalloc(1, sizeof *j);
+    snprintf(j->id, sizeof j->id, "%s", id);
+    pthread_mutex_lock(&J->mu);
+    if (J->tail)
+        J->tail->next = j;
+    else
+        J->head = j;
+    J->tail = j;
+    pthread_cond_signal(&J->cv);
+    pthread_mutex_unlock(&J->mu);
+}
+
+md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
+{
+    json_t *job = NULL;
+    md_status st = md_store_job_get(J->store, id, &job, err);
+    if (st != MD_OK)
+        return st;
+    const char *status = json_string_value(json_object_get(job, "status"));
+    if (strcmp(status, "queued") != 0 && strcmp(status, "running") != 0) {
+        st = md_err_setc(err, MD_ECONFLICT, "job_finished", "job %s is already %s", id, status);
+        json_decref(job);
+        return st;
+    }
+    json_decref(job);
+    pthread_mutex_lock(&J->mu);
+    int running = 0;
+    for (int i = 0; i < J->n_runners; i++)
+        if (strcmp(J->running[i], id) == 0) {
+            atomic_store(&J->cancel[i], 1);
+            running = 1;
+        }
+    if (!running) {
+        /* still queued: drop it from the queue and record it now */
+        for (job_ref **p = &J->head; *p; p = &(*p)->next)
+            if (strcmp((*p)->id, id) == 0) {
+                job_ref *dead = *p;
+                *p = dead->next;
+                free(dead);
+                break;
+            }
+        J->tail = NULL;
+        for (job_ref *p = J->head; p; p = p->next)
+            J->tail = p;
+        char now[32];
+        now_iso(now);
+        json_t *f = json_pack("{s:s,s:s}", "status", "cancelled", "finished_at", now);
+        md_store_job_update(J->store, id, f, NULL);
+        json_decref(f);
+    }
+    pthread_mutex_unlock(&J->mu);
+    return MD_OK;
+}
+
+md_status md_jobs_start(md_store *store, int max_jobs, const md_fetch_opts *fetch,
+                        md_model_resolver resolve, void *ctx, md_jobs **out, md_err *err)
+{
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(store));
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return md_err_set(err, MD_EIO, "cannot create %s: %s", dir, strerror(errno));
+    md_jobs *J = md_xcalloc(1, sizeof *J);
+    J->store = store;
+    J->fetch = *fetch;
+    J->resolve = resolve;
+    J->resolve_ctx = ctx;
+    pthread_mutex_init(&J->mu, NULL);
+    pthread_cond_init(&J->cv, NULL);
+    J->n_runners = max_jobs;
+    J->running = md_xcalloc((size_t)max_jobs, 64);
+    J->cancel = md_xcalloc((size_t)max_jobs, sizeof(atomic_int));
+    J->threads = md_xcalloc((size_t)max_jobs, sizeof(pthread_t));
+    /* resume what a previous process left, oldest first */
+    json_t *list = NULL;
+    const char *states[] = {"running", "queued"};
+    for (int s = 0; s < 2; s++) {
+        if (md_store_job_list(store, states[s], NULL, NULL, 100000, &list, err) != MD_OK)
+            break;
+        json_t *jobs = json_object_get(list, "jobs");
+        for (size_t i = json_array_size(jobs); i-- > 0;)
+            md_jobs_enqueue(J, json_string_value(json_object_get(json_array_get(jobs, i), "id")));
+        json_decref(list);
+    }
+    for (int i = 0; i < max_jobs; i++) {
+        void **arg = md_xmalloc(2 * sizeof(void *));
+        arg[0] = J;
+        arg[1] = (void *)(intptr_t)i;
+        if (pthread_create(&J->threads[i], NULL, runner_main, arg) != 0) {
+            free(arg);
+            J->n_runners = i;
+            break;
+        }
+    }
+    *out = J;
+    return MD_OK;
+}
+
+void md_jobs_stop(md_jobs *J)
+{
+    if (!J)
+        return;
+    pthread_mutex_lock(&J->mu);
+    J->stopping = 1;
+    pthread_cond_broadcast(&J->cv);
+    pthread_mutex_unlock(&J->mu);
+    for (int i = 0; i < J->n_runners; i++)
+        pthread_join(J->threads[i], NULL);
+    while (J->head) {
+        job_ref *j = J->head;
+        J->head = j->next;
+        free(j);
+    }
+    free(J->running);
+    free(J->cancel);
+    free(J->threads);
+    pthread_mutex_destroy(&J->mu);
+    pthread_cond_destroy(&J->cv);
+    free(J);
+}

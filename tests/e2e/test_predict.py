@@ -1,0 +1,676 @@
+"""
+test_predict.py - online predictions against the real binary: every request
+dialect (rows, TF Serving instances, Ray Serve array, NPY in and out, a single
+row), every way requests are batched (concurrent single rows, requests split
+past max_batch_size, a batching delay), the Open Inference Protocol V2 routes,
+labels and top_k on the FashionMNIST example, input errors with the row and
+column named, a full queue (503), a timeout (504), a hot swap under load, a
+restart, and checkpoints or configs that cannot serve (422).
+
+Expected outputs are the committed fixtures computed by Torch
+(tests/fixtures/*_expected.*); every comparison allows 1e-5.
+"""
+import gzip
+import io
+import json
+import signal
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import requests
+
+from conftest import REPO, TSCALE
+
+FIXTURES = REPO / "tests" / "fixtures"
+MLP_PT = FIXTURES / "mlp.pt"
+CNN_PT = FIXTURES / "cnn.pt"
+ZIP_NOT_TS = FIXTURES / "zip_not_torchscript.pt"
+FASHION_PT = REPO / "examples" / "fashion_mnist" / "model.pt"
+FASHION_CONFIG = json.loads((REPO / "examples" / "fashion_mnist" / "model.json").read_text())
+DATASET = "/usr/share/datasets/fashion-mnist"
+
+MLP_IN = json.loads((FIXTURES / "mlp_input.json").read_text())          # [5, 4]
+MLP_OUT = np.array(json.loads((FIXTURES / "mlp_expected.json").read_text()), dtype=np.float32)
+CNN_IN = json.loads((FIXTURES / "cnn_input.json").read_text())          # [3, 1, 8, 8]
+CNN_OUT = np.array(json.loads((FIXTURES / "cnn_expected.json").read_text()), dtype=np.float32)
+MLP_NPY = (FIXTURES / "mlp_input.npy").read_bytes()
+CNN_NPY = (FIXTURES / "cnn_input.npy").read_bytes()
+
+MLP_CONFIG = {"input": {"shape": [4]}, "output": "logits"}
+CNN_CONFIG = {"input": {"shape": [1, 8, 8]}}
+TOL = 1e-5
+
+MODELS = {
+    "mlp": (MLP_PT, MLP_CONFIG, MLP_IN, MLP_OUT, MLP_NPY),
+    "cnn": (CNN_PT, CNN_CONFIG, CNN_IN, CNN_OUT, CNN_NPY),
+}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def deploy(srv, name, path=MLP_PT, config=MLP_CONFIG, **fields):
+    """POST /models/NAME/versions as curl -F checkpoint=@... -F config=... does."""
+    data = {"config": json.dumps(config)} if config is not None else {}
+    data.update({k: (v if isinstance(v, str) else json.dumps(v)) for k, v in fields.items()})
+    with open(path, "rb") as f:
+        r = requests.post(srv.url + f"/models/{name}/versions", files={"checkpoint": f},
+                          data=data, timeout=30 * TSCALE)
+    return r
+
+
+def deployed(srv, name, path=MLP_PT, config=MLP_CONFIG, **fields):
+    r = deploy(srv, name, path, config, **fields)
+    assert r.status_code == 201, f"deploy {name}: expected 201, got {r.status_code}: {r.text!r}"
+    return r.json()
+
+
+def post_json(srv, path, body, session=None, **kw):
+    kw.setdefault("timeout", 10 * TSCALE)
+    headers = kw.pop("headers", {})
+    headers.setdefault("Content-Type", "application/json")
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return (session or requests).post(srv.url + path, data=data, headers=headers, **kw)
+
+
+def predictions(resp, name=None, rows=None):
+    assert resp.status_code == 200, f"expected 200, got {resp.status_code}: {resp.text!r}"
+    ctype = resp.headers.get("Content-Type", "").split(";")[0].strip()
+    assert ctype == "application/json", f"Content-Type {ctype!r}"
+    body = resp.json()
+    if name is not None:
+        assert body["model"] == name, body
+    assert isinstance(body["version"], int), body
+    p = np.array(body["predictions"], dtype=np.float32)
+    if rows is not None:
+        assert p.shape[0] == rows, f"expected {rows} rows, got shape {p.shape}: {resp.text!r}"
+    return p
+
+
+def assert_close(got, want, what=""):
+    got = np.asarray(got, dtype=np.float32)
+    want = np.asarray(want, dtype=np.float32)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != expected {want.shape}"
+    diff = float(np.max(np.abs(got - want))) if got.size else 0.0
+    assert diff <= TOL, f"{what}: max abs diff {diff} > {TOL}\ngot {got}\nwant {want}"
+
+
+def expect_error(resp, status, code=None):
+    assert resp.status_code == status, \
+        f"expected {status} {code}, got {resp.status_code}: {resp.text!r}"
+    ctype = resp.headers.get("Content-Type", "").split(";")[0].strip()
+    assert ctype == "application/json", f"error with Content-Type {ctype!r}: {resp.text!r}"
+    body = resp.json()
+    assert isinstance(body, dict) and isinstance(body.get("error"), dict), \
+        f"not a JSON error body: {resp.text!r}"
+    err = body["error"]
+    assert isinstance(err.get("message"), str) and err["message"], resp.text
+    if code is not None:
+        assert err.get("code") == code, f"expected code {code}, got {err.get('code')}: {resp.text!r}"
+    return err
+
+
+def expect_v2_error(resp, status):
+    assert resp.status_code == status, f"expected {status}, got {resp.status_code}: {resp.text!r}"
+    body = resp.json()
+    assert isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], str) \
+        and body["error"], f"not a V2 error body {{\"error\": \"...\"}}: {resp.text!r}"
+    return body["error"]
+
+
+def blob_names(srv):
+    d = srv.store / "blobs"
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def flat(rows):
+    return np.asarray(rows, dtype=np.float32).reshape(-1).tolist()
+
+
+# ---------------------------------------------------------------- dialects
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_every_dialect(server, name):
+    path, config, rows, want, npy = MODELS[name]
+    deployed(server, name, path, config)
+    n = len(rows)
+    url = f"/models/{name}/predict"
+    arr = np.asarray(rows, dtype=np.float32)
+
+    assert_close(predictions(post_json(server, url, rows), name, n), want, "bare rows")
+    assert_close(predictions(post_json(server, url, {"instances": rows}), name, n), want,
+                 "instances")
+    assert_close(predictions(post_json(server, url, {"array": flat(rows), "shape": list(arr.shape)}),
+                             name, n), want, "array flat + shape")
+    assert_close(predictions(post_json(server, url, {"array": rows}), name, n), want,
+                 "array nested")
+    # the default model answers /predict too (only one is deployed)
+    assert_close(predictions(post_json(server, "/predict", rows), name, n), want, "/predict")
+    # and the version route
+    assert_close(predictions(post_json(server, f"/models/{name}/versions/1/predict", rows), name, n),
+                 want, "versions/1/predict")
+
+    # NPY request
+    r = server.request("POST", url, data=npy, headers={"Content-Type": "application/x-npy"})
+    assert_close(predictions(r, name, n), want, "NPY request")
+
+    # NPY response
+    r = post_json(server, url, rows, headers={"Accept": "application/x-npy"})
+    assert r.status_code == 200, r.text
+    assert r.headers.get("Content-Type", "").startswith("application/x-npy"), r.headers
+    got = np.load(io.BytesIO(r.content), allow_pickle=False)
+    assert got.dtype == np.float32, got.dtype
+    assert_close(got, want, "NPY response")
+
+    # NPY in and out
+    r = server.request("POST", url, data=npy,
+                       headers={"Content-Type": "application/x-npy", "Accept": "application/x-npy"})
+    assert r.status_code == 200, r.text
+    assert_close(np.load(io.BytesIO(r.content), allow_pickle=False), want, "NPY in and out")
+
+    # float64 NPY is cast
+    buf = io.BytesIO()
+    np.save(buf, arr.astype(np.float64))
+    r = server.request("POST", url, data=buf.getvalue(),
+                       headers={"Content-Type": "application/x-npy"})
+    assert_close(predictions(r, name, n), want, "NPY float64")
+
+    # one row in the declared shape: a batch of one
+    for i in range(n):
+        p = predictions(post_json(server, url, rows[i]), name, 1)
+        assert_close(p, want[i:i + 1], f"single row {i}")
+
+    # rows given flat are reshaped to the declared row shape
+    flat_rows = arr.reshape(n, -1).tolist()
+    assert_close(predictions(post_json(server, url, flat_rows), name, n), want, "flat rows")
+
+
+def test_single_row_literal(server):
+    deployed(server, "mlp")
+    p = predictions(post_json(server, "/models/mlp/predict", [1, 2, 3, 4]), "mlp", 1)
+    q = predictions(post_json(server, "/models/mlp/predict", [[1, 2, 3, 4]]), "mlp", 1)
+    assert p.shape == (1, 3)
+    assert_close(p, q, "[1,2,3,4] vs [[1,2,3,4]]")
+
+
+# ---------------------------------------------------------------- batching
+
+
+def test_concurrent_single_rows(server):
+    deployed(server, "mlp")
+    deployed(server, "cnn", CNN_PT, CNN_CONFIG)
+
+    def one(i):
+        with requests.Session() as s:
+            if i % 4 == 3:
+                j = i % len(CNN_IN)
+                r = post_json(server, "/models/cnn/predict", [CNN_IN[j]], session=s)
+                return i, "cnn", j, r
+            j = i % len(MLP_IN)
+            r = post_json(server, "/models/mlp/predict", [MLP_IN[j]], session=s)
+            return i, "mlp", j, r
+
+    with ThreadPoolExecutor(max_workers=32) as ex:
+        results = list(ex.map(one, range(64)))
+    for i, name, j, r in results:
+        want = (CNN_OUT if name == "cnn" else MLP_OUT)[j:j + 1]
+        assert_close(predictions(r, name, 1), want, f"request {i} ({name} row {j})")
+
+
+def test_request_larger_than_max_batch_is_split_in_order(server):
+    deployed(server, "mlp", config={**MLP_CONFIG, "batching": {"max_batch_size": 2}, "workers": 2})
+    r = post_json(server, "/models/mlp/predict", MLP_IN)
+    assert_close(predictions(r, "mlp", 5), MLP_OUT, "5 rows with max_batch_size 2")
+
+    # several split requests at once, each with its rows in a different order
+    perms = [np.random.RandomState(k).permutation(5).tolist() for k in range(16)]
+
+    def one(perm):
+        return perm, post_json(server, "/models/mlp/predict", [MLP_IN[i] for i in perm])
+
+    with ThreadPoolExecutor(max_workers=16) as ex:
+        for perm, r in ex.map(one, perms):
+            assert_close(predictions(r, "mlp", 5), MLP_OUT[perm], f"permutation {perm}")
+
+    # NPY and a larger request: 40 rows, 20 pieces
+    big = np.tile(np.asarray(MLP_IN, dtype=np.float32), (8, 1))
+    buf = io.BytesIO()
+    np.save(buf, big)
+    r = server.request("POST", "/models/mlp/predict", data=buf.getvalue(),
+                       headers={"Content-Type": "application/x-npy"})
+    assert_close(predictions(r, "mlp", 40), np.tile(MLP_OUT, (8, 1)), "40 rows")
+
+
+def test_max_delay_with_concurrent_clients(server):
+    deployed(server, "mlp", config={**MLP_CONFIG, "batching": {"max_delay_us": 20000}})
+
+    def one(i):
+        rows = [MLP_IN[(i + k) % 5] for k in range(1 + i % 3)]
+        want = MLP_OUT[[(i + k) % 5 for k in range(1 + i % 3)]]
+        return i, want, post_json(server, "/models/mlp/predict", rows)
+
+    with ThreadPoolExecutor(max_workers=16) as ex:
+        results = list(ex.map(one, range(48)))
+    for i, want, r in results:
+        assert_close(predictions(r, "mlp", len(want)), want, f"request {i}")
+
+
+# ---------------------------------------------------------------- V2
+
+
+def test_v2_infer(server):
+    deployed(server, "mlp")
+    url = "/v2/models/mlp/infer"
+
+    def infer(data, shape, datatype="FP32", **extra):
+        body = {"inputs": [{"name": "input0", "shape": shape, "datatype": datatype, "data": data}]}
+        body.update(extra)
+        return post_json(server, url, body)
+
+    def outputs(r, rows):
+        assert r.status_code == 200, f"expected 200, got {r.status_code}: {r.text!r}"
+        body = r.json()
+        assert body["model_name"] == "mlp", body
+        assert body["model_version"] == "1", body
+        out = body["outputs"]
+        assert isinstance(out, list) and len(out) == 1, body
+        o = out[0]
+        assert isinstance(o["name"], str) and o["name"], o
+        assert o["shape"] == [rows, 3], o
+        assert o["datatype"] == "FP32", o
+        assert isinstance(o["data"], list) and len(o["data"]) == rows * 3, o
+        return body, np.array(o["data"], dtype=np.float32).reshape(rows, 3)
+
+    _, got = outputs(infer(flat(MLP_IN), [5, 4]), 5)
+    assert_close(got, MLP_OUT, "V2 FP32 flat")
+    _, got = outputs(infer(MLP_IN, [5, 4]), 5)
+    assert_close(got, MLP_OUT, "V2 FP32 nested")
+    _, got = outputs(infer(MLP_IN, [5, 4], "FP64"), 5)
+    assert_close(got, MLP_OUT, "V2 FP64")
+    body, got = outputs(infer(flat(MLP_IN[2:3]), [1, 4], id="req-42"), 1)
+    assert body.get("id") == "req-42", body
+    assert_close(got, MLP_OUT[2:3], "V2 one row with id")
+    r = post_json(server, "/v2/models/mlp/versions/1/infer",
+                  {"inputs": [{"name": "x", "shape": [5, 4], "datatype": "FP32",
+                               "data": flat(MLP_IN)}]})
+    assert_close(outputs(r, 5)[1], MLP_OUT, "V2 versions/1/infer")
+
+    # INT64: the same integers through /predict as floats give the reference
+    ints = [[1, 2, 3, 4], [0, -1, 5, 2], [7, 0, -3, 1]]
+    ref = predictions(post_json(server, "/models/mlp/predict", ints), "mlp", 3)
+    _, got = outputs(infer(ints, [3, 4], "INT64"), 3)
+    assert_close(got, ref, "V2 INT64")
+    _, got = outputs(infer(sum(ints, []), [3, 4], "INT64"), 3)
+    assert_close(got, ref, "V2 INT64 flat")
+
+
+def test_v2_metadata_and_health(server):
+    r = server.get("/v2/health/live")
+    assert r.status_code == 200 and r.json() == {"live": True}, r.text
+    r = server.get("/v2/health/ready")
+    assert r.status_code == 200 and r.json() == {"ready": True}, r.text
+    r = server.get("/v2")
+    assert r.status_code == 200, r.text
+    meta = r.json()
+    assert meta["name"] == "modeld" and isinstance(meta["version"], str) \
+        and isinstance(meta["extensions"], list), meta
+
+    deployed(server, "mlp")
+    r = server.get("/v2/models/mlp")
+    assert r.status_code == 200, r.text
+    m = r.json()
+    assert m["name"] == "mlp", m
+    assert "1" in m["versions"], m
+    assert isinstance(m["platform"], str) and m["platform"], m
+    assert m["inputs"][0]["datatype"] == "FP32", m
+    assert m["inputs"][0]["shape"] == [-1, 4], m
+    assert isinstance(m["outputs"], list) and m["outputs"], m
+    r = server.get("/v2/models/mlp/versions/1")
+    assert r.status_code == 200 and r.json()["name"] == "mlp", r.text
+
+    r = server.get("/v2/models/mlp/ready")
+    assert r.status_code == 200, r.text
+    assert r.json()["ready"] is True, r.text
+    r = server.get("/v2/models/mlp/versions/1/ready")
+    assert r.status_code == 200, r.text
+    assert r.json()["ready"] is True, r.text
+
+
+def test_v2_errors(server):
+    deployed(server, "mlp")
+    good = {"inputs": [{"name": "input0", "shape": [1, 4], "datatype": "FP32",
+                        "data": [1, 2, 3, 4]}]}
+    msg = expect_v2_error(post_json(server, "/v2/models/nope/infer", good), 404)
+    assert "nope" in msg, msg
+    expect_v2_error(server.get("/v2/models/nope"), 404)
+    expect_v2_error(server.get("/v2/models/nope/ready"), 404)
+
+    bad_type = {"inputs": [{"name": "input0", "shape": [1, 4], "datatype": "FP16",
+                            "data": [1, 2, 3, 4]}]}
+    msg = expect_v2_error(post_json(server, "/v2/models/mlp/infer", bad_type), 400)
+    assert "FP16" in msg, msg
+    bad_count = {"inputs": [{"name": "input0", "shape": [2, 4], "datatype": "FP32",
+                             "data": [1, 2, 3, 4]}]}
+    expect_v2_error(post_json(server, "/v2/models/mlp/infer", bad_count), 400)
+    expect_v2_error(post_json(server, "/v2/models/mlp/infer", b"{not json"), 400)
+    expect_v2_error(post_json(server, "/v2/models/mlp/infer", {"inputs": []}), 400)
+    wrong_width = {"inputs": [{"name": "input0", "shape": [1, 3], "datatype": "FP32",
+                               "data": [1, 2, 3]}]}
+    expect_v2_error(post_json(server, "/v2/models/mlp/infer", wrong_width), 400)
+
+
+# ---------------------------------------------------------------- labels and top_k
+
+
+def read_idx(path, kind, count):
+    with gzip.open(path, "rb") as f:
+        if kind == "images":
+            magic, n, rows, cols = struct.unpack(">IIII", f.read(16))
+            assert magic == 2051, magic
+            return np.frombuffer(f.read(count * rows * cols), dtype=np.uint8).reshape(count,
+                                                                                      rows * cols)
+        magic, n = struct.unpack(">II", f.read(8))
+        assert magic == 2049, magic
+        return np.frombuffer(f.read(count), dtype=np.uint8)
+
+
+def softmax(x):
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def test_fashion_mnist_labels_and_top_k(server):
+    images = read_idx(f"{DATASET}/t10k-images-idx3-ubyte.gz", "images", 5)
+    truth = read_idx(f"{DATASET}/t10k-labels-idx1-ubyte.gz", "labels", 5)
+    names = FASHION_CONFIG["labels"]
+    deployed(server, "fashion", FASHION_PT, FASHION_CONFIG)
+    rows = images.astype(int).tolist()  # raw 0..255 pixels; the server applies preprocess.scale
+
+    r = post_json(server, "/models/fashion/predict", rows)
+    p = predictions(r, "fashion", 5)
+    assert p.shape == (5, 10)
+    body = r.json()
+    top1 = [names[int(i)] for i in np.argmax(p, axis=1)]
+    want = [names[int(i)] for i in truth]
+    assert sum(a == b for a, b in zip(top1, want)) >= 4, f"predicted {top1}, dataset says {want}"
+    assert isinstance(body.get("labels"), list) and len(body["labels"]) == 5, body
+    for i in range(5):
+        assert body["labels"][i] == [top1[i]], f"row {i}: labels {body['labels'][i]} != [{top1[i]}]"
+    assert len(body["scores"]) == 5 and all(len(s) == 1 for s in body["scores"]), body["scores"]
+    assert_close(np.array(body["scores"]).reshape(5), softmax(p).max(axis=1), "top-1 scores")
+
+    r = post_json(server, "/models/fashion/predict?top_k=3", rows)
+    p3 = predictions(r, "fashion", 5)
+    assert_close(p3, p, "predictions with top_k")
+    body = r.json()
+    probs = softmax(p3)
+    for i in range(5):
+        labels, scores = body["labels"][i], body["scores"][i]
+        assert len(labels) == 3 and len(scores) == 3, f"row {i}: {labels} {scores}"
+        assert all(isinstance(x, str) for x in labels), labels
+        assert labels[0] == top1[i], f"row {i}: {labels} should start with {top1[i]}"
+        assert scores == sorted(scores, reverse=True), f"row {i}: scores not descending {scores}"
+        assert sum(scores) <= 1 + 1e-6, f"row {i}: scores sum to {sum(scores)}"
+        order = np.argsort(-probs[i])[:3]
+        assert labels == [names[int(j)] for j in order], f"row {i}: {labels}"
+        assert_close(scores, probs[i][order], f"row {i} top-3 scores")
+
+    # preprocess.scale is applied: the same model without it, fed pixels/255, agrees
+    raw_config = {k: v for k, v in FASHION_CONFIG.items() if k != "preprocess"}
+    deployed(server, "fashion_raw", FASHION_PT, raw_config)
+    scaled = (images.astype(np.float32) / 255.0).tolist()
+    q = predictions(post_json(server, "/models/fashion_raw/predict", scaled), "fashion_raw", 5)
+    diff = float(np.max(np.abs(q - p)))
+    assert diff <= 1e-4, f"scaled server-side vs client-side differ by {diff}"
+
+    expect_error(post_json(server, "/models/fashion/predict?top_k=0", rows), 400, "invalid_top_k")
+
+
+# ---------------------------------------------------------------- input errors
+
+
+def test_input_errors(server):
+    deployed(server, "mlp")
+    url = "/models/mlp/predict"
+
+    err = expect_error(post_json(server, url, b"[[1,2,3,4],[1,2,3]]"), 400, "invalid_input")
+    assert "row 1" in err["message"], err
+
+    err = expect_error(post_json(server, url, b'[[1,2,3,4],[1,2,"x",4]]'), 400, "invalid_input")
+    assert "row 1" in err["message"] and "column 2" in err["message"], err
+
+    err = expect_error(post_json(server, url, b"[[1,2,3,4],[NaN,2,3,4]]"), 400)
+    assert "row 1" in err["message"], err
+    expect_error(post_json(server, url, b"[[1,2,3,4],[Infinity,2,3,4]]"), 400)
+
+    err = expect_error(post_json(server, url, [[1, 2, 3], [4, 5, 6]]), 400, "wrong_shape")
+    assert "4" in err["message"], err
+    expect_error(post_json(server, url, [1, 2, 3]), 400, "wrong_shape")
+
+    expect_error(server.request("POST", url, data=b""), 400)
+    expect_error(post_json(server, url, b""), 400)
+    expect_error(post_json(server, url, b"[]"), 400)
+
+    err = expect_error(post_json(server, url, {"inputs": MLP_IN}), 400, "unknown_field")
+    assert "inputs" in err["message"], err
+
+    for bad in (b"[[1,2,3,4]", b"[[1,2,3,4]] trailing", b'{"instances" [[1,2,3,4]]}', b"{bad}",
+                b"[[1,,2,3,4]]", b'{"instances": [[1,2,3,4]]'):
+        expect_error(post_json(server, url, bad), 400)
+
+    r = server.request("POST", url, data=b"NOTNUMPY" + MLP_NPY[8:],
+                       headers={"Content-Type": "application/x-npy"})
+    expect_error(r, 400)
+    buf = io.BytesIO()
+    np.save(buf, np.array([[1, np.nan, 2, 3]], dtype=np.float32))
+    expect_error(server.request("POST", url, data=buf.getvalue(),
+                                headers={"Content-Type": "application/x-npy"}), 400)
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((5, 3), dtype=np.float32))
+    expect_error(server.request("POST", url, data=buf.getvalue(),
+                                headers={"Content-Type": "application/x-npy"}), 400, "wrong_shape")
+
+    r = server.request("POST", url, data=b"1,2,3,4\n", headers={"Content-Type": "text/csv"})
+    expect_error(r, 415)
+
+    expect_error(post_json(server, "/models/nope/predict", MLP_IN), 404, "model_not_found")
+    expect_error(post_json(server, "/models/mlp/versions/9/predict", MLP_IN), 404)
+
+    # the server still answers correctly after all of that
+    assert_close(predictions(post_json(server, url, MLP_IN), "mlp", 5), MLP_OUT, "after errors")
+
+
+def test_no_default_model_with_two_deployed(server):
+    expect_error(post_json(server, "/predict", MLP_IN), 400, "no_default_model")
+    deployed(server, "mlp")
+    deployed(server, "cnn", CNN_PT, CNN_CONFIG)
+    err = expect_error(post_json(server, "/predict", MLP_IN), 400, "no_default_model")
+    assert "mlp" in err["message"] and "cnn" in err["message"], err
+
+
+def test_default_model_flag(start_server):
+    s = start_server("--default-model", "cnn")
+    deployed(s, "mlp")
+    deployed(s, "cnn", CNN_PT, CNN_CONFIG)
+    assert_close(predictions(post_json(s, "/predict", CNN_IN), "cnn", 3), CNN_OUT,
+                 "/predict with --default-model cnn")
+
+
+def test_body_over_max_body_bytes(start_server):
+    s = start_server("--max-body-bytes", "2000")
+    deployed(s, "mlp")
+    rows = [[0.015625, 0.25, 0.5, 0.75]] * 200  # well over 2000 bytes
+    body = json.dumps(rows).encode()
+    assert len(body) > 4000
+    expect_error(post_json(s, "/models/mlp/predict", body), 413)
+    # a body under the limit still works
+    assert_close(predictions(post_json(s, "/models/mlp/predict", MLP_IN), "mlp", 5), MLP_OUT,
+                 "small body")
+
+
+# ---------------------------------------------------------------- overload and timeouts
+
+
+def test_queue_full_answers_503(server):
+    deployed(server, "mlp", config={**MLP_CONFIG, "workers": 1,
+                                    "batching": {"queue_limit": 1, "max_delay_us": 200000,
+                                                 "max_batch_size": 64}})
+    barrier = threading.Barrier(20)
+
+    def one(i):
+        barrier.wait(5)
+        return i, post_json(server, "/models/mlp/predict", [MLP_IN[i % 5]])
+
+    with ThreadPoolExecutor(max_workers=20) as ex:
+        results = list(ex.map(one, range(20)))
+    busy = 0
+    for i, r in results:
+        if r.status_code == 503:
+            expect_error(r, 503, "overloaded")
+            assert r.headers.get("Retry-After"), f"503 without Retry-After: {r.headers}"
+            busy += 1
+        else:
+            assert_close(predictions(r, "mlp", 1), MLP_OUT[i % 5:i % 5 + 1], f"request {i}")
+    assert busy >= 1, f"no 503 among 20 concurrent requests with queue_limit 1: " \
+                      f"{[r.status_code for _, r in results]}"
+
+
+def test_timeout_answers_504(server):
+    deployed(server, "mlp", config={**MLP_CONFIG, "workers": 1,
+                                    "batching": {"timeout_ms": 1, "max_delay_us": 300000}})
+    barrier = threading.Barrier(10)
+
+    def one(i):
+        barrier.wait(5)
+        return i, post_json(server, "/models/mlp/predict", [MLP_IN[i % 5]])
+
+    with ThreadPoolExecutor(max_workers=10) as ex:
+        results = list(ex.map(one, range(10)))
+    timeouts = 0
+    for i, r in results:
+        if r.status_code == 504:
+            expect_error(r, 504, "timeout")
+            timeouts += 1
+        else:
+            assert_close(predictions(r, "mlp", 1), MLP_OUT[i % 5:i % 5 + 1], f"request {i}")
+    assert timeouts >= 1, f"no 504 among 10 requests with timeout_ms 1: " \
+                          f"{[(r.status_code, r.text) for _, r in results]}"
+
+
+# ---------------------------------------------------------------- hot swap and restart
+
+
+def test_hot_swap_under_load(server):
+    deployed(server, "mlp")
+    stop = threading.Event()
+    lock = threading.Lock()
+    seen = {"ok": 0, "versions": set(), "failures": []}
+
+    def client(k):
+        with requests.Session() as s:
+            i = k
+            while not stop.is_set():
+                j = i % 5
+                i += 1
+                try:
+                    r = post_json(server, "/models/mlp/predict", [MLP_IN[j]], session=s)
+                except requests.RequestException as e:
+                    with lock:
+                        seen["failures"].append(repr(e))
+                    continue
+                with lock:
+                    if r.status_code != 200:
+                        seen["failures"].append(f"{r.status_code} {r.text}")
+                        continue
+                    body = r.json()
+                    seen["versions"].add(body["version"])
+                    got = np.array(body["predictions"], dtype=np.float32)
+                    if got.shape != (1, 3) or np.max(np.abs(got - MLP_OUT[j:j + 1])) > TOL:
+                        seen["failures"].append(f"wrong answer for row {j}: {r.text}")
+                    else:
+                        seen["ok"] += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        v2 = deployed(server, "mlp", make_default="true")
+        assert v2["version"] == 2, v2
+        time.sleep(1.0)
+        r = server.request("PATCH", "/models/mlp", json={"default_version": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["default_version"] == 1, r.text
+        time.sleep(1.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert not seen["failures"], f"{len(seen['failures'])} failed requests, first: " \
+                                 f"{seen['failures'][:3]}"
+    assert seen["ok"] > 50, seen["ok"]
+    assert seen["versions"] <= {1, 2}, seen["versions"]
+    assert seen["versions"] == {1, 2}, f"versions seen during the swap: {seen['versions']}"
+    r = post_json(server, "/models/mlp/predict", MLP_IN)
+    assert_close(predictions(r, "mlp", 5), MLP_OUT, "after the swap")
+    assert r.json()["version"] == 1, r.text
+
+
+def test_restart_reloads_default(start_server):
+    s = start_server()
+    deployed(s, "mlp")
+    deployed(s, "cnn", CNN_PT, CNN_CONFIG)
+    assert s.stop(signal.SIGTERM) == 0
+    s2 = start_server(store=s.store)
+    deadline = time.monotonic() + 10 * TSCALE
+    while True:
+        r = s2.get("/readyz")
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200, f"/readyz after restart: {r.status_code} {r.text!r}"
+    # ready means loaded: no retry needed
+    assert_close(predictions(post_json(s2, "/models/mlp/predict", MLP_IN), "mlp", 5), MLP_OUT,
+                 "mlp after restart")
+    assert_close(predictions(post_json(s2, "/models/cnn/predict", CNN_IN), "cnn", 3), CNN_OUT,
+                 "cnn after restart")
+    r = s2.get("/v2/models/mlp/ready")
+    assert r.status_code == 200 and r.json()["ready"] is True, r.text
+
+
+# ---------------------------------------------------------------- deployments that cannot serve
+
+
+def assert_nothing_stored(srv, name):
+    expect_error(srv.get(f"/models/{name}"), 404, "model_not_found")
+    assert blob_names(srv) == [], f"blobs left behind: {blob_names(srv)}"
+    expect_error(post_json(srv, f"/models/{name}/predict", MLP_IN), 404, "model_not_found")
+
+
+def test_zip_not_torchscript_is_422(server):
+    r = deploy(server, "mlp", ZIP_NOT_TS, MLP_CONFIG)
+    expect_error(r, 422)
+    assert_nothing_stored(server, "mlp")
+
+
+def test_wrong_input_shape_fails_test_forward(server):
+    r = deploy(server, "mlp", MLP_PT, {"input": {"shape": [5]}})
+    err = expect_error(r, 422, "model_test_failed")
+    assert "shape" in err["message"], err
+    assert_nothing_stored(server, "mlp")
+
+
+def test_cuda_device_unavailable(server):
+    r = deploy(server, "mlp", MLP_PT, {**MLP_CONFIG, "device": "cuda"})
+    err = expect_error(r, 422, "cuda_unavailable")
+    assert "CUDA" in err["message"], err
+    assert_nothing_stored(server, "mlp")
+    # the same checkpoint deploys fine on the CPU afterwards
+    deployed(server, "mlp")
+    assert_close(predictions(post_json(server, "/models/mlp/predict", MLP_IN), "mlp", 5), MLP_OUT,
+                 "cpu after the cuda refusal")

@@ -1,0 +1,1204 @@
+/*
+ * test_store.c - unit tests of checkpoint/checkpoint.h (checkpoint/store.c),
+ * called directly on a store in a fresh mkdtemp directory per test: blob
+ * writers (begin/write/finish, limits, hashes), versions and shared blobs,
+ * the schema migrations and the refusal of a newer schema, crash points
+ * simulated by stopping between steps (a temp file never finished, a blob
+ * renamed without its row, a row whose blob is gone), the TorchScript archive
+ * check on the committed fixtures, retention, ordering by metrics, listing,
+ * defaults and deletion, and md_model_name_ok.
+ *
+ * Fixtures are read from tests/fixtures relative to the working directory
+ * (make runs the tests from the repository root).
+ */
+#define _GNU_SOURCE
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <jansson.h>
+#include <openssl/evp.h>
+#include <signal.h>
+#include <sqlite3.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../checkpoint/checkpoint.h"
+
+#define FIXTURES "tests/fixtures"
+
+/* ---- helpers ---- */
+
+typedef struct fx {
+    char dir[256];
+} fx;
+
+static int setup(void **state)
+{
+    fx *f = calloc(1, sizeof *f);
+    snprintf(f->dir, sizeof f->dir, "/tmp/modeld-test-store-XXXXXX");
+    if (!mkdtemp(f->dir)) {
+        free(f);
+        return -1;
+    }
+    *state = f;
+    return 0;
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb;
+    (void)flag;
+    (void)ftw;
+    remove(path);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fx *f = *state;
+    nftw(f->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    free(f);
+    return 0;
+}
+
+typedef struct bytes {
+    unsigned char *data;
+    size_t len;
+} bytes;
+
+static bytes read_file(const char *path)
+{
+    bytes b = {NULL, 0};
+    FILE *fp = fopen(path, "rb");
+    if (!fp)
+        fail_msg("cannot open %s: %s (run the test from the repository root)", path,
+                 strerror(errno));
+    fseek(fp, 0, SEEK_END);
+    long n = ftell(fp);
+    fseek(fp, 0, SEEK_SET);
+    b.data = malloc(n > 0 ? (size_t)n : 1);
+    b.len = fread(b.data, 1, (size_t)n, fp);
+    fclose(fp);
+    assert_int_equal(b.len, (size_t)n);
+    return b;
+}
+
+static bytes fixture(const char *name)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", FIXTURES, name);
+    return read_file(path);
+}
+
+static void sha_hex(const void *data, size_t len, char out[MD_SHA256_HEX])
+{
+    unsigned char d[32];
+    unsigned int n = 0;
+    EVP_Digest(data, len, d, &n, EVP_sha256(), NULL);
+    for (int i = 0; i < 32; i++)
+        snprintf(out + 2 * i, 3, "%02x", d[i]);
+}
+
+/* Number of entries (not . or ..) in dir/sub. */
+static int count_dir(const fx *f, const char *sub)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", f->dir, sub);
+    DIR *d = opendir(path);
+    if (!d)
+        return -1;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
+            n++;
+    closedir(d);
+    return n;
+}
+
+static int blob_exists(const fx *f, const char *sha)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/blobs/%s", f->dir, sha);
+    return access(path, F_OK) == 0;
+}
+
+static void open_store(const fx *f, md_store **s)
+{
+    md_err err;
+    md_err_clear(&err);
+    md_status st = md_store_open(f->dir, s, &err);
+    if (st != MD_OK)
+        fail_msg("md_store_open(%s): %d %s", f->dir, (int)st, err.msg);
+    assert_non_null(*s);
+}
+
+/* Stream `b` into a new writer in chunks of `chunk` bytes. */
+static md_blob_writer *write_blob(md_store *s, const bytes *b, size_t chunk)
+{
+    md_err err;
+    md_err_clear(&err);
+    md_blob_writer *w = NULL;
+    assert_int_equal(md_blob_begin(s, 1LL << 30, &w, &err), MD_OK);
+    assert_non_null(w);
+    for (size_t off = 0; off < b->len; off += chunk) {
+        size_t n = b->len - off < chunk ? b->len - off : chunk;
+        if (md_blob_write(w, b->data + off, n, &err) != MD_OK)
+            fail_msg("md_blob_write: %s", err.msg);
+    }
+    assert_int_equal(md_blob_size(w), (long long)b->len);
+    return w;
+}
+
+/* Upload `b` as a new version of `model`; returns the version number. */
+static int add(md_store *s, const char *model, const bytes *b, int version, const char *metrics,
+               int make_default)
+{
+    md_err err;
+    md_err_clear(&err);
+    md_blob_writer *w = write_blob(s, b, 4096);
+    char sha[MD_SHA256_HEX];
+    long long size = 0;
+    if (md_blob_finish(w, NULL, sha, &size, &err) != MD_OK)
+        fail_msg("md_blob_finish: %s", err.msg);
+    json_t *m = metrics ? json_loads(metrics, 0, NULL) : NULL;
+    md_version_spec spec = {.model = model,
+                            .version = version,
+                            .sha256 = sha,
+                            .size = size,
+                            .source = "upload",
+                            .metrics = m,
+                            .make_default = make_default};
+    json_t *out = NULL;
+    md_status st = md_store_add_version(s, &spec, w, &out, &err);
+    json_decref(m);
+    if (st != MD_OK)
+        fail_msg("md_store_add_version(%s): %d %s", model, (int)st, err.msg);
+    assert_non_null(out);
+    int v = (int)json_integer_value(json_object_get(out, "version"));
+    json_decref(out);
+    return v;
+}
+
+/* The version numbers of `model`, in `buf`; returns the count. */
+static int versions(md_store *s, const char *model, int *buf, int cap)
+{
+    md_err err;
+    json_t *m = NULL;
+    if (md_store_get_model(s, model, &m, &err) != MD_OK)
+        fail_msg("md_store_get_model(%s): %s", model, err.msg);
+    json_t *vs = json_object_get(m, "versions");
+    int n = 0;
+    size_t i;
+    json_t *v;
+    json_array_foreach(vs, i, v)
+    {
+        if (n < cap)
+            buf[n] = (int)json_integer_value(json_object_get(v, "version"));
+        n++;
+    }
+    json_decref(m);
+    return n;
+}
+
+static int default_version(md_store *s, const char *model)
+{
+    md_err err;
+    json_t *m = NULL;
+    assert_int_equal(md_store_get_model(s, model, &m, &err), MD_OK);
+    json_t *d = json_object_get(m, "default_version");
+    int v = json_is_integer(d) ? (int)json_integer_value(d) : 0;
+    json_decref(m);
+    return v;
+}
+
+static int user_version(const fx *f)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/index.sqlite", f->dir);
+    sqlite3 *db = NULL;
+    assert_int_equal(sqlite3_open_v2(path, &db, SQLITE_OPEN_READONLY, NULL), SQLITE_OK);
+    sqlite3_stmt *st = NULL;
+    assert_int_equal(sqlite3_prepare_v2(db, "PRAGMA user_version", -1, &st, NULL), SQLITE_OK);
+    assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+    int v = sqlite3_column_int(st, 0);
+    sqlite3_finalize(st);
+    sqlite3_close(db);
+    return v;
+}
+
+static void sql_exec(const fx *f, const char *sql)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/index.sqlite", f->dir);
+    sqlite3 *db = NULL;
+    assert_int_equal(sqlite3_open(path, &db), SQLITE_OK);
+    char *msg = NULL;
+    if (sqlite3_exec(db, sql, NULL, NULL, &msg) != SQLITE_OK)
+        fail_msg("%s: %s", sql, msg);
+    sqlite3_close(db);
+}
+
+static void touch(const fx *f, const char *rel, time_t age_s)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", f->dir, rel);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, "x", 1), 1);
+    close(fd);
+    if (age_s > 0) {
+        struct timeval tv[2];
+        gettimeofday(&tv[0], NULL);
+        tv[0].tv_sec -= age_s;
+        tv[1] = tv[0];
+        assert_int_equal(utimes(path, tv), 0);
+    }
+}
+
+static int exists(const fx *f, const char *rel)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", f->dir, rel);
+    return access(path, F_OK) == 0;
+}
+
+/* ---- opening and migrations ---- */
+
+static void test_open_creates_layout_and_schema(void **state)
+{
+    fx *f = *state;
+    md_store *s = NULL;
+    open_store(f, &s);
+    assert_true(exists(f, "index.sqlite"));
+    assert_int_equal(count_dir(f, "blobs"), 0);
+    assert_int_equal(count_dir(f, "tmp"), 0);
+    /* migrated to the newest schema: at least the first migration */
+    int latest = user_version(f);
+    assert_true(latest >= 1);
+    md_err err;
+    json_t *out = NULL;
+    assert_int_equal(md_store_list_models(s, NULL, 10, &out, &err), MD_OK);
+    assert_int_equal(json_array_size(json_object_get(out, "models")), 0);
+    assert_true(json_is_null(json_object_get(out, "next")));
+    json_decref(out);
+    md_store_close(s);
+    md_store_close(NULL); /* accepted */
+}
+
+static void test_reopen_is_idempotent(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    md_store *s = NULL;
+    open_store(f, &s);
+    assert_int_equal(add(s, "m", &mlp, 0, "{\"loss\": 0.5}", 1), 1);
+    long long gen = md_store_generation(s);
+    int latest = user_version(f);
+    assert_true(latest >= 1);
+    md_store_close(s);
+    for (int i = 0; i < 3; i++) {
+        open_store(f, &s);
+        assert_int_equal(user_version(f), latest);
+        int vs[4];
+        assert_int_equal(versions(s, "m", vs, 4), 1);
+        assert_int_equal(vs[0], 1);
+        assert_int_equal(md_store_generation(s), gen);
+        md_store_close(s);
+    }
+    free(mlp.data);
+}
+
+/* Schema version 1, exactly as the first migration creates it. Migrations
+ * are forward-only and never edited, so a store written by the first release
+ * looks like this for ever. */
+static const char *const schema_v1 =
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+    "INSERT INTO meta VALUES ('generation', '5');"
+    "CREATE TABLE models ("
+    "  name TEXT PRIMARY KEY,"
+    "  default_version INTEGER,"
+    "  settings TEXT NOT NULL DEFAULT '{}',"
+    "  created_at TEXT NOT NULL,"
+    "  updated_at TEXT NOT NULL);"
+    "CREATE TABLE versions ("
+    "  model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,"
+    "  version INTEGER NOT NULL CHECK (version > 0),"
+    "  sha256 TEXT NOT NULL,"
+    "  size INTEGER NOT NULL,"
+    "  format TEXT NOT NULL DEFAULT 'torchscript',"
+    "  source TEXT NOT NULL,"
+    "  config TEXT NOT NULL DEFAULT '{}',"
+    "  metadata TEXT NOT NULL DEFAULT '{}',"
+    "  metrics TEXT NOT NULL DEFAULT '{}',"
+    "  state TEXT NOT NULL CHECK (state IN ('stored','loading','ready','failed')),"
+    "  state_reason TEXT,"
+    "  created_at TEXT NOT NULL,"
+    "  PRIMARY KEY (model, version));"
+    "CREATE INDEX versions_sha256 ON versions(sha256);"
+    "PRAGMA user_version = 1;";
+
+/* A store left by an older modeld (schema 1, with a model in it) is migrated
+ * forward to the schema of a fresh store and keeps its rows and blobs. */
+static void test_old_schema_migrated_forward(void **state)
+{
+    fx *f = *state;
+    /* the newest schema, from a fresh store elsewhere */
+    fx fresh;
+    if (snprintf(fresh.dir, sizeof fresh.dir, "%s/fresh", f->dir) >= (int)sizeof fresh.dir)
+        fail_msg("path too long");
+    md_store *s = NULL;
+    open_store(&fresh, &s);
+    md_store_close(s);
+    int latest = user_version(&fresh);
+
+    bytes mlp = fixture("mlp.pt");
+    char sm[MD_SHA256_HEX];
+    sha_hex(mlp.data, mlp.len, sm);
+    char path[512];
+    fx old;
+    if (snprintf(old.dir, sizeof old.dir, "%s/old", f->dir) >= (int)sizeof old.dir)
+        fail_msg("path too long");
+    const char *old_dir = old.dir;
+    assert_int_equal(mkdir(old_dir, 0755), 0);
+    snprintf(path, sizeof path, "%s/blobs", old_dir);
+    assert_int_equal(mkdir(path, 0755), 0);
+    snprintf(path, sizeof path, "%s/blobs/%s", old_dir, sm);
+    FILE *fp = fopen(path, "wb");
+    assert_non_null(fp);
+    assert_int_equal(fwrite(mlp.data, 1, mlp.len, fp), mlp.len);
+    fclose(fp);
+    char sql[2048];
+    snprintf(sql, sizeof sql,
+             "%s"
+             "INSERT INTO models VALUES ('m', 1, '{}', '2025-01-01T00:00:00.000Z', "
+             "'2025-01-01T00:00:00.000Z');"
+             "INSERT INTO versions (model, version, sha256, size, source, metrics, state, "
+             "created_at) VALUES ('m', 1, '%s', %zu, 'upload', '{\"loss\": 0.5}', 'stored', "
+             "'2025-01-01T00:00:00.000Z');",
+             schema_v1, sm, mlp.len);
+    sql_exec(&old, sql);
+    assert_int_equal(user_version(&old), 1);
+
+    open_store(&old, &s);
+    assert_int_equal(user_version(&old), latest);
+    assert_true(md_store_generation(s) >= 5);
+    md_err err;
+    json_t *v = NULL;
+    assert_int_equal(md_store_get_version(s, "m", 1, &v, &err), MD_OK);
+    assert_string_equal(json_string_value(json_object_get(v, "sha256")), sm);
+    assert_string_equal(json_string_value(json_object_get(v, "state")), "stored");
+    assert_true(json_is_true(json_object_get(v, "default")));
+    json_decref(v);
+    /* and it works as a store of the newest schema */
+    assert_int_equal(add(s, "m", &mlp, 0, NULL, 1), 2);
+    md_store_close(s);
+    open_store(&old, &s);
+    assert_int_equal(user_version(&old), latest);
+    md_store_close(s);
+    free(mlp.data);
+}
+
+static void test_newer_schema_refused(void **state)
+{
+    fx *f = *state;
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_store_close(s);
+    sql_exec(f, "PRAGMA user_version = 99");
+    md_err err;
+    md_err_clear(&err);
+    s = (md_store *)0x1;
+    assert_int_equal(md_store_open(f->dir, &s, &err), MD_EIO);
+    assert_null(s);
+    if (!strstr(err.msg, "schema version 99"))
+        fail_msg("message does not name the schema version: %s", err.msg);
+    assert_non_null(strstr(err.msg, f->dir));
+    /* nothing was changed: still 99 */
+    assert_int_equal(user_version(f), 99);
+}
+
+static void test_open_unwritable_dir_fails(void **state)
+{
+    (void)state;
+    md_err err;
+    md_err_clear(&err);
+    md_store *s = NULL;
+    assert_int_equal(md_store_open("/proc/modeld-no-such/store", &s, &err), MD_EIO);
+    assert_null(s);
+    assert_true(err.msg[0] != '\0');
+}
+
+/* ---- blobs ---- */
+
+static void test_blob_write_finish_add_version(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    char want[MD_SHA256_HEX];
+    sha_hex(mlp.data, mlp.len, want);
+    md_store *s = NULL;
+    open_store(f, &s);
+    long long gen0 = md_store_generation(s);
+    md_blob_writer *w = write_blob(s, &mlp, 1000);
+    assert_int_equal(count_dir(f, "tmp"), 1); /* streaming into tmp/ */
+    assert_int_equal(count_dir(f, "blobs"), 0);
+    md_err err;
+    md_err_clear(&err);
+    char sha[MD_SHA256_HEX];
+    long long size = 0;
+    assert_int_equal(md_blob_finish(w, want, sha, &size, &err), MD_OK);
+    assert_string_equal(sha, want);
+    assert_int_equal(size, (long long)mlp.len);
+    assert_int_equal(count_dir(f, "blobs"), 0); /* not before add_version */
+
+    json_t *config = json_loads("{\"input\": {\"shape\": [4]}}", 0, NULL);
+    json_t *metrics = json_loads("{\"loss\": 0.25}", 0, NULL);
+    json_t *metadata = json_loads("{\"by\": \"unit\"}", 0, NULL);
+    md_version_spec spec = {.model = "mlp",
+                            .sha256 = sha,
+                            .size = size,
+                            .source = "upload",
+                            .config = config,
+                            .metadata = metadata,
+                            .metrics = metrics,
+                            .make_default = 0};
+    json_t *out = NULL;
+    assert_int_equal(md_store_add_version(s, &spec, w, &out, &err), MD_OK);
+    assert_int_equal(json_integer_value(json_object_get(out, "version")), 1);
+    assert_string_equal(json_string_value(json_object_get(out, "sha256")), want);
+    assert_int_equal(json_integer_value(json_object_get(out, "size")), (long long)mlp.len);
+    assert_string_equal(json_string_value(json_object_get(out, "model")), "mlp");
+    assert_string_equal(json_string_value(json_object_get(out, "source")), "upload");
+    assert_string_equal(json_string_value(json_object_get(out, "state")), "stored");
+    /* the first version is the default whatever make_default says */
+    assert_true(json_is_true(json_object_get(out, "default")));
+    assert_true(json_equal(json_object_get(out, "config"), config));
+    assert_true(json_equal(json_object_get(out, "metrics"), metrics));
+    assert_true(json_equal(json_object_get(out, "metadata"), metadata));
+    json_decref(out);
+    json_decref(config);
+    json_decref(metrics);
+    json_decref(metadata);
+    assert_true(md_store_generation(s) > gen0);
+
+    /* the file is in place, byte for byte; tmp/ is empty */
+    assert_int_equal(count_dir(f, "tmp"), 0);
+    char path[4096], got_sha[MD_SHA256_HEX];
+    assert_int_equal(md_store_blob_path(s, "mlp", 1, path, sizeof path, got_sha, &err), MD_OK);
+    assert_string_equal(got_sha, want);
+    bytes stored = read_file(path);
+    assert_int_equal(stored.len, mlp.len);
+    assert_memory_equal(stored.data, mlp.data, mlp.len);
+    free(stored.data);
+
+    json_t *defs = NULL;
+    assert_int_equal(md_store_defaults(s, &defs, &err), MD_OK);
+    assert_int_equal(json_array_size(defs), 1);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(defs, 0), "path")),
+                        path);
+    json_decref(defs);
+    md_store_close(s);
+    free(mlp.data);
+}
+
+static void test_blob_finish_errors_leave_nothing(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt"), junk = fixture("not_a_model.pt"),
+          zip = fixture("zip_not_torchscript.pt");
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_err err;
+    char sha[MD_SHA256_HEX];
+    long long size = 0;
+    md_blob_writer *w = NULL;
+
+    /* empty */
+    md_err_clear(&err);
+    assert_int_equal(md_blob_begin(s, 1 << 20, &w, &err), MD_OK);
+    assert_int_equal(md_blob_finish(w, NULL, sha, &size, &err), MD_EINVAL);
+    assert_string_equal(md_err_code(&err), "empty_checkpoint");
+    assert_int_equal(count_dir(f, "tmp"), 0);
+
+    /* not an archive, a zip that is not TorchScript */
+    const bytes *bad[] = {&junk, &zip};
+    for (int i = 0; i < 2; i++) {
+        md_err_clear(&err);
+        w = write_blob(s, bad[i], 7);
+        assert_int_equal(md_blob_finish(w, NULL, sha, &size, &err), MD_EUNPROC);
+        assert_string_equal(md_err_code(&err), "invalid_checkpoint");
+        assert_int_equal(count_dir(f, "tmp"), 0);
+    }
+
+    /* the wrong hash */
+    char other[MD_SHA256_HEX];
+    sha_hex(junk.data, junk.len, other);
+    md_err_clear(&err);
+    w = write_blob(s, &mlp, 4096);
+    assert_int_equal(md_blob_finish(w, other, sha, &size, &err), MD_EINVAL);
+    assert_string_equal(md_err_code(&err), "sha256_mismatch");
+    assert_non_null(strstr(err.msg, other));
+    assert_int_equal(count_dir(f, "tmp"), 0);
+
+    /* the right hash in upper case is accepted */
+    char upper[MD_SHA256_HEX];
+    sha_hex(mlp.data, mlp.len, upper);
+    for (char *p = upper; *p; p++)
+        if (*p >= 'a' && *p <= 'f')
+            *p = (char)(*p - 'a' + 'A');
+    md_err_clear(&err);
+    w = write_blob(s, &mlp, 4096);
+    assert_int_equal(md_blob_finish(w, upper, sha, &size, &err), MD_OK);
+    md_blob_abort(w); /* a finished writer dropped: its temp file goes */
+    assert_int_equal(count_dir(f, "tmp"), 0);
+
+    /* past the limit: MD_ETOOBIG, nothing written past it; abort cleans up */
+    md_err_clear(&err);
+    assert_int_equal(md_blob_begin(s, 100, &w, &err), MD_OK);
+    assert_int_equal(md_blob_write(w, mlp.data, 60, &err), MD_OK);
+    assert_int_equal(md_blob_write(w, mlp.data + 60, 40, &err), MD_OK);
+    assert_int_equal(md_blob_write(w, mlp.data + 100, 1, &err), MD_ETOOBIG);
+    assert_string_equal(md_err_code(&err), "checkpoint_too_large");
+    assert_int_equal(md_blob_size(w), 100);
+    md_blob_abort(w);
+    md_blob_abort(NULL);
+    assert_int_equal(count_dir(f, "tmp"), 0);
+    assert_int_equal(count_dir(f, "blobs"), 0);
+
+    md_store_close(s);
+    free(mlp.data);
+    free(junk.data);
+    free(zip.data);
+}
+
+static void test_shared_blobs(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt"), cnn = fixture("cnn.pt");
+    char sm[MD_SHA256_HEX], sc[MD_SHA256_HEX];
+    sha_hex(mlp.data, mlp.len, sm);
+    sha_hex(cnn.data, cnn.len, sc);
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_err err;
+    md_err_clear(&err);
+    assert_int_equal(add(s, "a", &mlp, 0, NULL, 1), 1);
+    assert_int_equal(add(s, "a", &mlp, 0, NULL, 0), 2);
+    assert_int_equal(add(s, "b", &mlp, 0, NULL, 1), 1);
+    assert_int_equal(add(s, "b", &cnn, 0, NULL, 1), 2);
+    /* the same bytes, once */
+    assert_int_equal(count_dir(f, "blobs"), 2);
+    assert_true(blob_exists(f, sm));
+    assert_true(blob_exists(f, sc));
+    assert_int_equal(count_dir(f, "tmp"), 0);
+
+    /* a version added from a blob already stored (no writer) */
+    md_version_spec spec = {.model = "c", .sha256 = sc, .size = (long long)cnn.len,
+                            .source = "http://x/cnn.pt", .make_default = 1};
+    json_t *out = NULL;
+    assert_int_equal(md_store_add_version(s, &spec, NULL, &out, &err), MD_OK);
+    assert_string_equal(json_string_value(json_object_get(out, "source")), "http://x/cnn.pt");
+    assert_int_equal(json_integer_value(json_object_get(out, "size")), (long long)cnn.len);
+    json_decref(out);
+    /* ... and one naming a blob that is not there */
+    char nosuch[MD_SHA256_HEX];
+    memset(nosuch, 'e', 64);
+    nosuch[64] = '\0';
+    spec.sha256 = nosuch;
+    spec.model = "d";
+    assert_int_equal(md_store_add_version(s, &spec, NULL, NULL, &err), MD_EIO);
+    assert_int_equal(md_store_get_model(s, "d", &out, &err), MD_ENOTFOUND);
+
+    /* delete one user of the MLP bytes: the file stays */
+    assert_int_equal(md_store_delete_version(s, "a", 2, 0, &err), MD_OK);
+    assert_true(blob_exists(f, sm));
+    assert_int_equal(md_store_delete_version(s, "a", 1, 0, &err), MD_OK); /* the last: allowed */
+    assert_true(blob_exists(f, sm)); /* b version 1 still uses them */
+    assert_int_equal(default_version(s, "a"), 0);
+    /* the default of b while another exists: refused, then forced */
+    assert_int_equal(md_store_delete_version(s, "b", 2, 0, &err), MD_ECONFLICT);
+    assert_string_equal(md_err_code(&err), "version_is_default");
+    assert_int_equal(md_store_delete_version(s, "b", 2, 1, &err), MD_OK);
+    assert_int_equal(default_version(s, "b"), 1);
+    assert_true(blob_exists(f, sc)); /* c version 1 */
+    assert_int_equal(md_store_delete_version(s, "b", 1, 0, &err), MD_OK);
+    assert_false(blob_exists(f, sm)); /* the last user is gone */
+    assert_int_equal(md_store_delete_model(s, "c", &err), MD_OK);
+    assert_false(blob_exists(f, sc));
+    assert_int_equal(count_dir(f, "blobs"), 0);
+
+    assert_int_equal(md_store_delete_version(s, "b", 1, 0, &err), MD_ENOTFOUND);
+    assert_string_equal(md_err_code(&err), "version_not_found");
+    assert_int_equal(md_store_delete_model(s, "nope", &err), MD_ENOTFOUND);
+    assert_string_equal(md_err_code(&err), "model_not_found");
+    md_store_close(s);
+    free(mlp.data);
+    free(cnn.data);
+}
+
+static void test_version_conflict_keeps_nothing(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt"), cnn = fixture("cnn.pt");
+    char sc[MD_SHA256_HEX];
+    sha_hex(cnn.data, cnn.len, sc);
+    md_store *s = NULL;
+    open_store(f, &s);
+    assert_int_equal(add(s, "m", &mlp, 7, NULL, 1), 7);
+    long long gen = md_store_generation(s);
+    md_err err;
+    md_err_clear(&err);
+    md_blob_writer *w = write_blob(s, &cnn, 4096);
+    char sha[MD_SHA256_HEX];
+    long long size;
+    assert_int_equal(md_blob_finish(w, NULL, sha, &size, &err), MD_OK);
+    md_version_spec spec = {.model = "m", .version = 7, .sha256 = sha, .size = size,
+                            .source = "upload", .make_default = 1};
+    json_t *out = (json_t *)0x1;
+    assert_int_equal(md_store_add_version(s, &spec, w, &out, &err), MD_ECONFLICT);
+    assert_null(out);
+    assert_string_equal(md_err_code(&err), "version_exists");
+    assert_false(blob_exists(f, sc));
+    assert_int_equal(count_dir(f, "tmp"), 0);
+    assert_int_equal(count_dir(f, "blobs"), 1);
+    assert_int_equal(md_store_generation(s), gen);
+    assert_int_equal(default_version(s, "m"), 7);
+    /* the next number follows the highest */
+    assert_int_equal(add(s, "m", &cnn, 0, NULL, 1), 8);
+    md_store_close(s);
+    free(mlp.data);
+    free(cnn.data);
+}
+
+/* ---- crash points ---- */
+
+/* (a) bytes written to tmp/ but never finished: swept at the next open when
+ * they belong to this process or to one that is gone, kept for a live one. */
+static void test_crash_unfinished_temp_file(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_blob_writer *w = write_blob(s, &mlp, 1024);
+    assert_int_equal(count_dir(f, "tmp"), 1);
+
+    /* a dead process's upload: find a pid that is not running */
+    long dead = 999999;
+    while (kill((pid_t)dead, 0) == 0 || errno != ESRCH)
+        dead--;
+    char name[128];
+    snprintf(name, sizeof name, "tmp/upload-%ld-AbCdEf", dead);
+    touch(f, name, 0);
+    /* a live process's (pid 1 is always there): another replica writing */
+    touch(f, "tmp/upload-1-XyZzY1", 0);
+    /* something that is no upload at all */
+    touch(f, "tmp/stray", 0);
+    assert_int_equal(count_dir(f, "tmp"), 4);
+
+    /* "crash": close without finishing or aborting, then reopen */
+    md_store_close(s);
+    open_store(f, &s);
+    assert_false(exists(f, name));
+    assert_false(exists(f, "tmp/stray"));
+    assert_true(exists(f, "tmp/upload-1-XyZzY1"));
+    assert_int_equal(count_dir(f, "tmp"), 1); /* our own upload-<pid>- file went too */
+    assert_int_equal(count_dir(f, "blobs"), 0);
+    json_t *out = NULL;
+    md_err err;
+    assert_int_equal(md_store_list_models(s, NULL, 10, &out, &err), MD_OK);
+    assert_int_equal(json_array_size(json_object_get(out, "models")), 0);
+    json_decref(out);
+    md_blob_abort(w); /* frees the orphaned writer; its file is already gone */
+    md_store_close(s);
+    free(mlp.data);
+}
+
+/* (b) a blob renamed into blobs/ but its row never committed: swept once
+ * older than the grace period; a fresh one (an upload in progress in another
+ * replica) and an old one that a row references are kept. */
+static void test_crash_blob_without_row(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    char sm[MD_SHA256_HEX];
+    sha_hex(mlp.data, mlp.len, sm);
+    md_store *s = NULL;
+    open_store(f, &s);
+    assert_int_equal(add(s, "m", &mlp, 0, NULL, 1), 1);
+    md_store_close(s);
+
+    char old[80], fresh[80], used[80];
+    snprintf(old, sizeof old, "blobs/%064d", 1);
+    snprintf(fresh, sizeof fresh, "blobs/%064d", 2);
+    snprintf(used, sizeof used, "blobs/%s", sm);
+    touch(f, old, 700);
+    touch(f, fresh, 0);
+    /* the referenced blob, made old too (its bytes kept: only the times change) */
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", f->dir, used);
+    struct timeval tv[2];
+    gettimeofday(&tv[0], NULL);
+    tv[0].tv_sec -= 7000;
+    tv[1] = tv[0];
+    assert_int_equal(utimes(path, tv), 0);
+
+    open_store(f, &s);
+    assert_false(exists(f, old));
+    assert_true(exists(f, fresh));
+    assert_true(exists(f, used));
+    md_err err;
+    json_t *v = NULL;
+    assert_int_equal(md_store_get_version(s, "m", 1, &v, &err), MD_OK);
+    assert_string_equal(json_string_value(json_object_get(v, "state")), "stored");
+    json_decref(v);
+    md_store_close(s);
+    free(mlp.data);
+}
+
+/* (c) a row whose blob is gone: marked failed with a reason naming it missing. */
+static void test_crash_row_without_blob(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt"), cnn = fixture("cnn.pt");
+    char sc[MD_SHA256_HEX];
+    sha_hex(cnn.data, cnn.len, sc);
+    md_store *s = NULL;
+    open_store(f, &s);
+    assert_int_equal(add(s, "m", &mlp, 0, NULL, 1), 1);
+    assert_int_equal(add(s, "m", &cnn, 0, NULL, 0), 2);
+    md_store_close(s);
+    char rel[80], path[512];
+    snprintf(rel, sizeof rel, "blobs/%s", sc);
+    snprintf(path, sizeof path, "%s/%s", f->dir, rel);
+    assert_int_equal(unlink(path), 0);
+
+    open_store(f, &s);
+    md_err err;
+    json_t *v = NULL;
+    assert_int_equal(md_store_get_version(s, "m", 2, &v, &err), MD_OK);
+    assert_string_equal(json_string_value(json_object_get(v, "state")), "failed");
+    const char *reason = json_string_value(json_object_get(v, "state_reason"));
+    assert_non_null(reason);
+    if (!strstr(reason, "missing"))
+        fail_msg("state_reason does not say missing: %s", reason);
+    json_decref(v);
+    assert_int_equal(md_store_get_version(s, "m", 1, &v, &err), MD_OK);
+    assert_string_equal(json_string_value(json_object_get(v, "state")), "stored");
+    json_decref(v);
+    /* a failed version cannot become the default */
+    md_err_clear(&err);
+    assert_int_equal(md_store_set_default(s, "m", 2, &err), MD_ECONFLICT);
+    assert_int_equal(default_version(s, "m"), 1);
+    md_store_close(s);
+
+    /* reopening again keeps it failed (and its reason) */
+    open_store(f, &s);
+    assert_int_equal(md_store_get_version(s, "m", 2, &v, &err), MD_OK);
+    assert_string_equal(json_string_value(json_object_get(v, "state")), "failed");
+    assert_non_null(strstr(json_string_value(json_object_get(v, "state_reason")), "missing"));
+    json_decref(v);
+    md_store_close(s);
+    free(mlp.data);
+    free(cnn.data);
+}
+
+/* ---- the archive check ---- */
+
+static void test_archive_check_fixtures(void **state)
+{
+    fx *f = *state;
+    md_err err;
+    md_err_clear(&err);
+    assert_int_equal(md_archive_check(FIXTURES "/mlp.pt", &err), MD_OK);
+    assert_int_equal(md_archive_check(FIXTURES "/cnn.pt", &err), MD_OK);
+    const char *bad[] = {FIXTURES "/not_a_model.pt", FIXTURES "/zip_not_torchscript.pt"};
+    for (int i = 0; i < 2; i++) {
+        md_err_clear(&err);
+        assert_int_equal(md_archive_check(bad[i], &err), MD_EUNPROC);
+        assert_string_equal(md_err_code(&err), "invalid_checkpoint");
+        assert_non_null(strstr(err.msg, "torch.jit.save"));
+    }
+    /* a truncated archive (the central directory cut off) */
+    bytes mlp = fixture("mlp.pt");
+    char path[512];
+    snprintf(path, sizeof path, "%s/half.pt", f->dir);
+    FILE *fp = fopen(path, "wb");
+    assert_non_null(fp);
+    assert_int_equal(fwrite(mlp.data, 1, mlp.len / 2, fp), mlp.len / 2);
+    fclose(fp);
+    md_err_clear(&err);
+    assert_int_equal(md_archive_check(path, &err), MD_EUNPROC);
+    /* a file that is not there */
+    md_err_clear(&err);
+    assert_int_equal(md_archive_check("/nonexistent/model.pt", &err), MD_EIO);
+    free(mlp.data);
+}
+
+/* ---- retention ---- */
+
+static void test_retention_keep_last(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt"), cnn = fixture("cnn.pt");
+    char sm[MD_SHA256_HEX], sc[MD_SHA256_HEX];
+    sha_hex(mlp.data, mlp.len, sm);
+    sha_hex(cnn.data, cnn.len, sc);
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_err err;
+    md_err_clear(&err);
+    assert_int_equal(add(s, "r", &mlp, 0, NULL, 1), 1); /* the default */
+    json_t *pol = json_loads("{\"keep_last\": 2}", 0, NULL);
+    assert_int_equal(md_store_set_retention(s, "r", pol, &err), MD_OK);
+    json_decref(pol);
+    for (int i = 0; i < 4; i++) /* 2..5: cnn, cnn, cnn, mlp */
+        add(s, "r", i == 3 ? &mlp : &cnn, 0, NULL, 0);
+    int vs[8];
+    assert_int_equal(versions(s, "r", vs, 8), 3);
+    assert_int_equal(vs[0], 1);
+    assert_int_equal(vs[1], 4);
+    assert_int_equal(vs[2], 5);
+    assert_int_equal(default_version(s, "r"), 1);
+    assert_true(blob_exists(f, sm));
+    assert_true(blob_exists(f, sc));
+
+    /* a tighter policy applies at once; the default is never removed */
+    pol = json_loads("{\"keep_last\": 1}", 0, NULL);
+    assert_int_equal(md_store_set_retention(s, "r", pol, &err), MD_OK);
+    json_decref(pol);
+    assert_int_equal(versions(s, "r", vs, 8), 2);
+    assert_int_equal(vs[0], 1);
+    assert_int_equal(vs[1], 5);
+    assert_false(blob_exists(f, sc)); /* version 4 was the last cnn user */
+
+    /* retention is reported by get_model, and null clears it */
+    json_t *m = NULL;
+    assert_int_equal(md_store_get_model(s, "r", &m, &err), MD_OK);
+    assert_int_equal(json_integer_value(json_object_get(json_object_get(m, "retention"),
+                                                        "keep_last")),
+                     1);
+    json_decref(m);
+    assert_int_equal(md_store_set_retention(s, "r", json_null(), &err), MD_OK);
+    for (int i = 0; i < 3; i++)
+        add(s, "r", &cnn, 0, NULL, 0);
+    assert_int_equal(versions(s, "r", vs, 8), 5);
+
+    /* on a model that is not there */
+    pol = json_loads("{\"keep_last\": 1}", 0, NULL);
+    assert_int_equal(md_store_set_retention(s, "nope", pol, &err), MD_ENOTFOUND);
+    json_decref(pol);
+    md_store_close(s);
+    free(mlp.data);
+    free(cnn.data);
+}
+
+static void test_retention_keep_best(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_err err;
+    md_err_clear(&err);
+    assert_int_equal(add(s, "b", &mlp, 0, "{\"loss\": 0.5}", 1), 1);
+    assert_int_equal(add(s, "b", &mlp, 0, "{\"loss\": 0.3}", 0), 2);
+    assert_int_equal(add(s, "b", &mlp, 0, "{\"loss\": 0.9}", 0), 3);
+    assert_int_equal(add(s, "b", &mlp, 0, "{\"loss\": 0.1}", 0), 4);
+    assert_int_equal(add(s, "b", &mlp, 0, "{\"acc\": 0.99}", 0), 5); /* no loss */
+    json_t *pol =
+        json_loads("{\"keep_best\": 2, \"metric\": \"metrics.loss\", \"order\": \"asc\"}", 0, NULL);
+    assert_int_equal(md_store_set_retention(s, "b", pol, &err), MD_OK);
+    json_decref(pol);
+    int vs[8];
+    /* the two lowest losses (4, 2) and the default (1) */
+    assert_int_equal(versions(s, "b", vs, 8), 3);
+    assert_int_equal(vs[0], 1);
+    assert_int_equal(vs[1], 2);
+    assert_int_equal(vs[2], 4);
+    md_store_close(s);
+    free(mlp.data);
+}
+
+/* A version that the model's own policy prunes in the transaction that adds
+ * it: add_version answers MD_OK, so it must describe the version it added
+ * (the HTTP layer answers 201 with it and a Location built from it). */
+static void test_add_version_pruned_by_keep_best(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_err err;
+    md_err_clear(&err);
+    assert_int_equal(add(s, "p", &mlp, 0, "{\"loss\": 0.5}", 1), 1);
+    assert_int_equal(add(s, "p", &mlp, 0, "{\"loss\": 0.3}", 0), 2);
+    json_t *pol = json_loads("{\"keep_best\": 1, \"metric\": \"metrics.loss\"}", 0, NULL);
+    assert_int_equal(md_store_set_retention(s, "p", pol, &err), MD_OK);
+    json_decref(pol);
+    md_blob_writer *w = write_blob(s, &mlp, 4096);
+    char sha[MD_SHA256_HEX];
+    long long size;
+    assert_int_equal(md_blob_finish(w, NULL, sha, &size, &err), MD_OK);
+    json_t *metrics = json_loads("{\"loss\": 0.9}", 0, NULL);
+    md_version_spec spec = {.model = "p", .sha256 = sha, .size = size, .source = "upload",
+                            .metrics = metrics, .make_default = 0};
+    json_t *out = NULL;
+    md_status st = md_store_add_version(s, &spec, w, &out, &err);
+    json_decref(metrics);
+    int no_json = st == MD_OK && !out;
+    json_int_t got = out ? json_integer_value(json_object_get(out, "version")) : 0;
+    json_decref(out);
+    int vs[8];
+    int n = versions(s, "p", vs, 8);
+    int tmp_left = count_dir(f, "tmp"), blobs = count_dir(f, "blobs");
+    md_store_close(s);
+    free(mlp.data);
+    /* checked after the cleanup, so a failure leaks nothing under ASan */
+    if (no_json)
+        fail_msg("md_store_add_version returned MD_OK but no version JSON for a version its "
+                 "retention policy pruned at once");
+    if (st == MD_OK)
+        assert_int_equal(got, 3);
+    assert_int_equal(n, 2); /* 1 (default) and 2 (best) */
+    assert_int_equal(vs[0], 1);
+    assert_int_equal(vs[1], 2);
+    assert_int_equal(tmp_left, 0);
+    assert_int_equal(blobs, 1);
+}
+
+static void test_retention_check(void **state)
+{
+    (void)state;
+    md_err err;
+    const char *ok[] = {"null", "{}", "{\"keep_last\": 3}",
+                        "{\"keep_best\": 1, \"metric\": \"metrics.loss\"}",
+                        "{\"keep_best\": 1, \"metric\": \"metrics.acc\", \"order\": \"desc\"}",
+                        "{\"keep_last\": 1, \"keep_best\": 1, \"metric\": \"metrics.f1\"}"};
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        json_t *r = json_loads(ok[i], JSON_DECODE_ANY, NULL);
+        md_err_clear(&err);
+        if (md_retention_check(r, &err) != MD_OK)
+            fail_msg("%s refused: %s", ok[i], err.msg);
+        json_decref(r);
+    }
+    const char *bad[] = {"[]", "3", "{\"keep_last\": 0}", "{\"keep_last\": \"2\"}",
+                         "{\"keep_best\": 2}", "{\"keep_best\": 2, \"metric\": \"loss\"}",
+                         "{\"keep_best\": 2, \"metric\": \"metrics.a b\"}",
+                         "{\"keep_last\": 1, \"order\": \"up\"}", "{\"keep\": 1}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        json_t *r = json_loads(bad[i], JSON_DECODE_ANY, NULL);
+        assert_non_null(r);
+        md_err_clear(&err);
+        if (md_retention_check(r, &err) != MD_EINVAL)
+            fail_msg("%s accepted", bad[i]);
+        assert_true(err.msg[0] != '\0');
+        json_decref(r);
+    }
+}
+
+/* ---- listing, ordering, defaults ---- */
+
+static void test_list_versions_ordered_by_metrics(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    md_store *s = NULL;
+    open_store(f, &s);
+    add(s, "m", &mlp, 0, "{\"loss\": 0.5, \"acc\": 0.7}", 1);
+    add(s, "m", &mlp, 0, "{\"loss\": 0.2, \"acc\": 0.9}", 1);
+    add(s, "m", &mlp, 0, "{\"loss\": 0.9, \"acc\": 0.1}", 1);
+    add(s, "m", &mlp, 0, NULL, 1); /* no metrics: last either way */
+    add(s, "m", &mlp, 0, "{\"loss\": 0.35}", 1);
+    struct {
+        const char *by;
+        int asc;
+        int want[5];
+    } cases[] = {
+        {"metrics.loss", 1, {2, 5, 1, 3, 4}},
+        {"metrics.loss", 0, {3, 1, 5, 2, 4}},
+        {"metrics.acc", 0, {2, 1, 3, 5, 4}},
+        {"version", 1, {1, 2, 3, 4, 5}},
+        {"version", 0, {5, 4, 3, 2, 1}},
+        {NULL, 1, {1, 2, 3, 4, 5}},
+        {"created_at", 1, {1, 2, 3, 4, 5}},
+    };
+    md_err err;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        json_t *out = NULL;
+        md_err_clear(&err);
+        if (md_store_list_versions(s, "m", cases[c].by, cases[c].asc, &out, &err) != MD_OK)
+            fail_msg("order_by %s: %s", cases[c].by, err.msg);
+        assert_int_equal(json_array_size(out), 5);
+        for (int i = 0; i < 5; i++) {
+            int got = (int)json_integer_value(json_object_get(json_array_get(out, i), "version"));
+            if (got != cases[c].want[i])
+                fail_msg("order_by %s %s: position %d is version %d, expected %d", cases[c].by,
+                         cases[c].asc ? "asc" : "desc", i, got, cases[c].want[i]);
+        }
+        json_decref(out);
+    }
+    const char *bad[] = {"size", "metrics.", "metrics.a b", "metrics.x')--", "Version"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        json_t *out = NULL;
+        md_err_clear(&err);
+        assert_int_equal(md_store_list_versions(s, "m", bad[i], 1, &out, &err), MD_EINVAL);
+        assert_null(out);
+    }
+    json_t *out = NULL;
+    assert_int_equal(md_store_list_versions(s, "nope", NULL, 1, &out, &err), MD_ENOTFOUND);
+    assert_string_equal(md_err_code(&err), "model_not_found");
+    md_store_close(s);
+    free(mlp.data);
+}
+
+static void test_list_models_pagination(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    md_store *s = NULL;
+    open_store(f, &s);
+    add(s, "gamma", &mlp, 0, NULL, 1);
+    add(s, "alpha", &mlp, 0, NULL, 1);
+    add(s, "beta", &mlp, 0, NULL, 1);
+    add(s, "beta", &mlp, 0, NULL, 0);
+    md_err err;
+    json_t *out = NULL;
+    assert_int_equal(md_store_list_models(s, NULL, 2, &out, &err), MD_OK);
+    json_t *ms = json_object_get(out, "models");
+    assert_int_equal(json_array_size(ms), 2);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(ms, 0), "name")),
+                        "alpha");
+    assert_string_equal(json_string_value(json_object_get(json_array_get(ms, 1), "name")), "beta");
+    assert_int_equal(json_integer_value(json_object_get(json_array_get(ms, 1), "versions")), 2);
+    assert_int_equal(
+        json_integer_value(json_object_get(json_array_get(ms, 1), "default_version")), 1);
+    assert_string_equal(json_string_value(json_object_get(out, "next")), "beta");
+    json_decref(out);
+    assert_int_equal(md_store_list_models(s, "beta", 2, &out, &err), MD_OK);
+    ms = json_object_get(out, "models");
+    assert_int_equal(json_array_size(ms), 1);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(ms, 0), "name")),
+                        "gamma");
+    assert_true(json_is_null(json_object_get(out, "next")));
+    json_decref(out);
+    /* exactly a page: no next */
+    assert_int_equal(md_store_list_models(s, NULL, 3, &out, &err), MD_OK);
+    assert_int_equal(json_array_size(json_object_get(out, "models")), 3);
+    assert_true(json_is_null(json_object_get(out, "next")));
+    json_decref(out);
+    md_store_close(s);
+    free(mlp.data);
+}
+
+static void test_defaults_and_generation(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt"), cnn = fixture("cnn.pt");
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_err err;
+    long long g0 = md_store_generation(s);
+    add(s, "m", &mlp, 0, NULL, 1);
+    add(s, "m", &cnn, 0, NULL, 0);
+    add(s, "n", &cnn, 0, NULL, 0);
+    long long g1 = md_store_generation(s);
+    assert_true(g1 >= g0 + 3);
+    assert_int_equal(default_version(s, "m"), 1);
+    assert_int_equal(md_store_set_default(s, "m", 2, &err), MD_OK);
+    assert_true(md_store_generation(s) > g1);
+    assert_int_equal(default_version(s, "m"), 2);
+    assert_int_equal(md_store_set_default(s, "m", 9, &err), MD_ENOTFOUND);
+    assert_string_equal(md_err_code(&err), "version_not_found");
+    assert_int_equal(md_store_set_default(s, "x", 1, &err), MD_ENOTFOUND);
+    assert_string_equal(md_err_code(&err), "model_not_found");
+
+    json_t *defs = NULL;
+    assert_int_equal(md_store_defaults(s, &defs, &err), MD_OK);
+    assert_int_equal(json_array_size(defs), 2);
+    json_t *d0 = json_array_get(defs, 0);
+    assert_string_equal(json_string_value(json_object_get(d0, "model")), "m");
+    assert_int_equal(json_integer_value(json_object_get(d0, "version")), 2);
+    assert_non_null(json_string_value(json_object_get(d0, "path")));
+    json_decref(defs);
+
+    assert_int_equal(md_store_set_state(s, "m", 2, "ready", NULL, &err), MD_OK);
+    json_t *v = NULL;
+    assert_int_equal(md_store_get_version(s, "m", 2, &v, &err), MD_OK);
+    assert_string_equal(json_string_value(json_object_get(v, "state")), "ready");
+    json_decref(v);
+    assert_int_equal(md_store_set_state(s, "m", 3, "ready", NULL, &err), MD_ENOTFOUND);
+    assert_int_equal(md_store_get_version(s, "m", 3, &v, &err), MD_ENOTFOUND);
+    assert_string_equal(md_err_code(&err), "version_not_found");
+    assert_int_equal(md_store_get_version(s, "zz", 1, &v, &err), MD_ENOTFOUND);
+    assert_string_equal(md_err_code(&err), "model_not_found");
+    char path[4096], sha[MD_SHA256_HEX];
+    assert_int_equal(md_store_blob_path(s, "m", 7, path, sizeof path, sha, &err), MD_ENOTFOUND);
+    md_store_close(s);
+    free(mlp.data);
+    free(cnn.data);
+}
+
+/* ---- names ---- */
+
+static void test_model_name_ok(void **state)
+{
+    (void)state;
+    char n64[65], n65[66];
+    memset(n64, 'a', 64);
+    n64[64] = '\0';
+    memset(n65, 'a', 65);
+    n65[65] = '\0';
+    const char *good[] = {"a", "A", "0", "mnist", "fashion-mnist_v2.1", "-x", "_", "a.b", n64};
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++)
+        if (!md_model_name_ok(good[i]))
+            fail_msg("\"%s\" refused", good[i]);
+    const char *bad[] = {"", n65, "a b", "a/b", "a\\b", "caf\xc3\xa9", "a:b", "a?b", "a%20b",
+                         "a\tb", "name\n", "a+b", "a@b", "a#b", "a*b"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        if (md_model_name_ok(bad[i]))
+            fail_msg("\"%s\" accepted", bad[i]);
+}
+
+int main(void)
+{
+    md_log_set_level("error");
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_open_creates_layout_and_schema, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_reopen_is_idempotent, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_old_schema_migrated_forward, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_newer_schema_refused, setup, teardown),
+        cmocka_unit_test(test_open_unwritable_dir_fails),
+        cmocka_unit_test_setup_teardown(test_blob_write_finish_add_version, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_blob_finish_errors_leave_nothing, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_shared_blobs, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_version_conflict_keeps_nothing, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_crash_unfinished_temp_file, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_crash_blob_without_row, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_crash_row_without_blob, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_archive_check_fixtures, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_retention_keep_last, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_retention_keep_best, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_add_version_pruned_by_keep_best, setup, teardown),
+        cmocka_unit_test(test_retention_check),
+        cmocka_unit_test_setup_teardown(test_list_versions_ordered_by_metrics, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_list_models_pagination, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_defaults_and_generation, setup, teardown),
+        cmocka_unit_test(test_model_name_ok),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
