@@ -375,10 +375,11 @@ void md_handle_job_output(md_req *req)
         md_reply_error(req, &err);
         return;
     }
-    size_t n = strlen(path);
-    const char *ct = n > 4 && !strcmp(path + n - 4, ".npy")   ? "application/x-npy"
-                     : n > 4 && !strcmp(path + n - 4, ".csv") ? "text/csv"
-                                                              : "application/x-ndjson";
+    const char *fmt = json_string_value(
+        json_object_get(json_object_get(json_object_get(job, "spec"), "output"), "format"));
+    const char *ct = fmt && !strcmp(fmt, "npy")   ? "application/x-npy"
+                     : fmt && !strcmp(fmt, "csv") ? "text/csv"
+                                                  : "application/x-ndjson";
     if (json_is_true(json_object_get(job, "partial")))
         md_reply_header(req, "X-Partial", "true");
     json_decref(job);

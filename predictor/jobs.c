@@ -227,7 +227,37 @@ static void format_row(char **b, size_t *len, size_t *cap, const outfmt *o, md_m
             ADD(sep);
         if (o->kind == 0)
             ADD("\"prediction\":");
-        if (labels && json_is_string(json_array_get(labels, (size_t)cls))) {
+        if (o->top_k > 0 && width > 1) {
+            /* the k most likely classes, best first */
+            int k = o->top_k < width ? o->top_k : (int)width;
+            if (o->kind == 0)
+                ADD("[");
+            unsigned char *used = calloc((size_t)width, 1);
+            md_assert(used != NULL);
+            for (int t = 0; t < k; t++) {
+                int best = -1;
+                for (int64_t j = 0; j < width; j++)
+                    if (!used[j] && (best < 0 || y[j] > y[best]))
+                        best = (int)j;
+                used[best] = 1;
+                if (t)
+                    ADD(o->kind == 0 ? "," : ";");
+                json_t *name = labels ? json_array_get(labels, (size_t)best) : NULL;
+                if (json_is_string(name) && o->kind == 0) {
+                    char *t2 = json_dumps(name, JSON_ENCODE_ANY);
+                    ADD(t2);
+                    free(t2);
+                } else if (json_is_string(name)) {
+                    ADD(json_string_value(name));
+                } else {
+                    snprintf(num, sizeof num, "%d", best);
+                    ADD(num);
+                }
+            }
+            free(used);
+            if (o->kind == 0)
+                ADD("]");
+        } else if (labels && json_is_string(json_array_get(labels, (size_t)cls))) {
             json_t *s = json_array_get(labels, (size_t)cls);
             char *t = json_dumps(s, JSON_ENCODE_ANY);
             ADD(t);
@@ -301,6 +331,19 @@ static void npy_header(char out[NPY_HEADER], int64_t rows, const int64_t *shape,
                      dims);
     out[10 + h] = ' '; /* snprintf's NUL */
     out[NPY_HEADER - 1] = '\n';
+}
+
+/* Write the final NPY header: the shape is known only at the end. */
+static md_status finish_npy(int fd, long long out_bytes, int64_t width, const char *path,
+                            md_err *err)
+{
+    char h[NPY_HEADER];
+    int64_t shape[2] = {0, width};
+    int64_t rows = width ? (out_bytes - NPY_HEADER) / (int64_t)sizeof(float) / width : 0;
+    npy_header(h, rows, shape, width ? 2 : 1);
+    if (pwrite(fd, h, NPY_HEADER, 0) != NPY_HEADER)
+        return md_err_set(err, MD_EIO, "writing %s failed: %s", path, strerror(errno));
+    return MD_OK;
 }
 
 /* ---- running one job ---- */
@@ -408,6 +451,19 @@ static void run_job(md_jobs *J, int slot, const char *id)
     o.inc_pred = include_has(include, "prediction", 1);
     o.inc_label = include_has(include, "label", has_labels);
     o.inc_scores = include_has(include, "scores", 0);
+    o.top_k = (int)json_integer_value(json_object_get(spec, "top_k"));
+    /* input.shape: the per-row shape the flat rows are given to the model in */
+    json_t *row_shape = json_object_get(input, "shape");
+    int64_t shape_prod = 1;
+    for (size_t i = 0; i < json_array_size(row_shape); i++)
+        shape_prod *= json_integer_value(json_array_get(row_shape, i));
+    if (json_array_size(row_shape) > 0 &&
+        (json_array_size(row_shape) >= MD_MAX_DIMS || shape_prod != width)) {
+        md_err_setc(&err, MD_EINVAL, "invalid_job",
+                    "input.shape holds %lld values per row but the dataset rows have %lld",
+                    (long long)shape_prod, (long long)width);
+        goto failed;
+    }
 
     fd = open(partial, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) {
@@ -491,6 +547,11 @@ static void run_job(md_jobs *J, int slot, const char *id)
             }
             md_tensor t = {.ndim = 2, .shape = {c->rows, width}, .data = buf,
                            .count = (size_t)(c->rows * width)};
+            if (json_array_size(row_shape) > 0) {
+                t.ndim = 1 + (int)json_array_size(row_shape);
+                for (size_t i = 0; i < json_array_size(row_shape); i++)
+                    t.shape[i + 1] = json_integer_value(json_array_get(row_shape, i));
+            }
             if (md_model_submit(m, &t, MD_PRIO_BATCH, chunk_cb, c, &err) != MD_OK)
                 goto failed;
             inflight++;
@@ -572,6 +633,10 @@ static void run_job(md_jobs *J, int slot, const char *id)
         if (ust != MD_OK)
             goto failed;
         if (atomic_load(&J->cancel[slot]) && inflight == 0) {
+            /* keep what is written, as a valid file marked partial */
+            if (o.kind == 2)
+                finish_npy(fd, out_bytes, npy_width, partial, NULL);
+            fsync(fd);
             close(fd);
             fd = -1;
             rename(partial, out_path);
@@ -590,16 +655,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
         if (eof && inflight == 0)
             break;
     }
-    if (o.kind == 2) {
-        char h[NPY_HEADER];
-        int64_t shape[2] = {0, npy_width};
-        int64_t nrows = npy_width ? (out_bytes - NPY_HEADER) / (int64_t)sizeof(float) / npy_width : 0;
-        npy_header(h, nrows, shape, npy_width ? 2 : 1);
-        if (pwrite(fd, h, NPY_HEADER, 0) != NPY_HEADER) {
-            md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));
-            goto failed;
-        }
-    }
+    if (o.kind == 2 && finish_npy(fd, out_bytes, npy_width, partial, &err) != MD_OK)
+        goto failed;
     fsync(fd);
     close(fd);
     fd = -1;
