@@ -48,7 +48,9 @@ LIB_CXX := predictor/torch_backend.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
 
-UNIT_TESTS := test_config test_router
+UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_batcher
+# the batcher is tested over a fake backend: the linker seam replaces libtorch calls
+LDFLAGS_test_batcher := -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free
 UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
@@ -74,7 +76,7 @@ $(BUILD)/handlers/openapi_blob.o: handlers/openapi_blob.S openapi.yaml
 
 $(BUILD)/tests/%: tests/%.c $(LIB_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LIBS) -lcmocka
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS_$*) $(LIBS) -lcmocka
 
 # Install the Debian packages that are missing (non-interactive).
 deps:

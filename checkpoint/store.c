@@ -105,6 +105,10 @@ static const char *const migrations[] = {
     "  finished_at TEXT,"
     "  updated_at TEXT NOT NULL);"
     "CREATE INDEX jobs_status ON jobs(status, created_at);",
+    /* 3: version numbers are never reused, even after deletes */
+    "ALTER TABLE models ADD COLUMN last_version INTEGER NOT NULL DEFAULT 0;"
+    "UPDATE models SET last_version = "
+    "  (SELECT COALESCE(MAX(version), 0) FROM versions WHERE versions.model = models.name);",
 };
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof migrations[0]))
 
@@ -588,8 +592,8 @@ out:
 int md_model_name_ok(const char *name)
 {
     size_t n = strlen(name);
-    if (n < 1 || n > 64)
-        return 0;
+    if (n < 1 || n > 64 || strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
+        return 0; /* "." and ".." cannot be addressed in a URL path */
     for (size_t i = 0; i < n; i++) {
         char c = name[i];
         if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
@@ -814,7 +818,7 @@ static md_status apply_retention(md_store *s, const char *name, sha_list *releas
 
 static md_status json_text(json_t *v, char **out)
 {
-    *out = json_dumps(v ? v : json_object(), JSON_COMPACT | JSON_ENCODE_ANY);
+    *out = v ? json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY) : md_xstrdup("{}");
     md_assert(*out != NULL);
     return MD_OK;
 }
@@ -878,7 +882,10 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
     }
     int version = spec->version;
     if (version == 0) {
-        st = prep(s, "SELECT COALESCE(MAX(version), 0) + 1 FROM versions WHERE model = ?", err);
+        st = prep(s,
+                  "SELECT MAX(last_version, (SELECT COALESCE(MAX(version), 0) FROM versions "
+                  "WHERE model = ?1)) + 1 FROM models WHERE name = ?1",
+                  err);
         if (!st) {
             rc = MD_EIO;
             goto rollback;
@@ -915,6 +922,19 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
     }
     if (step != SQLITE_DONE) {
         rc = db_fail(s, err, "insert version");
+        goto rollback;
+    }
+    st = prep(s, "UPDATE models SET last_version = MAX(last_version, ?2) WHERE name = ?1", err);
+    if (!st) {
+        rc = MD_EIO;
+        goto rollback;
+    }
+    sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 2, version);
+    ok = sqlite3_step(st) == SQLITE_DONE;
+    sqlite3_finalize(st);
+    if (!ok) {
+        rc = db_fail(s, err, "record the version number");
         goto rollback;
     }
     /* The first version of a model is its default whatever make_default says. */

@@ -219,8 +219,8 @@ static num_result parse_label(const char *s, int64_t *out)
  * its line end ("\n" or "\r\n"); valid until the next call. `csv` selects
  * the quote-aware scanner. Each record returned or reported bad advances
  * r->position. MD_OK; MD_ENOTFOUND at the end; MD_EIO on a read error;
- * MD_EINVAL (the record consumed) for a record longer than MAX_RECORD or a
- * quote still open at the end of the file.
+ * MD_ENOMEM when the buffer cannot grow; MD_EINVAL (the record consumed) for
+ * a record longer than MAX_RECORD or a quote still open at the end of the file.
  */
 static md_status read_record(md_reader *r, int csv, char **rec, size_t *len, md_err *err)
 {

@@ -1,0 +1,1097 @@
+/*
+ * test_readers.c - unit tests of the streaming dataset readers in
+ * predictor/readers.c: every format (CSV, JSONL, NPY, IDX plain and gzip) on
+ * the committed fixtures with exact values, labels, widths and totals; every
+ * malformed-row class with its 0-based row number in the message and the
+ * next row still read after it; the end of data; every open error; resume by
+ * skipping; a 20 MB CSV read through; a CSV read from a FIFO whose writer
+ * waits until the first row has been returned (a reader that slurped the
+ * file could not return it); a row past the 64 MiB record limit skipped; and
+ * the real FashionMNIST test set when it is installed.
+ *
+ * Fixtures are read from tests/fixtures/datasets relative to the working
+ * directory (make runs the tests from the repository root) and are written
+ * by tests/fixtures/make_datasets.py, whose formulas the helpers below repeat.
+ * Temporary files go under /tmp and are removed by the teardown.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <errno.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../predictor/predictor.h"
+
+#define DATASETS "tests/fixtures/datasets/"
+#define FASHION "/usr/share/datasets/fashion-mnist/"
+
+/* ---- helpers ---- */
+
+/* Every temp path made by a test, removed by the teardown even when the test
+ * fails half-way. */
+static char made[16][64];
+static int n_made;
+
+static int remove_temps(void **state)
+{
+    (void)state;
+    for (int i = 0; i < n_made; i++)
+        remove(made[i]);
+    n_made = 0;
+    return 0;
+}
+
+/* A new empty temp path under /tmp (the file exists); `path` >= 64 bytes. */
+static void temp_path(char *path)
+{
+    strcpy(path, "/tmp/modeld_test_readers_XXXXXX");
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    assert_true(n_made < 16);
+    snprintf(made[n_made++], sizeof made[0], "%s", path);
+}
+
+/* Write `len` bytes of `text` to a new temp file; its path goes into `path`. */
+static void write_temp_n(char *path, const char *text, size_t len)
+{
+    temp_path(path);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(text, 1, len, f), len);
+    assert_int_equal(fclose(f), 0);
+}
+
+static void write_temp(char *path, const char *text)
+{
+    write_temp_n(path, text, strlen(text));
+}
+
+static void assert_msg_has(const char *msg, ...)
+{
+    va_list ap;
+    va_start(ap, msg);
+    for (const char *want = va_arg(ap, const char *); want; want = va_arg(ap, const char *)) {
+        if (!strstr(msg, want)) {
+            va_end(ap);
+            fail_msg("message \"%s\" lacks \"%s\"", msg, want);
+        }
+    }
+    va_end(ap);
+}
+
+/* Open with `features` given as JSON text (or NULL). */
+static md_status open_reader(const char *path, const char *format, const char *features,
+                             const char *label, md_reader **r, md_err *err)
+{
+    json_t *feat = NULL;
+    if (features) {
+        feat = json_loads(features, JSON_DECODE_ANY, NULL);
+        assert_non_null(feat);
+    }
+    md_reader_opts opts = {.path = path, .format = format, .features = feat, .label = label};
+    md_err_clear(err);
+    *r = (md_reader *)(intptr_t)1; /* must be reset on failure */
+    md_status st = md_reader_open(&opts, r, err);
+    json_decref(feat);
+    if (st != MD_OK) {
+        assert_null(*r);
+        assert_int_equal(err->status, st);
+    } else {
+        assert_non_null(*r);
+    }
+    return st;
+}
+
+/* Open, expecting MD_EINVAL "invalid_dataset"; returns the message. */
+static const char *open_fails(const char *path, const char *format, const char *features,
+                              const char *label, md_err *err)
+{
+    md_reader *r;
+    assert_int_equal(open_reader(path, format, features, label, &r, err), MD_EINVAL);
+    assert_string_equal(md_err_code(err), "invalid_dataset");
+    return err->msg;
+}
+
+static md_reader *open_ok(const char *path, const char *format, const char *features,
+                          const char *label)
+{
+    md_reader *r;
+    md_err err;
+    md_status st = open_reader(path, format, features, label, &r, &err);
+    if (st != MD_OK)
+        fail_msg("opening %s failed: %s", path, err.msg);
+    return r;
+}
+
+/* The next row must be MD_OK with exactly `want` (width values) and `label`
+ * (-1: the reader gives no label). */
+static void expect_row(md_reader *r, const float *want, int64_t label)
+{
+    int64_t width = md_reader_row_width(r);
+    float row[64];
+    assert_true(width <= 64);
+    int64_t got_label = -7;
+    md_err err;
+    md_err_clear(&err);
+    int64_t before = md_reader_position(r);
+    md_status st = md_reader_next(r, row, &got_label, &err);
+    if (st != MD_OK)
+        fail_msg("row %lld: status %d: %s", (long long)before, st, err.msg);
+    for (int64_t j = 0; j < width; j++)
+        if (row[j] != want[j])
+            fail_msg("row %lld value %lld: got %.9g, want %.9g",
+                     (long long)md_reader_position(r) - 1, (long long)j, row[j], want[j]);
+    assert_int_equal(got_label, label);
+}
+
+/* The next row must fail with `st` and a message holding each string. */
+static void expect_bad_row(md_reader *r, md_status want, ...)
+{
+    float row[64];
+    int64_t label;
+    md_err err;
+    md_err_clear(&err);
+    int64_t before = md_reader_position(r);
+    md_status st = md_reader_next(r, row, &label, &err);
+    if (st != want)
+        fail_msg("row %lld: status %d, want %d (%s)", (long long)before, st, want, err.msg);
+    assert_int_equal(err.status, want);
+    if (want == MD_EINVAL) {
+        assert_string_equal(md_err_code(&err), "invalid_dataset");
+        /* a bad row is consumed */
+        assert_int_equal(md_reader_position(r), before + 1);
+    }
+    va_list ap;
+    va_start(ap, want);
+    for (const char *s = va_arg(ap, const char *); s; s = va_arg(ap, const char *))
+        if (!strstr(err.msg, s)) {
+            va_end(ap);
+            fail_msg("message \"%s\" lacks \"%s\"", err.msg, s);
+        }
+    va_end(ap);
+}
+
+/* The end: MD_ENOTFOUND, twice, and the position stays. */
+static void expect_end(md_reader *r, int64_t rows)
+{
+    float row[64];
+    int64_t label;
+    md_err err;
+    for (int i = 0; i < 2; i++) {
+        md_err_clear(&err);
+        assert_int_equal(md_reader_next(r, row, &label, &err), MD_ENOTFOUND);
+        assert_int_equal(md_reader_position(r), rows);
+    }
+}
+
+/* make_datasets.py's SMALL table and labels */
+static void small_row(int i, float *out)
+{
+    for (int j = 0; j < 4; j++)
+        out[j] = (float)((4 * i + j) * 0.25 - 2.0);
+}
+
+static int64_t small_label(int i)
+{
+    return (i * 7) % 10;
+}
+
+/* ---- CSV ---- */
+
+static void test_csv_small(void **state)
+{
+    (void)state;
+    md_reader *r = open_ok(DATASETS "small.csv", "csv", NULL, "label");
+    assert_int_equal(md_reader_row_width(r), 4);
+    assert_int_equal(md_reader_total_rows(r), -1);
+    assert_int_equal(md_reader_has_labels(r), 1);
+    assert_int_equal(md_reader_position(r), 0);
+    for (int i = 0; i < 6; i++) {
+        float want[4];
+        small_row(i, want);
+        expect_row(r, want, small_label(i));
+        assert_int_equal(md_reader_position(r), i + 1);
+    }
+    expect_end(r, 6);
+    md_reader_close(r);
+}
+
+/* Without `label` the label column is one more feature ("1.0" reads as 1). */
+static void test_csv_without_label(void **state)
+{
+    (void)state;
+    md_reader *r = open_ok(DATASETS "small.csv", "csv", NULL, NULL);
+    assert_int_equal(md_reader_row_width(r), 5);
+    assert_int_equal(md_reader_has_labels(r), 0);
+    for (int i = 0; i < 6; i++) {
+        float want[5];
+        small_row(i, want);
+        want[4] = (float)small_label(i);
+        expect_row(r, want, -1);
+    }
+    expect_end(r, 6);
+    md_reader_close(r);
+}
+
+/* `features` picks and orders the columns. */
+static void test_csv_features(void **state)
+{
+    (void)state;
+    md_reader *r = open_ok(DATASETS "small.csv", "csv", "[\"x3\", \"x1\"]", "label");
+    assert_int_equal(md_reader_row_width(r), 2);
+    for (int i = 0; i < 6; i++) {
+        float all[4];
+        small_row(i, all);
+        float want[2] = {all[2], all[0]};
+        expect_row(r, want, small_label(i));
+    }
+    expect_end(r, 6);
+    md_reader_close(r);
+}
+
+/* Quoted commas, doubled quotes, a newline inside quotes, a blank line, a
+ * quoted number, spaces around a number; text columns left out by features. */
+static void test_csv_quoted(void **state)
+{
+    (void)state;
+    md_reader *r = open_ok(DATASETS "quoted.csv", "csv", "[\"x1\", \"x2\"]", "label");
+    expect_row(r, (float[]){1.5f, -2}, 3);
+    expect_row(r, (float[]){0.25f, 4}, 1);
+    expect_row(r, (float[]){-0.5f, 8.75f}, 0);
+    expect_row(r, (float[]){100, 7}, 2);
+    expect_end(r, 4);
+    md_reader_close(r);
+
+    /* with every column a feature, the text fields come back unquoted in
+     * the messages: proof of the splitting */
+    r = open_ok(DATASETS "quoted.csv", "csv", NULL, "label");
+    assert_int_equal(md_reader_row_width(r), 4);
+    expect_bad_row(r, MD_EINVAL, "quoted.csv row 0: column \"name\" is not a number: \"a,b\"", NULL);
+    expect_bad_row(r, MD_EINVAL, "quoted.csv row 1: column \"name\" is not a number: \"say \"hi\"\"",
+                   NULL);
+    expect_bad_row(r, MD_EINVAL, "quoted.csv row 2: column \"name\" is not a number: \"two\nlines\"",
+                   NULL);
+    expect_bad_row(r, MD_EINVAL, "quoted.csv row 3: column \"name\" is not a number: \"plain\"", NULL);
+    expect_end(r, 4);
+    md_reader_close(r);
+}
+
+/* Bad rows name their row; each is consumed and the next good row follows. */
+static void test_csv_bad_rows(void **state)
+{
+    (void)state;
+    md_reader *r = open_ok(DATASETS "bad.csv", "csv", NULL, "label");
+    expect_row(r, (float[]){1, 2, 3, 4}, 0);
+    expect_row(r, (float[]){5, 6, 7, 8}, 1);
+    expect_bad_row(r, MD_EINVAL, "bad.csv row 2: column \"x2\" is not a number: \"abc\"", NULL);
+    expect_row(r, (float[]){13, 14, 15, 16}, 3);
+    expect_bad_row(r, MD_EINVAL, "bad.csv row 4: has 4 fields, the header has 5", NULL);
+    expect_bad_row(r, MD_EINVAL, "bad.csv row 5: the label column \"label\" is not an integer: \"2.5\"",
+                   NULL);
+    expect_row(r, (float[]){25, 26, 27, 28}, 6);
+    expect_end(r, 7);
+    md_reader_close(r);
+}
+
+/* Malformed text built here, one case per file. */
+static void test_csv_malformed(void **state)
+{
+    (void)state;
+    char path[64];
+    md_reader *r;
+
+    write_temp(path, "a,b\n1,\n");
+    r = open_ok(path, "csv", NULL, NULL);
+    expect_bad_row(r, MD_EINVAL, "row 0: column \"b\" is empty", NULL);
+    expect_end(r, 1);
+    md_reader_close(r);
+
+    write_temp(path, "a,b\n1,nan\n2,1e999\n3,-inf\n4,1e30x\n5,0x10\n");
+    r = open_ok(path, "csv", NULL, NULL);
+    expect_bad_row(r, MD_EINVAL, "row 0: column \"b\" is not a finite float32 number: \"nan\"", NULL);
+    expect_bad_row(r, MD_EINVAL, "row 1: column \"b\" is not a finite float32 number: \"1e999\"", NULL);
+    expect_bad_row(r, MD_EINVAL, "row 2: column \"b\" is not a finite float32 number", NULL);
+    expect_bad_row(r, MD_EINVAL, "row 3: column \"b\" is not a number: \"1e30x\"", NULL);
+    expect_row(r, (float[]){5, 16}, -1); /* strtod reads hex */
+    expect_end(r, 5);
+    md_reader_close(r);
+
+    /* text after a closing quote; a quote never closed (at the end) */
+    write_temp(path, "a,b\n\"1\"x,2\n3,4\n5,\"6\n");
+    r = open_ok(path, "csv", NULL, NULL);
+    expect_bad_row(r, MD_EINVAL, "row 0: a quoted field has text after its closing quote", NULL);
+    expect_row(r, (float[]){3, 4}, -1);
+    expect_bad_row(r, MD_EINVAL, "row 2: a quoted field is not closed before the end of the file",
+                   NULL);
+    expect_end(r, 3);
+    md_reader_close(r);
+
+    /* labels: empty, not integral, too big; integral forms accepted */
+    write_temp(path, "x,y\n1,\n2,1.5\n3,1e30\n4, -3 \n5,2e1\n6,abc\n");
+    r = open_ok(path, "csv", NULL, "y");
+    expect_bad_row(r, MD_EINVAL, "row 0: the label column \"y\" is empty", NULL);
+    expect_bad_row(r, MD_EINVAL, "row 1: the label column \"y\" is not an integer: \"1.5\"", NULL);
+    expect_bad_row(r, MD_EINVAL, "row 2: the label column \"y\" is not an integer: \"1e30\"", NULL);
+    expect_row(r, (float[]){4}, -3);
+    expect_row(r, (float[]){5}, 20);
+    expect_bad_row(r, MD_EINVAL, "row 5: the label column \"y\" is not an integer: \"abc\"", NULL);
+    expect_end(r, 6);
+    md_reader_close(r);
+
+    /* too many fields; a long bad value is cut in the message */
+    write_temp(path, "a\n1,2\n1.50000000000000000000000000000000000000000000000000000000000\n"
+                     "abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyz\n");
+    r = open_ok(path, "csv", NULL, NULL);
+    expect_bad_row(r, MD_EINVAL, "row 0: has 2 fields, the header has 1", NULL);
+    expect_row(r, (float[]){1.5f}, -1);
+    expect_bad_row(r, MD_EINVAL, "row 2: column \"a\" is not a number: "
+                   "\"abcdefghijklmnopqrstuvwxyzabcdefghijklmn...\"", NULL);
+    md_reader_close(r);
+}
+
+/* Line ends and blank lines: LF, CRLF, none at the end, blank lines in the
+ * middle and the end (not rows), a byte-order mark and spaces in the header. */
+static void test_csv_layout(void **state)
+{
+    (void)state;
+    char path[64];
+    md_reader *r;
+
+    write_temp(path, "\xEF\xBB\xBF a , b \r\n\r\n1,2\n\n   \n3,4\r\n5,6\r\n\r\n\n");
+    r = open_ok(path, "csv", "[\"b\", \"a\"]", NULL);
+    expect_row(r, (float[]){2, 1}, -1);
+    expect_row(r, (float[]){4, 3}, -1);
+    expect_row(r, (float[]){6, 5}, -1);
+    expect_end(r, 3);
+    md_reader_close(r);
+
+    write_temp(path, "a,b\n1,2\n3,4");
+    r = open_ok(path, "csv", NULL, "b");
+    expect_row(r, (float[]){1}, 2);
+    expect_row(r, (float[]){3}, 4);
+    expect_end(r, 2);
+    md_reader_close(r);
+
+    /* a header alone: the width is known, there are no rows */
+    write_temp(path, "a,b,c\n");
+    r = open_ok(path, "csv", NULL, NULL);
+    assert_int_equal(md_reader_row_width(r), 3);
+    expect_end(r, 0);
+    md_reader_close(r);
+
+    /* a quoted header name with a comma */
+    write_temp(path, "\"a,1\",b\n1,2\n");
+    md_err err;
+    assert_msg_has(open_fails(path, "csv", "[\"a\"]", NULL, &err),
+                   "the feature column \"a\" is not in the header (columns: a,1, b)", NULL);
+    r = open_ok(path, "csv", "[\"a,1\"]", NULL);
+    expect_row(r, (float[]){1}, -1);
+    md_reader_close(r);
+}
+
+static void test_csv_open_errors(void **state)
+{
+    (void)state;
+    char path[64];
+    md_err err;
+    const char *small = DATASETS "small.csv";
+
+    assert_msg_has(open_fails(small, "csv", "[\"x1\", \"x9\"]", "label", &err),
+                   "small.csv: the feature column \"x9\" is not in the header "
+                   "(columns: x1, x2, x3, x4, label)", NULL);
+    assert_msg_has(open_fails(small, "csv", NULL, "y", &err),
+                   "small.csv: the label column \"y\" is not in the header", "x1, x2", NULL);
+    assert_msg_has(open_fails(small, "csv", "\"x1\"", NULL, &err),
+                   "features must be an array of column names", NULL);
+    assert_msg_has(open_fails(small, "csv", "[]", NULL, &err), "features is empty", NULL);
+    assert_msg_has(open_fails(small, "csv", "[\"x1\", 2]", NULL, &err),
+                   "features[1] is not a string", NULL);
+
+    write_temp(path, "");
+    assert_msg_has(open_fails(path, "csv", NULL, NULL, &err), "is empty; a csv needs a header", NULL);
+    write_temp(path, "\n\r\n");
+    assert_msg_has(open_fails(path, "csv", NULL, NULL, &err), "is empty; a csv needs a header", NULL);
+    write_temp(path, "label\n1\n");
+    assert_msg_has(open_fails(path, "csv", NULL, "label", &err),
+                   "has no feature columns: its only column is the label \"label\"", NULL);
+    write_temp(path, "\"a\"b,c\n1,2\n");
+    assert_msg_has(open_fails(path, "csv", NULL, NULL, &err),
+                   "header: a quoted column name has text after its closing quote", NULL);
+}
+
+/* ---- JSONL ---- */
+
+static void test_jsonl_arrays(void **state)
+{
+    (void)state;
+    md_reader *r = open_ok(DATASETS "small.jsonl", "jsonl", NULL, NULL);
+    assert_int_equal(md_reader_row_width(r), 4);
+    assert_int_equal(md_reader_total_rows(r), -1);
+    assert_int_equal(md_reader_has_labels(r), 0);
+    assert_int_equal(md_reader_position(r), 0); /* row 0 was read at open, not consumed */
+    for (int i = 0; i < 6; i++) {
+        float want[4];
+        small_row(i, want);
+        expect_row(r, want, -1);
+        assert_int_equal(md_reader_position(r), i + 1); /* the blank line is no row */
+    }
+    expect_end(r, 6);
+    md_reader_close(r);
+}
+
+static void test_jsonl_objects(void **state)
+{
+    (void)state;
+    /* "label" is taken by default when row 0 has it, and can be named */
+    for (int named = 0; named < 2; named++) {
+        md_reader *r = open_ok(DATASETS "objects.jsonl", "jsonl", named ? "\"features\"" : NULL,
+                               named ? "label" : NULL);
+        assert_int_equal(md_reader_row_width(r), 4);
+        assert_int_equal(md_reader_has_labels(r), 1);
+        for (int i = 0; i < 6; i++) {
+            float want[4];
+            small_row(i, want);
+            expect_row(r, want, small_label(i));
+        }
+        expect_end(r, 6);
+        md_reader_close(r);
+    }
+
+    /* other field names; nested values; objects without a label field */
+    char path[64];
+    write_temp(path, "{\"x\": [[1, 2], [3]], \"y\": 4}\n{\"y\": -1, \"x\": [5, [6, [7]]]}\n");
+    md_reader *r = open_ok(path, "jsonl", "\"x\"", "y");
+    assert_int_equal(md_reader_row_width(r), 3);
+    expect_row(r, (float[]){1, 2, 3}, 4);
+    expect_row(r, (float[]){5, 6, 7}, -1);
+    expect_end(r, 2);
+    md_reader_close(r);
+
+    write_temp(path, "{\"features\": [1, 2]}\n[3, 4]\n");
+    r = open_ok(path, "jsonl", NULL, NULL);
+    assert_int_equal(md_reader_has_labels(r), 0);
+    expect_row(r, (float[]){1, 2}, -1);
+    expect_row(r, (float[]){3, 4}, -1);
+    expect_end(r, 2);
+    md_reader_close(r);
+}
+
+static void test_jsonl_bad_rows(void **state)
+{
+    (void)state;
+    md_reader *r = open_ok(DATASETS "bad.jsonl", "jsonl", NULL, NULL);
+    assert_int_equal(md_reader_has_labels(r), 1);
+    expect_row(r, (float[]){1, 2, 3, 4}, 0);
+    expect_bad_row(r, MD_EINVAL, "bad.jsonl row 1: invalid JSON", NULL);
+    expect_bad_row(r, MD_EINVAL, "bad.jsonl row 2: has 3 values, the first row has 4", NULL);
+    expect_bad_row(r, MD_EINVAL, "bad.jsonl row 3: value 1 is not a number", NULL);
+    expect_bad_row(r, MD_EINVAL, "bad.jsonl row 4: the label field \"label\" is not an integer", NULL);
+    expect_bad_row(r, MD_EINVAL, "bad.jsonl row 5: has no field \"features\"", NULL);
+    expect_bad_row(r, MD_EINVAL, "bad.jsonl row 6: is a number, not an array or an object", NULL);
+    expect_row(r, (float[]){5, 6, 7, 8}, 7);
+    expect_end(r, 8);
+    md_reader_close(r);
+
+    char path[64];
+    write_temp(path, "[1, 2]\n[1e39, 2]\n{\"features\": [1, 2]}\n[true, 2]\n[[], [1, 2]]\n"
+                     "{\"features\": 3}\n[1, 2, 3]\n");
+    r = open_ok(path, "jsonl", NULL, NULL);
+    expect_row(r, (float[]){1, 2}, -1);
+    expect_bad_row(r, MD_EINVAL, "row 1: value 0 is not a finite float32 number", NULL);
+    expect_row(r, (float[]){1, 2}, -1);
+    expect_bad_row(r, MD_EINVAL, "row 3: value 0 is not a number", NULL);
+    expect_row(r, (float[]){1, 2}, -1);
+    expect_bad_row(r, MD_EINVAL, "row 5: field \"features\" is a number, not an array of numbers",
+                   NULL);
+    expect_bad_row(r, MD_EINVAL, "row 6: has 3 values, the first row has 2", NULL);
+    expect_end(r, 7);
+    md_reader_close(r);
+
+    /* labels asked for: a row without the field, or an array row */
+    write_temp(path, "{\"features\": [1], \"label\": 1}\n{\"features\": [2]}\n[3]\n"
+                     "{\"features\": [4], \"label\": \"cat\"}\n{\"features\": [5], \"label\": 5.0}\n");
+    r = open_ok(path, "jsonl", NULL, "label");
+    expect_row(r, (float[]){1}, 1);
+    expect_bad_row(r, MD_EINVAL, "row 1: has no field \"label\" (the label)", NULL);
+    expect_bad_row(r, MD_EINVAL, "row 2: is an array, so it has no label field \"label\"", NULL);
+    expect_bad_row(r, MD_EINVAL, "row 3: the label field \"label\" is not an integer", NULL);
+    expect_row(r, (float[]){5}, 5);
+    expect_end(r, 5);
+    md_reader_close(r);
+}
+
+static void test_jsonl_open_errors(void **state)
+{
+    (void)state;
+    char path[64];
+    md_err err;
+
+    write_temp(path, "");
+    assert_msg_has(open_fails(path, "jsonl", NULL, NULL, &err), "has no rows", NULL);
+    write_temp(path, "\n  \n\r\n");
+    assert_msg_has(open_fails(path, "jsonl", NULL, NULL, &err), "has no rows", NULL);
+    write_temp(path, "\n[1, \n[1, 2]\n");
+    assert_msg_has(open_fails(path, "jsonl", NULL, NULL, &err), "row 0: invalid JSON", NULL);
+    write_temp(path, "[]\n");
+    assert_msg_has(open_fails(path, "jsonl", NULL, NULL, &err), "row 0: has no values", NULL);
+    assert_msg_has(open_fails(DATASETS "small.jsonl", "jsonl", "[\"a\"]", NULL, &err),
+                   "features must be a string", NULL);
+    assert_msg_has(open_fails(DATASETS "small.jsonl", "jsonl", NULL, "label", &err),
+                   "small.jsonl row 0: is an array, so it has no label field \"label\"", NULL);
+    assert_msg_has(open_fails(DATASETS "objects.jsonl", "jsonl", "\"values\"", NULL, &err),
+                   "objects.jsonl row 0: has no field \"values\"", NULL);
+}
+
+/* ---- NPY ---- */
+
+static void test_npy_dtypes(void **state)
+{
+    (void)state;
+    static const char *files[] = {"small_f32.npy", "small_f64.npy", "small_u8.npy",
+                                  "small_i64.npy", "small_i32.npy"};
+    for (int f = 0; f < 5; f++) {
+        char path[128];
+        snprintf(path, sizeof path, DATASETS "%s", files[f]);
+        md_reader *r = open_ok(path, "npy", NULL, NULL);
+        assert_int_equal(md_reader_row_width(r), 4);
+        assert_int_equal(md_reader_total_rows(r), 6);
+        assert_int_equal(md_reader_has_labels(r), 0);
+        for (int i = 0; i < 6; i++) {
+            float want[4];
+            for (int j = 0; j < 4; j++) {
+                int k = 4 * i + j;
+                switch (f) {
+                case 0:
+                case 1: want[j] = (float)(k * 0.25 - 2.0); break;
+                case 2: want[j] = (float)(10 * k + 5); break;
+                case 3: want[j] = (float)((k - 12) * 1000); break;
+                default: want[j] = (float)(k - 7); break;
+                }
+            }
+            expect_row(r, want, -1);
+        }
+        expect_end(r, 6);
+        md_reader_close(r);
+    }
+}
+
+static void test_npy_3d(void **state)
+{
+    (void)state;
+    md_reader *r = open_ok(DATASETS "images_3d.npy", "npy", NULL, NULL);
+    assert_int_equal(md_reader_row_width(r), 6);
+    assert_int_equal(md_reader_total_rows(r), 5);
+    for (int i = 0; i < 5; i++) {
+        float want[6];
+        for (int k = 0; k < 6; k++)
+            want[k] = (float)((6 * i + k) * 0.5);
+        expect_row(r, want, -1);
+    }
+    expect_end(r, 5);
+    md_reader_close(r);
+}
+
+static void test_npy_errors(void **state)
+{
+    (void)state;
+    md_err err;
+    assert_msg_has(open_fails(DATASETS "fortran.npy", "npy", NULL, NULL, &err),
+                   "fortran.npy: the array is in Fortran order", "ascontiguousarray", NULL);
+    assert_msg_has(open_fails(DATASETS "big_endian.npy", "npy", NULL, NULL, &err),
+                   "big_endian.npy: NPY dtype '>f4' is not supported", NULL);
+    assert_msg_has(open_fails(DATASETS "truncated.npy", "npy", NULL, NULL, &err),
+                   "truncated.npy is truncated: the header says 6 rows of 16 bytes", NULL);
+    assert_msg_has(open_fails(DATASETS "small.csv", "npy", NULL, NULL, &err),
+                   "small.csv is not an NPY file", NULL);
+    assert_msg_has(open_fails(DATASETS "small_f32.npy", "npy", NULL, "label", &err),
+                   "npy files carry no labels", NULL);
+    assert_msg_has(open_fails(DATASETS "small_f32.npy", "npy", "[\"a\"]", NULL, &err),
+                   "features applies to csv and jsonl only", NULL);
+
+    /* a NaN row is bad; the rows around it read */
+    md_reader *r = open_ok(DATASETS "nan_f32.npy", "npy", NULL, NULL);
+    expect_row(r, (float[]){0, 1, 2, 3}, -1);
+    expect_bad_row(r, MD_EINVAL, "nan_f32.npy row 1: value 2 is NaN or infinite", NULL);
+    expect_row(r, (float[]){8, 9, 10, 11}, -1);
+    expect_end(r, 3);
+    md_reader_close(r);
+
+    /* a version 2 header and a 1-D array (width 1) */
+    static const char hdr[] = "{'descr': '<i4', 'fortran_order': False, 'shape': (3,), }";
+    char file[256];
+    size_t hlen = 128 - 12;
+    memcpy(file, "\x93NUMPY\x02\x00", 8);
+    file[8] = (char)hlen, file[9] = file[10] = file[11] = 0;
+    memset(file + 12, ' ', hlen);
+    memcpy(file + 12, hdr, sizeof hdr - 1);
+    file[12 + hlen - 1] = '\n';
+    int32_t vals[3] = {-5, 0, 70000};
+    memcpy(file + 128, vals, sizeof vals);
+    char path[64];
+    write_temp_n(path, file, 128 + sizeof vals);
+    r = open_ok(path, "npy", NULL, NULL);
+    assert_int_equal(md_reader_row_width(r), 1);
+    assert_int_equal(md_reader_total_rows(r), 3);
+    expect_row(r, (float[]){-5}, -1);
+    expect_row(r, (float[]){0}, -1);
+    expect_row(r, (float[]){70000}, -1);
+    expect_end(r, 3);
+    md_reader_close(r);
+}
+
+/* ---- IDX ---- */
+
+static void expect_idx_rows(md_reader *r, int labels)
+{
+    static const int64_t want_labels[5] = {9, 0, 3, 255, 7};
+    assert_int_equal(md_reader_row_width(r), 6);
+    assert_int_equal(md_reader_total_rows(r), 5);
+    assert_int_equal(md_reader_has_labels(r), labels);
+    for (int i = 0; i < 5; i++) {
+        float want[6];
+        for (int k = 0; k < 6; k++)
+            want[k] = (float)((i * 50 + k * 7) % 256);
+        expect_row(r, want, labels ? want_labels[i] : -1);
+    }
+    expect_end(r, 5);
+}
+
+static void test_idx(void **state)
+{
+    (void)state;
+    md_reader *r = open_ok(DATASETS "images.idx3", "idx", NULL, DATASETS "labels.idx1");
+    expect_idx_rows(r, 1);
+    md_reader_close(r);
+    r = open_ok(DATASETS "images.idx3.gz", "idx", NULL, DATASETS "labels.idx1.gz");
+    expect_idx_rows(r, 1);
+    md_reader_close(r);
+    r = open_ok(DATASETS "images.idx3.gz", "idx", NULL, DATASETS "labels.idx1"); /* mixed */
+    expect_idx_rows(r, 1);
+    md_reader_close(r);
+    r = open_ok(DATASETS "images.idx3", "idx", NULL, NULL);
+    expect_idx_rows(r, 0);
+    md_reader_close(r);
+
+    /* an idx1 file as the data: width 1 */
+    r = open_ok(DATASETS "labels.idx1.gz", "idx", NULL, NULL);
+    assert_int_equal(md_reader_row_width(r), 1);
+    assert_int_equal(md_reader_total_rows(r), 5);
+    expect_row(r, (float[]){9}, -1);
+    md_reader_close(r);
+}
+
+static void test_idx_errors(void **state)
+{
+    (void)state;
+    md_err err;
+    assert_msg_has(open_fails(DATASETS "images.idx3", "idx", NULL,
+                              DATASETS "labels_wrong_count.idx1", &err),
+                   "labels_wrong_count.idx1 has 4 labels but images.idx3 has 5 rows", NULL);
+    assert_msg_has(open_fails(DATASETS "images.idx3", "idx", NULL, DATASETS "images.idx3.gz", &err),
+                   "images.idx3.gz is not an IDX labels file", NULL);
+    assert_msg_has(open_fails(DATASETS "images.idx3", "idx", NULL, DATASETS "nothing.idx1", &err),
+                   "cannot open dataset " DATASETS "nothing.idx1: No such file or directory", NULL);
+    assert_msg_has(open_fails(DATASETS "small.csv", "idx", NULL, NULL, &err),
+                   "small.csv is not an IDX file", NULL);
+    assert_msg_has(open_fails(DATASETS "images.idx3", "idx", "[\"a\"]", NULL, &err),
+                   "features applies to csv and jsonl only", NULL);
+
+    /* a file that ends inside row 3 */
+    md_reader *r = open_ok(DATASETS "images_truncated.idx3", "idx", NULL, NULL);
+    assert_int_equal(md_reader_total_rows(r), 5);
+    for (int i = 0; i < 3; i++) {
+        float want[6];
+        for (int k = 0; k < 6; k++)
+            want[k] = (float)((i * 50 + k * 7) % 256);
+        expect_row(r, want, -1);
+    }
+    expect_bad_row(r, MD_EIO, "images_truncated.idx3 row 3: the file ends early (truncated)", NULL);
+    md_reader_close(r);
+
+    /* a gzip file cut short */
+    FILE *f = fopen(DATASETS "images.idx3.gz", "rb");
+    assert_non_null(f);
+    char gz[256];
+    size_t n = fread(gz, 1, sizeof gz, f);
+    fclose(f);
+    char path[64];
+    write_temp_n(path, gz, n - 12);
+    r = open_ok(path, "idx", NULL, NULL);
+    float row[6];
+    int64_t label;
+    md_status st = MD_OK;
+    for (int i = 0; i < 6 && st == MD_OK; i++)
+        st = md_reader_next(r, row, &label, &err);
+    assert_int_equal(st, MD_EIO);
+    md_reader_close(r);
+}
+
+/* The real FashionMNIST test set: 10000 rows of 784, 1000 of each class. */
+static void test_fashion_mnist(void **state)
+{
+    (void)state;
+    if (access(FASHION "t10k-images-idx3-ubyte.gz", R_OK) != 0) {
+        print_message("FashionMNIST not installed under " FASHION "; skipped\n");
+        skip();
+    }
+    md_reader *r = open_ok(FASHION "t10k-images-idx3-ubyte.gz", "idx", NULL,
+                           FASHION "t10k-labels-idx1-ubyte.gz");
+    assert_int_equal(md_reader_row_width(r), 784);
+    assert_int_equal(md_reader_total_rows(r), 10000);
+    assert_int_equal(md_reader_has_labels(r), 1);
+    float row[784];
+    int64_t label, counts[10] = {0}, first = -1;
+    md_err err;
+    double max = 0;
+    md_status st;
+    while ((st = md_reader_next(r, row, &label, &err)) == MD_OK) {
+        if (first < 0)
+            first = label;
+        assert_in_range(label, 0, 9);
+        counts[label]++;
+        for (int k = 0; k < 784; k++)
+            if (row[k] > max)
+                max = row[k];
+    }
+    assert_int_equal(st, MD_ENOTFOUND);
+    assert_int_equal(md_reader_position(r), 10000);
+    assert_int_equal(first, 9);
+    for (int c = 0; c < 10; c++)
+        assert_int_equal(counts[c], 1000);
+    assert_true(max == 255.0); /* unscaled bytes */
+    md_reader_close(r);
+}
+
+/* ---- across formats ---- */
+
+static void test_open_errors(void **state)
+{
+    (void)state;
+    md_err err;
+    md_reader *r;
+    static const char *formats[] = {"csv", "jsonl", "npy", "idx"};
+    for (int f = 0; f < 4; f++) {
+        assert_msg_has(open_fails(DATASETS "missing.data", formats[f], NULL, NULL, &err),
+                       "cannot open dataset " DATASETS "missing.data: No such file or directory",
+                       NULL);
+        assert_msg_has(open_fails("/tmp", formats[f], NULL, NULL, &err), "is a directory", NULL);
+    }
+    assert_msg_has(open_fails(DATASETS "small.csv", "parquet", NULL, NULL, &err),
+                   "unknown dataset format \"parquet\"; use csv, jsonl, npy or idx", NULL);
+    assert_msg_has(open_fails(DATASETS "small.csv", NULL, NULL, NULL, &err),
+                   "no format given for dataset small.csv", NULL);
+    assert_msg_has(open_fails(NULL, "csv", NULL, NULL, &err), "no dataset path given", NULL);
+    assert_msg_has(open_fails("", "csv", NULL, NULL, &err), "no dataset path given", NULL);
+    md_err_clear(&err);
+    r = (md_reader *)(intptr_t)1;
+    assert_int_equal(md_reader_open(NULL, &r, &err), MD_EINVAL);
+    assert_null(r);
+    md_reader_close(NULL);
+}
+
+/* Resume: a fresh reader skipped N rows with md_reader_next continues at
+ * the same row, whatever the format. */
+static void test_resume_by_skipping(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *path, *format, *label;
+    } cases[] = {
+        {DATASETS "small.csv", "csv", "label"},
+        {DATASETS "small.jsonl", "jsonl", NULL},
+        {DATASETS "objects.jsonl", "jsonl", "label"},
+        {DATASETS "small_f32.npy", "npy", NULL},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        for (int skip_rows = 0; skip_rows <= 6; skip_rows++) {
+            md_reader *r = open_ok(cases[c].path, cases[c].format, NULL, cases[c].label);
+            float row[4];
+            int64_t label;
+            md_err err;
+            while (md_reader_position(r) < skip_rows)
+                assert_int_equal(md_reader_next(r, row, &label, &err), MD_OK);
+            for (int i = skip_rows; i < 6; i++) {
+                float want[4];
+                small_row(i, want);
+                expect_row(r, want, cases[c].label ? small_label(i) : -1);
+            }
+            expect_end(r, 6);
+            md_reader_close(r);
+        }
+    }
+    /* the bad rows count too */
+    md_reader *r = open_ok(DATASETS "bad.csv", "csv", NULL, "label");
+    float row[4];
+    int64_t label;
+    md_err err;
+    while (md_reader_position(r) < 6)
+        md_reader_next(r, row, &label, &err);
+    expect_row(r, (float[]){25, 26, 27, 28}, 6);
+    md_reader_close(r);
+}
+
+/* ---- streaming ---- */
+
+#define BIG_COLS 16
+
+/* Value j of generated row i: a multiple of 1/4, exact in float32. */
+static double big_value(long i, int j)
+{
+    return (double)((i * 31 + j * 7) % 1000) * 0.25 - 100.0;
+}
+
+/* Write rows [from, to) of the generated CSV to `f`; returns the bytes. */
+static long write_big_rows(FILE *f, long from, long to)
+{
+    long bytes = 0;
+    for (long i = from; i < to; i++) {
+        for (int j = 0; j < BIG_COLS; j++)
+            bytes += fprintf(f, "%g,", big_value(i, j));
+        bytes += fprintf(f, "%ld\r\n", i % 10);
+    }
+    return bytes;
+}
+
+static void write_big_header(FILE *f)
+{
+    for (int j = 0; j < BIG_COLS; j++)
+        fprintf(f, "c%d,", j);
+    fprintf(f, "label\n");
+}
+
+/* Read every row of a generated CSV, checking each against the formula. */
+static long read_big(md_reader *r, void (*after_first)(void *), void *arg)
+{
+    float row[BIG_COLS];
+    int64_t label;
+    md_err err;
+    md_status st;
+    long n = 0;
+    while ((st = md_reader_next(r, row, &label, &err)) == MD_OK) {
+        if (n == 0 && after_first)
+            after_first(arg);
+        for (int j = 0; j < BIG_COLS; j++)
+            if (row[j] != (float)big_value(n, j))
+                fail_msg("row %ld value %d: got %g, want %g", n, j, row[j], big_value(n, j));
+        assert_int_equal(label, n % 10);
+        n++;
+    }
+    if (st != MD_ENOTFOUND)
+        fail_msg("row %ld: status %d: %s", n, st, err.msg);
+    return n;
+}
+
+/* A ~20 MB CSV read through, row by row. */
+static void test_csv_large(void **state)
+{
+    (void)state;
+    char path[64];
+    temp_path(path);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    write_big_header(f);
+    long rows = 0, bytes = 0;
+    while (bytes < 20L * 1000 * 1000) {
+        bytes += write_big_rows(f, rows, rows + 1000);
+        rows += 1000;
+    }
+    assert_int_equal(fclose(f), 0);
+
+    md_reader *r = open_ok(path, "csv", NULL, "label");
+    assert_int_equal(md_reader_row_width(r), BIG_COLS);
+    assert_int_equal(read_big(r, NULL, NULL), rows);
+    assert_int_equal(md_reader_position(r), rows);
+    md_reader_close(r);
+}
+
+/* Quoted fields with doubled quotes, commas and newlines, CRLF, and rows of
+ * varied length, so that records, quotes and line ends straddle the read
+ * buffer's refills at many offsets; the same rows as JSONL objects. */
+static void test_chunk_boundaries(void **state)
+{
+    (void)state;
+    char csv[64], jsonl[64];
+    temp_path(csv);
+    temp_path(jsonl);
+    FILE *c = fopen(csv, "w"), *j = fopen(jsonl, "w");
+    assert_non_null(c);
+    assert_non_null(j);
+    fputs("id,text,value,label\r\n", c);
+    const long rows = 40000;
+    for (long i = 0; i < rows; i++) {
+        int pad = (int)(i % 97);
+        fprintf(c, "%ld,\"q\"\"%*s,\r\n\"\"x\",\"%g\",%ld\r\n", i, pad, "", big_value(i, 0), i % 10);
+        fprintf(j, "{\"text\": \"q\\\"%*s,\\n\", \"features\": [%g, %ld], \"label\": %ld}\n", pad, "",
+                big_value(i, 0), i, i % 10);
+    }
+    assert_int_equal(fclose(c), 0);
+    assert_int_equal(fclose(j), 0);
+
+    md_reader *r = open_ok(csv, "csv", "[\"value\", \"id\"]", "label");
+    md_reader *q = open_ok(jsonl, "jsonl", NULL, NULL);
+    assert_int_equal(md_reader_row_width(q), 2);
+    for (long i = 0; i < rows; i++) {
+        float want[2] = {(float)big_value(i, 0), (float)i};
+        expect_row(r, want, i % 10);
+        expect_row(q, want, i % 10);
+    }
+    expect_end(r, rows);
+    expect_end(q, rows);
+    md_reader_close(r);
+    md_reader_close(q);
+}
+
+/* The writer of a FIFO writes 4 MB, then waits (up to 20 s) until the reader
+ * has returned row 0 before it writes the rest and closes. A reader that
+ * streams returns row 0 at once; one that read the whole file first would
+ * see the end only after the writer gave up waiting. */
+typedef struct fifo_writer {
+    const char *path;
+    long rows;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int first_row_returned;
+    int streamed;
+} fifo_writer;
+
+static void *fifo_write(void *arg)
+{
+    fifo_writer *w = arg;
+    FILE *f = fopen(w->path, "w");
+    if (!f)
+        return NULL;
+    write_big_header(f);
+    long bytes = 0, rows = 0;
+    while (bytes < 4L * 1000 * 1000) {
+        bytes += write_big_rows(f, rows, rows + 100);
+        rows += 100;
+    }
+    fflush(f);
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += 20;
+    pthread_mutex_lock(&w->mu);
+    while (!w->first_row_returned &&
+           pthread_cond_timedwait(&w->cv, &w->mu, &deadline) != ETIMEDOUT) {
+    }
+    w->streamed = w->first_row_returned;
+    pthread_mutex_unlock(&w->mu);
+    write_big_rows(f, rows, 2 * rows);
+    w->rows = 2 * rows;
+    fclose(f);
+    return NULL;
+}
+
+static void first_row_returned(void *arg)
+{
+    fifo_writer *w = arg;
+    pthread_mutex_lock(&w->mu);
+    w->first_row_returned = 1;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+static void test_csv_streams_from_fifo(void **state)
+{
+    (void)state;
+    char path[64];
+    temp_path(path);
+    assert_int_equal(unlink(path), 0);
+    assert_int_equal(mkfifo(path, 0600), 0);
+
+    fifo_writer w = {.path = path};
+    pthread_mutex_init(&w.mu, NULL);
+    pthread_cond_init(&w.cv, NULL);
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, fifo_write, &w), 0);
+    md_reader *r = open_ok(path, "csv", NULL, "label");
+    long n = read_big(r, first_row_returned, &w);
+    md_reader_close(r);
+    pthread_join(t, NULL);
+    assert_true(w.streamed);
+    assert_int_equal(n, w.rows);
+    pthread_cond_destroy(&w.cv);
+    pthread_mutex_destroy(&w.mu);
+}
+
+/* Write `head`, then 65 MiB of '7', then `tail` to a new temp file. */
+static void write_huge_row(char *path, const char *head, const char *tail)
+{
+    temp_path(path);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(head, f);
+    static char chunk[1 << 20];
+    memset(chunk, '7', sizeof chunk);
+    for (int i = 0; i < 65; i++)
+        assert_int_equal(fwrite(chunk, 1, sizeof chunk, f), sizeof chunk);
+    fputs(tail, f);
+    assert_int_equal(fclose(f), 0);
+}
+
+/* A row past the 64 MiB record limit is one bad row, not kept in memory;
+ * the next row reads. */
+static void test_row_too_long(void **state)
+{
+    (void)state;
+    char path[64];
+    write_huge_row(path, "a,b\n1,2\n", ",1\n3,4\n");
+    md_reader *r = open_ok(path, "csv", NULL, NULL);
+    expect_row(r, (float[]){1, 2}, -1);
+    expect_bad_row(r, MD_EINVAL, "row 1: the row is longer than 64 MiB", NULL);
+    expect_row(r, (float[]){3, 4}, -1);
+    expect_end(r, 3);
+    md_reader_close(r);
+    remove_temps(NULL);
+
+    write_huge_row(path, "[1, 2]\n[", "]\n[3, 4]");
+    r = open_ok(path, "jsonl", NULL, NULL);
+    expect_row(r, (float[]){1, 2}, -1);
+    expect_bad_row(r, MD_EINVAL, "row 1: the row is longer than 64 MiB", NULL);
+    expect_row(r, (float[]){3, 4}, -1);
+    expect_end(r, 3);
+    md_reader_close(r);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_csv_small, remove_temps),
+        cmocka_unit_test_teardown(test_csv_without_label, remove_temps),
+        cmocka_unit_test_teardown(test_csv_features, remove_temps),
+        cmocka_unit_test_teardown(test_csv_quoted, remove_temps),
+        cmocka_unit_test_teardown(test_csv_bad_rows, remove_temps),
+        cmocka_unit_test_teardown(test_csv_malformed, remove_temps),
+        cmocka_unit_test_teardown(test_csv_layout, remove_temps),
+        cmocka_unit_test_teardown(test_csv_open_errors, remove_temps),
+        cmocka_unit_test_teardown(test_jsonl_arrays, remove_temps),
+        cmocka_unit_test_teardown(test_jsonl_objects, remove_temps),
+        cmocka_unit_test_teardown(test_jsonl_bad_rows, remove_temps),
+        cmocka_unit_test_teardown(test_jsonl_open_errors, remove_temps),
+        cmocka_unit_test_teardown(test_npy_dtypes, remove_temps),
+        cmocka_unit_test_teardown(test_npy_3d, remove_temps),
+        cmocka_unit_test_teardown(test_npy_errors, remove_temps),
+        cmocka_unit_test_teardown(test_idx, remove_temps),
+        cmocka_unit_test_teardown(test_idx_errors, remove_temps),
+        cmocka_unit_test_teardown(test_fashion_mnist, remove_temps),
+        cmocka_unit_test_teardown(test_open_errors, remove_temps),
+        cmocka_unit_test_teardown(test_resume_by_skipping, remove_temps),
+        cmocka_unit_test_teardown(test_chunk_boundaries, remove_temps),
+        cmocka_unit_test_teardown(test_csv_large, remove_temps),
+        cmocka_unit_test_teardown(test_csv_streams_from_fifo, remove_temps),
+        cmocka_unit_test_teardown(test_row_too_long, remove_temps),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
