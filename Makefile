@@ -55,7 +55,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
-.PHONY: all run test unit e2e asan bench deps clean lint-openapi fixtures
+.PHONY: all run test unit e2e asan bench deps clean lint-openapi fixtures fuzz
 
 all: $(MODELD)
 
@@ -123,4 +123,14 @@ bench: deps
 	bash bench/run.sh
 
 clean:
-	rm -rf build build-asan modeld
+	rm -rf build build-asan build-fuzz modeld
+
+# libFuzzer over the request decoders (clang); not part of `make test`.
+FUZZ_SECONDS ?= 60
+fuzz:
+	@mkdir -p build-fuzz
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_tensor tests/fuzz_tensor.c \
+	  predictor/tensor.c config/md_err.c -ljansson -lm
+	mkdir -p build-fuzz/corpus && cp tests/fuzz_corpus/* build-fuzz/corpus/
+	build-fuzz/fuzz_tensor -max_total_time=$(FUZZ_SECONDS) -max_len=4096 build-fuzz/corpus

@@ -707,7 +707,21 @@ void md_handle_model_get(md_req *req)
     md_app *app = md_req_app(req);
     md_err err;
     json_t *out = NULL;
-    md_status st = md_store_get_model(app->store, md_req_param(req, "name"), &out, &err);
+    const char *name = md_req_param(req, "name");
+    md_status st = md_store_get_model(app->store, name, &out, &err);
+    if (st == MD_OK) {
+        /* the batchers of this model's loaded versions: batch sizes, queue waits */
+        json_t *all = md_registry_stats(app->registry), *mine = json_array();
+        size_t i;
+        json_t *s;
+        json_array_foreach(all, i, s)
+        {
+            if (strcmp(json_string_value(json_object_get(s, "model")), name) == 0)
+                json_array_append(mine, s);
+        }
+        json_decref(all);
+        json_object_set_new(out, "loaded", mine);
+    }
     reply_result(req, st, out, &err);
 }
 
