@@ -50,7 +50,7 @@ struct md_jobs {
     atomic_int *cancel;   /* per runner */
     int n_runners;
     pthread_t *threads;
-    int stopping;
+    atomic_int stopping;
 };
 
 /* ---- one chunk in flight ---- */
@@ -511,7 +511,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
     int64_t index_next = md_reader_position(r);
     for (;;) {
         /* fill the pipeline */
-        while (!eof && inflight < PIPELINE && !atomic_load(&J->cancel[slot])) {
+        while (!eof && inflight < PIPELINE && !atomic_load(&J->cancel[slot]) &&
+               !atomic_load(&J->stopping)) {
             chunk *c = &ring[(head + inflight) % PIPELINE];
             chunk_reset(c);
             float *buf = md_malloc_checked(sizeof(float) * (size_t)(batch * width), "a job chunk", &err);
@@ -647,7 +648,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
             md_log(MD_LOG_INFO, "job %s cancelled after %lld rows", id, (long long)c->end_position);
             goto out;
         }
-        if (J->stopping && inflight == 0) {
+        if (atomic_load(&J->stopping) && inflight == 0 && !eof) {
             md_log(MD_LOG_INFO, "job %s paused for shutdown at row %lld; it resumes at the next start",
                    id, (long long)c->end_position);
             goto out;
@@ -828,7 +829,7 @@ void md_jobs_stop(md_jobs *J)
     if (!J)
         return;
     pthread_mutex_lock(&J->mu);
-    J->stopping = 1;
+    atomic_store(&J->stopping, 1);
     pthread_cond_broadcast(&J->cv);
     pthread_mutex_unlock(&J->mu);
     for (int i = 0; i < J->n_runners; i++)
