@@ -14,6 +14,11 @@
 #include <torch/version.h>
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
+#ifdef WITH_CUDA
+/* Only what needs CUDA headers sits here: one stream per worker thread. */
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 struct md_torch_model {
     torch::jit::script::Module module;
@@ -145,6 +150,17 @@ extern "C" md_status md_torch_forward(md_torch_model *m, const float *input, con
         /* from_blob does not copy; the cast or the device move below does
          * when needed, and the input outlives the forward. */
         torch::Tensor x = torch::from_blob(const_cast<float *>(input), sizes, torch::kFloat32);
+#ifdef WITH_CUDA
+        /* each worker thread gets its own stream from the pool, so copies and
+         * kernels of different workers overlap */
+        thread_local c10::optional<c10::cuda::CUDAStream> stream;
+        c10::optional<c10::cuda::CUDAStreamGuard> stream_guard;
+        if (m->device.is_cuda()) {
+            if (!stream || stream->device_index() != m->device.index())
+                stream = c10::cuda::getStreamFromPool(false, m->device.index());
+            stream_guard.emplace(*stream);
+        }
+#endif
         if (m->device.is_cuda())
             x = x.pin_memory().to(m->device, m->dtype, /*non_blocking=*/true);
         else if (m->dtype != torch::kFloat32)
