@@ -46,8 +46,9 @@ void md_handle_readyz(md_req *req);
  * record its state (ready, or failed with libtorch's reason). Returns the
  * model with one reference, or NULL with `err` set. */
 md_model *md_app_load_version(md_app *app, json_t *v, md_err *err);
-/* At start: load every model's default version into the registry. */
-void md_app_load_defaults(md_app *app);
+/* At start: load every model's default version into the registry, asking
+ * `stop` (may be NULL) between models whether to give up (a stop signal). */
+void md_app_load_defaults(md_app *app, int (*stop)(void));
 md_status md_upload_body(md_req *req, const char *data, size_t len, md_err *err);
 void md_handle_version_upload(md_req *req);
 void md_handle_models_register(md_req *req);

@@ -192,7 +192,7 @@ md_model *md_app_load_version(md_app *app, json_t *v, md_err *err)
     return m;
 }
 
-void md_app_load_defaults(md_app *app)
+void md_app_load_defaults(md_app *app, int (*stop)(void))
 {
     md_err err;
     json_t *defaults = NULL;
@@ -205,6 +205,10 @@ void md_app_load_defaults(md_app *app)
     json_array_foreach(defaults, i, v)
     {
         const char *state = json_string_value(json_object_get(v, "state"));
+        if (stop && stop()) {
+            md_log(MD_LOG_INFO, "stop requested: loading the remaining models skipped");
+            break;
+        }
         if (strcmp(state, "failed") == 0)
             continue;
         md_model *m = md_app_load_version(app, v, &err);

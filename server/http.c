@@ -493,8 +493,11 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
     if (!r)
         return;
     *req_cls = NULL;
-    if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK && r->status == 0)
-        r->status = 499; /* the client went away before a reply (nginx's convention) */
+    if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) {
+        if (r->status == 0)
+            r->status = 499; /* the client went away before a reply (nginx's convention) */
+        r->bytes_out = 0;    /* the reply, if any, was not delivered */
+    }
     access_log_line(r);
     MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT,
                               (unsigned)h->cfg->keepalive_timeout_s);

@@ -51,6 +51,14 @@ static int wait_signal(const sigset_t *set, double seconds)
     }
 }
 
+/* A stop signal arrived while starting (checked between model loads). */
+static int stop_pending(void)
+{
+    sigset_t pending;
+    sigpending(&pending);
+    return sigismember(&pending, SIGTERM) || sigismember(&pending, SIGINT);
+}
+
 int main(int argc, char **argv)
 {
     md_cfg cfg;
@@ -124,7 +132,7 @@ int main(int argc, char **argv)
     /* Serve /healthz and /readyz (503: starting) while the models load. */
     snprintf(app.not_ready_reason, sizeof app.not_ready_reason,
              "the server is loading its deployed models");
-    md_app_load_defaults(&app);
+    md_app_load_defaults(&app, stop_pending);
     md_fetch_opts job_fetch = {
         .max_bytes = cfg.max_checkpoint_bytes,
         .connect_timeout_s = cfg.download_connect_timeout_s,

@@ -8,7 +8,8 @@ waits until GET /healthz answers, and is always killed at teardown.
 Fixtures:
   server        a Server with the default arguments, already started
   shared_server one such Server for the whole session (read-only tests only)
-  start_server  factory: start_server("--max-body-bytes", "1000", env={...})
+  start_server  factory: start_server("--max-body-bytes", "1000", env={...});
+                waits for /healthz and then /readyz (ready=False: /healthz only)
   run_modeld    run the binary to completion (config errors, --help, ...)
   tscale        timeout multiplier: 3 when ASAN_E2E=1, else 1
 
@@ -149,28 +150,35 @@ class Server:
         except FileNotFoundError:
             return ""
 
-    def start(self, timeout=20.0):
+    def start(self, timeout=20.0, ready=True):
+        """Start and wait until GET /healthz answers 200; with `ready`, also until
+        GET /readyz answers 200 (deployed models loaded). Fails the test with the
+        server's stderr if it exits or times out."""
         self._stderr_file = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=self._stderr_file,
                                      cwd=str(self.tmp_path))
         deadline = time.monotonic() + timeout * TSCALE
         last = None
+        probe = "/healthz"
         while time.monotonic() < deadline:
             rc = self.proc.poll()
             if rc is not None:
-                pytest.fail(f"modeld exited with {rc} before answering /healthz; "
+                pytest.fail(f"modeld exited with {rc} before answering {probe} 200; "
                             f"argv={self.argv}\nstderr:\n{self.stderr}")
             try:
-                r = requests.get(self.url + "/healthz", timeout=1.0 * TSCALE)
+                r = requests.get(self.url + probe, timeout=1.0 * TSCALE)
                 if r.status_code == 200:
-                    return self
-                last = f"{r.status_code} {r.text!r}"
+                    if probe == "/readyz" or not ready:
+                        return self
+                    probe = "/readyz"
+                    continue
+                last = f"{probe}: {r.status_code} {r.text!r}"
             except requests.RequestException as e:
                 last = repr(e)
             time.sleep(0.02)
         self.kill()
-        pytest.fail(f"modeld did not answer GET /healthz within {timeout * TSCALE:.0f} s "
+        pytest.fail(f"modeld did not answer GET {probe} 200 within {timeout * TSCALE:.0f} s "
                     f"(last: {last}); stderr:\n{self.stderr}")
 
     def get(self, path, **kw):
@@ -217,12 +225,12 @@ def start_server(tmp_path):
     started = []
 
     def start(*args, env=None, access_log=None, drain_seconds=0, port=None, store=None,
-              wait=True, timeout=20.0):
+              wait=True, ready=True, timeout=20.0):
         s = Server(tmp_path, args=args, env=env, access_log=access_log,
                    drain_seconds=drain_seconds, port=port, store=store)
         started.append(s)
         if wait:
-            s.start(timeout=timeout)
+            s.start(timeout=timeout, ready=ready)
         return s
 
     yield start
