@@ -299,7 +299,9 @@ static void *worker_main(void *arg)
                            (size_t)(pieces[i].rows * out_row) * sizeof(float));
             }
             off += pieces[i].rows;
-            if (atomic_fetch_add(&it->done, pieces[i].rows) + pieces[i].rows == it->rows)
+            /* read rows first: once done is added, another worker may finish and free it */
+            int64_t total = it->rows;
+            if (atomic_fetch_add(&it->done, pieces[i].rows) + pieces[i].rows == total)
                 finish_item(m, it);
         }
         free(out);

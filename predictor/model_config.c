@@ -52,10 +52,11 @@ md_status md_model_config_check(json_t *c, md_err *err)
                 if (strcmp(k2, "shape") == 0) {
                     size_t i;
                     json_t *d;
+                    /* 7 at most: the batch dimension makes 8, the tensor limit */
                     if (!json_is_array(v2) || json_array_size(v2) == 0 ||
-                        json_array_size(v2) > 8)
+                        json_array_size(v2) > 7)
                         return bad(err, "input.shape",
-                                   "give the per-row shape as 1 to 8 positive integers, e.g. "
+                                   "give the per-row shape as 1 to 7 positive integers, e.g. "
                                    "[784] or [1, 28, 28]");
                     json_array_foreach(v2, i, d)
                     {

@@ -13,6 +13,7 @@
  */
 #include <ctype.h>
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -320,9 +321,10 @@ static md_status object(scan *s, md_tensor *out)
             for (;;) {
                 ws(s);
                 double v;
-                if (number(s, &v) != 0 || v < 1 || v != floor(v) || shape_n >= MD_MAX_DIMS)
+                if (number(s, &v) != 0 || v < 1 || v != floor(v) || v > 2147483647.0 ||
+                    shape_n >= MD_MAX_DIMS)
                     return md_err_setc(s->err, MD_EINVAL, "invalid_input",
-                                       "shape must be 1 to 8 positive integers");
+                                       "shape must be 1 to 8 positive integers below 2^31");
                 shape[shape_n++] = (int64_t)v;
                 ws(s);
                 if (s->p < s->end && *s->p == ',') {
@@ -359,8 +361,11 @@ static md_status object(scan *s, md_tensor *out)
     }
     if (shape_n > 0) {
         size_t total = 1;
-        for (int i = 0; i < shape_n; i++)
+        for (int i = 0; i < shape_n; i++) {
+            if (total > out->count)
+                break; /* already too many: stop before the product can overflow */
             total *= (size_t)shape[i];
+        }
         if (total != out->count) {
             size_t have_n = out->count;
             md_tensor_free(out);
@@ -577,8 +582,11 @@ char *md_npy_encode(const float *data, const int64_t *shape, int ndim, size_t *l
 
 int md_float_format(float v, char *buf, size_t size)
 {
-    /* the fewest significant digits (6..9) that read back as the same float */
-    for (int prec = 6; prec < 9; prec++) {
+    /* the fewest significant digits that read back as the same float: a
+     * normal float round-trips at 6 digits whenever it does at fewer (and %g
+     * drops the zeros), so only subnormals, with less precision, start lower */
+    int start = fabsf(v) < FLT_MIN && v != 0.0f ? 1 : 6;
+    for (int prec = start; prec < 9; prec++) {
         int n = snprintf(buf, size, "%.*g", prec, (double)v);
         if (strtof(buf, NULL) == v)
             return n;
