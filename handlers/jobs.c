@@ -295,17 +295,10 @@ void md_handle_jobs_list(md_req *req)
     md_app *app = md_req_app(req);
     md_err err;
     md_err_clear(&err);
-    int limit = 100;
-    const char *l = md_req_query(req, "limit");
-    if (l) {
-        char *end;
-        long v = strtol(l, &end, 10);
-        if (end == l || *end || v < 1 || v > 1000) {
-            md_err_setc(&err, MD_EINVAL, "invalid_limit", "limit=%.20s: give an integer in 1..1000", l);
-            md_reply_error(req, &err);
-            return;
-        }
-        limit = (int)v;
+    long limit;
+    if (md_req_query_int(req, "limit", 1, 1000, 100, "invalid_limit", &limit, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
     }
     const char *status = md_req_query(req, "status");
     static const char *const states[] = {"queued", "running", "succeeded", "failed", "cancelled",
@@ -318,7 +311,7 @@ void md_handle_jobs_list(md_req *req)
     }
     json_t *out = NULL;
     if (md_store_job_list(app->store, status, md_req_query(req, "model"),
-                          md_req_query(req, "before"), limit, &out, &err) != MD_OK) {
+                          md_req_query(req, "before"), (int)limit, &out, &err) != MD_OK) {
         md_reply_error(req, &err);
         return;
     }

@@ -665,16 +665,6 @@ void md_handle_models_register(md_req *req)
 
 /* ---- reading ---- */
 
-static int parse_version_param(md_req *req, int *version)
-{
-    md_err err;
-    if (parse_version_text(md_req_param(req, "version"), version, &err) != MD_OK) {
-        md_reply_error(req, &err);
-        return 0;
-    }
-    return 1;
-}
-
 static void reply_result(md_req *req, md_status st, json_t *out, const md_err *err)
 {
     if (st == MD_OK)
@@ -688,21 +678,13 @@ void md_handle_models_list(md_req *req)
     md_app *app = md_req_app(req);
     md_err err;
     md_err_clear(&err);
-    int limit = 100;
-    const char *l = md_req_query(req, "limit");
-    if (l) {
-        char *end;
-        long v = strtol(l, &end, 10);
-        if (end == l || *end || v < 1 || v > 1000) {
-            md_err_setc(&err, MD_EINVAL, "invalid_limit", "limit=%.20s: give an integer in 1..1000",
-                        l);
-            md_reply_error(req, &err);
-            return;
-        }
-        limit = (int)v;
+    long limit;
+    if (md_req_query_int(req, "limit", 1, 1000, 100, "invalid_limit", &limit, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
     }
     json_t *out = NULL;
-    md_status st = md_store_list_models(app->store, md_req_query(req, "after"), limit, &out, &err);
+    md_status st = md_store_list_models(app->store, md_req_query(req, "after"), (int)limit, &out, &err);
     reply_result(req, st, out, &err);
 }
 
@@ -754,7 +736,7 @@ void md_handle_version_get(md_req *req)
     md_app *app = md_req_app(req);
     md_err err;
     int version;
-    if (!parse_version_param(req, &version))
+    if (!md_req_version_param(req, &version))
         return;
     json_t *out = NULL;
     md_status st = md_store_get_version(app->store, md_req_param(req, "name"), version, &out, &err);
@@ -766,7 +748,7 @@ void md_handle_version_checkpoint(md_req *req)
     md_app *app = md_req_app(req);
     md_err err;
     int version;
-    if (!parse_version_param(req, &version))
+    if (!md_req_version_param(req, &version))
         return;
     char path[4096], sha[MD_SHA256_HEX];
     md_status st = md_store_blob_path(app->store, md_req_param(req, "name"), version, path,
@@ -862,7 +844,7 @@ void md_handle_version_delete(md_req *req)
     md_err err;
     md_err_clear(&err);
     int version, force = 0;
-    if (!parse_version_param(req, &version))
+    if (!md_req_version_param(req, &version))
         return;
     const char *f = md_req_query(req, "force");
     if (f && parse_bool("force", f, &force, &err) != MD_OK) {

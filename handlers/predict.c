@@ -285,22 +285,6 @@ static md_model *default_model(md_req *req, md_err *err)
     return m;
 }
 
-static int parse_top_k(md_req *req, int *k, md_err *err)
-{
-    const char *t = md_req_query(req, "top_k");
-    *k = 0;
-    if (!t)
-        return 1;
-    char *end;
-    long v = strtol(t, &end, 10);
-    if (end == t || *end || v < 1 || v > 1000) {
-        md_err_setc(err, MD_EINVAL, "invalid_top_k", "top_k=%.20s: give an integer in 1..1000", t);
-        return 0;
-    }
-    *k = (int)v;
-    return 1;
-}
-
 static size_t max_values(md_req *req)
 {
     md_app *app = md_req_app(req);
@@ -325,8 +309,8 @@ static void predict(md_req *req, const char *name, int version)
 {
     md_err err;
     md_err_clear(&err);
-    int top_k;
-    if (!parse_top_k(req, &top_k, &err)) {
+    long top_k;
+    if (md_req_query_int(req, "top_k", 1, 1000, 0, "invalid_top_k", &top_k, &err) != MD_OK) {
         md_reply_error(req, &err);
         return;
     }
@@ -345,26 +329,10 @@ static void predict(md_req *req, const char *name, int version)
         return;
     }
     pctx *c = md_xcalloc(1, sizeof *c);
-    c->top_k = top_k;
+    c->top_k = (int)top_k;
     const char *accept = md_req_header(req, "Accept");
     c->npy = accept && strstr(accept, "application/x-npy") != NULL;
     submit(req, m, &t, c);
-}
-
-static int version_param(md_req *req, int *version)
-{
-    const char *v = md_req_param(req, "version");
-    char *end;
-    long n = strtol(v, &end, 10);
-    if (end == v || *end || n < 1 || n > 1000000000) {
-        md_err err;
-        md_err_setc(&err, MD_EINVAL, "invalid_version", "version \"%.40s\" is not a positive integer",
-                    v);
-        md_reply_error(req, &err);
-        return 0;
-    }
-    *version = (int)n;
-    return 1;
 }
 
 void md_handle_predict_default(md_req *req) { predict(req, NULL, 0); }
@@ -374,7 +342,7 @@ void md_handle_predict_model(md_req *req) { predict(req, md_req_param(req, "name
 void md_handle_predict_version(md_req *req)
 {
     int v;
-    if (version_param(req, &v))
+    if (md_req_version_param(req, &v))
         predict(req, md_req_param(req, "name"), v);
 }
 
@@ -506,7 +474,7 @@ void md_handle_v2_infer(md_req *req) { v2_infer(req, 0); }
 void md_handle_v2_infer_version(md_req *req)
 {
     int v;
-    if (version_param(req, &v))
+    if (md_req_version_param(req, &v))
         v2_infer(req, v);
 }
 
@@ -566,7 +534,7 @@ void md_handle_v2_model(md_req *req) { v2_model_meta(req, 0); }
 void md_handle_v2_model_version(md_req *req)
 {
     int v;
-    if (version_param(req, &v))
+    if (md_req_version_param(req, &v))
         v2_model_meta(req, v);
 }
 
@@ -593,7 +561,7 @@ void md_handle_v2_model_ready(md_req *req) { v2_model_ready(req, 0); }
 void md_handle_v2_model_version_ready(md_req *req)
 {
     int v;
-    if (version_param(req, &v))
+    if (md_req_version_param(req, &v))
         v2_model_ready(req, v);
 }
 

@@ -269,6 +269,40 @@ const char *md_req_header(md_req *r, const char *name)
     return MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, name);
 }
 
+md_status md_req_query_int(md_req *r, const char *key, long min, long max, long def,
+                           const char *code, long *out, md_err *err)
+{
+    const char *v = md_req_query(r, key);
+    *out = def;
+    if (!v)
+        return MD_OK;
+    char *end;
+    errno = 0;
+    long n = strtol(v, &end, 10);
+    if (end == v || *end || errno || n < min || n > max)
+        return md_err_setc(err, MD_EINVAL, code, "%s=%.20s: give an integer in %ld..%ld", key, v,
+                           min, max);
+    *out = n;
+    return MD_OK;
+}
+
+int md_req_version_param(md_req *r, int *version)
+{
+    const char *v = md_req_param(r, "version");
+    char *end;
+    errno = 0;
+    long n = v ? strtol(v, &end, 10) : 0;
+    if (!v || end == v || *end || errno || n < 1 || n > 1000000000) {
+        md_err err;
+        md_err_setc(&err, MD_EINVAL, "invalid_version", "version \"%.40s\" is not a positive integer",
+                    v ? v : "");
+        md_reply_error(r, &err);
+        return 0;
+    }
+    *version = (int)n;
+    return 1;
+}
+
 const char *md_req_body(md_req *r, size_t *len)
 {
     if (len)

@@ -130,6 +130,13 @@ const char *md_req_param(md_req *req, const char *name);
 const char *md_req_query(md_req *req, const char *key);
 /* The request header `name`, or NULL. Borrowed. Call only from a handler thread. */
 const char *md_req_header(md_req *req, const char *name);
+/* The integer query argument `key` in min..max into *out (`def` when absent).
+ * MD_EINVAL with code `code` naming the argument and the range otherwise. */
+md_status md_req_query_int(md_req *req, const char *key, long min, long max, long def,
+                           const char *code, long *out, md_err *err);
+/* The route parameter {version} as a positive integer; on failure it replies
+ * 400 invalid_version and returns 0. */
+int md_req_version_param(md_req *req, int *version);
 /* The buffered body (NUL-terminated) and its length; NULL when empty or streamed. */
 const char *md_req_body(md_req *req, size_t *len);
 /* Per-request state for streaming routes; `free_fn` runs when the request completes. */
