@@ -10,7 +10,7 @@ PORT    ?= 8080
 DEB_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
 	libcurl4-openssl-dev libssl-dev zlib1g-dev libcmocka-dev libtorch-dev \
 	libopenblas0-pthread python3 python3-pytest python3-requests python3-numpy curl \
-	ca-certificates sqlite3
+	ca-certificates sqlite3 dataset-fashion-mnist
 
 # libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one.
 LIBTORCH ?=
@@ -119,8 +119,17 @@ asan: deps
 fixtures:
 	$(PYTHON) tests/fixtures/make_fixtures.py
 
+$(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $(BUILD)/config/md_err.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/bench/decode: bench/decode.c $(BUILD)/predictor/tensor.o $(BUILD)/config/md_err.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lm
+
 bench: deps
-	$(MAKE) all
+	$(MAKE) all $(BUILD)/bench/inprocess $(BUILD)/bench/decode
+	$(BUILD)/bench/decode
 	bash bench/run.sh
 
 clean:

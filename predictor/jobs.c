@@ -6,9 +6,11 @@
  * A job streams its input through a reader in chunks of batch_size rows and
  * keeps up to PIPELINE chunks queued on the model, so the workers never wait
  * for the reader. Chunks are written strictly in input order to
- * <output>.partial; after each written chunk the file is fdatasync'ed and
- * then ONE SQLite statement commits rows_done (input rows consumed, good and
- * skipped), output_bytes and the running accuracy counts. Resume after a
+ * <output>.partial; at most every COMMIT_INTERVAL_S (and at the end, on
+ * cancel and on shutdown) the file is fdatasync'ed and then ONE SQLite
+ * statement commits rows_done (input rows consumed, good and skipped),
+ * output_bytes and the running accuracy counts, so the disk never stalls the
+ * pipeline once per forward. Resume after a
  * crash: truncate the partial file to output_bytes, reopen the input and
  * skip rows_done rows. Rows written after the last commit are cut off and
  * computed again, so every input row appears exactly once, in order. On
@@ -30,7 +32,8 @@
 
 #include "predictor.h"
 
-#define PIPELINE 3
+#define PIPELINE 6
+#define COMMIT_INTERVAL_S 0.25
 #define NPY_HEADER 128
 
 typedef struct job_ref {
@@ -505,7 +508,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     int batch = (int)json_integer_value(json_object_get(spec, "batch_size"));
     if (batch <= 0)
         batch = 64;
-    double t0 = mono();
+    double t0 = mono(), last_commit = t0;
     int64_t rows_this_run = 0;
     int64_t npy_width = 0;
     int64_t index_next = md_reader_position(r);
@@ -607,14 +610,23 @@ static void run_job(md_jobs *J, int slot, const char *id)
                 md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));
                 goto failed;
             }
-            if (fdatasync(fd) != 0) {
-                md_err_set(&err, MD_EIO, "fdatasync of %s failed: %s", partial, strerror(errno));
-                goto failed;
-            }
             out_bytes += (long long)len;
             rows_this_run += c->rows;
         }
+        /* Commit a chunk of work at most every COMMIT_INTERVAL_S: one
+         * fdatasync and one SQLite commit per forward would stall the
+         * pipeline on the disk. Rows written since the last commit are cut
+         * off and redone on resume. */
         double el = mono() - t0;
+        int last = (eof && inflight == 0) || atomic_load(&J->cancel[slot]) ||
+                   atomic_load(&J->stopping);
+        if (!last && mono() - last_commit < COMMIT_INTERVAL_S)
+            continue;
+        last_commit = mono();
+        if (fdatasync(fd) != 0) {
+            md_err_set(&err, MD_EIO, "fdatasync of %s failed: %s", partial, strerror(errno));
+            goto failed;
+        }
         f = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f}", "rows_done", (json_int_t)c->end_position,
                       "output_bytes", (json_int_t)out_bytes, "correct", (json_int_t)correct,
                       "labeled", (json_int_t)labeled, "rows_skipped", (json_int_t)skipped,

@@ -1,0 +1,299 @@
+/*
+ * inprocess.c - the in-process ceiling for bench/run.sh: load a TorchScript
+ * model through md_torch_* (the same C API modeld's workers use) and run
+ * forward on random input from T threads for S seconds per batch size,
+ * with no HTTP, JSON or batching in the way. Prints one JSON line per batch
+ * size on stdout:
+ *
+ *   {"bench":"inprocess","batch":64,"threads":2,"seconds":5.00,"forwards":...,
+ *    "rows":...,"rows_per_s":...,"forwards_per_s":...,"p50_ms":...,"p99_ms":...}
+ *
+ * Each thread runs single-threaded forwards (intra-op 1, OpenBLAS 1), the
+ * way modeld runs one worker per core, so rows_per_s is what the machine can
+ * do when the model is the only work. Input values are uniform in [0,1):
+ * already scaled, as modeld's preprocess.scale would leave them.
+ *
+ * Build (after make): cc $(CFLAGS) -o build/bench/inprocess bench/inprocess.c
+ *   build/predictor/torch_backend.o build/config/md_err.o $(LIBS)
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../config/md_err.h"
+#include "../predictor/torch_backend.h"
+
+#define MAX_BATCHES 8
+#define MAX_THREADS 256
+
+typedef struct worker {
+    pthread_t tid;
+    md_torch_model *model;
+    int64_t batch, features;
+    double seconds, warmup_s;
+    uint64_t seed;
+    /* results */
+    int64_t forwards;
+    double *lat_ms; /* one per timed forward */
+    size_t lat_n, lat_cap;
+    int failed;
+    md_err err;
+} worker;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* xorshift64*: per-thread, so no shared state between workers. */
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t x = *s;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *s = x;
+    return x * 0x2545F4914F6CDD1DULL;
+}
+
+static int run_forward(worker *w, const float *in, double *ms)
+{
+    int64_t shape[2] = {w->batch, w->features};
+    float *out = NULL;
+    int64_t out_shape[8];
+    int out_ndim = 0;
+    double t0 = now_s();
+    md_status st = md_torch_forward(w->model, in, shape, 2, &out, out_shape, &out_ndim, &w->err);
+    double t1 = now_s();
+    free(out);
+    if (st != MD_OK)
+        return -1;
+    if (ms)
+        *ms = (t1 - t0) * 1e3;
+    return 0;
+}
+
+static void *worker_main(void *arg)
+{
+    worker *w = arg;
+    size_t n = (size_t)(w->batch * w->features);
+    float *in = malloc(n * sizeof(float));
+    if (!in) {
+        md_err_set(&w->err, MD_ENOMEM, "out of memory for the input");
+        w->failed = 1;
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++)
+        in[i] = (float)(rng_next(&w->seed) >> 40) / (float)(1u << 24);
+
+    /* warm-up: TorchScript's profiling executor optimizes after the first runs */
+    double end = now_s() + w->warmup_s;
+    for (int i = 0; i < 3 || now_s() < end; i++)
+        if (run_forward(w, in, NULL) != 0) {
+            w->failed = 1;
+            free(in);
+            return NULL;
+        }
+
+    end = now_s() + w->seconds;
+    while (now_s() < end) {
+        double ms;
+        if (run_forward(w, in, &ms) != 0) {
+            w->failed = 1;
+            break;
+        }
+        if (w->lat_n == w->lat_cap) {
+            size_t cap = w->lat_cap ? w->lat_cap * 2 : 4096;
+            double *p = realloc(w->lat_ms, cap * sizeof(double));
+            if (!p) {
+                md_err_set(&w->err, MD_ENOMEM, "out of memory for latencies");
+                w->failed = 1;
+                break;
+            }
+            w->lat_ms = p;
+            w->lat_cap = cap;
+        }
+        w->lat_ms[w->lat_n++] = ms;
+        w->forwards++;
+    }
+    free(in);
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double percentile(const double *sorted, size_t n, double p)
+{
+    if (n == 0)
+        return 0.0;
+    size_t i = (size_t)(p / 100.0 * (double)(n - 1) + 0.5);
+    return sorted[i < n ? i : n - 1];
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: inprocess [--model PATH] [--batch B[,B...]] [--seconds S] [--threads T]\n"
+               "                 [--warmup S] [--features F]\n"
+               "  --model     TorchScript file (default examples/fashion_mnist/model.pt)\n"
+               "  --batch     rows per forward, comma-separated (default 64,1)\n"
+               "  --seconds   timed seconds per batch size (default 5)\n"
+               "  --threads   concurrent forward threads (default: online cores)\n"
+               "  --warmup    untimed seconds per thread first (default 0.5)\n"
+               "  --features  values per row (default 784)\n");
+}
+
+static int parse_batches(const char *s, int64_t *out, int *n)
+{
+    char *copy = strdup(s), *save = NULL;
+    if (!copy)
+        return -1;
+    *n = 0;
+    for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        char *end;
+        errno = 0;
+        long long v = strtoll(tok, &end, 10);
+        if (errno || *end || v < 1 || v > 1 << 20 || *n == MAX_BATCHES) {
+            free(copy);
+            return -1;
+        }
+        out[(*n)++] = v;
+    }
+    free(copy);
+    return *n > 0 ? 0 : -1;
+}
+
+int main(int argc, char **argv)
+{
+    const char *model_path = "examples/fashion_mnist/model.pt";
+    int64_t batches[MAX_BATCHES] = {64, 1};
+    int nbatches = 2;
+    double seconds = 5.0, warmup = 0.5;
+    long threads = sysconf(_SC_NPROCESSORS_ONLN);
+    long features = 784;
+
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            usage(stdout);
+            return 0;
+        }
+        if (!v) {
+            usage(stderr);
+            return 2;
+        }
+        i++;
+        if (strcmp(a, "--model") == 0)
+            model_path = v;
+        else if (strcmp(a, "--batch") == 0) {
+            if (parse_batches(v, batches, &nbatches) != 0) {
+                fprintf(stderr, "inprocess: bad --batch %s\n", v);
+                return 2;
+            }
+        } else if (strcmp(a, "--seconds") == 0)
+            seconds = atof(v);
+        else if (strcmp(a, "--warmup") == 0)
+            warmup = atof(v);
+        else if (strcmp(a, "--threads") == 0)
+            threads = atol(v);
+        else if (strcmp(a, "--features") == 0)
+            features = atol(v);
+        else {
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (seconds <= 0 || warmup < 0 || threads < 1 || threads > MAX_THREADS || features < 1) {
+        fprintf(stderr, "inprocess: --seconds > 0, --warmup >= 0, 1 <= --threads <= %d, "
+                        "--features >= 1\n",
+                MAX_THREADS);
+        return 2;
+    }
+
+    md_torch_init(1);
+    md_err err;
+    md_err_clear(&err);
+    md_torch_model *model = NULL;
+    if (md_torch_load(model_path, "cpu", MD_F32, &model, &err) != MD_OK) {
+        fprintf(stderr, "inprocess: %s: %s\n", model_path, err.msg);
+        return 1;
+    }
+
+    int rc = 0;
+    for (int b = 0; b < nbatches && rc == 0; b++) {
+        worker *ws = calloc((size_t)threads, sizeof(worker));
+        if (!ws) {
+            fprintf(stderr, "inprocess: out of memory\n");
+            rc = 1;
+            break;
+        }
+        int started = 0;
+        for (long t = 0; t < threads; t++) {
+            worker *w = &ws[t];
+            w->model = model;
+            w->batch = batches[b];
+            w->features = features;
+            w->seconds = seconds;
+            w->warmup_s = warmup;
+            w->seed = 0x9E3779B97F4A7C15ULL * (uint64_t)(t + 1) + (uint64_t)b;
+            md_err_clear(&w->err);
+            if (pthread_create(&w->tid, NULL, worker_main, w) != 0) {
+                fprintf(stderr, "inprocess: cannot start thread %ld\n", t);
+                rc = 1;
+                break;
+            }
+            started++;
+        }
+        size_t total_n = 0;
+        int64_t forwards = 0;
+        for (int t = 0; t < started; t++) {
+            pthread_join(ws[t].tid, NULL);
+            if (ws[t].failed) {
+                fprintf(stderr, "inprocess: batch %lld thread %d: %s\n", (long long)batches[b], t,
+                        ws[t].err.msg);
+                rc = 1;
+            }
+            total_n += ws[t].lat_n;
+            forwards += ws[t].forwards;
+        }
+        if (rc == 0) {
+            double *all = malloc((total_n ? total_n : 1) * sizeof(double));
+            if (!all) {
+                fprintf(stderr, "inprocess: out of memory\n");
+                rc = 1;
+            } else {
+                size_t k = 0;
+                for (int t = 0; t < started; t++) {
+                    memcpy(all + k, ws[t].lat_ms, ws[t].lat_n * sizeof(double));
+                    k += ws[t].lat_n;
+                }
+                qsort(all, total_n, sizeof(double), cmp_double);
+                int64_t rows = forwards * batches[b];
+                printf("{\"bench\":\"inprocess\",\"batch\":%lld,\"threads\":%ld,"
+                       "\"seconds\":%.2f,\"forwards\":%lld,\"rows\":%lld,\"rows_per_s\":%.1f,"
+                       "\"forwards_per_s\":%.1f,\"p50_ms\":%.3f,\"p99_ms\":%.3f}\n",
+                       (long long)batches[b], threads, seconds, (long long)forwards,
+                       (long long)rows, (double)rows / seconds, (double)forwards / seconds,
+                       percentile(all, total_n, 50), percentile(all, total_n, 99));
+                fflush(stdout);
+                free(all);
+            }
+        }
+        for (int t = 0; t < started; t++)
+            free(ws[t].lat_ms);
+        free(ws);
+    }
+    md_torch_free(model);
+    return rc;
+}
