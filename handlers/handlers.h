@@ -74,7 +74,9 @@ void md_handle_v2_live(md_req *req);
 void md_handle_v2_ready(md_req *req);
 void md_handle_v2_server(md_req *req);
 /* jobs.c */
-/* md_model_resolver over the registry (loads a named version on demand). */
+/* md_model_resolver over the registry: the loaded version (0 = the default),
+ * retained; a stored version not loaded yet is loaded on demand. Errors:
+ * model_not_found, version_not_found, model_not_ready (no loaded default). */
 md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err);
 void md_handle_jobs_create(md_req *req);
 void md_handle_jobs_list(md_req *req);

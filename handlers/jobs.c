@@ -23,12 +23,19 @@ md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err)
     md_model *m = md_registry_get(app->registry, name, version);
     if (m)
         return m;
-    json_t *v = NULL;
+    json_t *info = NULL;
+    if (md_store_get_model(app->store, name, &info, err) != MD_OK)
+        return NULL; /* model_not_found */
+    json_decref(info);
     if (!version) {
         md_err_setc(err, MD_ECONFLICT, "model_not_ready",
-                    "model %s has no loaded default version", name);
+                    "model %s has no loaded default version; GET /models/%s shows the versions "
+                    "and their states",
+                    name, name);
         return NULL;
     }
+    /* a stored version not loaded yet: load it now (not as the default) */
+    json_t *v = NULL;
     if (md_store_get_version(app->store, name, version, &v, err) != MD_OK)
         return NULL;
     m = md_app_load_version(app, v, err);

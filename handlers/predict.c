@@ -233,32 +233,7 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
 
 static md_model *find_model(md_req *req, const char *name, int version, md_err *err)
 {
-    md_app *app = md_req_app(req);
-    md_model *m = md_registry_get(app->registry, name, version);
-    if (m)
-        return m;
-    json_t *info = NULL;
-    if (md_store_get_model(app->store, name, &info, err) != MD_OK)
-        return NULL; /* model_not_found */
-    json_decref(info);
-    if (version) {
-        /* a stored version not loaded yet: load it now (not the default) */
-        json_t *v = NULL;
-        if (md_store_get_version(app->store, name, version, &v, err) != MD_OK)
-            return NULL;
-        m = md_app_load_version(app, v, err);
-        json_decref(v);
-        if (!m)
-            return NULL;
-        md_model_retain(m);
-        md_registry_put(app->registry, m, 0);
-        return m;
-    }
-    md_err_setc(err, MD_ECONFLICT, "model_not_ready",
-                "model %s has no loaded default version; GET /models/%s shows the versions and "
-                "their states",
-                name, name);
-    return NULL;
+    return md_app_resolve(md_req_app(req), name, version, err);
 }
 
 /* The model answering POST /predict: default_model, else the only one. */
