@@ -173,6 +173,12 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
 {
     pctx *c = ctx;
     (void)st;
+    if (!out && strcmp(md_err_code(err), "client_closed") == 0) {
+        /* nobody reads this: it records the hang-up (nginx's 499) in the access log */
+        md_reply_bytes(c->req, 499, "application/json", NULL, 0);
+        finish(c);
+        return;
+    }
     if (!out) {
         md_reply_error(c->req, err);
         finish(c);
@@ -266,6 +272,8 @@ static size_t max_values(md_req *req)
     return (size_t)app->cfg->max_body_bytes / 2 + 1024;
 }
 
+static int client_alive(void *ctx) { return !md_req_client_gone(((pctx *)ctx)->req); }
+
 static void submit(md_req *req, md_model *m, md_tensor *t, pctx *c)
 {
     md_err err;
@@ -274,7 +282,8 @@ static void submit(md_req *req, md_model *m, md_tensor *t, pctx *c)
     c->model = m;
     /* suspend first: the answer may come before this thread returns */
     md_req_suspend(req);
-    if (md_model_submit(m, t, MD_PRIO_ONLINE, predict_done, c, &err) != MD_OK) {
+    if (md_model_submit_alive(m, t, MD_PRIO_ONLINE, predict_done, client_alive, c, &err) !=
+        MD_OK) {
         md_reply_error(req, &err);
         finish(c);
     }

@@ -14,7 +14,9 @@
  * several workers at once; each piece writes its rows of the shared output
  * and the piece that completes the last row answers. A request whose
  * deadline passed before any row was taken is answered 504 and never
- * computed. The queue limit counts requests, answered 503 at submit.
+ * computed; one whose requester is gone (the alive check, a peek at the
+ * client's socket) is dropped the same way. The queue limit counts
+ * requests, answered 503 at submit.
  * Lifetime: the registry and each queued request hold references; the last
  * release sets `stopping`; workers finish the queue, exit, and the last one
  * to exit frees the model, so a release from a worker thread never joins
@@ -44,6 +46,7 @@ typedef struct item {
     md_err err;
     double enqueued, deadline; /* monotonic seconds */
     md_predict_cb cb;
+    md_alive_fn alive;
     void *ctx;
     struct item *next;
 } item;
@@ -77,7 +80,7 @@ struct md_model {
     int live_workers;
     atomic_int refs;
     /* stats */
-    atomic_llong n_batches, n_rows, n_requests, n_timeouts, n_rejected;
+    atomic_llong n_batches, n_rows, n_requests, n_timeouts, n_rejected, n_dropped;
     atomic_llong wait_us_total;
     atomic_llong batch_hist[8]; /* batch rows <=1, 2, 4, 8, 16, 32, 64, more */
 };
@@ -183,7 +186,11 @@ static void *worker_main(void *arg)
             queue *q = &m->q[qi];
             while (q->head && rows < m->max_batch) {
                 item *it = q->head;
-                if (it->taken == 0 && now > it->deadline) {
+                int gone = it->taken == 0 && it->alive && !it->alive(it->ctx);
+                if (it->taken == 0 && (gone || now > it->deadline)) {
+                    if (gone)
+                        md_err_setc(&it->err, MD_EUNAVAIL, "client_closed",
+                                    "the client closed the connection while queued");
                     q->head = it->next;
                     q->count--;
                     q->rows -= it->rows;
@@ -218,6 +225,12 @@ static void *worker_main(void *arg)
         while (expired) {
             item *it = expired;
             expired = it->next;
+            atomic_store(&it->failed, 1);
+            if (it->err.status == MD_EUNAVAIL) { /* client_closed */
+                atomic_fetch_add(&m->n_dropped, 1);
+                finish_item(m, it);
+                continue;
+            }
             atomic_fetch_add(&m->n_timeouts, 1);
             md_err_setc(&it->err, MD_ETIMEOUT, "timeout",
                         "the prediction waited past its timeout of %d ms in the queue of model "
@@ -452,11 +465,12 @@ json_t *md_model_stats(const md_model *m)
     pthread_mutex_lock(&mm->mu);
     int queued = m->q[0].count + m->q[1].count;
     pthread_mutex_unlock(&mm->mu);
-    return json_pack("{s:s,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:o,s:i,s:i,s:i}", "model", m->name,
+    return json_pack("{s:s,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:o,s:i,s:i,s:i}", "model", m->name,
                      "version", m->version, "batches", (json_int_t)atomic_load(&m->n_batches),
                      "rows", (json_int_t)atomic_load(&m->n_rows), "requests",
                      (json_int_t)atomic_load(&m->n_requests), "timeouts",
-                     (json_int_t)atomic_load(&m->n_timeouts), "rejected",
+                     (json_int_t)atomic_load(&m->n_timeouts), "client_closed",
+                     (json_int_t)atomic_load(&m->n_dropped), "rejected",
                      (json_int_t)atomic_load(&m->n_rejected), "queue_wait_us_total",
                      (json_int_t)atomic_load(&m->wait_us_total), "queued", queued,
                      "batch_size_histogram", hist, "workers", m->workers, "max_batch_size",
@@ -519,6 +533,12 @@ static void preprocess(md_model *m, md_tensor *in)
 md_status md_model_submit(md_model *m, md_tensor *in, md_priority prio, md_predict_cb cb,
                           void *ctx, md_err *err)
 {
+    return md_model_submit_alive(m, in, prio, cb, NULL, ctx, err);
+}
+
+md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md_predict_cb cb,
+                                md_alive_fn alive, void *ctx, md_err *err)
+{
     md_status st;
     if (in->ndim == 1) {
         /* a flat list is one row */
@@ -546,6 +566,7 @@ md_status md_model_submit(md_model *m, md_tensor *in, md_priority prio, md_predi
     memset(in, 0, sizeof *in);
     it->rows = it->in.shape[0];
     it->cb = cb;
+    it->alive = alive;
     it->ctx = ctx;
     it->enqueued = now_s();
     it->deadline = it->enqueued + m->timeout_ms / 1e3;

@@ -91,6 +91,15 @@ typedef enum md_priority { MD_PRIO_ONLINE = 0, MD_PRIO_BATCH = 1 } md_priority;
 md_status md_model_submit(md_model *m, md_tensor *in, md_priority prio, md_predict_cb cb,
                           void *ctx, md_err *err);
 
+/* Whether the requester still wants the answer; called on a worker thread
+ * just before a queued request is computed. */
+typedef int (*md_alive_fn)(void *ctx);
+
+/* As md_model_submit; a request whose `alive(ctx)` returns 0 when a worker
+ * takes it is not computed: `cb` gets MD_EUNAVAIL with code "client_closed". */
+md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md_predict_cb cb,
+                                md_alive_fn alive, void *ctx, md_err *err);
+
 /* ---- the registry of loaded versions (registry.c) ---- */
 
 typedef struct md_registry md_registry;

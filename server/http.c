@@ -326,6 +326,18 @@ void md_req_suspend(md_req *r)
 
 void md_req_resume(md_req *r) { MHD_resume_connection(r->conn); }
 
+int md_req_client_gone(md_req *r)
+{
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci)
+        return 0;
+    char c;
+    ssize_t n = recv(ci->connect_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    /* 0: orderly close; an error other than "no data yet": reset */
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 static enum MHD_Result on_form_field(void *cls, enum MHD_ValueKind kind, const char *key,
                                      const char *filename, const char *content_type,
                                      const char *transfer_encoding, const char *data,

@@ -174,6 +174,10 @@ void md_req_defer(md_req *req, void (*fn)(md_req *req));
 /* Suspend the connection: the handler returns without replying; another
  * thread later replies and calls md_req_resume. Call from the handler only. */
 void md_req_suspend(md_req *req);
+/* Whether the client of a suspended request has closed its connection
+ * (a peek at the socket; nothing is consumed). Thread-safe while suspended. */
+int md_req_client_gone(md_req *req);
+
 /* Resume a suspended request after its reply is set. Thread-safe. */
 void md_req_resume(md_req *req);
 

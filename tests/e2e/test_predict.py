@@ -14,6 +14,7 @@ import gzip
 import io
 import json
 import signal
+import socket
 import struct
 import threading
 import time
@@ -674,3 +675,48 @@ def test_cuda_device_unavailable(server):
     deployed(server, "mlp")
     assert_close(predictions(post_json(server, "/models/mlp/predict", MLP_IN), "mlp", 5), MLP_OUT,
                  "cpu after the cuda refusal")
+
+
+def test_client_disconnect_while_queued_and_batch_stats(server):
+    """A client that hangs up while its request waits in the queue is dropped
+    cleanly and never computed: the server answers everyone else, logs the
+    request as 499, and the batcher's counters (batch sizes, queue waits,
+    client_closed) show what happened."""
+    deployed(server, "mlp", config={**MLP_CONFIG, "workers": 1,
+                                    "batching": {"max_delay_us": 300000, "max_batch_size": 64}})
+    body = json.dumps([MLP_IN[0]]).encode()
+    # three clients send and hang up at once, while the batch waits 300 ms
+    for _ in range(3):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        sock.sendall(b"POST /models/mlp/predict HTTP/1.1\r\nHost: x\r\nX-Request-Id: gone\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body)
+        sock.close()
+    # a patient client in the same window gets its exact answer
+    r = post_json(server, "/models/mlp/predict", [MLP_IN[0]])
+    assert r.status_code == 200, r.text
+    assert_close(predictions(r), MLP_OUT[:1])
+    # the server is healthy and answers more work
+    r = post_json(server, "/models/mlp/predict", MLP_IN)
+    assert r.status_code == 200
+    assert_close(predictions(r), MLP_OUT)
+    # the hung-up requests are in the access log as 499 (client closed)
+    deadline = time.time() + 5 * TSCALE
+    gone = []
+    while time.time() < deadline:
+        lines = [json.loads(l) for l in server.access_log.read_text().splitlines() if l.strip()]
+        gone = [l for l in lines if l["request_id"] == "gone"]
+        if len(gone) == 3:
+            break
+        time.sleep(0.1)
+    assert len(gone) == 3 and all(l["status"] == 499 for l in gone), gone
+    # batch sizes and queue waits are observable per loaded version
+    info = requests.get(server.url + "/models/mlp", timeout=5).json()
+    (stats,) = info["loaded"]
+    assert stats["version"] == 1 and stats["default"] is True
+    assert stats["requests"] == 5
+    assert stats["client_closed"] == 3, "the hung-up requests were not computed"
+    assert stats["rows"] == 6, "only the patient clients' rows were computed"
+    assert stats["batches"] < stats["requests"], "the delay should have merged requests"
+    assert sum(stats["batch_size_histogram"]) == stats["batches"]
+    assert stats["queue_wait_us_total"] >= 200000, "requests waited for the batch delay"
