@@ -231,9 +231,13 @@ run_job() { # name input-json
     done
     die "job $name did not finish in 120 s"
 }
-log "batch jobs: 10k FashionMNIST rows from IDX.gz and NPY"
-run_job idx '{"path":"/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz","format":"idx","label":"/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz"}'
-run_job npy "{\"path\":\"$OUT/t10k.npy\",\"format\":\"npy\"}"
+# a 10k-row job lasts ~0.3 s, so one noisy moment swings it: best of 3, as the
+# in-process ceiling is the best of its runs
+log "batch jobs: 10k FashionMNIST rows from IDX.gz and NPY, 3 runs each"
+for i in 1 2 3; do
+    run_job "idx$i" '{"path":"/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz","format":"idx","label":"/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz"}'
+    run_job "npy$i" "{\"path\":\"$OUT/t10k.npy\",\"format\":\"npy\"}"
+done
 log "stopping modeld"
 stop_pid "$MODELD_PID"
 MODELD_PID=""
@@ -307,8 +311,10 @@ targets = {
 }
 jobs = {}
 for name in ("idx", "npy"):
-    j = load("job_" + name)
+    runs = [load(f"job_{name}{i}") for i in (1, 2, 3)]
+    j = max(runs, key=lambda r: r["rows_per_s"])
     jobs[name] = {"rows": j["rows_done"], "rows_per_s": j["rows_per_s"],
+                  "runs_rows_per_s": [r["rows_per_s"] for r in runs],
                   "vs_inprocess64": j["rows_per_s"] / ceiling, "accuracy": j.get("accuracy")}
     targets[f"job_{name}_vs_inprocess"] = {
         "want": ">= 80% of in-process rows/s", "got": f"{100 * jobs[name]['vs_inprocess64']:.0f}%",
@@ -348,7 +354,7 @@ for label, key, _ in scen:
                  f"{100 * r['vs_inprocess64']:.0f}%",
                  f"{r['server_cpu_cores']:.1f}/{r['wrk_cpu_cores']:.1f}/{r['other_cpu_cores']:.1f}"])
 for name, j in jobs.items():
-    rows.append([f"modeld job, {name} 10k rows", "batch 64", "-", f"{j['rows_per_s']:.0f}", "-", "-",
+    rows.append([f"modeld job, {name} 10k (best of 3)", "batch 64", "-", f"{j['rows_per_s']:.0f}", "-", "-",
                  f"{100 * j['vs_inprocess64']:.0f}%", "-"])
 for tag, r in [("a", x) for x in inproc_a] + [("b", x) for x in inproc_b]:
     rows.append([f"in-process batch {r['batch']} ({tag})", f"{r['threads']} thr",

@@ -4,8 +4,8 @@
  *
  * DESIGN
  * A job streams its input through a reader in chunks of batch_size rows and
- * keeps up to PIPELINE chunks queued on the model, so the workers never wait
- * for the reader. Chunks are written strictly in input order to
+ * keeps up to PIPELINE chunks (at most PIPELINE_BYTES of input) queued on
+ * the model, so the workers never wait for the reader or for a commit. Chunks are written strictly in input order to
  * <output>.partial; at most every COMMIT_INTERVAL_S (and at the end, on
  * cancel and on shutdown) the file is fdatasync'ed and then ONE SQLite
  * statement commits rows_done (input rows consumed, good and skipped),
@@ -32,7 +32,10 @@
 
 #include "predictor.h"
 
-#define PIPELINE 6
+/* Chunks in flight: enough queued work to keep the workers busy through an
+ * fdatasync + commit (tens of ms on slow disks), bounded by input bytes. */
+#define PIPELINE 32
+#define PIPELINE_BYTES (16L * 1024 * 1024)
 #define COMMIT_INTERVAL_S 0.25
 #define NPY_HEADER 128
 
@@ -508,13 +511,16 @@ static void run_job(md_jobs *J, int slot, const char *id)
     int batch = (int)json_integer_value(json_object_get(spec, "batch_size"));
     if (batch <= 0)
         batch = 64;
+    long chunk_bytes = (long)batch * (long)width * (long)sizeof(float);
+    int depth = chunk_bytes > 0 ? (int)(PIPELINE_BYTES / chunk_bytes) : PIPELINE;
+    depth = depth < 2 ? 2 : depth > PIPELINE ? PIPELINE : depth;
     double t0 = mono(), last_commit = t0;
     int64_t rows_this_run = 0;
     int64_t npy_width = 0;
     int64_t index_next = md_reader_position(r);
     for (;;) {
         /* fill the pipeline */
-        while (!eof && inflight < PIPELINE && !atomic_load(&J->cancel[slot]) &&
+        while (!eof && inflight < depth && !atomic_load(&J->cancel[slot]) &&
                !atomic_load(&J->stopping)) {
             chunk *c = &ring[(head + inflight) % PIPELINE];
             chunk_reset(c);
@@ -682,7 +688,9 @@ static void run_job(md_jobs *J, int slot, const char *id)
                   (json_int_t)md_reader_position(r));
     md_store_job_update(J->store, id, f, NULL);
     json_decref(f);
-    md_log(MD_LOG_INFO, "job %s succeeded: %lld rows", id, (long long)md_reader_position(r));
+    md_log(MD_LOG_INFO, "job %s succeeded: %lld rows, %.3f s computing (%.0f rows/s)", id,
+           (long long)md_reader_position(r), mono() - t0,
+           (double)rows_this_run / (mono() - t0 > 0 ? mono() - t0 : 1));
     goto out;
 failed:
     fail_job(J, id, &err);
