@@ -49,6 +49,16 @@ static void ws(scan *s)
         s->p++;
 }
 
+/* After an element: skip blanks, then consume ',' (returns 1, more follow)
+ * or `close` (returns 0, the list ended); -1 when neither is there. */
+static int separator(scan *s, char close)
+{
+    ws(s);
+    if (s->p < s->end && (*s->p == ',' || *s->p == close))
+        return *s->p++ == ',';
+    return -1;
+}
+
 /* "row 3, column 7" for the current position. */
 static void where(scan *s, int depth, char *out, size_t size)
 {
@@ -235,15 +245,11 @@ static md_status array(scan *s, int d)
                 return st;
         }
         count++;
-        ws(s);
-        if (s->p < s->end && *s->p == ',') {
-            s->p++;
+        int more = separator(s, ']');
+        if (more == 1)
             continue;
-        }
-        if (s->p < s->end && *s->p == ']') {
-            s->p++;
+        if (more == 0)
             break;
-        }
         return fail_at(s, d, s->p < s->end ? "expected ',' or ']'" : "the body ends inside an array");
     }
     if (d > 0) {
@@ -339,15 +345,11 @@ static md_status object(scan *s, md_tensor *out)
                     return md_err_setc(s->err, MD_EINVAL, "invalid_input",
                                        "shape must be 1 to 8 positive integers below 2^31");
                 shape[shape_n++] = (int64_t)v;
-                ws(s);
-                if (s->p < s->end && *s->p == ',') {
-                    s->p++;
+                int more = separator(s, ']');
+                if (more == 1)
                     continue;
-                }
-                if (s->p < s->end && *s->p == ']') {
-                    s->p++;
+                if (more == 0)
                     break;
-                }
                 return md_err_setc(s->err, MD_EINVAL, "invalid_input", "shape must be an array of integers");
             }
         } else {
@@ -356,15 +358,11 @@ static md_status object(scan *s, md_tensor *out)
                                "or {\"array\": data, \"shape\": [...]}",
                                k);
         }
-        ws(s);
-        if (s->p < s->end && *s->p == ',') {
-            s->p++;
+        int more = separator(s, '}');
+        if (more == 1)
             continue;
-        }
-        if (s->p < s->end && *s->p == '}') {
-            s->p++;
+        if (more == 0)
             break;
-        }
         return md_err_setc(s->err, MD_EINVAL, "invalid_json", "the body is not valid JSON: expected ',' or '}'");
     }
     if (!have) {
