@@ -152,6 +152,10 @@ typedef struct piece {
 static void *worker_main(void *arg)
 {
     md_model *m = arg;
+    /* "md-<model>" in top, perf and gdb (15 characters at most) */
+    char tname[16];
+    snprintf(tname, sizeof tname, "md-%.12s", m->name);
+    pthread_setname_np(pthread_self(), tname);
     size_t cap_pieces = 64;
     piece *pieces = md_xmalloc(sizeof(piece) * cap_pieces);
     float *batch = NULL;

@@ -722,6 +722,9 @@ static void *runner_main(void *arg)
     md_jobs *J = ((void **)arg)[0];
     int slot = (int)(intptr_t)((void **)arg)[1];
     free(arg);
+    char tname[16];
+    snprintf(tname, sizeof tname, "md-job%d", slot);
+    pthread_setname_np(pthread_self(), tname);
     for (;;) {
         pthread_mutex_lock(&J->mu);
         while (!J->head && !J->stopping)

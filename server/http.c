@@ -374,6 +374,7 @@ md_status md_req_form_feed(md_req *r, md_form_fn field_fn, const char *data, siz
 static void *defer_main(void *arg)
 {
     md_req *r = arg;
+    pthread_setname_np(pthread_self(), "md-deferred");
     r->deferred(r);
     if (r->reply == REPLY_NONE) {
         md_err err;
