@@ -14,8 +14,9 @@
  * several workers at once; each piece writes its rows of the shared output
  * and the piece that completes the last row answers. A request whose
  * deadline passed before any row was taken is answered 504 and never
- * computed; one whose requester is gone (the alive check, a peek at the
- * client's socket) is dropped the same way. The queue limit counts
+ * computed (batch-priority requests have no deadline: they wait behind
+ * online traffic however long it lasts); one whose requester is gone (the
+ * alive check, a peek at the client's socket) is dropped the same way. The queue limit counts
  * requests, answered 503 at submit.
  * Lifetime: the registry and each queued request hold references; the last
  * release sets `stopping`; workers finish the queue, exit, and the last one
@@ -578,7 +579,10 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
     it->alive = alive;
     it->ctx = ctx;
     it->enqueued = now_s();
-    it->deadline = it->enqueued + m->timeout_ms / 1e3;
+    /* timeout_ms is an online latency bound; a batch job's chunk waits behind
+     * online traffic for as long as it takes (failing a job because online
+     * load was high would lose its work) */
+    it->deadline = prio == MD_PRIO_BATCH ? INFINITY : it->enqueued + m->timeout_ms / 1e3;
     pthread_mutex_lock(&m->mu);
     queue *q = &m->q[prio == MD_PRIO_BATCH ? 1 : 0];
     if (prio == MD_PRIO_ONLINE && q->count >= m->queue_limit) {

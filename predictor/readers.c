@@ -20,8 +20,10 @@
  * spaces.
  *
  * Binary formats (NPY, IDX) read exactly one row's bytes per call into a row
- * buffer sized at open, from stdio (NPY) or zlib's gzread (IDX), which reads
- * uncompressed files as they are.
+ * buffer sized at open (float32 NPY rows straight into the caller's row),
+ * from stdio (NPY) or zlib's gzread (IDX), which reads uncompressed files as
+ * they are, then convert with one vectorizable loop per element type: a job
+ * converts every row on a thread that shares the cores with the workers.
  *
  * Row numbers in messages are 0-based data rows: the CSV header and blank
  * lines are not rows. They equal md_reader_position() before the call, the
@@ -832,12 +834,66 @@ static md_status npy_open(md_reader *r, const md_reader_opts *opts, md_err *err)
     return r->rowbuf ? MD_OK : MD_ENOMEM;
 }
 
+/* Row conversions to float32: one tight loop per element type over restrict
+ * pointers, so the compiler vectorizes them (a job converts every row of its
+ * dataset on the job thread, which shares the cores with the workers). */
+static void u8_to_f32(float *restrict dst, const unsigned char *restrict src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = (float)src[i];
+}
+
+static void i32_to_f32(float *restrict dst, const int32_t *restrict src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = (float)src[i];
+}
+
+static void i64_to_f32(float *restrict dst, const int64_t *restrict src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = (float)src[i];
+}
+
+/* The index of the first value that is NaN, infinite or (for float64) out
+ * of float32's range, or -1. The common all-finite case is one branch-free
+ * pass. */
+static int64_t first_bad_f32(const float *x, int64_t n)
+{
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        bad |= !(fabsf(x[i]) <= FLT_MAX);
+    for (int64_t i = 0; bad && i < n; i++)
+        if (!(fabsf(x[i]) <= FLT_MAX))
+            return i;
+    return -1;
+}
+
+static int64_t first_bad_f64(const double *x, int64_t n)
+{
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        bad |= !(fabs(x[i]) <= FLT_MAX);
+    for (int64_t i = 0; bad && i < n; i++)
+        if (!(fabs(x[i]) <= FLT_MAX))
+            return i;
+    return -1;
+}
+
+static void f64_to_f32(float *restrict dst, const double *restrict src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = (float)src[i];
+}
+
 static md_status npy_next(md_reader *r, float *row, md_err *err)
 {
     if (r->position >= r->total)
         return MD_ENOTFOUND;
     int64_t rowno = r->position;
-    if (fread(r->rowbuf, 1, r->rowbytes, r->fp) != r->rowbytes) {
+    /* float32 rows are read straight into the caller's row */
+    void *dst = r->kind == NPY_F4 ? (void *)row : (void *)r->rowbuf;
+    if (fread(dst, 1, r->rowbytes, r->fp) != r->rowbytes) {
         if (ferror(r->fp))
             return md_err_set(err, MD_EIO, "%s row %lld: read failed: %s", r->name,
                               (long long)rowno, strerror(errno));
@@ -845,42 +901,24 @@ static md_status npy_next(md_reader *r, float *row, md_err *err)
                           "says %lld rows", r->name, (long long)rowno, (long long)r->total);
     }
     r->position++;
-    const unsigned char *src = r->rowbuf;
-    for (int64_t j = 0; j < r->width; j++) {
-        switch (r->kind) {
-        case NPY_F4: {
-            float f;
-            memcpy(&f, src + 4 * j, 4);
-            if (!isfinite(f))
-                return row_error(r, rowno, err, "value %lld is NaN or infinite", (long long)j);
-            row[j] = f;
-            break;
-        }
-        case NPY_F8: {
-            double d;
-            memcpy(&d, src + 8 * j, 8);
-            if (!(fabs(d) <= FLT_MAX))
-                return row_error(r, rowno, err, "value %lld is not a finite float32 number",
-                                 (long long)j);
-            row[j] = (float)d;
-            break;
-        }
-        case NPY_I8: {
-            int64_t v;
-            memcpy(&v, src + 8 * j, 8);
-            row[j] = (float)v;
-            break;
-        }
-        case NPY_I4: {
-            int32_t v;
-            memcpy(&v, src + 4 * j, 4);
-            row[j] = (float)v;
-            break;
-        }
-        case NPY_U1:
-            row[j] = (float)src[j];
-            break;
-        }
+    /* rowbuf comes from malloc, so it is aligned for any element type */
+    int64_t bad = -1;
+    switch (r->kind) {
+    case NPY_F4:
+        bad = first_bad_f32(row, r->width);
+        if (bad >= 0)
+            return row_error(r, rowno, err, "value %lld is NaN or infinite", (long long)bad);
+        break;
+    case NPY_F8:
+        bad = first_bad_f64((const double *)(void *)r->rowbuf, r->width);
+        if (bad >= 0)
+            return row_error(r, rowno, err, "value %lld is not a finite float32 number",
+                             (long long)bad);
+        f64_to_f32(row, (const double *)(void *)r->rowbuf, r->width);
+        break;
+    case NPY_I8: i64_to_f32(row, (const int64_t *)(void *)r->rowbuf, r->width); break;
+    case NPY_I4: i32_to_f32(row, (const int32_t *)(void *)r->rowbuf, r->width); break;
+    case NPY_U1: u8_to_f32(row, r->rowbuf, r->width); break;
     }
     return MD_OK;
 }
@@ -988,8 +1026,7 @@ static md_status idx_next(md_reader *r, float *row, int64_t *label, md_err *err)
             *label = b;
     }
     r->position++;
-    for (int64_t j = 0; j < r->width; j++)
-        row[j] = (float)r->rowbuf[j];
+    u8_to_f32(row, r->rowbuf, r->width);
     return MD_OK;
 }
 

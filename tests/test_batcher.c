@@ -722,6 +722,25 @@ static void test_timeout(void **state)
     assert_int_equal(g_req[2].st, MD_OK);
 }
 
+/* timeout_ms bounds online waits only: a batch job's chunk that waits longer
+ * behind busy workers is still computed, never failed as a timeout */
+static void test_batch_priority_never_times_out(void **state)
+{
+    (void)state;
+    md_model *m = load(ROW2, 1, 64, 0, 100, 50);
+    submit_ok(m, 0, 1, 2, (const float[]){GATE, 0});
+    ASSERT_WAIT(g_gate_entered == 1);
+    md_err err;
+    assert_int_equal(submit_prio(m, 1, 1, 2, (const float[]){3, 4}, MD_PRIO_BATCH, &err), MD_OK);
+    assert_int_equal(submit_prio(m, 2, 1, 2, (const float[]){5, 6}, MD_PRIO_ONLINE, &err), MD_OK);
+    usleep(250000);
+    open_gate();
+    ASSERT_WAIT(reqs_done(0, 3));
+    assert_int_equal(g_req[1].st, MD_OK);
+    assert_int_equal(g_req[2].st, MD_ETIMEOUT);
+    assert_int_equal(stat_int(m, "timeouts"), 1);
+}
+
 static void test_queue_full(void **state)
 {
     (void)state;
@@ -1151,6 +1170,7 @@ int main(void)
         T(test_split_across_workers),
         T(test_split_shares_batches),
         T(test_timeout),
+        T(test_batch_priority_never_times_out),
         T(test_queue_full),
         T(test_wrong_shape),
         T(test_preprocess),

@@ -23,6 +23,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -651,6 +652,81 @@ static void test_npy_errors(void **state)
     md_reader_close(r);
 }
 
+/* Write a version 1 NPY file of `rows` x `width` values of `descr`. */
+static void write_npy(char *path, const char *descr, int rows, int width, const void *data,
+                      size_t esize)
+{
+    char hdr[128];
+    int n = snprintf(hdr, sizeof hdr, "{'descr': '%s', 'fortran_order': False, 'shape': (%d, %d), }",
+                     descr, rows, width);
+    size_t hlen = 128 - 10, total = 128 + (size_t)rows * (size_t)width * esize;
+    char *file = malloc(total);
+    assert_non_null(file);
+    memcpy(file, "\x93NUMPY\x01\x00", 8);
+    file[8] = (char)hlen, file[9] = 0;
+    memset(file + 10, ' ', hlen);
+    memcpy(file + 10, hdr, (size_t)n);
+    file[10 + hlen - 1] = '\n';
+    memcpy(file + 128, data, total - 128);
+    write_temp_n(path, file, total);
+    free(file);
+}
+
+/* Rows wider than a vector register, of an odd width, in every dtype: the
+ * conversion loops' bodies and tails both run; a bad value anywhere in a
+ * wide row is found and named. */
+static void test_npy_wide_rows(void **state)
+{
+    (void)state;
+    enum { W = 37, R = 3 };
+    float want[R][W];
+    uint8_t u1[R][W];
+    int32_t i4[R][W];
+    int64_t i8[R][W];
+    float f4[R][W];
+    double f8[R][W];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < W; j++) {
+            int v = (i * W + j) % 251;
+            want[i][j] = (float)v;
+            u1[i][j] = (uint8_t)v;
+            i4[i][j] = v;
+            i8[i][j] = v;
+            f4[i][j] = (float)v;
+            f8[i][j] = v;
+        }
+    static const char *const descr[] = {"|u1", "<i4", "<i8", "<f4", "<f8"};
+    const void *data[] = {u1, i4, i8, f4, f8};
+    const size_t esize[] = {1, 4, 8, 4, 8};
+    for (int k = 0; k < 5; k++) {
+        char path[64];
+        write_npy(path, descr[k], R, W, data[k], esize[k]);
+        md_reader *r = open_ok(path, "npy", NULL, NULL);
+        assert_int_equal(md_reader_row_width(r), W);
+        for (int i = 0; i < R; i++)
+            expect_row(r, want[i], -1);
+        expect_end(r, R);
+        md_reader_close(r);
+    }
+    /* +inf late in a float32 row; 1e300 (finite, but not as float32) in a float64 row */
+    char path[64];
+    f4[1][W - 2] = INFINITY;
+    write_npy(path, "<f4", R, W, f4, 4);
+    md_reader *r = open_ok(path, "npy", NULL, NULL);
+    expect_row(r, want[0], -1);
+    expect_bad_row(r, MD_EINVAL, "row 1: value 35 is NaN or infinite", NULL);
+    expect_row(r, want[2], -1);
+    md_reader_close(r);
+    f8[2][W - 1] = 1e300;
+    write_npy(path, "<f8", R, W, f8, 8);
+    r = open_ok(path, "npy", NULL, NULL);
+    expect_row(r, want[0], -1);
+    expect_row(r, want[1], -1);
+    expect_bad_row(r, MD_EINVAL, "row 2: value 36 is not a finite float32 number", NULL);
+    expect_end(r, R);
+    md_reader_close(r);
+}
+
 /* ---- IDX ---- */
 
 static void expect_idx_rows(md_reader *r, int labels)
@@ -1083,6 +1159,7 @@ int main(void)
         cmocka_unit_test_teardown(test_npy_dtypes, remove_temps),
         cmocka_unit_test_teardown(test_npy_3d, remove_temps),
         cmocka_unit_test_teardown(test_npy_errors, remove_temps),
+        cmocka_unit_test_teardown(test_npy_wide_rows, remove_temps),
         cmocka_unit_test_teardown(test_idx, remove_temps),
         cmocka_unit_test_teardown(test_idx_errors, remove_temps),
         cmocka_unit_test_teardown(test_fashion_mnist, remove_temps),
