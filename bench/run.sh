@@ -9,15 +9,18 @@
 #      body and a 64-row NPY body (8 connections) to /models/fashion/predict;
 #   3. bench/fastapi_server.py (uvicorn, 1 process, 1 torch thread) with the
 #      same model: wrk POSTs the same 1-row JSON body to /predict;
-#   4. the in-process batch-64 run again (the machine is noisy; the higher of
-#      the two is the ceiling the ratios use).
+#   4. batch jobs over the 10k FashionMNIST test set (IDX.gz, then NPY) on
+#      the same modeld, in rounds beside 1 s in-process runs (the ceiling each
+#      job is compared with is measured next to it);
+#   5. the in-process batch-64 run again (the machine is noisy; the best of
+#      all batch-64 runs is the ceiling the HTTP ratios use).
 # Prints a table and writes the raw numbers to bench/out/results.json
 # (logs and wrk output sit beside it). Exits non-zero when something breaks
 # or a server answers errors, not when a target is missed.
 #
 # Knobs (environment): BENCH_DURATION (wrk seconds per run, 10),
 # BENCH_INPROC_SECONDS (5), BENCH_WRK_THREADS (2), BENCH_C1 (32),
-# BENCH_C64 (8), BENCH_WARMUP (wrk warm-up seconds, 2).
+# BENCH_C64 (8), BENCH_WARMUP (wrk warm-up seconds, 2), BENCH_JOB_ROUNDS (5).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -33,6 +36,7 @@ WRK_THREADS=${BENCH_WRK_THREADS:-2}
 C1=${BENCH_C1:-32}
 C64=${BENCH_C64:-8}
 WARMUP=${BENCH_WARMUP:-2}
+JOB_ROUNDS=${BENCH_JOB_ROUNDS:-5}
 CORES=$(nproc)
 BENCH_LOADAVG_START=$(cat /proc/loadavg)
 export BENCH_LOADAVG_START
@@ -219,25 +223,38 @@ run_wrk modeld_json1 bench/post_json1.lua "$BASE" "$C1" "$MODELD_PID"
 run_wrk modeld_json64 bench/post_json64.lua "$BASE" "$C64" "$MODELD_PID"
 run_wrk modeld_npy64 bench/post_npy64.lua "$BASE" "$C64" "$MODELD_PID"
 # batch jobs over the 10k test set (IDX.gz and NPY), batch 64, no online load
-run_job() { # name input-json
-    local name=$1 input=$2 id status
+# run_job name input-json: POST the job, wait for it, keep its final JSON. Only
+# sleep, curl and sed run while the job computes: a python3 start-up costs
+# ~50 ms of CPU, a sixth of a 10k-row job on two cores, and once measured here
+# took jobs from ~95% to ~75% of the ceiling.
+run_job() {
+    local name=$1 input=$2 id status=""
     id=$(curl -sf "$BASE/jobs" -d "{\"model\":\"fashion\",\"batch_size\":64,\"input\":$input,\"output\":{\"format\":\"npy\"}}" |
-        "$PY" -c 'import json,sys; print(json.load(sys.stdin)["id"])') || die "POST /jobs ($name) failed"
-    for _ in $(seq 1200); do
-        status=$(curl -sf "$BASE/jobs/$id" | tee "$RAW/job_$name.json" |
-            "$PY" -c 'import json,sys; print(json.load(sys.stdin)["status"])')
-        case $status in succeeded) return 0 ;; failed|cancelled) die "job $name $status" ;; esac
-        sleep 0.1
+        sed -n 's/.*"id": *"\([^"]*\)".*/\1/p') || die "POST /jobs ($name) failed"
+    [ -n "$id" ] || die "POST /jobs ($name) answered no id"
+    for _ in $(seq 240); do
+        sleep 0.5
+        curl -sf -o "$RAW/job_$name.json" "$BASE/jobs/$id" || die "GET /jobs/$id failed"
+        status=$(sed -n 's/.*"status": *"\([a-z]*\)".*/\1/p' "$RAW/job_$name.json")
+        case $status in succeeded) return 0 ;; failed|cancelled) die "job $name $status: $(cat "$RAW/job_$name.json")" ;; esac
     done
     die "job $name did not finish in 120 s"
 }
-# a 10k-row job lasts ~0.3 s, so one noisy moment swings it: best of 3, as the
-# in-process ceiling is the best of its runs
-log "batch jobs: 10k FashionMNIST rows from IDX.gz and NPY, 3 runs each"
-for i in 1 2 3; do
+# A 10k-row job lasts ~0.3 s and this machine is shared, so the ceiling a job
+# is compared with is measured right beside it: in-process (1 s), IDX job,
+# NPY job, in-process, ... ; each job's ratio uses the better of the two
+# in-process runs around it, and the table reports the median of the rounds.
+log "batch jobs: 10k FashionMNIST rows from IDX.gz and NPY, $JOB_ROUNDS rounds beside in-process runs"
+inproc_beside() { # n
+    OPENBLAS_NUM_THREADS=1 build/bench/inprocess --model "$MODEL" --batch 64 --seconds 1 \
+        --warmup 0.2 --threads "$CORES" >"$RAW/jobceil$1.jsonl" || die "build/bench/inprocess failed"
+}
+for i in $(seq "$JOB_ROUNDS"); do
+    inproc_beside "$i"
     run_job "idx$i" '{"path":"/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz","format":"idx","label":"/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz"}'
     run_job "npy$i" "{\"path\":\"$OUT/t10k.npy\",\"format\":\"npy\"}"
 done
+inproc_beside $((JOB_ROUNDS + 1))
 log "stopping modeld"
 stop_pid "$MODELD_PID"
 MODELD_PID=""
@@ -282,7 +299,11 @@ def pkg(p):
 inproc_a, inproc_b = jsonl("inprocess_a.jsonl"), jsonl("inprocess_b.jsonl")
 in64 = [r for r in inproc_a + inproc_b if r["batch"] == 64]
 in1 = [r for r in inproc_a if r["batch"] == 1]
-ceiling = max(r["rows_per_s"] for r in in64)
+rounds = int(os.environ.get("BENCH_JOB_ROUNDS", "5"))
+jobceil = [jsonl(f"jobceil{i}.jsonl")[0]["rows_per_s"] for i in range(1, rounds + 2)]
+# the HTTP ratios use the best batch-64 run of all, the 1 s runs beside the
+# jobs included: the strictest ceiling this machine showed during the bench
+ceiling = max([r["rows_per_s"] for r in in64] + jobceil)
 
 scen = [("modeld 1-row JSON", "modeld_json1", 1),
         ("modeld 64-row JSON", "modeld_json64", 64),
@@ -309,16 +330,36 @@ targets = {
                            "got": f"{100 * http['modeld_npy64']['vs_inprocess64']:.0f}%",
                            "met": http["modeld_npy64"]["vs_inprocess64"] >= 0.8},
 }
+def stamp(s):
+    return time.mktime(time.strptime(s[:19], "%Y-%m-%dT%H:%M:%S")) + float(s[19:-1] or 0)
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
 jobs = {}
 for name in ("idx", "npy"):
-    runs = [load(f"job_{name}{i}") for i in (1, 2, 3)]
-    j = max(runs, key=lambda r: r["rows_per_s"])
-    jobs[name] = {"rows": j["rows_done"], "rows_per_s": j["rows_per_s"],
-                  "runs_rows_per_s": [r["rows_per_s"] for r in runs],
-                  "vs_inprocess64": j["rows_per_s"] / ceiling, "accuracy": j.get("accuracy")}
+    runs = []
+    for i in range(1, rounds + 1):
+        j = load(f"job_{name}{i}")
+        ceil = max(jobceil[i - 1], jobceil[i])
+        wall = stamp(j["finished_at"]) - stamp(j["started_at"])
+        runs.append({"rows_per_s": j["rows_per_s"], "ceiling_beside": ceil,
+                     "vs_inprocess64": j["rows_per_s"] / ceil,
+                     "wall_s": round(wall, 3), "wall_rows_per_s": j["rows_done"] / wall if wall > 0 else None,
+                     "wall_vs_inprocess64": j["rows_done"] / wall / ceil if wall > 0 else None,
+                     "accuracy": j.get("accuracy"), "rows": j["rows_done"]})
+    ratio = median([r["vs_inprocess64"] for r in runs])
+    jobs[name] = {"rows": runs[0]["rows"], "rounds": runs,
+                  "rows_per_s": median([r["rows_per_s"] for r in runs]),
+                  "ceiling_beside": median([r["ceiling_beside"] for r in runs]),
+                  "vs_inprocess64": ratio,
+                  "wall_vs_inprocess64": median([r["wall_vs_inprocess64"] or 0 for r in runs]),
+                  "ratio_range": [min(r["vs_inprocess64"] for r in runs), max(r["vs_inprocess64"] for r in runs)],
+                  "accuracy": runs[0]["accuracy"]}
     targets[f"job_{name}_vs_inprocess"] = {
-        "want": ">= 80% of in-process rows/s", "got": f"{100 * jobs[name]['vs_inprocess64']:.0f}%",
-        "met": jobs[name]["vs_inprocess64"] >= 0.8}
+        "want": ">= 80% of in-process rows/s", "got": f"{100 * ratio:.0f}% (median of {rounds})",
+        "met": ratio >= 0.8}
 errors = {k: r["errors"] for k, r in http.items() if any(r["errors"].values())}
 
 try:
@@ -338,6 +379,7 @@ results = {
     "http": http,
     "modeld_over_fastapi_req_per_s": speedup,
     "jobs": jobs,
+    "jobs_inprocess_beside_rows_per_s": jobceil,
     "targets": targets,
     "errors": errors,
 }
@@ -354,8 +396,8 @@ for label, key, _ in scen:
                  f"{100 * r['vs_inprocess64']:.0f}%",
                  f"{r['server_cpu_cores']:.1f}/{r['wrk_cpu_cores']:.1f}/{r['other_cpu_cores']:.1f}"])
 for name, j in jobs.items():
-    rows.append([f"modeld job, {name} 10k (best of 3)", "batch 64", "-", f"{j['rows_per_s']:.0f}", "-", "-",
-                 f"{100 * j['vs_inprocess64']:.0f}%", "-"])
+    rows.append([f"modeld job, {name} 10k (median of {rounds})", "batch 64", "-", f"{j['rows_per_s']:.0f}",
+                 "-", "-", f"{100 * j['vs_inprocess64']:.0f}%", "-"])
 for tag, r in [("a", x) for x in inproc_a] + [("b", x) for x in inproc_b]:
     rows.append([f"in-process batch {r['batch']} ({tag})", f"{r['threads']} thr",
                  f"{r['forwards_per_s']:.0f}", f"{r['rows_per_s']:.0f}", ms(r["p50_ms"]), ms(r["p99_ms"]),
@@ -369,8 +411,15 @@ print("  ".join("-" * n for n in w))
 for x in rows:
     print(fmt(x))
 print()
-print(f"in-process ceiling (batch 64, best of {len(in64)} runs): {ceiling:.0f} rows/s; "
+print(f"in-process ceiling (batch 64, best of {len(in64) + len(jobceil)} runs: (a), (b) and the "
+      f"{len(jobceil)} runs beside the jobs): {ceiling:.0f} rows/s; "
       "req/s of in-process rows = forwards/s, p50/p99 = one forward")
+for name, j in jobs.items():
+    lo, hi = j["ratio_range"]
+    print(f"job {name}: each round against the better in-process run beside it (median "
+          f"{j['ceiling_beside']:.0f} rows/s): {100 * lo:.0f}-{100 * hi:.0f}%, median "
+          f"{100 * j['vs_inprocess64']:.0f}%; start to finish incl. open, fsync, rename: "
+          f"{100 * j['wall_vs_inprocess64']:.0f}%")
 print(f"1-row JSON modeld/FastAPI req/s: {speedup:.1f}x")
 core = os.environ.get("BENCH_OPENBLAS_CORE") or "unknown"
 print(f"OpenBLAS sgemm kernel: {core}"
