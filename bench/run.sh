@@ -12,6 +12,7 @@
 #   4. batch jobs over the 10k FashionMNIST test set (IDX.gz, then NPY) on
 #      the same modeld, in rounds beside 1 s in-process runs (the ceiling each
 #      job is compared with is measured next to it);
+#      then the 1-row JSON load again while a 60k-row job runs;
 #   5. the in-process batch-64 run again (the machine is noisy; the best of
 #      all batch-64 runs is the ceiling the HTTP ratios use).
 # Prints a table and writes the raw numbers to bench/out/results.json
@@ -20,7 +21,8 @@
 #
 # Knobs (environment): BENCH_DURATION (wrk seconds per run, 10),
 # BENCH_INPROC_SECONDS (5), BENCH_WRK_THREADS (2), BENCH_C1 (32),
-# BENCH_C64 (8), BENCH_WARMUP (wrk warm-up seconds, 2), BENCH_JOB_ROUNDS (5).
+# BENCH_C64 (8), BENCH_WARMUP (wrk warm-up seconds, 2), BENCH_JOB_ROUNDS (5),
+# BENCH_MIXED_DURATION (seconds of 1-row load during a job, 5).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -37,6 +39,7 @@ C1=${BENCH_C1:-32}
 C64=${BENCH_C64:-8}
 WARMUP=${BENCH_WARMUP:-2}
 JOB_ROUNDS=${BENCH_JOB_ROUNDS:-5}
+MIXED_DURATION=${BENCH_MIXED_DURATION:-5}
 CORES=$(nproc)
 BENCH_LOADAVG_START=$(cat /proc/loadavg)
 export BENCH_LOADAVG_START
@@ -255,6 +258,16 @@ for i in $(seq "$JOB_ROUNDS"); do
     run_job "npy$i" "{\"path\":\"$OUT/t10k.npy\",\"format\":\"npy\"}"
 done
 inproc_beside $((JOB_ROUNDS + 1))
+# online latency while a job runs: the 1-row load again, during a job over
+# the 60k training set (the job workers run at job_nice; the job gets what
+# the online load leaves)
+log "1-row JSON while a 60k-row IDX job runs (${MIXED_DURATION} s)"
+mixed_id=$(curl -sf "$BASE/jobs" -d '{"model":"fashion","batch_size":64,"input":{"path":"/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz","format":"idx","label":"/usr/share/datasets/fashion-mnist/train-labels-idx1-ubyte.gz"},"output":{"format":"npy"}}' |
+    sed -n 's/.*"id": *"\([^"]*\)".*/\1/p')
+[ -n "$mixed_id" ] || die "POST /jobs (during online load) failed"
+DURATION=$MIXED_DURATION run_wrk modeld_json1_job bench/post_json1.lua "$BASE" "$C1" "$MODELD_PID"
+curl -sf -o "$RAW/job_during_online.json" "$BASE/jobs/$mixed_id" || die "GET /jobs/$mixed_id failed"
+curl -sf -o /dev/null -X DELETE "$BASE/jobs/$mixed_id" || true
 log "stopping modeld"
 stop_pid "$MODELD_PID"
 MODELD_PID=""
@@ -306,6 +319,7 @@ jobceil = [jsonl(f"jobceil{i}.jsonl")[0]["rows_per_s"] for i in range(1, rounds 
 ceiling = max([r["rows_per_s"] for r in in64] + jobceil)
 
 scen = [("modeld 1-row JSON", "modeld_json1", 1),
+        ("modeld 1-row JSON during a job", "modeld_json1_job", 1),
         ("modeld 64-row JSON", "modeld_json64", 64),
         ("modeld 64-row NPY", "modeld_npy64", 64),
         ("FastAPI 1-row JSON", "fastapi_json1", 1)]
@@ -360,6 +374,13 @@ for name in ("idx", "npy"):
     targets[f"job_{name}_vs_inprocess"] = {
         "want": ">= 80% of in-process rows/s", "got": f"{100 * ratio:.0f}% (median of {rounds})",
         "met": ratio >= 0.8}
+during = load("job_during_online")
+mixed = http["modeld_json1_job"]
+jobs["during_online_load"] = {"rows_done": during["rows_done"], "status": during["status"],
+                              "rows_per_s": during["rows_per_s"]}
+targets["json1_p99_during_job"] = {
+    "want": "1-row p99 <= 5 ms while a job runs", "got": f"p99 {mixed['latency_ms']['p99']:.2f} ms",
+    "met": mixed["latency_ms"]["p99"] <= 5}
 errors = {k: r["errors"] for k, r in http.items() if any(r["errors"].values())}
 
 try:
@@ -395,7 +416,7 @@ for label, key, _ in scen:
                  ms(r["latency_ms"]["p50"]), ms(r["latency_ms"]["p99"]),
                  f"{100 * r['vs_inprocess64']:.0f}%",
                  f"{r['server_cpu_cores']:.1f}/{r['wrk_cpu_cores']:.1f}/{r['other_cpu_cores']:.1f}"])
-for name, j in jobs.items():
+for name, j in ((k, v) for k, v in jobs.items() if k in ("idx", "npy")):
     rows.append([f"modeld job, {name} 10k (median of {rounds})", "batch 64", "-", f"{j['rows_per_s']:.0f}",
                  "-", "-", f"{100 * j['vs_inprocess64']:.0f}%", "-"])
 for tag, r in [("a", x) for x in inproc_a] + [("b", x) for x in inproc_b]:
@@ -414,7 +435,11 @@ print()
 print(f"in-process ceiling (batch 64, best of {len(in64) + len(jobceil)} runs: (a), (b) and the "
       f"{len(jobceil)} runs beside the jobs): {ceiling:.0f} rows/s; "
       "req/s of in-process rows = forwards/s, p50/p99 = one forward")
-for name, j in jobs.items():
+d = jobs["during_online_load"]
+print(f"the 60k-row job during the 1-row load: {d['rows_done']} rows done, {d['rows_per_s']:.0f} rows/s "
+      f"({d['status']} when the load ended; 1-row req/s {mixed['req_per_s']:.0f} against "
+      f"{m1['req_per_s']:.0f} without the job)")
+for name, j in ((k, v) for k, v in jobs.items() if k in ("idx", "npy")):
     lo, hi = j["ratio_range"]
     print(f"job {name}: each round against the better in-process run beside it (median "
           f"{j['ceiling_beside']:.0f} rows/s): {100 * lo:.0f}-{100 * hi:.0f}%, median "

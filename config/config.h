@@ -57,6 +57,7 @@ typedef struct md_cfg {
     char *default_model;        /* model answering POST /predict; "" = the only one */
     /* jobs */
     int max_jobs;               /* jobs running at once */
+    int job_nice;               /* nice of the job workers (0..19) */
 } md_cfg;
 
 /* What main should do after loading. */

@@ -3,33 +3,45 @@
  * workers that batch them into forwards.
  *
  * DESIGN
- * One mutex and condition variable guard two FIFO queues per version
- * (online first, then batch jobs), as redis' bio.c does. A free worker takes
- * what is queued at once, up to max_batch_size rows: under load batches grow
- * by themselves while the other workers compute. Only when max_delay_us > 0
- * does it wait for more, and then only until max_delay_us after the batch's
- * FIRST request arrived (the clock starts at arrival, not when a worker
- * polls), so a fixed delay never stacks on top of queueing time.
+ * One mutex guards two FIFO queues per version, online requests and batch
+ * job chunks, each with its own pool of `workers` threads and condition
+ * variable, as redis' bio.c keeps a queue per job type. Job workers run at
+ * the job_nice setting, so the kernel schedules online work first and
+ * preempts a job forward when an online request arrives: a queue order alone
+ * cannot, because a worker inside a 64-row job forward would make the next
+ * online request wait for it (measured: 1-row p99 4.5 -> 8.6 ms at 32
+ * connections when jobs shared the online workers). With no online traffic
+ * the job workers have the cores to themselves.
+ * A free worker takes what is queued at once, up to max_batch_size rows:
+ * under load batches grow by themselves while the other workers compute.
+ * Only when max_delay_us > 0 does an online worker wait for more, and then
+ * only until max_delay_us after the batch's FIRST request arrived (the clock
+ * starts at arrival, not when a worker polls), so a fixed delay never stacks
+ * on top of queueing time.
  * A request larger than max_batch_size is taken in pieces, possibly by
  * several workers at once; each piece writes its rows of the shared output
- * and the piece that completes the last row answers. A request whose
+ * and the piece that completes the last row answers. An online request whose
  * deadline passed before any row was taken is answered 504 and never
- * computed (batch-priority requests have no deadline: they wait behind
- * online traffic however long it lasts); one whose requester is gone (the
- * alive check, a peek at the client's socket) is dropped the same way. The queue limit counts
- * requests, answered 503 at submit.
+ * computed (job chunks have no deadline: under online load they wait for
+ * spare CPU however long it takes); one whose requester is gone (the alive
+ * check, a peek at the client's socket) is dropped the same way. The queue
+ * limit counts online requests, answered 503 at submit.
  * Lifetime: the registry and each queued request hold references; the last
  * release sets `stopping`; workers finish the queue, exit, and the last one
  * to exit frees the model, so a release from a worker thread never joins
  * itself.
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "predictor.h"
 #include "torch_backend.h"
@@ -74,10 +86,10 @@ struct md_model {
     int64_t norm_inner;        /* floats per channel within a row */
     int logits;
     json_t *labels;
-    int max_batch, max_delay_us, queue_limit, timeout_ms, workers;
+    int max_batch, max_delay_us, queue_limit, timeout_ms, workers, job_nice;
     /* queues */
     pthread_mutex_t mu;
-    pthread_cond_t cv;
+    pthread_cond_t cv[2];      /* per queue: its pool of workers waits on it */
     queue q[2];
     int stopping;
     int live_workers;
@@ -129,7 +141,8 @@ static void model_free(md_model *m)
     free(m->mean);
     free(m->std);
     pthread_mutex_destroy(&m->mu);
-    pthread_cond_destroy(&m->cv);
+    pthread_cond_destroy(&m->cv[0]);
+    pthread_cond_destroy(&m->cv[1]);
     free(m);
 }
 
@@ -150,47 +163,41 @@ typedef struct piece {
     int64_t start, rows;
 } piece;
 
-static void *worker_main(void *arg)
+/* The loop of one worker of pool `qi` (0: online, 1: batch jobs). */
+static void worker_loop(md_model *m, int qi)
 {
-    md_model *m = arg;
-    /* "md-<model>" in top, perf and gdb (15 characters at most) */
-    char tname[16];
-    snprintf(tname, sizeof tname, "md-%.12s", m->name);
-    pthread_setname_np(pthread_self(), tname);
     size_t cap_pieces = 64;
     piece *pieces = md_xmalloc(sizeof(piece) * cap_pieces);
     float *batch = NULL;
     size_t batch_cap = 0;
+    queue *q = &m->q[qi];
     for (;;) {
         pthread_mutex_lock(&m->mu);
-        while (!m->q[0].head && !m->q[1].head && !m->stopping)
-            pthread_cond_wait(&m->cv, &m->mu);
-        if (!m->q[0].head && !m->q[1].head) {
+        while (!q->head && !m->stopping)
+            pthread_cond_wait(&m->cv[qi], &m->mu);
+        if (!q->head) {
             int last = --m->live_workers == 0;
             pthread_mutex_unlock(&m->mu);
             free(pieces);
             free(batch);
             if (last)
                 model_free(m);
-            return NULL;
+            return;
         }
-        if (m->max_delay_us > 0) {
+        if (m->max_delay_us > 0 && qi == 0) {
             /* wait for more rows, until max_delay after the first arrival */
-            queue *fq = m->q[0].head ? &m->q[0] : &m->q[1];
-            double until = fq->head->enqueued + m->max_delay_us / 1e6;
-            while (m->q[0].rows + m->q[1].rows < m->max_batch && !m->stopping &&
-                   now_s() < until) {
+            double until = q->head->enqueued + m->max_delay_us / 1e6;
+            while (q->rows < m->max_batch && !m->stopping && now_s() < until) {
                 struct timespec ts = abs_time(until);
-                pthread_cond_timedwait(&m->cv, &m->mu, &ts);
+                pthread_cond_timedwait(&m->cv[0], &m->mu, &ts);
             }
         }
-        /* take up to max_batch rows, online first */
+        /* take up to max_batch rows of this pool's queue */
         int n = 0;
         int64_t rows = 0;
         item *expired = NULL;
         double now = now_s();
-        for (int qi = 0; qi < 2 && rows < m->max_batch; qi++) {
-            queue *q = &m->q[qi];
+        {
             while (q->head && rows < m->max_batch) {
                 item *it = q->head;
                 /* only a request that waited a while is worth a syscall: the
@@ -331,6 +338,37 @@ static void *worker_main(void *arg)
     }
 }
 
+/* Online workers: "md-<model>" in top, perf and gdb (15 characters at most). */
+static void *online_main(void *arg)
+{
+    md_model *m = arg;
+    char tname[16];
+    snprintf(tname, sizeof tname, "md-%.12s", m->name);
+    pthread_setname_np(pthread_self(), tname);
+    worker_loop(m, 0);
+    return NULL;
+}
+
+/* Job workers ("mj-<model>") run at the job_nice setting (default 19: a
+ * scheduler weight of 15 against 1024 for online workers and HTTP threads):
+ * the kernel gives the CPU to online work first and preempts a job forward
+ * in progress when an online request arrives, which no queue order can do.
+ * Measured under a saturating 1-row load during a 60k-row job: nice 0 added
+ * ~4 ms to the p99, nice 10 ~2 ms, nice 19 under 1 ms (the job then runs on
+ * what the online load leaves). */
+static void *job_main(void *arg)
+{
+    md_model *m = arg;
+    char tname[16];
+    snprintf(tname, sizeof tname, "mj-%.12s", m->name);
+    pthread_setname_np(pthread_self(), tname);
+    if (m->job_nice > 0 && setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), m->job_nice) != 0)
+        md_log(MD_LOG_WARN, "model %s: cannot lower the job workers' priority (nice %d): %s",
+               m->name, m->job_nice, strerror(errno));
+    worker_loop(m, 1);
+    return NULL;
+}
+
 md_status md_model_load(const char *name, int version, const char *path, json_t *config,
                         const md_model_defaults *def, md_model **out, md_err *err)
 {
@@ -342,7 +380,8 @@ md_status md_model_load(const char *name, int version, const char *path, json_t 
     snprintf(m->name, sizeof m->name, "%s", name);
     m->version = version;
     pthread_mutex_init(&m->mu, NULL);
-    pthread_cond_init(&m->cv, NULL);
+    pthread_cond_init(&m->cv[0], NULL);
+    pthread_cond_init(&m->cv[1], NULL);
     atomic_store(&m->refs, 1);
     json_t *input = json_object_get(config, "input");
     json_t *shape = json_object_get(input, "shape");
@@ -382,6 +421,7 @@ md_status md_model_load(const char *name, int version, const char *path, json_t 
     m->queue_limit = cfg_int(b, "queue_limit", def->queue_limit);
     m->timeout_ms = cfg_int(b, "timeout_ms", def->timeout_ms);
     m->workers = cfg_int(config, "workers", def->workers);
+    m->job_nice = def->job_nice;
     const char *device = json_string_value(json_object_get(config, "device"));
 
     st = md_torch_load(path, device ? device : "cpu",
@@ -419,23 +459,30 @@ md_status md_model_load(const char *name, int version, const char *path, json_t 
             return MD_EUNPROC;
         }
     }
-    m->live_workers = m->workers;
-    for (int i = 0; i < m->workers; i++) {
+    /* `workers` online workers, then as many job workers */
+    int total = 2 * m->workers;
+    m->live_workers = total;
+    for (int i = 0; i < total; i++) {
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&t, &attr, worker_main, m);
+        int rc = pthread_create(&t, &attr, i < m->workers ? online_main : job_main, m);
         pthread_attr_destroy(&attr);
         if (rc != 0) {
-            pthread_mutex_lock(&m->mu);
-            m->live_workers -= m->workers - i;
-            pthread_mutex_unlock(&m->mu);
             if (i == 0) {
                 model_free(m);
-                return md_err_set(err, MD_EBUSY, "cannot start worker threads for model %s", name);
+            } else {
+                /* the started workers exit at once; the last one frees m */
+                pthread_mutex_lock(&m->mu);
+                m->live_workers -= total - i;
+                m->stopping = 1;
+                pthread_cond_broadcast(&m->cv[0]);
+                pthread_cond_broadcast(&m->cv[1]);
+                pthread_mutex_unlock(&m->mu);
             }
-            break;
+            return md_err_set(err, MD_EBUSY, "cannot start %d worker threads for model %s (%s); "
+                              "lower its workers", total, name, strerror(rc));
         }
     }
     *out = m;
@@ -450,7 +497,8 @@ void md_model_release(md_model *m)
         return;
     pthread_mutex_lock(&m->mu);
     m->stopping = 1;
-    pthread_cond_broadcast(&m->cv);
+    pthread_cond_broadcast(&m->cv[0]);
+    pthread_cond_broadcast(&m->cv[1]);
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -603,11 +651,13 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
     q->count++;
     q->rows += it->rows;
     atomic_fetch_add(&m->n_requests, 1);
-    /* wake one worker, or all when a delay is pending so the waiter re-checks */
-    if (m->max_delay_us > 0)
-        pthread_cond_broadcast(&m->cv);
+    /* wake one worker of the queue's pool, or all when a delay is pending so
+     * the waiter re-checks */
+    int qi = prio == MD_PRIO_BATCH ? 1 : 0;
+    if (m->max_delay_us > 0 && qi == 0)
+        pthread_cond_broadcast(&m->cv[0]);
     else
-        pthread_cond_signal(&m->cv);
+        pthread_cond_signal(&m->cv[qi]);
     pthread_mutex_unlock(&m->mu);
     return MD_OK;
 }

@@ -43,6 +43,7 @@ typedef struct md_model_defaults {
     int max_delay_us;
     int queue_limit;
     int timeout_ms;
+    int job_nice;       /* nice of the job workers, 0..19 */
 } md_model_defaults;
 
 /*

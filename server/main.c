@@ -120,6 +120,7 @@ int main(int argc, char **argv)
         .max_delay_us = cfg.max_delay_us,
         .queue_limit = cfg.queue_limit,
         .timeout_ms = cfg.timeout_ms,
+        .job_nice = cfg.job_nice,
     };
 
     md_http *http = NULL;

@@ -19,6 +19,7 @@
 
 #include <cmocka.h>
 
+#include <dirent.h>
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -338,6 +339,8 @@ static void drop(md_model *m)
 
 /* Load `name` version `version` with `config` (JSON text) and these defaults;
  * *fake_id gets the fake backend's id for the model. */
+static int g_job_nice; /* job_nice of the models load_ex makes (0: not lowered) */
+
 static md_model *load_ex(const char *name, int version, const char *config, int workers,
                          int max_batch, int delay_us, int queue_limit, int timeout_ms,
                          int *fake_id)
@@ -350,7 +353,8 @@ static md_model *load_ex(const char *name, int version, const char *config, int 
                              .max_batch_size = max_batch,
                              .max_delay_us = delay_us,
                              .queue_limit = queue_limit,
-                             .timeout_ms = timeout_ms};
+                             .timeout_ms = timeout_ms,
+                             .job_nice = g_job_nice};
     char path[64];
     snprintf(path, sizeof path, "fake-%s-v%d", name, version);
     int calls_before = locked_int(&g_load_calls);
@@ -462,7 +466,7 @@ static void test_fake_backend_linked(void **state)
     /* a load that the backend refuses reports its message */
     md_model *bad = NULL;
     md_err err;
-    md_model_defaults def = {1, 64, 0, 100, 10000};
+    md_model_defaults def = {1, 64, 0, 100, 10000, 0};
     assert_int_equal(md_model_load("x", 1, "fail-me", NULL, &def, &bad, &err), MD_EUNPROC);
     assert_null(bad);
     assert_non_null(strstr(err.msg, "fake load of fail-me failed"));
@@ -728,17 +732,17 @@ static void test_batch_priority_never_times_out(void **state)
 {
     (void)state;
     md_model *m = load(ROW2, 1, 64, 0, 100, 50);
-    submit_ok(m, 0, 1, 2, (const float[]){GATE, 0});
-    ASSERT_WAIT(g_gate_entered == 1);
     md_err err;
+    /* the job worker is held in a forward; a second chunk waits 5x timeout_ms */
+    assert_int_equal(submit_prio(m, 0, 1, 2, (const float[]){GATE, 0}, MD_PRIO_BATCH, &err), MD_OK);
+    ASSERT_WAIT(g_gate_entered == 1);
     assert_int_equal(submit_prio(m, 1, 1, 2, (const float[]){3, 4}, MD_PRIO_BATCH, &err), MD_OK);
-    assert_int_equal(submit_prio(m, 2, 1, 2, (const float[]){5, 6}, MD_PRIO_ONLINE, &err), MD_OK);
     usleep(250000);
     open_gate();
-    ASSERT_WAIT(reqs_done(0, 3));
+    ASSERT_WAIT(reqs_done(0, 2));
+    assert_int_equal(g_req[0].st, MD_OK);
     assert_int_equal(g_req[1].st, MD_OK);
-    assert_int_equal(g_req[2].st, MD_ETIMEOUT);
-    assert_int_equal(stat_int(m, "timeouts"), 1);
+    assert_int_equal(stat_int(m, "timeouts"), 0);
 }
 
 static void test_queue_full(void **state)
@@ -837,19 +841,98 @@ static void test_preprocess(void **state)
     assert_true(g_req[2].out[0] == 2.0f && g_req[2].out[1] == 4.0f);
 }
 
-static void test_online_before_batch(void **state)
+/* Online requests and job chunks have their own workers: an online request
+ * is computed while every job worker is inside a (blocked) forward, and a
+ * job chunk while every online worker is. */
+static void test_online_and_jobs_have_own_workers(void **state)
 {
     (void)state;
-    md_model *m = load(ROW2, 1, 1, 0, 100, 10000);
-    submit_ok(m, 0, 1, 2, (const float[]){GATE, 0});
-    ASSERT_WAIT(g_gate_entered == 1);
+    md_model *m = load(ROW2, 1, 64, 0, 100, 10000);
     md_err err;
-    assert_int_equal(submit_prio(m, 1, 1, 2, (const float[]){1, 0}, MD_PRIO_BATCH, &err), MD_OK);
-    assert_int_equal(submit_prio(m, 2, 1, 2, (const float[]){2, 0}, MD_PRIO_ONLINE, &err), MD_OK);
+    assert_int_equal(submit_prio(m, 0, 1, 2, (const float[]){GATE, 0}, MD_PRIO_BATCH, &err), MD_OK);
+    ASSERT_WAIT(g_gate_entered == 1);
+    assert_int_equal(submit_prio(m, 1, 1, 2, (const float[]){1, 0}, MD_PRIO_ONLINE, &err), MD_OK);
+    ASSERT_WAIT(reqs_done(1, 2));
+    assert_int_equal(g_req[1].st, MD_OK);
+    assert_int_equal(locked_int(&g_req[0].calls), 0); /* the job chunk is still inside */
     open_gate();
-    ASSERT_WAIT(reqs_done(0, 3));
-    if (g_req[2].seq > g_req[1].seq)
-        fail_msg("the batch-priority request was answered before the online one");
+    ASSERT_WAIT(reqs_done(0, 1));
+    assert_int_equal(g_req[0].st, MD_OK);
+
+    /* the other way round */
+    pthread_mutex_lock(&g_mu);
+    g_gate_open = 0;
+    g_gate_entered = 0;
+    pthread_mutex_unlock(&g_mu);
+    submit_ok(m, 2, 1, 2, (const float[]){GATE, 0});
+    ASSERT_WAIT(g_gate_entered == 1);
+    assert_int_equal(submit_prio(m, 3, 1, 2, (const float[]){3, 0}, MD_PRIO_BATCH, &err), MD_OK);
+    ASSERT_WAIT(reqs_done(3, 4));
+    assert_int_equal(locked_int(&g_req[2].calls), 0);
+    open_gate();
+    ASSERT_WAIT(reqs_done(2, 3));
+}
+
+/* Nice of thread `tid` of this process, from /proc (field 19 of stat). */
+static int thread_nice(const char *tid)
+{
+    char path[300], buf[512];
+    snprintf(path, sizeof path, "/proc/self/task/%s/stat", tid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -100;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')'); /* after the name: state is field 3 */
+    int field = 2, nice = -100;
+    for (char *tok = strtok(p + 1, " "); tok; tok = strtok(NULL, " "))
+        if (++field == 19) {
+            nice = atoi(tok);
+            break;
+        }
+    return nice;
+}
+
+/* Count this process's threads named `name` and check their nice. */
+static int threads_named(const char *name, int want_nice)
+{
+    DIR *d = opendir("/proc/self/task");
+    assert_non_null(d);
+    int count = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        char path[300], comm[32] = "";
+        snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            continue;
+        if (fgets(comm, sizeof comm, f))
+            comm[strcspn(comm, "\n")] = 0;
+        fclose(f);
+        if (strcmp(comm, name) != 0)
+            continue;
+        count++;
+        int nice = thread_nice(e->d_name);
+        if (nice != want_nice)
+            fail_msg("thread %s (%s) has nice %d, want %d", e->d_name, name, nice, want_nice);
+    }
+    closedir(d);
+    return count;
+}
+
+/* job_nice lowers the job workers' CPU priority, and only theirs */
+static void test_job_workers_niced(void **state)
+{
+    (void)state;
+    g_job_nice = 7;
+    md_model *m = load_ex("nicejobs", 1, ROW2, 2, 64, 0, 100, 10000, NULL);
+    g_job_nice = 0;
+    (void)m;
+    ASSERT_WAIT(threads_named("mj-nicejobs", 7) == 2);
+    assert_int_equal(threads_named("md-nicejobs", 0), 2);
 }
 
 static void test_forward_error(void **state)
@@ -1096,7 +1179,7 @@ static void test_eight_dim_row_shape(void **state)
         signal(SIGILL, SIG_DFL);
         signal(SIGFPE, SIG_DFL);
         json_t *cfg = json_loads("{\"input\": {\"shape\": [1, 1, 1, 1, 1, 1, 1, 2]}}", 0, NULL);
-        md_model_defaults def = {1, 64, 0, 100, 10000};
+        md_model_defaults def = {1, 64, 0, 100, 10000, 0};
         md_model *m = NULL;
         md_err err;
         g_loading = 1;
@@ -1149,7 +1232,7 @@ int main(void)
     /* without the linker seam every test would fail the same way: say so once */
     md_model *probe = NULL;
     md_err perr;
-    md_model_defaults pdef = {1, 1, 0, 1, 1000};
+    md_model_defaults pdef = {1, 1, 0, 1, 1000, 0};
     md_model_load("probe", 1, "fail-probe", NULL, &pdef, &probe, &perr);
     if (g_load_calls == 0) {
         fprintf(stderr, "test_batcher: the fake backend is not linked in; link with "
@@ -1174,7 +1257,8 @@ int main(void)
         T(test_queue_full),
         T(test_wrong_shape),
         T(test_preprocess),
-        T(test_online_before_batch),
+        T(test_online_and_jobs_have_own_workers),
+        T(test_job_workers_niced),
         T(test_forward_error),
         T(test_registry_swap_drains_old),
         T(test_registry_versions),

@@ -18,6 +18,7 @@ import gzip
 import http.server
 import io
 import json
+import os
 import signal
 import sqlite3
 import struct
@@ -667,3 +668,38 @@ def test_job_and_online_traffic(fashion, fmnist):
         assert online == rows[i]["prediction"], \
             f"online prediction for image {i} {body!r} differs from the job's {rows[i]!r}"
     print(f"job was {running_seen} when the online requests began")
+
+
+def worker_threads(pid):
+    """{thread name: [nice, ...]} of the modeld process, from /proc."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            comm = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+            stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+        except OSError:
+            continue  # the thread exited meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on
+        out.setdefault(comm, []).append(int(fields[16]))  # field 19: nice
+    return out
+
+
+@pytest.mark.parametrize("flag", [None, "7"])
+def test_job_workers_run_at_job_nice(start_server, fmnist, tmp_path, flag):
+    """Each loaded version has `workers` online workers (md-<model>, nice 0) and as
+    many job workers (mj-<model>) at --job-nice (default 19), so the kernel runs
+    online work first; the job still completes on them."""
+    args = server_args(fmnist, tmp_path) + (("--job-nice", flag) if flag else ())
+    srv = start_server(*args)
+    deploy_fashion(srv)
+    want = int(flag) if flag else 19
+    threads = worker_threads(srv.proc.pid)
+    workers = len(threads.get("md-fashion", []))
+    assert workers >= 1, f"no md-fashion worker threads: {threads}"
+    assert threads["md-fashion"] == [0] * workers, threads
+    assert threads.get("mj-fashion") == [want] * workers, \
+        f"expected {workers} mj-fashion job workers at nice {want}: {threads}"
+    jid = create_job(srv, {"model": "fashion", "input": idx_input(), "batch_size": 64})
+    job = wait_job(srv, jid)
+    assert_done(job)
+    assert_accuracy(job, fmnist)
