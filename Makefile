@@ -138,15 +138,22 @@ bench: deps
 clean:
 	rm -rf build build-asan build-fuzz modeld
 
-# libFuzzer over the request decoders (clang); not part of `make test`.
+# libFuzzer over the request decoders and the dataset readers (clang); not part of
+# `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
 fuzz:
 	@mkdir -p build-fuzz
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_tensor tests/fuzz_tensor.c \
 	  predictor/tensor.c config/md_err.c -ljansson -lm
-	mkdir -p build-fuzz/corpus && cp tests/fuzz_corpus/* build-fuzz/corpus/
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
+	  predictor/readers.c config/md_err.c -ljansson -lz -lm
+	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers
+	cp tests/fuzz_corpus/* build-fuzz/corpus/
+	cp tests/fuzz_corpus_readers/* build-fuzz/corpus_readers/
 	build-fuzz/fuzz_tensor -max_total_time=$(FUZZ_SECONDS) -max_len=4096 build-fuzz/corpus
+	build-fuzz/fuzz_readers -max_total_time=$(FUZZ_SECONDS) -max_len=4096 build-fuzz/corpus_readers
 
 # The CUDA path of the backend must keep compiling even where no CUDA libtorch
 # exists to link it: compile it against Debian's libtorch headers and the CUDA
