@@ -1534,7 +1534,7 @@ md_status md_store_job_update(md_store *s, const char *id, json_t *fields, md_er
     static const char *allowed[] = {"status", "rows_done", "rows_total", "rows_skipped",
                                     "output_bytes", "correct", "labeled", "confusion",
                                     "rows_per_s", "partial", "error", "started_at",
-                                    "finished_at", "version", NULL};
+                                    "finished_at", "version", "spec", NULL};
     char sql[1024];
     size_t n = (size_t)snprintf(sql, sizeof sql, "UPDATE jobs SET updated_at = ?1");
     const char *key;

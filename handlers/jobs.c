@@ -244,8 +244,6 @@ void md_handle_jobs_create(md_req *req)
     char out_path[4096];
     md_status st = validate(app, spec, id, out_path, sizeof out_path, &err);
     if (st == MD_OK) {
-        if (!json_object_get(spec, "batch_size"))
-            json_object_set_new(spec, "batch_size", json_integer(app->cfg->max_batch_size));
         json_t *version = json_object_get(spec, "version");
         st = md_store_job_create(app->store, id, json_string_value(json_object_get(spec, "model")),
                                  version ? (int)json_integer_value(version) : 0, spec, out_path,

@@ -192,13 +192,16 @@ static void worker_loop(md_model *m, int qi)
                 pthread_cond_timedwait(&m->cv[0], &m->mu, &ts);
             }
         }
-        /* take up to max_batch rows of this pool's queue */
+        /* Online: take up to max_batch rows. Jobs: one whole chunk, the
+         * job's batch_size rows, whatever max_batch_size says (that setting
+         * bounds online batching; a job names its own forward size). */
         int n = 0;
         int64_t rows = 0;
+        int64_t cap = qi == 0 ? m->max_batch : INT64_MAX;
         item *expired = NULL;
         double now = now_s();
         {
-            while (q->head && rows < m->max_batch) {
+            while (q->head && rows < cap && (qi == 0 || n == 0)) {
                 item *it = q->head;
                 /* only a request that waited a while is worth a syscall: the
                  * fast path (taken within ALIVE_AFTER_S) never pays it */
@@ -216,8 +219,8 @@ static void worker_loop(md_model *m, int qi)
                     continue;
                 }
                 int64_t k = it->rows - it->taken;
-                if (k > m->max_batch - rows)
-                    k = m->max_batch - rows;
+                if (k > cap - rows)
+                    k = cap - rows;
                 if (n == (int)cap_pieces) {
                     cap_pieces *= 2;
                     pieces = realloc(pieces, sizeof(piece) * cap_pieces);
@@ -336,6 +339,11 @@ static void worker_loop(md_model *m, int qi)
         }
         free(out);
     }
+}
+
+int md_model_max_batch(const md_model *m)
+{
+    return m->max_batch;
 }
 
 /* Online workers: "md-<model>" in top, perf and gdb (15 characters at most). */

@@ -1,12 +1,13 @@
 /*
- * jobs.c - batch-predict jobs over whole datasets, on the models' batching
- * workers at the lower (batch) priority.
+ * jobs.c - batch-predict jobs over whole datasets, on the job workers of the
+ * model version (batcher.c: their own pool, at the job_nice CPU priority).
  *
  * DESIGN
- * A job streams its input through a reader in chunks of batch_size rows and
- * keeps up to PIPELINE chunks (at most PIPELINE_BYTES of input) queued on
- * the model, so the workers never wait for the reader or for a commit. Chunks are written strictly in input order to
- * <output>.partial; at most every COMMIT_INTERVAL_S (and at the end, on
+ * A job streams its input through a reader in chunks of batch_size rows,
+ * each chunk one forward, and keeps up to PIPELINE chunks (at most
+ * PIPELINE_BYTES of input) queued on the model, so the workers never wait
+ * for the reader or for a commit. Chunks are written strictly in input order
+ * to <output>.partial; at most every COMMIT_INTERVAL_S (and at the end, on
  * cancel and on shutdown) the file is fdatasync'ed and then ONE SQLite
  * statement commits rows_done (input rows consumed, good and skipped),
  * output_bytes and the running accuracy counts, so the disk never stalls the
@@ -508,9 +509,15 @@ static void run_job(md_jobs *J, int slot, const char *id)
     }
     lseek(fd, out_bytes, SEEK_SET);
 
+    /* no batch_size given: the model version's max_batch_size, recorded */
     int batch = (int)json_integer_value(json_object_get(spec, "batch_size"));
-    if (batch <= 0)
-        batch = 64;
+    if (batch <= 0) {
+        batch = md_model_max_batch(m);
+        json_object_set_new(spec, "batch_size", json_integer(batch));
+        f = json_pack("{s:O}", "spec", spec);
+        md_store_job_update(J->store, id, f, NULL);
+        json_decref(f);
+    }
     long chunk_bytes = (long)batch * (long)width * (long)sizeof(float);
     int depth = chunk_bytes > 0 ? (int)(PIPELINE_BYTES / chunk_bytes) : PIPELINE;
     depth = depth < 2 ? 2 : depth > PIPELINE ? PIPELINE : depth;

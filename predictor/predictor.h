@@ -65,6 +65,8 @@ const char *md_model_name(const md_model *m);
 /* Set the version number once it is known (before the model is shared). */
 void md_model_set_version(md_model *m, int version);
 int md_model_version(const md_model *m);
+/* batching.max_batch_size of this version (its config, else the server's). */
+int md_model_max_batch(const md_model *m);
 /* The declared labels (borrowed JSON array) or NULL. */
 json_t *md_model_labels(const md_model *m);
 /* 1 when the output is declared logits (softmax before scores). */
@@ -86,8 +88,9 @@ typedef enum md_priority { MD_PRIO_ONLINE = 0, MD_PRIO_BATCH = 1 } md_priority;
  * is shaped to the model's declared per-row shape (a single row is a batch
  * of one), cast and preprocessed. On MD_OK `cb` will be called exactly once
  * from a worker thread; on failure (bad shape MD_EINVAL, queue full MD_EBUSY)
- * it is not called. Requests larger than max_batch_size are split and
- * reassembled. Thread-safe.
+ * it is not called. Online requests larger than max_batch_size are split
+ * and reassembled; a MD_PRIO_BATCH request (a job chunk) is one forward of
+ * all its rows, on the version's job workers. Thread-safe.
  */
 md_status md_model_submit(md_model *m, md_tensor *in, md_priority prio, md_predict_cb cb,
                           void *ctx, md_err *err);

@@ -873,6 +873,38 @@ static void test_online_and_jobs_have_own_workers(void **state)
     ASSERT_WAIT(reqs_done(2, 3));
 }
 
+/* A job chunk is one forward of all its rows, above max_batch_size too, and
+ * never merged with another chunk; online requests are still split. */
+static void test_job_chunk_is_one_forward(void **state)
+{
+    (void)state;
+    int id;
+    md_model *m = load_ex("m", 1, ROW2, 1, 4, 0, 100, 10000, &id);
+    enum { R = 10 };
+    float vals[2 * R];
+    for (int i = 0; i < 2 * R; i++)
+        vals[i] = (float)i;
+    md_err err;
+    /* hold the job worker so the next two chunks queue up together */
+    assert_int_equal(submit_prio(m, 0, 1, 2, (const float[]){GATE, 0}, MD_PRIO_BATCH, &err), MD_OK);
+    ASSERT_WAIT(g_gate_entered == 1);
+    assert_int_equal(submit_prio(m, 1, R, 2, vals, MD_PRIO_BATCH, &err), MD_OK);
+    assert_int_equal(submit_prio(m, 2, 3, 2, vals, MD_PRIO_BATCH, &err), MD_OK);
+    open_gate();
+    ASSERT_WAIT(reqs_done(0, 3));
+    int64_t rows[8];
+    assert_int_equal(batches_of(id, 0, rows, 8), 3);
+    assert_int_equal(rows[0], 1);
+    assert_int_equal(rows[1], R); /* over max_batch_size 4, in one forward */
+    assert_int_equal(rows[2], 3); /* not merged with the chunk before */
+    assert_int_equal(g_req[1].st, MD_OK);
+    assert_int_equal(g_req[1].shape[0], R);
+    /* an online request of 10 rows is still split at 4 */
+    submit_ok(m, 3, R, 2, vals);
+    ASSERT_WAIT(reqs_done(3, 4));
+    assert_int_equal(batches_of(id, 3, rows, 8), 3);
+}
+
 /* Nice of thread `tid` of this process, from /proc (field 19 of stat). */
 static int thread_nice(const char *tid)
 {
@@ -1259,6 +1291,7 @@ int main(void)
         T(test_preprocess),
         T(test_online_and_jobs_have_own_workers),
         T(test_job_workers_niced),
+        T(test_job_chunk_is_one_forward),
         T(test_forward_error),
         T(test_registry_swap_drains_old),
         T(test_registry_versions),

@@ -703,3 +703,40 @@ def test_job_workers_run_at_job_nice(start_server, fmnist, tmp_path, flag):
     job = wait_job(srv, jid)
     assert_done(job)
     assert_accuracy(job, fmnist)
+
+
+def test_batch_size_is_the_forward_size(fashion, fmnist):
+    """A job's batch_size is its forward size, even above the model's
+    max_batch_size (64 here, which bounds online batching): 10,000 rows at
+    batch_size 200 are exactly 50 forwards of 200 rows."""
+    before = fashion.get("/models/fashion").json()["loaded"][0]
+    assert before["max_batch_size"] == 64, before
+    jid = create_job(fashion, {"model": "fashion", "input": idx_input(), "batch_size": 200,
+                               "output": {"format": "npy"}})
+    job = wait_job(fashion, jid)
+    assert_done(job)
+    assert_accuracy(job, fmnist)
+    after = fashion.get("/models/fashion").json()["loaded"][0]
+    more = after["batch_size_histogram"][7] - before["batch_size_histogram"][7]
+    assert after["batches"] - before["batches"] == 50, (before, after)
+    assert more == 50, f"expected 50 forwards of more than 64 rows: {before} -> {after}"
+    assert after["rows"] - before["rows"] == N
+
+
+def test_default_batch_size_is_the_versions_max_batch_size(start_server, fmnist, tmp_path):
+    """Without batch_size a job uses the model version's batching.max_batch_size
+    (from its config, over the server's --max-batch-size) and records it."""
+    srv = start_server(*server_args(fmnist, tmp_path), "--max-batch-size", "16")
+    config = json.loads(FASHION_JSON.read_text())
+    config["batching"] = {"max_batch_size": 40}
+    with open(FASHION_PT, "rb") as f:
+        r = requests.post(srv.url + "/models/fashion/versions", files={"checkpoint": f},
+                          data={"config": json.dumps(config)}, timeout=30 * TSCALE)
+    assert r.status_code == 201, r.text
+    jid = create_job(srv, {"model": "fashion", "input": idx_input()})
+    job = wait_job(srv, jid)
+    assert_done(job)
+    assert job["spec"]["batch_size"] == 40, job["spec"]
+    stats = srv.get("/models/fashion").json()["loaded"][0]
+    # 10,000 = 250 x 40: every forward was a full chunk of 40 (bucket 33-64)
+    assert stats["batch_size_histogram"][6] == 250, stats
