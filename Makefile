@@ -7,10 +7,11 @@ PYTHON  := /usr/bin/python3
 PORT    ?= 8080
 
 # Debian packages the build, the tests and the benchmarks need.
-DEB_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
-	libcurl4-openssl-dev libssl-dev zlib1g-dev libcmocka-dev libtorch-dev \
-	libopenblas0-pthread python3 python3-pytest python3-requests python3-numpy curl \
-	ca-certificates sqlite3 dataset-fashion-mnist
+# BUILD_PACKAGES build ./modeld (the Docker build stage installs only these).
+BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
+	libcurl4-openssl-dev libssl-dev zlib1g-dev libtorch-dev libopenblas0-pthread
+DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
+	python3-numpy curl ca-certificates sqlite3 dataset-fashion-mnist git
 
 # libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one.
 LIBTORCH ?=
@@ -58,7 +59,8 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
-.PHONY: all run test unit e2e asan bench deps clean lint-openapi fixtures fuzz cuda-compile-check
+.PHONY: all run test unit e2e asan bench deps deps-build clean lint-openapi fixtures fuzz \
+	cuda-compile-check docker-check
 
 all: $(MODELD)
 
@@ -82,8 +84,8 @@ $(BUILD)/tests/%: tests/%.c $(LIB_OBJ)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS_$*) $(LIBS) -lcmocka
 
 # Install the Debian packages that are missing (non-interactive).
-deps:
-	@missing=""; for p in $(DEB_PACKAGES); do \
+deps deps-build:
+	@missing=""; for p in $(if $(filter deps-build,$@),$(BUILD_PACKAGES),$(DEB_PACKAGES)); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -113,6 +115,11 @@ test: deps
 	$(MAKE) e2e
 	$(MAKE) lint-openapi
 	$(MAKE) cuda-compile-check
+	$(MAKE) docker-check
+
+# The Docker image's steps without a Docker engine (docker/steps.sh check).
+docker-check: deps
+	docker/steps.sh check
 
 # Address + undefined sanitizers over the whole suite, in a separate build dir.
 asan: deps
