@@ -529,9 +529,10 @@ json_t *md_model_stats(const md_model *m)
         json_array_append_new(hist, json_integer(atomic_load(&m->batch_hist[i])));
     md_model *mm = (md_model *)m;
     pthread_mutex_lock(&mm->mu);
-    int queued = m->q[0].count + m->q[1].count;
+    int queued = m->q[0].count + m->q[1].count, job_chunks = m->q[1].count;
     pthread_mutex_unlock(&mm->mu);
-    return json_pack("{s:s,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:o,s:i,s:i,s:i}", "model", m->name,
+    return json_pack("{s:s,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:i,s:o,s:i,s:i,s:i,s:i,s:i}",
+                     "model", m->name,
                      "version", m->version, "batches", (json_int_t)atomic_load(&m->n_batches),
                      "rows", (json_int_t)atomic_load(&m->n_rows), "requests",
                      (json_int_t)atomic_load(&m->n_requests), "timeouts",
@@ -539,8 +540,9 @@ json_t *md_model_stats(const md_model *m)
                      (json_int_t)atomic_load(&m->n_dropped), "rejected",
                      (json_int_t)atomic_load(&m->n_rejected), "queue_wait_us_total",
                      (json_int_t)atomic_load(&m->wait_us_total), "queued", queued,
-                     "batch_size_histogram", hist, "workers", m->workers, "max_batch_size",
-                     m->max_batch, "max_delay_us", m->max_delay_us);
+                     "queued_job_chunks", job_chunks, "batch_size_histogram", hist, "workers",
+                     m->workers, "job_workers", m->workers, "job_nice", m->job_nice,
+                     "max_batch_size", m->max_batch, "max_delay_us", m->max_delay_us);
 }
 
 /* Shape `in` to [rows, row shape...]: a single row in the declared shape is

@@ -699,6 +699,9 @@ def test_job_workers_run_at_job_nice(start_server, fmnist, tmp_path, flag):
     assert threads["md-fashion"] == [0] * workers, threads
     assert threads.get("mj-fashion") == [want] * workers, \
         f"expected {workers} mj-fashion job workers at nice {want}: {threads}"
+    stats = srv.get("/models/fashion").json()["loaded"][0]
+    assert (stats["workers"], stats["job_workers"], stats["job_nice"]) == (workers, workers, want), stats
+    assert stats["queued_job_chunks"] == 0, stats
     jid = create_job(srv, {"model": "fashion", "input": idx_input(), "batch_size": 64})
     job = wait_job(srv, jid)
     assert_done(job)
