@@ -109,6 +109,11 @@ static const char *const migrations[] = {
     "ALTER TABLE models ADD COLUMN last_version INTEGER NOT NULL DEFAULT 0;"
     "UPDATE models SET last_version = "
     "  (SELECT COALESCE(MAX(version), 0) FROM versions WHERE versions.model = models.name);",
+    /* 4: jobs are claimed with a lease, so replicas sharing a store run each
+     * job once and take over the jobs of one that died */
+    "ALTER TABLE jobs ADD COLUMN owner TEXT;"
+    "ALTER TABLE jobs ADD COLUMN lease_until REAL;"
+    "ALTER TABLE jobs ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0;",
 };
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof migrations[0]))
 
@@ -1397,7 +1402,7 @@ out:
 #define JOB_COLS                                                                              \
     "id, model, version, spec, status, rows_done, rows_total, rows_skipped, output_path, "   \
     "output_bytes, correct, labeled, confusion, rows_per_s, partial, error, created_at, "    \
-    "started_at, finished_at, updated_at "
+    "started_at, finished_at, updated_at, owner "
 
 static json_t *col_or_null(sqlite3_stmt *st, int i)
 {
@@ -1419,9 +1424,9 @@ static json_t *job_json(sqlite3_stmt *st)
                                   "rows_total", "rows_skipped", "output_path", "output_bytes",
                                   "correct", "labeled", "confusion", "rows_per_s", "partial",
                                   "error", "created_at", "started_at", "finished_at",
-                                  "updated_at"};
+                                  "updated_at", "owner"};
     json_t *j = json_object();
-    for (int i = 0; i < 20; i++) {
+    for (int i = 0; i < 21; i++) {
         if (i == 3 || i == 12) {
             json_object_set_new(j, names[i], sqlite3_column_type(st, i) == SQLITE_NULL
                                                  ? json_null()
@@ -1529,13 +1534,23 @@ out:
     return rc;
 }
 
-md_status md_store_job_update(md_store *s, const char *id, json_t *fields, md_err *err)
+static double wall_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* UPDATE the columns named by `fields`; with `owner`, only while that owner
+ * holds the job, extending its lease to now + lease_s (0 rows: ECONFLICT). */
+static md_status job_update(md_store *s, const char *id, const char *owner, double lease_s,
+                            json_t *fields, int *cancel_requested, md_err *err)
 {
     static const char *allowed[] = {"status", "rows_done", "rows_total", "rows_skipped",
                                     "output_bytes", "correct", "labeled", "confusion",
                                     "rows_per_s", "partial", "error", "started_at",
                                     "finished_at", "version", "spec", NULL};
-    char sql[1024];
+    char sql[1200];
     size_t n = (size_t)snprintf(sql, sizeof sql, "UPDATE jobs SET updated_at = ?1");
     const char *key;
     json_t *v;
@@ -1548,7 +1563,13 @@ md_status md_store_job_update(md_store *s, const char *id, json_t *fields, md_er
         md_assert(ok);
         n += (size_t)snprintf(sql + n, sizeof sql - n, ", %s = ?%d", key, idx++);
     }
-    snprintf(sql + n, sizeof sql - n, " WHERE id = ?%d", idx);
+    int id_idx = idx++;
+    if (owner) {
+        n += (size_t)snprintf(sql + n, sizeof sql - n, ", lease_until = ?%d WHERE id = ?%d AND "
+                              "owner = ?%d RETURNING cancel_requested", idx, id_idx, idx + 1);
+    } else {
+        snprintf(sql + n, sizeof sql - n, " WHERE id = ?%d", id_idx);
+    }
     char now[32];
     now_iso(now);
     pthread_mutex_lock(&s->mu);
@@ -1579,9 +1600,162 @@ md_status md_store_job_update(md_store *s, const char *id, json_t *fields, md_er
         }
         idx++;
     }
-    sqlite3_bind_text(st, idx, id, -1, SQLITE_TRANSIENT);
-    if (sqlite3_step(st) != SQLITE_DONE)
+    sqlite3_bind_text(st, id_idx, id, -1, SQLITE_TRANSIENT);
+    if (owner) {
+        sqlite3_bind_double(st, id_idx + 1, wall_now() + lease_s);
+        sqlite3_bind_text(st, id_idx + 2, owner, -1, SQLITE_TRANSIENT);
+        int r = sqlite3_step(st);
+        if (r == SQLITE_ROW) {
+            if (cancel_requested)
+                *cancel_requested = sqlite3_column_int(st, 0);
+            r = sqlite3_step(st);
+        } else if (r == SQLITE_DONE) {
+            rc = md_err_setc(err, MD_ECONFLICT, "job_lease_lost",
+                             "job %s is no longer held by this process (%s)", id, owner);
+        }
+        if (rc == MD_OK && r != SQLITE_DONE)
+            rc = db_fail(s, err, "update job");
+    } else if (sqlite3_step(st) != SQLITE_DONE) {
         rc = db_fail(s, err, "update job");
+    }
+    sqlite3_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_job_update(md_store *s, const char *id, json_t *fields, md_err *err)
+{
+    return job_update(s, id, NULL, 0, fields, NULL, err);
+}
+
+md_status md_store_job_update_owned(md_store *s, const char *id, const char *owner,
+                                    double lease_s, json_t *fields, int *cancel_requested,
+                                    md_err *err)
+{
+    json_t *empty = fields ? NULL : json_object();
+    md_status rc = job_update(s, id, owner, lease_s, fields ? fields : empty, cancel_requested,
+                              err);
+    json_decref(empty);
+    return rc;
+}
+
+md_status md_store_job_claim_next(md_store *s, const char *owner, double lease_s,
+                                  int (*owner_dead)(const char *owner, void *ctx), void *ctx,
+                                  char id[64], md_err *err)
+{
+    id[0] = '\0';
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    double now = wall_now();
+    sqlite3_stmt *sel = prep(s,
+                             "SELECT id, owner, lease_until FROM jobs WHERE status IN "
+                             "('queued','running') AND (owner IS NULL OR owner != ?1) "
+                             "ORDER BY created_at, id",
+                             err);
+    sqlite3_stmt *upd = prep(s,
+                             "UPDATE jobs SET owner = ?1, lease_until = ?2 WHERE id = ?3 AND "
+                             "status IN ('queued','running') AND owner IS ?4",
+                             err);
+    if (!sel || !upd) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(sel, 1, owner, -1, SQLITE_STATIC);
+    int r;
+    while ((r = sqlite3_step(sel)) == SQLITE_ROW) {
+        const char *cand = (const char *)sqlite3_column_text(sel, 0);
+        const char *held = (const char *)sqlite3_column_text(sel, 1);
+        double until = sqlite3_column_double(sel, 2);
+        if (held && until >= now && !(owner_dead && owner_dead(held, ctx)))
+            continue; /* a live lease */
+        sqlite3_reset(upd);
+        sqlite3_bind_text(upd, 1, owner, -1, SQLITE_STATIC);
+        sqlite3_bind_double(upd, 2, now + lease_s);
+        sqlite3_bind_text(upd, 3, cand, -1, SQLITE_TRANSIENT);
+        if (held)
+            sqlite3_bind_text(upd, 4, held, -1, SQLITE_TRANSIENT);
+        else
+            sqlite3_bind_null(upd, 4);
+        if (sqlite3_step(upd) != SQLITE_DONE) {
+            rc = db_fail(s, err, "claim job");
+            break;
+        }
+        if (sqlite3_changes(s->db) == 1) { /* another process may have taken it first */
+            snprintf(id, 64, "%s", cand);
+            break;
+        }
+    }
+    if (rc == MD_OK && r != SQLITE_ROW && r != SQLITE_DONE)
+        rc = db_fail(s, err, "list claimable jobs");
+out:
+    sqlite3_finalize(sel);
+    sqlite3_finalize(upd);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_job_release(md_store *s, const char *id, const char *owner, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s,
+                            "UPDATE jobs SET owner = NULL, lease_until = NULL WHERE id = ?1 AND "
+                            "owner = ?2",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, owner, -1, SQLITE_STATIC);
+    if (sqlite3_step(st) != SQLITE_DONE)
+        rc = db_fail(s, err, "release job");
+    sqlite3_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_job_request_cancel(md_store *s, const char *id, int *cancelled_now,
+                                      md_err *err)
+{
+    *cancelled_now = 0;
+    char now[32];
+    now_iso(now);
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    /* a queued job nobody holds is cancelled at once; any other is flagged
+     * for its holder (or whoever claims it next) */
+    sqlite3_stmt *st = prep(s,
+                            "UPDATE jobs SET status = 'cancelled', finished_at = ?2, "
+                            "updated_at = ?2 WHERE id = ?1 AND status = 'queued' AND owner IS NULL",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, now, -1, SQLITE_STATIC);
+    if (sqlite3_step(st) != SQLITE_DONE)
+        rc = db_fail(s, err, "cancel job");
+    else if (sqlite3_changes(s->db) == 1)
+        *cancelled_now = 1;
+    sqlite3_finalize(st);
+    if (rc != MD_OK || *cancelled_now)
+        goto out;
+    st = prep(s,
+              "UPDATE jobs SET cancel_requested = 1, updated_at = ?2 WHERE id = ?1 AND "
+              "status IN ('queued','running')",
+              err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, now, -1, SQLITE_STATIC);
+    if (sqlite3_step(st) != SQLITE_DONE)
+        rc = db_fail(s, err, "cancel job");
     sqlite3_finalize(st);
 out:
     pthread_mutex_unlock(&s->mu);

@@ -79,6 +79,8 @@ static const setting settings[] = {
     {"default_model", T_STR, OFF(default_model), 0, 0, "", NULL,
      "model answering POST /predict; empty = the only deployed model"},
     {"max_jobs", T_INT, OFF(max_jobs), 1, 1024, "2", NULL, "batch jobs running at once"},
+    {"job_lease_s", T_INT, OFF(job_lease_s), 2, 3600, "30", NULL,
+     "a replica sharing the store takes over a job whose runner went silent this long"},
     {"job_nice", T_INT, OFF(job_nice), 0, 19, "19", NULL,
      "nice of the workers computing batch jobs: 0 = equal to online work, 19 = spare CPU only"},
 };

@@ -58,6 +58,7 @@ typedef struct md_cfg {
     /* jobs */
     int max_jobs;               /* jobs running at once */
     int job_nice;               /* nice of the job workers (0..19) */
+    int job_lease_s;            /* a silent job runner's jobs are taken over after this */
 } md_cfg;
 
 /* What main should do after loading. */

@@ -26,6 +26,16 @@ md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err)
     json_t *info = NULL;
     if (md_store_get_model(app->store, name, &info, err) != MD_OK)
         return NULL; /* model_not_found */
+    int make_default = 0;
+    if (!version) {
+        /* a default deployed through a replica sharing the store since this
+         * one started: load it here too */
+        json_t *dv = json_object_get(info, "default_version");
+        if (json_is_integer(dv) && json_integer_value(dv) > 0) {
+            version = (int)json_integer_value(dv);
+            make_default = 1;
+        }
+    }
     json_decref(info);
     if (!version) {
         md_err_setc(err, MD_ECONFLICT, "model_not_ready",
@@ -43,7 +53,7 @@ md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err)
     if (!m)
         return NULL;
     md_model_retain(m);
-    md_registry_put(app->registry, m, 0);
+    md_registry_put(app->registry, m, make_default);
     return m;
 }
 

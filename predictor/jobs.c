@@ -23,10 +23,12 @@
 #include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -40,10 +42,7 @@
 #define COMMIT_INTERVAL_S 0.25
 #define NPY_HEADER 128
 
-typedef struct job_ref {
-    char id[64];
-    struct job_ref *next;
-} job_ref;
+#define POLL_S 1.0 /* idle runners look for claimable jobs this often */
 
 struct md_jobs {
     md_store *store;
@@ -51,10 +50,14 @@ struct md_jobs {
     md_model_resolver resolve;
     void *resolve_ctx;
     pthread_mutex_t mu;
-    pthread_cond_t cv;
-    job_ref *head, *tail;
+    pthread_cond_t cv;    /* kicks idle runners: a job was created here */
+    char owner[160];      /* this process in jobs.owner: "host|pid|nonce" */
+    char host[128];
+    double lease_s;
     char (*running)[64];  /* id per runner, "" when idle */
     atomic_int *cancel;   /* per runner */
+    atomic_int *lost;     /* per runner: another process holds its job now */
+    double *renewed;      /* per runner: monotonic time of the last lease renewal */
     int n_runners;
     pthread_t *threads;
     atomic_int stopping;
@@ -111,6 +114,30 @@ static void chunk_wait(chunk *c)
     pthread_mutex_unlock(&c->mu);
 }
 
+static double mono(void);
+static md_status jupdate(md_jobs *J, int slot, const char *id, json_t *f, md_err *err);
+
+/* Wait for a chunk, renewing the job's lease meanwhile: job workers run at a
+ * low priority and may wait for CPU far longer than a lease lasts. */
+static void chunk_wait_renewing(md_jobs *J, int slot, const char *id, chunk *c)
+{
+    pthread_mutex_lock(&c->mu);
+    while (!c->done) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        double t = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 + J->lease_s / 4;
+        ts.tv_sec = (time_t)t;
+        ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+        if (pthread_cond_timedwait(&c->cv, &c->mu, &ts) == ETIMEDOUT && !c->done &&
+            !atomic_load(&J->lost[slot])) {
+            pthread_mutex_unlock(&c->mu);
+            jupdate(J, slot, id, NULL, NULL);
+            pthread_mutex_lock(&c->mu);
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
 static void chunk_reset(chunk *c)
 {
     free(c->out);
@@ -158,13 +185,35 @@ static int write_all(int fd, const char *p, size_t n)
     return 0;
 }
 
-static void fail_job(md_jobs *J, const char *id, const md_err *err)
+/* Update the job while this process holds it, renewing the lease; notes a
+ * cancel request from another replica, and a lost lease. */
+static md_status jupdate(md_jobs *J, int slot, const char *id, json_t *f, md_err *err)
 {
+    md_err local;
+    md_err_clear(&local);
+    int cancel = 0;
+    md_status st = md_store_job_update_owned(J->store, id, J->owner, J->lease_s, f, &cancel,
+                                             err ? err : &local);
+    if (st == MD_OK) {
+        J->renewed[slot] = mono();
+        if (cancel)
+            atomic_store(&J->cancel[slot], 1);
+    } else if (st == MD_ECONFLICT && !atomic_exchange(&J->lost[slot], 1)) {
+        md_log(MD_LOG_WARN, "job %s: another process holds it now; this one stops without "
+               "writing more", id);
+    }
+    return st;
+}
+
+static void fail_job(md_jobs *J, int slot, const char *id, const md_err *err)
+{
+    if (atomic_load(&J->lost[slot]))
+        return;
     char now[32];
     now_iso(now);
     json_t *f = json_pack("{s:s,s:s,s:s}", "status", "failed", "error", err->msg, "finished_at",
                           now);
-    md_store_job_update(J->store, id, f, NULL);
+    jupdate(J, slot, id, f, NULL);
     json_decref(f);
     md_log(MD_LOG_WARN, "job %s failed: %s", id, err->msg);
 }
@@ -403,8 +452,10 @@ static void run_job(md_jobs *J, int slot, const char *id)
     json_t *f = json_pack("{s:s}", "status", "running");
     if (json_is_null(json_object_get(job, "started_at")))
         json_object_set_new(f, "started_at", json_string(now));
-    md_store_job_update(J->store, id, f, NULL);
+    jupdate(J, slot, id, f, NULL);
     json_decref(f);
+    if (atomic_load(&J->lost[slot]))
+        goto out;
 
     /* the model */
     m = J->resolve(J->resolve_ctx, model_name, version, &err);
@@ -412,7 +463,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
         goto failed;
     if (!version) {
         f = json_pack("{s:i}", "version", md_model_version(m));
-        md_store_job_update(J->store, id, f, NULL);
+        jupdate(J, slot, id, f, NULL);
         json_decref(f);
     }
     /* the input: a URL is downloaded once into the store */
@@ -437,7 +488,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     int64_t total = md_reader_total_rows(r);
     if (total >= 0) {
         f = json_pack("{s:I}", "rows_total", (json_int_t)total);
-        md_store_job_update(J->store, id, f, NULL);
+        jupdate(J, slot, id, f, NULL);
         json_decref(f);
     }
     /* resume: skip what is committed */
@@ -472,6 +523,9 @@ static void run_job(md_jobs *J, int slot, const char *id)
         goto failed;
     }
 
+    /* the output is touched only under a fresh lease */
+    if (jupdate(J, slot, id, NULL, NULL) == MD_ECONFLICT)
+        goto out;
     fd = open(partial, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) {
         md_err_set(&err, MD_EIO, "cannot open the job output %s: %s", partial, strerror(errno));
@@ -515,7 +569,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
         batch = md_model_max_batch(m);
         json_object_set_new(spec, "batch_size", json_integer(batch));
         f = json_pack("{s:O}", "spec", spec);
-        md_store_job_update(J->store, id, f, NULL);
+        jupdate(J, slot, id, f, NULL);
         json_decref(f);
     }
     long chunk_bytes = (long)batch * (long)width * (long)sizeof(float);
@@ -525,10 +579,11 @@ static void run_job(md_jobs *J, int slot, const char *id)
     int64_t rows_this_run = 0;
     int64_t npy_width = 0;
     int64_t index_next = md_reader_position(r);
+    int64_t written_end = index_next; /* reader position after the last row written */
     for (;;) {
         /* fill the pipeline */
         while (!eof && inflight < depth && !atomic_load(&J->cancel[slot]) &&
-               !atomic_load(&J->stopping)) {
+               !atomic_load(&J->stopping) && !atomic_load(&J->lost[slot])) {
             chunk *c = &ring[(head + inflight) % PIPELINE];
             chunk_reset(c);
             float *buf = md_malloc_checked(sizeof(float) * (size_t)(batch * width), "a job chunk", &err);
@@ -573,19 +628,30 @@ static void run_job(md_jobs *J, int slot, const char *id)
                 goto failed;
             inflight++;
         }
-        if (inflight == 0)
+        if (inflight == 0 && eof)
             break;
-        /* write the oldest chunk, then commit */
-        chunk *c = &ring[head];
-        chunk_wait(c);
-        head = (head + 1) % PIPELINE;
-        inflight--;
-        if (c->st != MD_OK) {
-            err = c->err;
-            goto failed;
+        /* write the oldest chunk (none left when stopping early), then commit */
+        chunk *c = inflight > 0 ? &ring[head] : NULL;
+        if (c) {
+            chunk_wait_renewing(J, slot, id, c);
+            head = (head + 1) % PIPELINE;
+            inflight--;
+            if (c->st != MD_OK) {
+                err = c->err;
+                goto failed;
+            }
+            /* write only under a fresh lease: past half of it, renew first,
+             * so a process that lost the job never writes into its output */
+            if (!atomic_load(&J->lost[slot]) && mono() - J->renewed[slot] > J->lease_s / 2)
+                jupdate(J, slot, id, NULL, NULL);
+        }
+        if (atomic_load(&J->lost[slot])) {
+            if (inflight == 0)
+                goto out;
+            continue;
         }
         size_t len = 0;
-        if (c->rows > 0) {
+        if (c && c->rows > 0) {
             int64_t ow = 1;
             for (int d = 1; d < c->out_ndim; d++)
                 ow *= c->out_shape[d];
@@ -626,6 +692,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
             out_bytes += (long long)len;
             rows_this_run += c->rows;
         }
+        if (c)
+            written_end = c->end_position;
         /* Commit a chunk of work at most every COMMIT_INTERVAL_S: one
          * fdatasync and one SQLite commit per forward would stall the
          * pipeline on the disk. Rows written since the last commit are cut
@@ -640,7 +708,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
             md_err_set(&err, MD_EIO, "fdatasync of %s failed: %s", partial, strerror(errno));
             goto failed;
         }
-        f = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f}", "rows_done", (json_int_t)c->end_position,
+        f = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f}", "rows_done", (json_int_t)written_end,
                       "output_bytes", (json_int_t)out_bytes, "correct", (json_int_t)correct,
                       "labeled", (json_int_t)labeled, "rows_skipped", (json_int_t)skipped,
                       "rows_per_s", el > 0 ? (double)rows_this_run / el : 0.0);
@@ -654,7 +722,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
             }
             json_object_set_new(f, "confusion", cm);
         }
-        md_status ust = md_store_job_update(J->store, id, f, &err);
+        md_status ust = jupdate(J, slot, id, f, &err);
         json_decref(f);
         if (ust != MD_OK)
             goto failed;
@@ -668,14 +736,16 @@ static void run_job(md_jobs *J, int slot, const char *id)
             rename(partial, out_path);
             now_iso(now);
             f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
-            md_store_job_update(J->store, id, f, NULL);
+            jupdate(J, slot, id, f, NULL);
             json_decref(f);
-            md_log(MD_LOG_INFO, "job %s cancelled after %lld rows", id, (long long)c->end_position);
+            md_log(MD_LOG_INFO, "job %s cancelled after %lld rows", id, (long long)written_end);
             goto out;
         }
         if (atomic_load(&J->stopping) && inflight == 0 && !eof) {
-            md_log(MD_LOG_INFO, "job %s paused for shutdown at row %lld; it resumes at the next start",
-                   id, (long long)c->end_position);
+            /* give it back: a replica sharing the store may go on at once */
+            md_store_job_release(J->store, id, J->owner, NULL);
+            md_log(MD_LOG_INFO, "job %s paused for shutdown at row %lld; it resumes at the next "
+                   "start (or on another replica now)", id, (long long)written_end);
             goto out;
         }
         if (eof && inflight == 0)
@@ -693,14 +763,14 @@ static void run_job(md_jobs *J, int slot, const char *id)
     now_iso(now);
     f = json_pack("{s:s,s:s,s:I}", "status", "succeeded", "finished_at", now, "rows_total",
                   (json_int_t)md_reader_position(r));
-    md_store_job_update(J->store, id, f, NULL);
+    jupdate(J, slot, id, f, NULL);
     json_decref(f);
     md_log(MD_LOG_INFO, "job %s succeeded: %lld rows, %.3f s computing (%.0f rows/s)", id,
            (long long)md_reader_position(r), mono() - t0,
            (double)rows_this_run / (mono() - t0 > 0 ? mono() - t0 : 1));
     goto out;
 failed:
-    fail_job(J, id, &err);
+    fail_job(J, slot, id, &err);
 out:
     /* never free a chunk a worker may still answer */
     while (inflight > 0) {
@@ -724,6 +794,25 @@ out:
     json_decref(job);
 }
 
+/* jobs.owner names a process as "host|pid|nonce". A holder on this host
+ * whose pid is gone, or that is this pid with another nonce (a container
+ * restarted as pid 1), is dead: its jobs are taken over at once instead of
+ * after its lease. Holders on other hosts are trusted until their lease ends. */
+static int owner_dead(const char *owner, void *ctx)
+{
+    md_jobs *J = ctx;
+    const char *bar = strchr(owner, '|');
+    if (!bar || (size_t)(bar - owner) != strlen(J->host) ||
+        strncmp(owner, J->host, (size_t)(bar - owner)) != 0)
+        return 0;
+    long pid = strtol(bar + 1, NULL, 10);
+    if (pid <= 0)
+        return 0;
+    if (pid == (long)getpid())
+        return strcmp(owner, J->owner) != 0;
+    return kill((pid_t)pid, 0) != 0 && errno == ESRCH;
+}
+
 static void *runner_main(void *arg)
 {
     md_jobs *J = ((void **)arg)[0];
@@ -732,39 +821,46 @@ static void *runner_main(void *arg)
     char tname[16];
     snprintf(tname, sizeof tname, "md-job%d", slot);
     pthread_setname_np(pthread_self(), tname);
-    for (;;) {
-        pthread_mutex_lock(&J->mu);
-        while (!J->head && !J->stopping)
-            pthread_cond_wait(&J->cv, &J->mu);
-        if (J->stopping) {
-            pthread_mutex_unlock(&J->mu);
-            return NULL;
+    while (!atomic_load(&J->stopping)) {
+        /* the oldest job nobody (alive) holds: made here, through another
+         * replica, or left by a process that stopped or died */
+        char id[64];
+        md_err err;
+        md_err_clear(&err);
+        if (md_store_job_claim_next(J->store, J->owner, J->lease_s, owner_dead, J, id, &err) !=
+            MD_OK) {
+            md_log(MD_LOG_WARN, "jobs: %s", err.msg);
+            id[0] = '\0';
         }
-        job_ref *j = J->head;
-        J->head = j->next;
-        if (!J->head)
-            J->tail = NULL;
-        snprintf(J->running[slot], 64, "%s", j->id);
-        atomic_store(&J->cancel[slot], 0);
-        pthread_mutex_unlock(&J->mu);
-        run_job(J, slot, j->id);
+        if (id[0]) {
+            pthread_mutex_lock(&J->mu);
+            snprintf(J->running[slot], 64, "%s", id);
+            atomic_store(&J->cancel[slot], 0);
+            atomic_store(&J->lost[slot], 0);
+            J->renewed[slot] = mono();
+            pthread_mutex_unlock(&J->mu);
+            run_job(J, slot, id);
+            pthread_mutex_lock(&J->mu);
+            J->running[slot][0] = '\0';
+            pthread_mutex_unlock(&J->mu);
+            continue;
+        }
         pthread_mutex_lock(&J->mu);
-        J->running[slot][0] = '\0';
+        if (!atomic_load(&J->stopping)) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_sec += (time_t)POLL_S;
+            pthread_cond_timedwait(&J->cv, &J->mu, &ts);
+        }
         pthread_mutex_unlock(&J->mu);
-        free(j);
     }
+    return NULL;
 }
 
 void md_jobs_enqueue(md_jobs *J, const char *id)
 {
-    job_ref *j = md_xcalloc(1, sizeof *j);
-    snprintf(j->id, sizeof j->id, "%s", id);
+    (void)id; /* the row is in the store; a runner here claims it now */
     pthread_mutex_lock(&J->mu);
-    if (J->tail)
-        J->tail->next = j;
-    else
-        J->head = j;
-    J->tail = j;
     pthread_cond_signal(&J->cv);
     pthread_mutex_unlock(&J->mu);
 }
@@ -789,29 +885,15 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
             atomic_store(&J->cancel[i], 1);
             running = 1;
         }
-    if (!running) {
-        /* still queued: drop it from the queue and record it now */
-        for (job_ref **p = &J->head; *p; p = &(*p)->next)
-            if (strcmp((*p)->id, id) == 0) {
-                job_ref *dead = *p;
-                *p = dead->next;
-                free(dead);
-                break;
-            }
-        J->tail = NULL;
-        for (job_ref *p = J->head; p; p = p->next)
-            J->tail = p;
-        char now[32];
-        now_iso(now);
-        json_t *f = json_pack("{s:s,s:s}", "status", "cancelled", "finished_at", now);
-        md_store_job_update(J->store, id, f, NULL);
-        json_decref(f);
-    }
     pthread_mutex_unlock(&J->mu);
-    return MD_OK;
+    if (running)
+        return MD_OK;
+    /* queued, or running on another replica: through the store */
+    int now = 0;
+    return md_store_job_request_cancel(J->store, id, &now, err);
 }
 
-md_status md_jobs_start(md_store *store, int max_jobs, const md_fetch_opts *fetch,
+md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, const md_fetch_opts *fetch,
                         md_model_resolver resolve, void *ctx, md_jobs **out, md_err *err)
 {
     char dir[4200];
@@ -823,23 +905,25 @@ md_status md_jobs_start(md_store *store, int max_jobs, const md_fetch_opts *fetc
     J->fetch = *fetch;
     J->resolve = resolve;
     J->resolve_ctx = ctx;
+    J->lease_s = lease_s > 0 ? lease_s : 30;
+    if (gethostname(J->host, sizeof J->host - 1) != 0 || !J->host[0])
+        snprintf(J->host, sizeof J->host, "localhost");
+    for (char *p = J->host; *p; p++)
+        if (*p == '|')
+            *p = '_';
+    unsigned nonce = 0;
+    if (getrandom(&nonce, sizeof nonce, 0) != sizeof nonce)
+        nonce = (unsigned)time(NULL) ^ (unsigned)getpid();
+    snprintf(J->owner, sizeof J->owner, "%s|%ld|%08x", J->host, (long)getpid(), nonce);
     pthread_mutex_init(&J->mu, NULL);
     pthread_cond_init(&J->cv, NULL);
     J->n_runners = max_jobs;
     J->running = md_xcalloc((size_t)max_jobs, 64);
     J->cancel = md_xcalloc((size_t)max_jobs, sizeof(atomic_int));
+    J->lost = md_xcalloc((size_t)max_jobs, sizeof(atomic_int));
+    J->renewed = md_xcalloc((size_t)max_jobs, sizeof(double));
     J->threads = md_xcalloc((size_t)max_jobs, sizeof(pthread_t));
-    /* resume what a previous process left, oldest first */
-    json_t *list = NULL;
-    const char *states[] = {"running", "queued"};
-    for (int s = 0; s < 2; s++) {
-        if (md_store_job_list(store, states[s], NULL, NULL, 100000, &list, err) != MD_OK)
-            break;
-        json_t *jobs = json_object_get(list, "jobs");
-        for (size_t i = json_array_size(jobs); i-- > 0;)
-            md_jobs_enqueue(J, json_string_value(json_object_get(json_array_get(jobs, i), "id")));
-        json_decref(list);
-    }
+    /* the runners claim what a previous process left, oldest first */
     for (int i = 0; i < max_jobs; i++) {
         void **arg = md_xmalloc(2 * sizeof(void *));
         arg[0] = J;
@@ -864,15 +948,11 @@ void md_jobs_stop(md_jobs *J)
     pthread_mutex_unlock(&J->mu);
     for (int i = 0; i < J->n_runners; i++)
         pthread_join(J->threads[i], NULL);
-    while (J->head) {
-        job_ref *j = J->head;
-        J->head = j->next;
-        free(j);
-    }
     free(J->running);
     free(J->cancel);
+    free(J->lost);
+    free(J->renewed);
     free(J->threads);
     pthread_mutex_destroy(&J->mu);
     pthread_cond_destroy(&J->cv);
-    free(J);
 }

@@ -179,11 +179,13 @@ typedef struct md_jobs md_jobs;
 typedef md_model *(*md_model_resolver)(void *ctx, const char *name, int version, md_err *err);
 
 /*
- * Start `max_jobs` job runners over the jobs table of `store`, and queue
- * every job left queued or running by a previous process (they resume from
- * their last committed chunk). `fetch` (copied) bounds input downloads.
+ * Start `max_jobs` job runners over the jobs table of `store`. Each claims
+ * the oldest job nobody alive holds, with a lease of lease_s seconds that it
+ * renews while the job runs: jobs made here or through a replica sharing the
+ * store, and jobs a stopped or dead process left (they resume from their
+ * last committed chunk). `fetch` (copied) bounds input downloads.
  */
-md_status md_jobs_start(md_store *store, int max_jobs, const md_fetch_opts *fetch,
+md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, const md_fetch_opts *fetch,
                         md_model_resolver resolve, void *resolve_ctx, md_jobs **out,
                         md_err *err);
 /* Queue a job already inserted in the store. Thread-safe. */

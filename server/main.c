@@ -142,7 +142,7 @@ int main(int argc, char **argv)
         .allowed_paths = &cfg.allowed_paths,
         .allowed_urls = &cfg.allowed_urls,
     };
-    if (md_jobs_start(app.store, cfg.max_jobs, &job_fetch, md_app_resolve, &app, &app.jobs, &err) !=
+    if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, &job_fetch, md_app_resolve, &app, &app.jobs, &err) !=
         MD_OK)
         md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);
     app.not_ready_reason[0] = '\0';

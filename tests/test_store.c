@@ -1155,6 +1155,89 @@ static void test_defaults_and_generation(void **state)
 
 /* ---- names ---- */
 
+/* owner_dead callback for the lease tests: "dead" names a dead holder */
+static int dead_if_named_dead(const char *owner, void *ctx)
+{
+    (void)ctx;
+    return strcmp(owner, "dead") == 0;
+}
+
+static void claim(md_store *s, const char *owner, double lease_s, const char *want)
+{
+    char id[64];
+    md_err err;
+    md_err_clear(&err);
+    assert_int_equal(md_store_job_claim_next(s, owner, lease_s, dead_if_named_dead, NULL, id, &err),
+                     MD_OK);
+    if (strcmp(id, want) != 0)
+        fail_msg("%s claimed \"%s\", expected \"%s\"", owner, id, want);
+}
+
+/* Leases: a job is claimed by one owner at a time, oldest first; a live lease
+ * is respected, an expired or dead holder's job is taken over; only the
+ * holder may update; a released job is claimable at once; cancel requests
+ * reach the holder. */
+static void test_job_leases(void **state)
+{
+    fx *f = *state;
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_err err;
+    json_t *spec = json_pack("{s:s}", "model", "m");
+    assert_int_equal(md_store_job_create(s, "j1", "m", 0, spec, "/o1", &err), MD_OK);
+    assert_int_equal(md_store_job_create(s, "j2", "m", 0, spec, "/o2", &err), MD_OK);
+    json_decref(spec);
+
+    claim(s, "A", 1.0, "j1");
+    claim(s, "B", 1.0, "j2"); /* j1 is A's */
+    claim(s, "C", 30, "");    /* both leases live */
+    int cancel = -1;
+    assert_int_equal(md_store_job_update_owned(s, "j1", "A", 1.0, NULL, &cancel, &err), MD_OK);
+    assert_int_equal(cancel, 0);
+    assert_int_equal(md_store_job_update_owned(s, "j1", "B", 30, NULL, NULL, &err), MD_ECONFLICT);
+    assert_string_equal(md_err_code(&err), "job_lease_lost");
+
+    /* A renews j1; B goes silent: after its lease C takes j2, and B may no
+     * longer write */
+    usleep(600000);
+    assert_int_equal(md_store_job_update_owned(s, "j1", "A", 1.0, NULL, NULL, &err), MD_OK);
+    usleep(600000);
+    claim(s, "C", 30, "j2");
+    json_t *f1 = json_pack("{s:i}", "rows_done", 7);
+    assert_int_equal(md_store_job_update_owned(s, "j2", "B", 30, f1, NULL, &err), MD_ECONFLICT);
+    assert_int_equal(md_store_job_update_owned(s, "j2", "C", 30, f1, NULL, &err), MD_OK);
+    json_decref(f1);
+    json_t *job = NULL;
+    assert_int_equal(md_store_job_get(s, "j2", &job, &err), MD_OK);
+    assert_int_equal(json_integer_value(json_object_get(job, "rows_done")), 7);
+    assert_string_equal(json_string_value(json_object_get(job, "owner")), "C");
+    json_decref(job);
+
+    /* released: claimable at once, lease or not */
+    assert_int_equal(md_store_job_release(s, "j2", "C", &err), MD_OK);
+    claim(s, "D", 30, "j2");
+    /* a dead holder's job is taken over before its lease ends */
+    sql_exec(f, "UPDATE jobs SET owner = 'dead', lease_until = 1e12 WHERE id = 'j2'");
+    claim(s, "E", 30, "j2");
+
+    /* cancel: a held job is flagged for its holder; an unheld queued one ends now */
+    int now = -1;
+    assert_int_equal(md_store_job_request_cancel(s, "j2", &now, &err), MD_OK);
+    assert_int_equal(now, 0);
+    assert_int_equal(md_store_job_update_owned(s, "j2", "E", 30, NULL, &cancel, &err), MD_OK);
+    assert_int_equal(cancel, 1);
+    spec = json_pack("{s:s}", "model", "m");
+    assert_int_equal(md_store_job_create(s, "j3", "m", 0, spec, "/o3", &err), MD_OK);
+    json_decref(spec);
+    assert_int_equal(md_store_job_request_cancel(s, "j3", &now, &err), MD_OK);
+    assert_int_equal(now, 1);
+    assert_int_equal(md_store_job_get(s, "j3", &job, &err), MD_OK);
+    assert_string_equal(json_string_value(json_object_get(job, "status")), "cancelled");
+    json_decref(job);
+    claim(s, "F", 30, ""); /* finished jobs are never claimed */
+    md_store_close(s);
+}
+
 static void test_model_name_ok(void **state)
 {
     (void)state;
@@ -1198,6 +1281,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_list_versions_ordered_by_metrics, setup, teardown),
         cmocka_unit_test_setup_teardown(test_list_models_pagination, setup, teardown),
         cmocka_unit_test_setup_teardown(test_defaults_and_generation, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_job_leases, setup, teardown),
         cmocka_unit_test(test_model_name_ok),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

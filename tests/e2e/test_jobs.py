@@ -743,3 +743,83 @@ def test_default_batch_size_is_the_versions_max_batch_size(start_server, fmnist,
     stats = srv.get("/models/fashion").json()["loaded"][0]
     # 10,000 = 250 x 40: every forward was a full chunk of 40 (bucket 33-64)
     assert stats["batch_size_histogram"][6] == 250, stats
+
+
+# ------------------------------------------------------------ replicas sharing a store
+
+
+def replicas(start_server, fmnist, tmp_path, *extra):
+    """Two modeld processes on one store (the same tmp_path), B started before the
+    model is deployed through A."""
+    args = server_args(fmnist, tmp_path) + extra
+    a = start_server(*args)
+    b = start_server(*args)
+    assert a.store == b.store
+    deploy_fashion(a)
+    return a, b
+
+
+def test_replicas_share_the_jobs_once_each(start_server, fmnist, tmp_path):
+    """Jobs created through either replica run once, each on one replica; both
+    replicas take jobs (one runner each); every output is whole and in order.
+    B never saw the deploy: it loads the store's default version to run a job."""
+    a, b = replicas(start_server, fmnist, tmp_path, "--max-jobs", "1")
+    spec = {"model": "fashion", "input": idx_input(), "batch_size": 4}
+    ids = [create_job(a, spec), create_job(b, spec), create_job(a, spec), create_job(b, spec)]
+    jobs = [wait_job(a, jid) for jid in ids]
+    for job in jobs:
+        assert_done(job)
+        assert_accuracy(job, fmnist)
+        assert_full_jsonl(jsonl_rows(output(b, job["id"])), fmnist)
+    owners = {job["owner"] for job in jobs}
+    assert len(owners) == 2, f"expected both replicas to run jobs, owners: {owners}"
+    pids = {int(o.split("|")[1]) for o in owners}
+    assert pids == {a.proc.pid, b.proc.pid}, (owners, a.proc.pid, b.proc.pid)
+
+
+def test_replica_takes_over_the_job_of_one_killed(start_server, fmnist, tmp_path):
+    """kill -9 the replica running a job: the other one resumes it from the last
+    committed chunk, and the output holds every row exactly once, in order."""
+    a, b = replicas(start_server, fmnist, tmp_path, "--job-lease-s", "2")
+    jid = create_job(a, {"model": "fashion", "input": idx_input(), "batch_size": 1})
+    job = wait_rows(a, jid, at_least=300)
+    assert job["status"] == "running" and f"|{a.proc.pid}|" in job["owner"], job
+    a.proc.kill()
+    a.proc.wait(10)
+    job = wait_job(b, jid)
+    assert f"|{b.proc.pid}|" in job["owner"], job
+    assert_done(job)
+    assert_accuracy(job, fmnist)
+    assert_full_jsonl(jsonl_rows(output(b, jid)), fmnist)
+
+
+def test_cancel_through_another_replica(start_server, fmnist, tmp_path):
+    """DELETE through B cancels the job A runs: A stops at its next commit and
+    keeps a valid partial output."""
+    a, b = replicas(start_server, fmnist, tmp_path, "--max-jobs", "1")
+    jid = create_job(a, {"model": "fashion", "input": idx_input(), "batch_size": 1})
+    job = wait_rows(a, jid, at_least=50)
+    assert f"|{a.proc.pid}|" in job["owner"], job
+    r = b.request("DELETE", f"/jobs/{jid}")
+    assert r.status_code == 202, f"DELETE through B: {r.status_code} {r.text!r}"
+    job = wait_job(b, jid, want="cancelled", timeout=30)
+    assert job["partial"] is True and 0 < job["rows_done"] < N, job
+    rows = jsonl_rows(output(b, jid))
+    assert [row["index"] for row in rows] == list(range(job["rows_done"])), "partial output has gaps"
+
+
+def test_sigterm_hands_the_job_to_a_replica(start_server, fmnist, tmp_path):
+    """SIGTERM gives a running job back at once: the replica goes on with it
+    without waiting for a lease to end (the default lease is 30 s)."""
+    a, b = replicas(start_server, fmnist, tmp_path)
+    jid = create_job(a, {"model": "fashion", "input": idx_input(), "batch_size": 2})
+    wait_rows(a, jid, at_least=200)
+    t0 = time.monotonic()
+    assert a.stop(signal.SIGTERM) == 0, a.stderr[-2000:]
+    job = wait_rows(b, jid, at_least=get_job(b, jid)["rows_done"] + 100, timeout=20)
+    took = time.monotonic() - t0
+    assert f"|{b.proc.pid}|" in job["owner"], job
+    assert took < 15 * TSCALE, f"the replica took {took:.1f} s to go on with the job"
+    job = wait_job(b, jid)
+    assert_done(job)
+    assert_full_jsonl(jsonl_rows(output(b, jid)), fmnist)
