@@ -79,6 +79,8 @@ static const setting settings[] = {
     {"default_model", T_STR, OFF(default_model), 0, 0, "", NULL,
      "model answering POST /predict; empty = the only deployed model"},
     {"max_jobs", T_INT, OFF(max_jobs), 1, 1024, "2", NULL, "batch jobs running at once"},
+    {"store_poll_ms", T_INT, OFF(store_poll_ms), 0, 60000, "1000", NULL,
+     "how often to look for changes other replicas made to the store; 0 = never"},
     {"job_lease_s", T_INT, OFF(job_lease_s), 2, 3600, "30", NULL,
      "a replica sharing the store takes over a job whose runner went silent this long"},
     {"job_nice", T_INT, OFF(job_nice), 0, 19, "19", NULL,

@@ -59,6 +59,7 @@ typedef struct md_cfg {
     int max_jobs;               /* jobs running at once */
     int job_nice;               /* nice of the job workers (0..19) */
     int job_lease_s;            /* a silent job runner's jobs are taken over after this */
+    int store_poll_ms;          /* converge on other replicas' changes this often; 0 = never */
 } md_cfg;
 
 /* What main should do after loading. */

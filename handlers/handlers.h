@@ -28,6 +28,7 @@ typedef struct md_app {
     md_model_defaults model_defaults;
     atomic_int ready;
     char not_ready_reason[160]; /* written before `ready` changes */
+    long long synced_generation; /* the store generation md_app_sync last matched */
 } md_app;
 
 /* The routing table: every route modeld serves. openapi.yaml lists the same
@@ -49,6 +50,11 @@ md_model *md_app_load_version(md_app *app, json_t *v, md_err *err);
 /* At start: load every model's default version into the registry, asking
  * `stop` (may be NULL) between models whether to give up (a stop signal). */
 void md_app_load_defaults(md_app *app, int (*stop)(void));
+/* Converge on changes another process made to a shared store (a deploy, a
+ * rollback, a delete): when the store's generation moved, load or switch to
+ * every model's stored default and unload versions the store no longer has.
+ * Called from one thread (main's store poller). */
+void md_app_sync(md_app *app);
 md_status md_upload_body(md_req *req, const char *data, size_t len, md_err *err);
 void md_handle_version_upload(md_req *req);
 void md_handle_models_register(md_req *req);

@@ -221,6 +221,79 @@ void md_app_load_defaults(md_app *app, int (*stop)(void))
     json_decref(defaults);
 }
 
+/* The store's default version of `name` now, 0 when none (or no model). */
+static int stored_default(md_app *app, const char *name)
+{
+    json_t *info = NULL;
+    md_err err;
+    if (md_store_get_model(app->store, name, &info, &err) != MD_OK)
+        return 0;
+    json_t *dv = json_object_get(info, "default_version");
+    int v = json_is_integer(dv) ? (int)json_integer_value(dv) : 0;
+    json_decref(info);
+    return v;
+}
+
+void md_app_sync(md_app *app)
+{
+    /* read the generation first: a change made while this pass runs moves
+     * it again, so the next pass corrects whatever this one raced with */
+    long long gen = md_store_generation(app->store);
+    if (gen == app->synced_generation)
+        return;
+    md_err err;
+    md_err_clear(&err);
+    json_t *defaults = NULL;
+    if (md_store_defaults(app->store, &defaults, &err) != MD_OK) {
+        md_log(MD_LOG_WARN, "store sync: %s", err.msg);
+        return;
+    }
+    size_t i;
+    json_t *v;
+    json_array_foreach(defaults, i, v)
+    {
+        const char *name = json_string_value(json_object_get(v, "model"));
+        int version = (int)json_integer_value(json_object_get(v, "version"));
+        const char *state = json_string_value(json_object_get(v, "state"));
+        md_model *cur = md_registry_get(app->registry, name, 0);
+        int cur_v = cur ? md_model_version(cur) : 0;
+        md_model_release(cur);
+        if (cur_v == version || (state && strcmp(state, "failed") == 0))
+            continue;
+        if (md_registry_set_default(app->registry, name, version) == 0) {
+            md_model *m = md_app_load_version(app, v, &err);
+            if (!m) {
+                md_log(MD_LOG_WARN, "store sync: model %s version %d: %s", name, version, err.msg);
+                continue;
+            }
+            /* a local deploy or rollback may have moved the default meanwhile */
+            md_registry_put(app->registry, m, stored_default(app, name) == version);
+        } else if (stored_default(app, name) != version) {
+            continue; /* changed meanwhile: the next pass sees it */
+        }
+        md_log(MD_LOG_INFO, "store sync: model %s now serves version %d (changed through another "
+               "process sharing the store)", name, version);
+    }
+    json_decref(defaults);
+    /* loaded versions (and models) the store no longer has */
+    json_t *loaded = md_registry_stats(app->registry);
+    json_array_foreach(loaded, i, v)
+    {
+        const char *name = json_string_value(json_object_get(v, "model"));
+        int version = (int)json_integer_value(json_object_get(v, "version"));
+        json_t *row = NULL;
+        md_status st = md_store_get_version(app->store, name, version, &row, &err);
+        json_decref(row);
+        if (st == MD_ENOTFOUND) {
+            md_registry_remove(app->registry, name, version);
+            md_log(MD_LOG_INFO, "store sync: model %s version %d unloaded (deleted through another "
+                   "process sharing the store)", name, version);
+        }
+    }
+    json_decref(loaded);
+    app->synced_generation = gen;
+}
+
 /* Load the checkpoint (the real validation), add the version row, put the
  * model in the registry when deploying, and answer 201. Takes ownership of
  * `blob`. A checkpoint that does not load stores nothing (422). */

@@ -59,6 +59,26 @@ static int stop_pending(void)
     return sigismember(&pending, SIGTERM) || sigismember(&pending, SIGINT);
 }
 
+/* Replicas sharing a store: look for the others' changes every store_poll_ms. */
+static atomic_int poll_stop;
+
+static void *poll_main(void *arg)
+{
+    md_app *app = arg;
+    pthread_setname_np(pthread_self(), "md-storepoll");
+    double next = now_s();
+    while (!atomic_load(&poll_stop)) {
+        next += app->cfg->store_poll_ms / 1000.0;
+        while (!atomic_load(&poll_stop) && now_s() < next) {
+            struct timespec ts = {0, 20 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        if (!atomic_load(&poll_stop))
+            md_app_sync(app);
+    }
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
     md_cfg cfg;
@@ -133,6 +153,7 @@ int main(int argc, char **argv)
     /* Serve /healthz and /readyz (503: starting) while the models load. */
     snprintf(app.not_ready_reason, sizeof app.not_ready_reason,
              "the server is loading its deployed models");
+    app.synced_generation = md_store_generation(app.store);
     md_app_load_defaults(&app, stop_pending);
     md_fetch_opts job_fetch = {
         .max_bytes = cfg.max_checkpoint_bytes,
@@ -145,6 +166,8 @@ int main(int argc, char **argv)
     if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, &job_fetch, md_app_resolve, &app, &app.jobs, &err) !=
         MD_OK)
         md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);
+    pthread_t poller;
+    int polling = cfg.store_poll_ms > 0 && pthread_create(&poller, NULL, poll_main, &app) == 0;
     app.not_ready_reason[0] = '\0';
     atomic_store(&app.ready, MD_READY);
     md_log(MD_LOG_INFO, "modeld %s listening on %s:%d (libtorch %s)", MODELD_VERSION, cfg.host,
@@ -178,6 +201,9 @@ int main(int argc, char **argv)
         }
     }
     md_http_stop(http);
+    atomic_store(&poll_stop, 1);
+    if (polling)
+        pthread_join(poller, NULL);
     md_jobs_stop(app.jobs);
     md_registry_free(app.registry);
     md_store_close(app.store);

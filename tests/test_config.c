@@ -109,7 +109,7 @@ static const char *const all_keys[] = {
     "drain_seconds", "access_log", "log_level", "store", "max_checkpoint_bytes", "allowed_paths",
     "allowed_urls", "download_connect_timeout_s", "download_timeout_s", "download_max_redirects",
     "workers", "intra_op_threads", "max_batch_size", "max_delay_us", "queue_limit", "timeout_ms",
-    "default_model", "max_jobs", "job_lease_s", "job_nice",
+    "default_model", "max_jobs", "job_lease_s", "job_nice", "store_poll_ms",
 };
 #define N_KEYS (sizeof all_keys / sizeof all_keys[0])
 
@@ -134,6 +134,7 @@ static void assert_defaults(const md_cfg *cfg)
     assert_int_equal(cfg->max_jobs, 2);
     assert_int_equal(cfg->job_nice, 19);
     assert_int_equal(cfg->job_lease_s, 30);
+    assert_int_equal(cfg->store_poll_ms, 1000);
 }
 
 /* ---- defaults ---- */

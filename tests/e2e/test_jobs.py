@@ -823,3 +823,49 @@ def test_sigterm_hands_the_job_to_a_replica(start_server, fmnist, tmp_path):
     job = wait_job(b, jid)
     assert_done(job)
     assert_full_jsonl(jsonl_rows(output(b, jid)), fmnist)
+
+
+def loaded_default(srv, name="fashion"):
+    """The version srv serves as `name`'s default, or None."""
+    r = srv.get(f"/models/{name}")
+    if r.status_code != 200:
+        return None
+    return next((v["version"] for v in r.json().get("loaded", []) if v["default"]), None)
+
+
+def wait_until(what, fn, timeout=15):
+    deadline = time.monotonic() + timeout * TSCALE
+    while True:
+        v = fn()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_replicas_converge_on_deploys_rollbacks_and_deletes(start_server, fmnist, tmp_path):
+    """A deploy, a rollback and a delete made through A reach B (which polls
+    the store's generation every --store-poll-ms) without a restart."""
+    a = start_server("--store-poll-ms", "100")
+    b = start_server("--store-poll-ms", "100")
+    row = {"instances": [fmnist.images[0].tolist()]}
+    assert b.request("POST", "/models/fashion/predict", json=row).status_code == 404
+
+    deploy_fashion(a)
+    wait_until("B to load version 1", lambda: loaded_default(b) == 1)
+    r = b.request("POST", "/models/fashion/predict", json=row)
+    assert r.status_code == 200, r.text
+    first = r.json()["predictions"][0]
+
+    deploy_fashion(a)  # version 2 becomes the default
+    wait_until("B to serve version 2", lambda: loaded_default(b) == 2)
+    r = a.request("PATCH", "/models/fashion", json={"default_version": 1})
+    assert r.status_code == 200, r.text
+    wait_until("B to roll back to version 1", lambda: loaded_default(b) == 1)
+    r = b.request("POST", "/models/fashion/predict", json=row)
+    assert r.status_code == 200 and r.json()["predictions"][0] == first, r.text
+
+    r = a.request("DELETE", "/models/fashion")
+    assert r.status_code in (200, 204), r.text
+    wait_until("B to drop the model", lambda: b.request(
+        "POST", "/models/fashion/predict", json=row).status_code == 404)
