@@ -373,6 +373,7 @@ static void *job_main(void *arg)
     if (m->job_nice > 0 && setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), m->job_nice) != 0)
         md_log(MD_LOG_WARN, "model %s: cannot lower the job workers' priority (nice %d): %s",
                m->name, m->job_nice, strerror(errno));
+    md_torch_set_thread_background(1);
     worker_loop(m, 1);
     return NULL;
 }

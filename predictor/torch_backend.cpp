@@ -139,6 +139,13 @@ extern "C" md_status md_torch_load(const char *path, const char *device, md_dtyp
 
 extern "C" const char *md_torch_device(const md_torch_model *m) { return m->device_name.c_str(); }
 
+static thread_local bool thread_background = false;
+
+extern "C" void md_torch_set_thread_background(int background)
+{
+    thread_background = background != 0;
+}
+
 extern "C" md_status md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape,
                                       int ndim, float **out, int64_t *out_shape, int *out_ndim,
                                       md_err *err)
@@ -152,12 +159,13 @@ extern "C" md_status md_torch_forward(md_torch_model *m, const float *input, con
         torch::Tensor x = torch::from_blob(const_cast<float *>(input), sizes, torch::kFloat32);
 #ifdef WITH_CUDA
         /* each worker thread gets its own stream from the pool, so copies and
-         * kernels of different workers overlap */
+         * kernels of different workers overlap; online workers' streams are
+         * high-priority, job workers' low-priority */
         thread_local c10::optional<c10::cuda::CUDAStream> stream;
         c10::optional<c10::cuda::CUDAStreamGuard> stream_guard;
         if (m->device.is_cuda()) {
             if (!stream || stream->device_index() != m->device.index())
-                stream = c10::cuda::getStreamFromPool(false, m->device.index());
+                stream = c10::cuda::getStreamFromPool(!thread_background, m->device.index());
             stream_guard.emplace(*stream);
         }
 #endif

@@ -55,6 +55,12 @@ const char *md_torch_device(const md_torch_model *m);
 md_status md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape, int ndim,
                            float **out, int64_t *out_shape, int *out_ndim, md_err *err);
 
+/* Mark the calling thread's forwards as background (batch job) work. On
+ * CUDA, background threads use low-priority streams and the others
+ * high-priority ones, so the GPU runs online kernels first; on the CPU the
+ * batcher lowers the thread's nice instead, and this changes nothing. */
+void md_torch_set_thread_background(int background);
+
 /* Free a model. Accepts NULL. */
 void md_torch_free(md_torch_model *m);
 
