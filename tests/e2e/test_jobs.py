@@ -693,12 +693,18 @@ def test_job_workers_run_at_job_nice(start_server, fmnist, tmp_path, flag):
     srv = start_server(*args)
     deploy_fashion(srv)
     want = int(flag) if flag else 19
-    threads = worker_threads(srv.proc.pid)
-    workers = len(threads.get("md-fashion", []))
-    assert workers >= 1, f"no md-fashion worker threads: {threads}"
-    assert threads["md-fashion"] == [0] * workers, threads
-    assert threads.get("mj-fashion") == [want] * workers, \
-        f"expected {workers} mj-fashion job workers at nice {want}: {threads}"
+    workers = srv.get("/models/fashion").json()["loaded"][0]["workers"]
+    # the workers name themselves and set their nice as they start
+    deadline = time.monotonic() + 10 * TSCALE
+    while True:
+        threads = worker_threads(srv.proc.pid)
+        if threads.get("md-fashion") == [0] * workers and \
+                threads.get("mj-fashion") == [want] * workers:
+            break
+        assert time.monotonic() < deadline, \
+            f"expected {workers} md-fashion workers at nice 0 and as many mj-fashion job " \
+            f"workers at nice {want}: {threads}"
+        time.sleep(0.05)
     stats = srv.get("/models/fashion").json()["loaded"][0]
     assert (stats["workers"], stats["job_workers"], stats["job_nice"]) == (workers, workers, want), stats
     assert stats["queued_job_chunks"] == 0, stats
