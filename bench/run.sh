@@ -230,11 +230,16 @@ run_wrk modeld_npy64 bench/post_npy64.lua "$BASE" "$C64" "$MODELD_PID"
 # sleep, curl and sed run while the job computes: a python3 start-up costs
 # ~50 ms of CPU, a sixth of a 10k-row job on two cores, and once measured here
 # took jobs from ~95% to ~75% of the ceiling.
+post_job() { # name input-json: POST a batch-64 NPY-output job, print its id
+    local id
+    id=$(curl -sf "$BASE/jobs" -d "{\"model\":\"fashion\",\"batch_size\":64,\"input\":$2,\"output\":{\"format\":\"npy\"}}" |
+        sed -n 's/.*"id": *"\([^"]*\)".*/\1/p') || die "POST /jobs ($1) failed"
+    [ -n "$id" ] || die "POST /jobs ($1) answered no id"
+    echo "$id"
+}
 run_job() {
     local name=$1 input=$2 id status=""
-    id=$(curl -sf "$BASE/jobs" -d "{\"model\":\"fashion\",\"batch_size\":64,\"input\":$input,\"output\":{\"format\":\"npy\"}}" |
-        sed -n 's/.*"id": *"\([^"]*\)".*/\1/p') || die "POST /jobs ($name) failed"
-    [ -n "$id" ] || die "POST /jobs ($name) answered no id"
+    id=$(post_job "$name" "$input")
     for _ in $(seq 240); do
         sleep 0.5
         curl -sf -o "$RAW/job_$name.json" "$BASE/jobs/$id" || die "GET /jobs/$id failed"
@@ -262,9 +267,7 @@ inproc_beside $((JOB_ROUNDS + 1))
 # the 60k training set (the job workers run at job_nice; the job gets what
 # the online load leaves)
 log "1-row JSON while a 60k-row IDX job runs (${MIXED_DURATION} s)"
-mixed_id=$(curl -sf "$BASE/jobs" -d '{"model":"fashion","batch_size":64,"input":{"path":"/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz","format":"idx","label":"/usr/share/datasets/fashion-mnist/train-labels-idx1-ubyte.gz"},"output":{"format":"npy"}}' |
-    sed -n 's/.*"id": *"\([^"]*\)".*/\1/p')
-[ -n "$mixed_id" ] || die "POST /jobs (during online load) failed"
+mixed_id=$(post_job during_online '{"path":"/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz","format":"idx","label":"/usr/share/datasets/fashion-mnist/train-labels-idx1-ubyte.gz"}')
 DURATION=$MIXED_DURATION run_wrk modeld_json1_job bench/post_json1.lua "$BASE" "$C1" "$MODELD_PID"
 curl -sf -o "$RAW/job_during_online.json" "$BASE/jobs/$mixed_id" || die "GET /jobs/$mixed_id failed"
 curl -sf -o /dev/null -X DELETE "$BASE/jobs/$mixed_id" || true
