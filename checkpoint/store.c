@@ -1695,24 +1695,32 @@ out:
     return rc;
 }
 
+/* Run `sql` with text parameters ?1 and ?2, the lock held; *changes (may be
+ * NULL) gets the number of rows it changed. */
+static md_status exec2(md_store *s, const char *sql, const char *p1, const char *p2,
+                       const char *what, int *changes, md_err *err)
+{
+    sqlite3_stmt *st = prep(s, sql, err);
+    if (!st)
+        return MD_EIO;
+    sqlite3_bind_text(st, 1, p1, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, p2, -1, SQLITE_STATIC);
+    md_status rc = MD_OK;
+    if (sqlite3_step(st) != SQLITE_DONE)
+        rc = db_fail(s, err, what);
+    else if (changes)
+        *changes = sqlite3_changes(s->db);
+    sqlite3_finalize(st);
+    return rc;
+}
+
 md_status md_store_job_release(md_store *s, const char *id, const char *owner, md_err *err)
 {
     pthread_mutex_lock(&s->mu);
-    md_status rc = MD_OK;
-    sqlite3_stmt *st = prep(s,
-                            "UPDATE jobs SET owner = NULL, lease_until = NULL WHERE id = ?1 AND "
-                            "owner = ?2",
-                            err);
-    if (!st) {
-        rc = MD_EIO;
-        goto out;
-    }
-    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 2, owner, -1, SQLITE_STATIC);
-    if (sqlite3_step(st) != SQLITE_DONE)
-        rc = db_fail(s, err, "release job");
-    sqlite3_finalize(st);
-out:
+    md_status rc = exec2(s,
+                         "UPDATE jobs SET owner = NULL, lease_until = NULL WHERE id = ?1 AND "
+                         "owner = ?2",
+                         id, owner, "release job", NULL, err);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -1720,45 +1728,23 @@ out:
 md_status md_store_job_request_cancel(md_store *s, const char *id, int *cancelled_now,
                                       md_err *err)
 {
-    *cancelled_now = 0;
     char now[32];
     now_iso(now);
+    int changed = 0;
     pthread_mutex_lock(&s->mu);
-    md_status rc = MD_OK;
     /* a queued job nobody holds is cancelled at once; any other is flagged
      * for its holder (or whoever claims it next) */
-    sqlite3_stmt *st = prep(s,
-                            "UPDATE jobs SET status = 'cancelled', finished_at = ?2, "
-                            "updated_at = ?2 WHERE id = ?1 AND status = 'queued' AND owner IS NULL",
-                            err);
-    if (!st) {
-        rc = MD_EIO;
-        goto out;
-    }
-    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 2, now, -1, SQLITE_STATIC);
-    if (sqlite3_step(st) != SQLITE_DONE)
-        rc = db_fail(s, err, "cancel job");
-    else if (sqlite3_changes(s->db) == 1)
-        *cancelled_now = 1;
-    sqlite3_finalize(st);
-    if (rc != MD_OK || *cancelled_now)
-        goto out;
-    st = prep(s,
-              "UPDATE jobs SET cancel_requested = 1, updated_at = ?2 WHERE id = ?1 AND "
-              "status IN ('queued','running')",
-              err);
-    if (!st) {
-        rc = MD_EIO;
-        goto out;
-    }
-    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 2, now, -1, SQLITE_STATIC);
-    if (sqlite3_step(st) != SQLITE_DONE)
-        rc = db_fail(s, err, "cancel job");
-    sqlite3_finalize(st);
-out:
+    md_status rc = exec2(s,
+                         "UPDATE jobs SET status = 'cancelled', finished_at = ?2, "
+                         "updated_at = ?2 WHERE id = ?1 AND status = 'queued' AND owner IS NULL",
+                         id, now, "cancel job", &changed, err);
+    if (rc == MD_OK && changed != 1)
+        rc = exec2(s,
+                   "UPDATE jobs SET cancel_requested = 1, updated_at = ?2 WHERE id = ?1 AND "
+                   "status IN ('queued','running')",
+                   id, now, "cancel job", NULL, err);
     pthread_mutex_unlock(&s->mu);
+    *cancelled_now = rc == MD_OK && changed == 1;
     return rc;
 }
 
