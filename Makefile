@@ -11,7 +11,7 @@ PORT    ?= 8080
 BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
 	libcurl4-openssl-dev libssl-dev zlib1g-dev libtorch-dev libopenblas0-pthread
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
-	python3-numpy curl ca-certificates sqlite3 dataset-fashion-mnist git
+	python3-numpy python3-yaml curl ca-certificates sqlite3 dataset-fashion-mnist git
 
 # libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one.
 LIBTORCH ?=

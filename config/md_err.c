@@ -147,7 +147,7 @@ void md_log(md_log_level level, const char *fmt, ...)
     static const char *names[] = {"debug", "info", "warn", "error"};
     if (level < log_min)
         return;
-    char line[1024];
+    char line[8192]; /* libtorch's whole error message fits */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     struct tm tm;
@@ -166,4 +166,69 @@ void md_log(md_log_level level, const char *fmt, ...)
         line[len + 1] = '\0';
     }
     fputs(line, stderr);
+}
+
+/* ---- did you mean ---- */
+#include <ctype.h>
+#include <stdint.h>
+
+#define SUGGEST_MAX 64 /* longer words are not typos worth a suggestion */
+
+/* Edit distance of a and b (each at most SUGGEST_MAX bytes), case-insensitive:
+ * insertions, deletions, substitutions and swaps of two neighbours ("mpl"
+ * for "mlp") each count one (optimal string alignment). */
+static size_t edit_distance(const char *a, size_t la, const char *b, size_t lb)
+{
+    size_t rows[3][SUGGEST_MAX + 1];
+    size_t *prev2 = rows[0], *prev = rows[1], *cur = rows[2];
+    for (size_t j = 0; j <= lb; j++)
+        prev[j] = j;
+    for (size_t i = 1; i <= la; i++) {
+        cur[0] = i;
+        int ai = tolower((unsigned char)a[i - 1]);
+        for (size_t j = 1; j <= lb; j++) {
+            int bj = tolower((unsigned char)b[j - 1]);
+            size_t best = prev[j - 1] + (ai == bj ? 0 : 1);
+            if (prev[j] + 1 < best)
+                best = prev[j] + 1;
+            if (cur[j - 1] + 1 < best)
+                best = cur[j - 1] + 1;
+            if (i > 1 && j > 1 && ai == tolower((unsigned char)b[j - 2]) &&
+                tolower((unsigned char)a[i - 2]) == bj && prev2[j - 2] + 1 < best)
+                best = prev2[j - 2] + 1;
+            cur[j] = best;
+        }
+        size_t *t = prev2;
+        prev2 = prev;
+        prev = cur;
+        cur = t;
+    }
+    return prev[lb];
+}
+
+const char *md_suggest(const char *word, const char *const *candidates, size_t n)
+{
+    size_t lw = strlen(word);
+    if (lw == 0 || lw > SUGGEST_MAX)
+        return NULL;
+    const char *best = NULL;
+    size_t best_d = SIZE_MAX;
+    for (size_t i = 0; i < n; i++) {
+        const char *c = candidates[i];
+        size_t lc = c ? strlen(c) : 0;
+        if (!c || lc > SUGGEST_MAX)
+            continue;
+        size_t longer = lc > lw ? lc : lw;
+        size_t limit = longer <= 4 ? 1 : longer <= 8 ? 2 : 3;
+        if ((lc > lw ? lc - lw : lw - lc) > limit)
+            continue;
+        size_t d = edit_distance(word, lw, c, lc);
+        if (d == 0)
+            return NULL;
+        if (d <= limit && d < best_d) {
+            best_d = d;
+            best = c;
+        }
+    }
+    return best;
 }

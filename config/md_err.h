@@ -104,3 +104,20 @@ void md_log(md_log_level level, const char *fmt, ...) __attribute__((format(prin
 }
 #endif
 #endif
+
+/* ---- "did you mean": the nearest known word to a typo ---- */
+#ifndef MD_SUGGEST_H
+#define MD_SUGGEST_H
+#include <stddef.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* The candidate nearest to `word` by edit distance (case-insensitive) when it
+ * is close enough to be a typo of it (1 edit when the longer of the two has up
+ * to 4 characters, 2 up to 8, 3 beyond; a swap of neighbours is one), else NULL; an exact match is not a suggestion.
+ * Borrowed from `candidates` (NULL entries are skipped). Thread-safe. */
+const char *md_suggest(const char *word, const char *const *candidates, size_t n);
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -444,6 +444,23 @@ static md_req *req_new(md_http *h, struct MHD_Connection *conn, const char *url,
     return r;
 }
 
+/* Every query parameter must be one the route takes (md_route_check_query). */
+typedef struct query_check {
+    const md_route *route;
+    md_err *err;
+    md_status st;
+} query_check;
+
+static enum MHD_Result check_query_arg(void *cls, enum MHD_ValueKind kind, const char *key,
+                                       const char *value)
+{
+    (void)kind;
+    (void)value;
+    query_check *qc = cls;
+    qc->st = md_route_check_query(qc->route, key ? key : "", qc->err);
+    return qc->st == MD_OK ? MHD_YES : MHD_NO;
+}
+
 static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const char *url,
                                  const char *method, const char *version, const char *upload_data,
                                  size_t *upload_data_size, void **req_cls)
@@ -473,6 +490,10 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
                         "%s is not allowed on %s; allowed: %s", method, url, allow);
             return reply_now_error(r, &err);
         }
+        query_check qc = {r->match.route, &err, MD_OK};
+        MHD_get_connection_values(conn, MHD_GET_ARGUMENT_KIND, check_query_arg, &qc);
+        if (qc.st != MD_OK)
+            return reply_now_error(r, &err);
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
                                                      MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl && !r->match.route->on_body) {

@@ -112,6 +112,41 @@ md_status md_route_find(const md_route *routes, size_t n_routes, const char *met
     return path_matched ? MD_EMETHOD : MD_ENOTFOUND;
 }
 
+md_status md_route_check_query(const md_route *route, const char *key, md_err *err)
+{
+    const char *known = route->query ? route->query : "";
+    size_t klen = strlen(key);
+    const char *words[16];
+    char buf[256];
+    size_t n = 0;
+    snprintf(buf, sizeof buf, "%s", known);
+    for (char *save = NULL, *w = strtok_r(buf, " ", &save); w && n < 16;
+         w = strtok_r(NULL, " ", &save)) {
+        if (strlen(w) == klen && memcmp(w, key, klen) == 0)
+            return MD_OK;
+        words[n++] = w;
+    }
+    char takes[160];
+    if (n == 0) {
+        snprintf(takes, sizeof takes, "it takes no query parameters");
+    } else {
+        size_t used = (size_t)snprintf(takes, sizeof takes, "it takes: ");
+        for (size_t i = 0; i < n && used < sizeof takes; i++)
+            used += (size_t)snprintf(takes + used, sizeof takes - used, "%s%s", i ? ", " : "",
+                                     words[i]);
+    }
+    const char *near = md_suggest(key, words, n);
+    char hint[96] = "";
+    if (near)
+        snprintf(hint, sizeof hint, "; did you mean %s?", near);
+    else if (strcmp(key, "version") == 0 && strstr(route->pattern, "{name}") &&
+             !strstr(route->pattern, "{version}"))
+        snprintf(hint, sizeof hint, "; a version is chosen by the path: .../versions/VERSION/...");
+    return md_err_setc(err, MD_EINVAL, "unknown_query_parameter",
+                       "unknown query parameter \"%.64s\" for %s %s; %s%s", key, route->method,
+                       route->pattern, takes, hint);
+}
+
 md_status md_body_append(md_body *body, const char *data, size_t n, md_err *err)
 {
     if (n > body->limit || body->len > body->limit - n)

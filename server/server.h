@@ -47,6 +47,7 @@ typedef struct md_route {
     const char *pattern;
     md_handler_fn handler;
     md_body_fn on_body; /* NULL: body buffered up to max_body_bytes */
+    const char *query;  /* the query parameters it takes, space-separated; NULL: none */
 } md_route;
 
 /* ---- routing (pure functions, unit-tested) ---- */
@@ -69,6 +70,15 @@ typedef struct md_route_match {
  */
 md_status md_route_find(const md_route *routes, size_t n_routes, const char *method,
                         const char *path, md_route_match *match, char *allow, size_t allow_size);
+
+/*
+ * Check one query parameter name against what `route` takes: MD_OK, or
+ * MD_EINVAL with code "unknown_query_parameter" naming the parameter, the
+ * route, the parameters it takes and the nearest one ("did you mean"). A
+ * parameter silently ignored would answer something other than what the
+ * client asked for (`?version=7` on /models/NAME/predict). Thread-safe.
+ */
+md_status md_route_check_query(const md_route *route, const char *key, md_err *err);
 
 /* ---- request body accumulator (unit-tested) ---- */
 

@@ -507,6 +507,50 @@ static void test_err_set_returns_status(void **state)
     assert_int_equal(strlen(err.msg), MD_ERR_MSG_MAX - 1);
 }
 
+/* ---- query parameters and "did you mean" ---- */
+
+static void test_query_known_and_unknown(void **state)
+{
+    (void)state;
+    md_route r = {"POST", "/models/{name}/predict", NULL, NULL, "top_k"};
+    md_err err;
+    md_err_clear(&err);
+    assert_int_equal(md_route_check_query(&r, "top_k", &err), MD_OK);
+    assert_int_equal(md_route_check_query(&r, "top", &err), MD_EINVAL);
+    assert_string_equal(md_err_code(&err), "unknown_query_parameter");
+    assert_non_null(strstr(err.msg, "\"top\""));
+    assert_non_null(strstr(err.msg, "it takes: top_k"));
+    assert_non_null(strstr(err.msg, "did you mean top_k?"));
+    /* version is chosen by the path on routes without {version} */
+    assert_int_equal(md_route_check_query(&r, "version", &err), MD_EINVAL);
+    assert_non_null(strstr(err.msg, "/versions/VERSION/"));
+    /* a prefix of a known name is not accepted (no prefix matching) */
+    md_route j = {"GET", "/jobs", NULL, NULL, "status model limit before"};
+    assert_int_equal(md_route_check_query(&j, "mode", &err), MD_EINVAL);
+    assert_non_null(strstr(err.msg, "did you mean model?"));
+    assert_int_equal(md_route_check_query(&j, "before", &err), MD_OK);
+    md_route none = {"GET", "/healthz", NULL, NULL, NULL};
+    assert_int_equal(md_route_check_query(&none, "", &err), MD_EINVAL);
+    assert_non_null(strstr(err.msg, "takes no query parameters"));
+}
+
+static void test_suggest(void **state)
+{
+    (void)state;
+    const char *names[] = {"fashion", "fashion_cnn", NULL, "mlp"};
+    assert_string_equal(md_suggest("fashon", names, 4), "fashion");
+    assert_string_equal(md_suggest("FASHION_CN", names, 4), "fashion_cnn");
+    assert_string_equal(md_suggest("mpl", names, 4), "mlp");
+    assert_null(md_suggest("fashion", names, 4)); /* exact: no suggestion */
+    assert_null(md_suggest("resnet", names, 4));  /* too far */
+    assert_null(md_suggest("", names, 4));
+    assert_null(md_suggest("x", names, 0));
+    char longw[200];
+    memset(longw, 'a', sizeof longw - 1);
+    longw[sizeof longw - 1] = '\0';
+    assert_null(md_suggest(longw, names, 4));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -529,6 +573,8 @@ int main(void)
         cmocka_unit_test(test_error_body_empty_message),
         cmocka_unit_test(test_status_http),
         cmocka_unit_test(test_err_set_returns_status),
+        cmocka_unit_test(test_query_known_and_unknown),
+        cmocka_unit_test(test_suggest),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

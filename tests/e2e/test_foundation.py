@@ -284,6 +284,74 @@ def test_routing_table_matches_openapi():
                            f"only in openapi.yaml: {sorted(ops - routes)}")
 
 
+def openapi_query_parameters():
+    """{(METHOD, path): {query parameter names}} from openapi.yaml, $refs resolved."""
+    import yaml
+    doc = yaml.safe_load((REPO / "openapi.yaml").read_text())
+
+    def resolve(p):
+        while "$ref" in p:
+            node = doc
+            for part in p["$ref"].lstrip("#/").split("/"):
+                node = node[part]
+            p = node
+        return p
+
+    out = {}
+    for path, item in (doc.get("paths") or {}).items():
+        shared = item.get("parameters") or []
+        for method, op in item.items():
+            if method.lower() not in HTTP_METHODS:
+                continue
+            params = [resolve(p) for p in shared + (op.get("parameters") or [])]
+            out[(method.upper(), path)] = {p["name"] for p in params if p.get("in") == "query"}
+    return out
+
+
+def routing_table_query():
+    """{(METHOD, path): {query parameter names}} from handlers/routes.c."""
+    text = (REPO / "handlers" / "routes.c").read_text()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    out = {}
+    for m in re.finditer(r'\{\s*"([A-Z]+)"\s*,\s*"(/[^"]*)"\s*,\s*\w+\s*,\s*\w+\s*,'
+                         r'\s*(NULL|"[^"]*")\s*\}', text):
+        q = m.group(3)
+        out[(m.group(1), m.group(2))] = set() if q == "NULL" else set(q.strip('"').split())
+    return out
+
+
+def test_query_parameters_match_openapi():
+    """Each route takes exactly the query parameters openapi.yaml documents
+    (the server answers 400 to any other, so the two must agree)."""
+    documented, routed = openapi_query_parameters(), routing_table_query()
+    assert routed.keys() == routing_table(), "routes.c entries the query parser did not read"
+    diff = {op: (sorted(routed.get(op, ())), sorted(documented.get(op, ())))
+            for op in routed.keys() | documented.keys()
+            if routed.get(op, set()) != documented.get(op, set())}
+    assert not diff, f"(routes.c, openapi.yaml) query parameters differ: {diff}"
+
+
+def test_unknown_query_parameter_is_400(shared_server):
+    """`?version=7` on /models/NAME/predict used to answer from the default
+    version; any parameter a route does not take is now a 400 naming the ones
+    it takes, with the nearest one for a typo."""
+    r = shared_server.request("POST", "/models/fashion/predict?version=7", data="[[1]]")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "unknown_query_parameter", err
+    assert '"version"' in err["message"] and "top_k" in err["message"], err
+    assert "/versions/" in err["message"], err  # says how to pick a version
+    r = shared_server.get("/models?limt=5")
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert '"limt"' in msg and "did you mean limit?" in msg, msg
+    r = shared_server.get("/healthz?verbose=1")
+    assert r.status_code == 400 and "takes no query parameters" in r.json()["error"]["message"]
+    # the parameters a route does take still work
+    r = shared_server.get("/models?limit=5")
+    assert r.status_code == 200, r.text
+
+
 def _is_route_not_found(resp):
     if resp.status_code != 404:
         return False
