@@ -14,6 +14,7 @@
 #include <torch/version.h>
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
+#include <caffe2/serialize/inline_container.h>
 #ifdef WITH_CUDA
 /* Only what needs CUDA headers sits here: one stream per worker thread. */
 #include <c10/cuda/CUDAGuard.h>
@@ -45,14 +46,114 @@ static torch::ScalarType scalar_type(md_dtype d)
     }
 }
 
-/* libtorch messages carry a C++ backtrace after the first line: keep the first. */
+/*
+ * libtorch's messages are long: a TorchScript interpreter failure starts with
+ * "The following operation failed in the TorchScript interpreter." and ends,
+ * after two tracebacks, with the line that says why ("RuntimeError: mat1 and
+ * mat2 shapes cannot be multiplied (1x3 and 4x2)"); a c10::Error may carry a
+ * C++ backtrace after its first line. The answer gets the reason and the
+ * TorchScript operation that raised it; the log gets the whole message, on
+ * one line (newlines escaped, so it cannot forge log lines).
+ */
+static bool is_reason_line(const std::string &l)
+{
+    /* "RuntimeError: ...", "torch.jit.Error: ...", "builtins.ValueError: ..." */
+    size_t colon = l.find(": ");
+    if (colon == std::string::npos || colon == 0 || l[0] == ' ')
+        return false;
+    std::string head = l.substr(0, colon);
+    for (char c : head)
+        if (!(isalnum((unsigned char)c) || c == '_' || c == '.'))
+            return false;
+    return head.size() >= 5 && (head.compare(head.size() - 5, 5, "Error") == 0 ||
+                                (head.size() >= 9 &&
+                                 head.compare(head.size() - 9, 9, "Exception") == 0));
+}
+
+static std::string trim(const std::string &s)
+{
+    size_t b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t\r");
+    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+}
+
+/* The short form of a libtorch message: see above. */
+static std::string torch_summary(const std::string &full)
+{
+    std::vector<std::string> lines;
+    size_t pos = 0;
+    while (pos <= full.size()) {
+        size_t nl = full.find('\n', pos);
+        if (nl == std::string::npos)
+            nl = full.size();
+        lines.push_back(full.substr(pos, nl - pos));
+        pos = nl + 1;
+    }
+    std::string first = trim(lines.empty() ? std::string() : lines[0]);
+    if (first.rfind("The following operation failed in the TorchScript interpreter", 0) != 0)
+        return first.empty() ? std::string("unknown error") : first;
+    /* the reason: the last "XxxError: ..." line, with what follows it */
+    std::string reason, op;
+    for (size_t i = lines.size(); i-- > 1;) {
+        if (is_reason_line(lines[i])) {
+            reason = trim(lines[i]);
+            for (size_t j = i + 1; j < lines.size() && reason.size() < 300; j++)
+                if (!trim(lines[j]).empty())
+                    reason += " " + trim(lines[j]);
+            break;
+        }
+    }
+    /* the operation: the code line above the last "<--- HERE" marker of the
+     * serialized-code traceback (the innermost call that raised) */
+    size_t orig = lines.size();
+    for (size_t i = 0; i < lines.size(); i++)
+        if (lines[i].rfind("Traceback of TorchScript, original code", 0) == 0) {
+            orig = i;
+            break;
+        }
+    for (size_t i = orig; i-- > 1;)
+        if (lines[i].find("<--- HERE") != std::string::npos) {
+            op = trim(lines[i - 1]);
+            if (op.rfind("return ", 0) == 0)
+                op = op.substr(7);
+            break;
+        }
+    if (reason.empty())
+        reason = "the TorchScript interpreter raised an error (the server log has libtorch's "
+                 "whole message)";
+    if (!op.empty())
+        reason += " (in " + op + ")";
+    return reason;
+}
+
+static std::string one_line(const std::string &s)
+{
+    std::string o;
+    o.reserve(s.size());
+    for (char c : s) {
+        if (c == '\n')
+            o += "\\n";
+        else if ((unsigned char)c < 0x20 || c == 0x7f)
+            o += ' ';
+        else
+            o += c;
+    }
+    return o;
+}
+
 static void set_torch_err(md_err *err, md_status st, const char *what, const char *msg)
 {
-    std::string m(msg ? msg : "unknown error");
-    size_t nl = m.find('\n');
-    if (nl != std::string::npos)
-        m.resize(nl);
-    md_err_set(err, st, "%s: %s", what, m.c_str());
+    std::string full(msg ? msg : "unknown error");
+    std::string s = torch_summary(full);
+    if (s != trim(full))
+        md_log(MD_LOG_WARN, "%s: libtorch said: %s", what, one_line(full).c_str());
+    md_err_set(err, st, "%s: %s", what, s.c_str());
+}
+
+/* what() of a c10::Error has a C++ backtrace; what_without_backtrace has not */
+static const char *error_text(const std::exception &e)
+{
+    const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
+    return ce ? ce->what_without_backtrace() : e.what();
 }
 
 extern "C" const char *md_torch_version(void) { return TORCH_VERSION; }
@@ -88,6 +189,19 @@ extern "C" void md_torch_init(int intra_op_threads)
         at::set_num_interop_threads(1);
     } catch (...) {
         /* set_num_interop_threads throws if called twice; harmless */
+    }
+}
+
+/* A zip that torch.jit.load refuses may be what torch.save writes (a
+ * state_dict or a pickled module: data.pkl, no constants.pkl or code/):
+ * then say what the file is and how to make a TorchScript archive of it. */
+static bool is_torch_save_zip(const char *path)
+{
+    try {
+        caffe2::serialize::PyTorchStreamReader reader(path);
+        return reader.hasRecord("data.pkl") && !reader.hasRecord("constants.pkl");
+    } catch (...) {
+        return false;
     }
 }
 
@@ -130,7 +244,13 @@ extern "C" md_status md_torch_load(const char *path, const char *device, md_dtyp
         *out = m;
         return MD_OK;
     } catch (const std::exception &e) {
-        set_torch_err(err, MD_EUNPROC, "libtorch could not load the checkpoint", e.what());
+        if (is_torch_save_zip(path))
+            return md_err_setc(err, MD_EUNPROC, "not_torchscript",
+                               "the checkpoint is a torch.save() file (a state_dict or a pickled "
+                               "model), not a TorchScript archive; export the trained model with "
+                               "torch.jit.script(model).save(\"model.pt\") (or torch.jit.trace) "
+                               "and upload that file");
+        set_torch_err(err, MD_EUNPROC, "libtorch could not load the checkpoint", error_text(e));
         return MD_EUNPROC;
     } catch (...) {
         return md_err_set(err, MD_EUNPROC, "libtorch could not load the checkpoint");
@@ -203,7 +323,7 @@ extern "C" md_status md_torch_forward(md_torch_model *m, const float *input, con
         *out = buf;
         return MD_OK;
     } catch (const std::exception &e) {
-        set_torch_err(err, MD_EUNPROC, "the model's forward failed", e.what());
+        set_torch_err(err, MD_EUNPROC, "the model's forward failed", error_text(e));
         return MD_EUNPROC;
     } catch (...) {
         return md_err_set(err, MD_EUNPROC, "the model's forward failed");

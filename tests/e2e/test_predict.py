@@ -720,3 +720,43 @@ def test_client_disconnect_while_queued_and_batch_stats(server):
     assert stats["batches"] < stats["requests"], "the delay should have merged requests"
     assert sum(stats["batch_size_histogram"]) == stats["batches"]
     assert stats["queue_wait_us_total"] >= 200000, "requests waited for the batch delay"
+
+
+# ---------------------------------------------------------------- libtorch's reasons
+
+
+def test_failed_test_forward_says_why(server):
+    """A deploy whose test forward fails answers libtorch's reason (which shapes
+    did not match, and in which operation), not only "The following operation
+    failed in the TorchScript interpreter.", and logs libtorch's whole message."""
+    err = expect_error(deploy(server, "why", config={"input": {"shape": [3]}}), 422,
+                       "model_test_failed")
+    msg = err["message"]
+    assert "mat1 and mat2 shapes cannot be multiplied (1x3 and 4x8)" in msg, msg
+    assert "torch.linear" in msg and "config.input.shape" in msg, msg
+    assert "The following operation failed" not in msg, msg
+    log = server.stderr
+    assert "libtorch said: The following operation failed in the TorchScript interpreter." \
+        in log and "Traceback of TorchScript" in log, log[-2000:]
+    # the whole message is one log line (newlines escaped)
+    line = next(l for l in log.splitlines() if "libtorch said" in l)
+    assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied" in line, line
+
+
+def test_failed_forward_of_a_request_says_why(server):
+    """A config-less model given rows of the wrong width answers the reason."""
+    deployed(server, "nocfg", config=None)
+    r = post_json(server, "/models/nocfg/predict", [[1, 2, 3]])
+    err = expect_error(r, 422)
+    assert "mat1 and mat2 shapes cannot be multiplied (1x3 and 4x8)" in err["message"], err
+
+
+def test_state_dict_upload_says_what_it_is(server):
+    """torch.save(model.state_dict()) is a zip but not TorchScript: the answer
+    says what the file is and how to export one, not "PytorchStreamReader
+    failed locating file constants.pkl"."""
+    err = expect_error(deploy(server, "sd", path=FIXTURES / "mlp_state_dict.pt"), 422,
+                       "not_torchscript")
+    assert "torch.save()" in err["message"] and "torch.jit.script(model).save" in err["message"], err
+    assert "constants.pkl" not in err["message"], err
+    assert requests.get(server.url + "/models/sd", timeout=10 * TSCALE).status_code == 404
