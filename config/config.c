@@ -279,6 +279,41 @@ static void flag_name(const setting *s, char *out, size_t size)
     out[n] = '\0';
 }
 
+/* "; did you mean X?" for an unknown setting name spelled as `kind` (0: a
+ * config-file key, 1: a flag without its dashes, 2: an environment variable),
+ * or "" when no setting is near. */
+static void suggest_setting(const char *word, size_t len, int kind, char *out, size_t size)
+{
+    char key[64];
+    out[0] = '\0';
+    if (kind == 2) {
+        if (len > 7 && strncmp(word, "MODELD_", 7) == 0)
+            word += 7, len -= 7;
+    }
+    if (len >= sizeof key)
+        return;
+    for (size_t i = 0; i < len; i++)
+        key[i] = word[i] == '-' ? '_' : (char)tolower((unsigned char)word[i]);
+    key[len] = '\0';
+    const char *keys[N_SETTINGS];
+    for (size_t i = 0; i < N_SETTINGS; i++)
+        keys[i] = settings[i].key;
+    const char *near = md_suggest(key, keys, N_SETTINGS);
+    if (!near && kind == 1 && memchr(word, '_', len))
+        near = find_key(key) ? find_key(key)->key : NULL; /* --drain_seconds */
+    if (!near)
+        return;
+    const setting *s = find_key(near);
+    char name[96];
+    if (kind == 1)
+        flag_name(s, name, sizeof name);
+    else if (kind == 2)
+        env_name(s, name, sizeof name);
+    else
+        snprintf(name, sizeof name, "%s", s->key);
+    snprintf(out, size, "; did you mean %s?", name);
+}
+
 void md_cfg_defaults(md_cfg *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
@@ -333,9 +368,11 @@ static md_status load_file(md_cfg *cfg, const char *path, md_err *err)
     {
         const setting *s = find_key(key);
         if (!s) {
+            char hint[128];
+            suggest_setting(key, strlen(key), 0, hint, sizeof hint);
             st = md_err_set(err, MD_EINVAL,
-                            "%s: unknown key \"%s\"; see modeld --help for the settings", source,
-                            key);
+                            "%s: unknown key \"%s\"%s; see modeld --help for the settings", source,
+                            key, hint);
             goto out;
         }
         if ((st = set_from_json(cfg, s, v, source, err)) != MD_OK)
@@ -422,10 +459,13 @@ md_status md_cfg_load(md_cfg *cfg, int argc, char **argv, char **envp, md_cfg_ac
         }
         char source[128];
         snprintf(source, sizeof source, "environment %s", name);
-        if (!s)
+        if (!s) {
+            char hint[128];
+            suggest_setting(name, strlen(name), 2, hint, sizeof hint);
             return md_err_set(err, MD_EINVAL,
-                              "%s: unknown setting; see modeld --help for the MODELD_* names",
-                              source);
+                              "%s: unknown setting%s; see modeld --help for the MODELD_* names",
+                              source, hint);
+        }
         if (set_from_text(cfg, s, eq + 1, source, err) != MD_OK)
             return MD_EINVAL;
     }
@@ -447,9 +487,12 @@ md_status md_cfg_load(md_cfg *cfg, int argc, char **argv, char **envp, md_cfg_ac
         const char *eq = strchr(a, '=');
         size_t len = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
         const setting *s = find_flag(a + 2, len);
-        if (!s)
-            return md_err_set(err, MD_EINVAL, "flag %.*s: unknown flag; see modeld --help",
-                              (int)(len + 2), a);
+        if (!s) {
+            char hint[128];
+            suggest_setting(a + 2, len, 1, hint, sizeof hint);
+            return md_err_set(err, MD_EINVAL, "flag %.*s: unknown flag%s; see modeld --help",
+                              (int)(len + 2), a, hint);
+        }
         char flag[80], source[96];
         flag_name(s, flag, sizeof flag);
         snprintf(source, sizeof source, "flag %s", flag);

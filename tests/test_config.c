@@ -635,12 +635,24 @@ static void test_unknown_names(void **state)
     (void)state;
     char path[64];
     write_temp(path, "{\"port\": 9000, \"prot\": 9001}");
-    EXPECT_EINVAL(ARGV("--config", path), no_env, "config file", path, "unknown key", "prot");
+    EXPECT_EINVAL(ARGV("--config", path), no_env, "config file", path, "unknown key", "prot",
+                  "did you mean port?");
     unlink(path);
 
-    EXPECT_EINVAL(ARGV("--prot", "80"), no_env, "--prot", "unknown flag");
-    EXPECT_EINVAL(ARGV("--prot=80"), no_env, "--prot", "unknown flag");
-    EXPECT_EINVAL(no_args, ENVP("HOME=/root", "MODELD_PROT=80"), "MODELD_PROT", "unknown");
+    /* each spelling's typo gets the nearest name in that spelling */
+    EXPECT_EINVAL(ARGV("--prot", "80"), no_env, "--prot", "unknown flag", "did you mean --port?");
+    EXPECT_EINVAL(ARGV("--prot=80"), no_env, "--prot", "unknown flag", "did you mean --port?");
+    EXPECT_EINVAL(ARGV("--drain-second", "3"), no_env, "did you mean --drain-seconds?");
+    EXPECT_EINVAL(ARGV("--drain_seconds", "3"), no_env, "did you mean --drain-seconds?");
+    EXPECT_EINVAL(no_args, ENVP("HOME=/root", "MODELD_PROT=80"), "MODELD_PROT", "unknown",
+                  "did you mean MODELD_PORT?");
+    /* nothing near: no suggestion */
+    md_cfg cfg;
+    md_cfg_action act;
+    md_err err;
+    assert_int_equal(load(&cfg, ARGV("--zzzz", "1"), no_env, &act, &err), MD_EINVAL);
+    assert_null(strstr(err.msg, "did you mean"));
+    md_cfg_free(&cfg);
 }
 
 static void test_missing_or_unreadable_file(void **state)
