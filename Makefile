@@ -145,7 +145,8 @@ bench: deps
 clean:
 	rm -rf build build-asan build-fuzz modeld
 
-# libFuzzer over the request decoders and the dataset readers (clang); not part of
+# libFuzzer over the request decoders, the dataset readers, the configuration
+# loader and the router (clang); not part of
 # `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
 fuzz:
@@ -156,11 +157,22 @@ fuzz:
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
 	  predictor/readers.c config/md_err.c -ljansson -lz -lm
-	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_config tests/fuzz_config.c \
+	  config/config.c config/md_err.c -ljansson -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_router tests/fuzz_router.c \
+	  server/router.c config/md_err.c -ljansson -lm
+	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers build-fuzz/corpus_config \
+	  build-fuzz/corpus_router
 	cp tests/fuzz_corpus/* build-fuzz/corpus/
 	cp tests/fuzz_corpus_readers/* build-fuzz/corpus_readers/
+	cp tests/fuzz_corpus_config/* build-fuzz/corpus_config/
+	cp tests/fuzz_corpus_router/* build-fuzz/corpus_router/
 	build-fuzz/fuzz_tensor -max_total_time=$(FUZZ_SECONDS) -max_len=4096 build-fuzz/corpus
 	build-fuzz/fuzz_readers -max_total_time=$(FUZZ_SECONDS) -max_len=4096 build-fuzz/corpus_readers
+	build-fuzz/fuzz_config -max_total_time=$(FUZZ_SECONDS) -max_len=2048 build-fuzz/corpus_config
+	build-fuzz/fuzz_router -max_total_time=$(FUZZ_SECONDS) -max_len=1024 build-fuzz/corpus_router
 
 # The CUDA path of the backend must keep compiling even where no CUDA libtorch
 # exists to link it: compile it against Debian's libtorch headers and the CUDA

@@ -44,6 +44,11 @@ static md_status err_vset(md_err *err, md_status status, const char *code, const
     err->status = status;
     snprintf(err->code, sizeof err->code, "%s", code ? code : "");
     vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    /* a message quotes what the client sent: keep it one line of printable
+     * text, so it can neither break a log line nor forge another */
+    for (char *c = err->msg; *c; c++)
+        if ((unsigned char)*c < 0x20 || *c == 0x7f)
+            *c = ' ';
     return status;
 }
 

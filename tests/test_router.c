@@ -507,6 +507,20 @@ static void test_err_set_returns_status(void **state)
     assert_int_equal(strlen(err.msg), MD_ERR_MSG_MAX - 1);
 }
 
+/* Found by fuzz_config: a config path holding a newline made a two-line
+ * error. Messages quote client input; they stay one printable line. */
+static void test_err_message_one_line(void **state)
+{
+    (void)state;
+    md_err err;
+    md_err_set(&err, MD_EINVAL, "config file %s: not found", "a\nb\r\x1b[31mc\x7f");
+    assert_null(strchr(err.msg, '\n'));
+    assert_null(strchr(err.msg, '\r'));
+    assert_null(strchr(err.msg, '\x1b'));
+    assert_null(strchr(err.msg, '\x7f'));
+    assert_string_equal(err.msg, "config file a b  [31mc : not found");
+}
+
 /* ---- query parameters and "did you mean" ---- */
 
 static void test_query_known_and_unknown(void **state)
@@ -573,6 +587,7 @@ int main(void)
         cmocka_unit_test(test_error_body_empty_message),
         cmocka_unit_test(test_status_http),
         cmocka_unit_test(test_err_set_returns_status),
+        cmocka_unit_test(test_err_message_one_line),
         cmocka_unit_test(test_query_known_and_unknown),
         cmocka_unit_test(test_suggest),
     };
