@@ -59,7 +59,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
-.PHONY: all run test unit e2e asan bench deps deps-build clean lint-openapi fixtures fuzz \
+.PHONY: all run test unit e2e asan tsan bench deps deps-build clean lint-openapi fixtures fuzz \
 	cuda-compile-check docker-check
 
 all: $(MODELD)
@@ -126,6 +126,19 @@ asan: deps
 	$(MAKE) SAN_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" \
 	  OPT="-O1 -g" ASAN_E2E=1 unit e2e
 
+# ThreadSanitizer over the modules with threads of their own (the batcher and
+# registry, the store, the readers) and the end-to-end tests that drive
+# concurrency: concurrent and split requests, hot swaps, jobs beside online
+# traffic, replicas sharing a store, drains. TSAN_E2E=1 stops every server with
+# SIGTERM and fails a test whose server printed a ThreadSanitizer report.
+TSAN_E2E_TESTS := concurrent or split or max_delay or hot_swap or queue_full or timeout or \
+	client_disconnect or replica or job_and_online or cancel or drain or in_flight
+tsan: deps
+	$(MAKE) SAN_FLAGS="-fsanitize=thread" OPT="-O1 -g" BUILD=build-tsan TSAN_E2E=1 \
+	  UNIT_TESTS="test_batcher test_store test_readers" \
+	  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+	  PYTEST_ARGS="-k '$(TSAN_E2E_TESTS)'" unit e2e
+
 fixtures:
 	$(PYTHON) tests/fixtures/make_fixtures.py
 
@@ -143,7 +156,7 @@ bench: deps
 	bash bench/run.sh
 
 clean:
-	rm -rf build build-asan build-fuzz modeld
+	rm -rf build build-asan build-tsan build-fuzz modeld
 
 # libFuzzer over the request decoders, the dataset readers, the configuration
 # loader and the router (clang); not part of

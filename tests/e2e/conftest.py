@@ -11,7 +11,11 @@ Fixtures:
   start_server  factory: start_server("--max-body-bytes", "1000", env={...});
                 waits for /healthz and then /readyz (ready=False: /healthz only)
   run_modeld    run the binary to completion (config errors, --help, ...)
-  tscale        timeout multiplier: 3 when ASAN_E2E=1, else 1
+  tscale        timeout multiplier: 3 when ASAN_E2E=1, 5 when TSAN_E2E=1, else 1
+
+Under a sanitizer build (ASAN_E2E=1 or TSAN_E2E=1) every server is stopped with
+SIGTERM at teardown, so LeakSanitizer runs, and a test fails when the server's
+stderr holds a sanitizer report.
 
 Raw-socket helpers (import with `from conftest import ...`): free_port,
 raw_connect, read_http_response.
@@ -28,7 +32,11 @@ import pytest
 import requests
 
 REPO = Path(__file__).resolve().parents[2]
-TSCALE = 3.0 if os.environ.get("ASAN_E2E") == "1" else 1.0
+SANITIZED = os.environ.get("ASAN_E2E") == "1" or os.environ.get("TSAN_E2E") == "1"
+TSCALE = (5.0 if os.environ.get("TSAN_E2E") == "1" else 3.0) if SANITIZED else 1.0
+# What a sanitizer prints when it finds something (ASan, LSan, UBSan, TSan).
+SANITIZER_REPORT = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:",
+                    "WARNING: ThreadSanitizer")
 
 
 def modeld_bin():
@@ -203,6 +211,25 @@ class Server:
             pytest.fail(f"modeld did not exit within {timeout * TSCALE:.0f} s of signal {sig}; "
                         f"stderr:\n{self.stderr}")
 
+    def finish(self):
+        """Teardown: under a sanitizer build, stop with SIGTERM (so LeakSanitizer
+        runs at exit) and fail if a sanitizer reported anything during the test;
+        else kill at once."""
+        if SANITIZED and self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30 * TSCALE)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        if SANITIZED:
+            text = self.stderr
+            hits = [m for m in SANITIZER_REPORT if m in text]
+            if hits:
+                at = min(text.index(m) for m in hits)
+                pytest.fail(f"sanitizer report from modeld ({', '.join(hits)}):\n"
+                            f"{text[max(0, at - 200):at + 6000]}")
+
     def kill(self):
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -235,7 +262,7 @@ def start_server(tmp_path):
 
     yield start
     for s in started:
-        s.kill()
+        s.finish()
 
 
 @pytest.fixture
@@ -252,7 +279,7 @@ def shared_server(tmp_path_factory):
     try:
         yield s.start()
     finally:
-        s.kill()
+        s.finish()
 
 
 @pytest.fixture
