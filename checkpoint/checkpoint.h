@@ -52,6 +52,8 @@ md_status md_blob_begin(md_store *store, long long max_bytes, md_blob_writer **o
 md_status md_blob_write(md_blob_writer *w, const void *data, size_t len, md_err *err);
 /* Bytes written so far. */
 long long md_blob_size(const md_blob_writer *w);
+/* The sha256 (hex) of a finished writer; "" before md_blob_finish. */
+const char *md_blob_sha256(const md_blob_writer *w);
 /* The temp file being written (valid until the writer is consumed). */
 const char *md_blob_path(const md_blob_writer *w);
 /* The final path of the blob with this sha256. */
@@ -63,6 +65,12 @@ void md_store_sha_path(const md_store *store, const char *sha256, char *out, siz
  * the file to blobs/<sha256>) or dropped with md_blob_abort. */
 md_status md_blob_finish(md_blob_writer *w, const char *expect_sha256, char sha256[MD_SHA256_HEX],
                          long long *size, md_err *err);
+/* A second finished writer over the same bytes: a hard link to the finished
+ * writer `w`'s temp file under a new temp name, with its sha256 and size, so
+ * several requests sharing one download each own (and commit or drop) their
+ * copy without copying bytes. `w` stays valid and owned by its caller.
+ * MD_EIO when the link fails. Thread-safe for a `w` no other thread consumes. */
+md_status md_blob_link(const md_blob_writer *w, md_blob_writer **out, md_err *err);
 /* Drop an unfinished upload and its temp file. Accepts NULL. */
 void md_blob_abort(md_blob_writer *w);
 

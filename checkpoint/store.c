@@ -27,6 +27,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sqlite3.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -428,6 +429,8 @@ long long md_blob_size(const md_blob_writer *w) { return w->size; }
 
 const char *md_blob_path(const md_blob_writer *w) { return w->tmp_path; }
 
+const char *md_blob_sha256(const md_blob_writer *w) { return w->finished ? w->sha256 : ""; }
+
 void md_store_sha_path(const md_store *s, const char *sha, char *out, size_t size)
 {
     blob_path(s, sha, out, size);
@@ -443,6 +446,31 @@ void md_blob_abort(md_blob_writer *w)
         unlink(w->tmp_path);
     EVP_MD_CTX_free(w->sha);
     free(w);
+}
+
+md_status md_blob_link(const md_blob_writer *w, md_blob_writer **out, md_err *err)
+{
+    static atomic_ulong seq;
+    *out = NULL;
+    md_assert(w->finished);
+    md_blob_writer *c = md_xcalloc(1, sizeof *c);
+    c->store = w->store;
+    c->fd = -1;
+    c->size = w->size;
+    c->max_bytes = w->max_bytes;
+    c->finished = 1;
+    memcpy(c->sha256, w->sha256, sizeof c->sha256);
+    /* upload-<pid>-: swept like any temp file of this process once it is gone */
+    snprintf(c->tmp_path, sizeof c->tmp_path, "%s/tmp/upload-%ld-link%lu", w->store->dir,
+             (long)getpid(), atomic_fetch_add(&seq, 1));
+    if (link(w->tmp_path, c->tmp_path) != 0) {
+        md_err_set(err, MD_EIO, "store %s: cannot link the downloaded checkpoint %s: %s",
+                   w->store->dir, w->tmp_path, strerror(errno));
+        free(c);
+        return MD_EIO;
+    }
+    *out = c;
+    return MD_OK;
 }
 
 md_status md_blob_finish(md_blob_writer *w, const char *expect, char sha256[MD_SHA256_HEX],
