@@ -34,6 +34,18 @@ typedef struct md_blob_writer md_blob_writer;
 
 #define MD_SHA256_HEX 65 /* 64 hex digits and a NUL */
 
+/* Test-only: `fn(store, point, ctx)` is called at named points inside the
+ * store's write transactions ("add_blob_decided": an add has decided its
+ * blob's file and not committed; "gc_locked": garbage collection holds the
+ * write lock; "sweep_locked": the orphan sweep at open does;
+ * "set_default_checked": md_store_set_default checked the version and has not
+ * moved the default yet) and each time a
+ * connection waits for another's write lock ("busy"), so a unit test can
+ * drive two handles (two replicas) through an exact interleaving. Global;
+ * set it before the threads it affects start. NULL removes it. */
+typedef void (*md_store_hook_fn)(md_store *store, const char *point, void *ctx);
+void md_store_set_test_hook(md_store_hook_fn fn, void *ctx);
+
 /* Open (creating if needed) the store in `dir`: migrate the schema forward,
  * sweep temp files, check every blob. */
 md_status md_store_open(const char *dir, md_store **out, md_err *err);
