@@ -934,7 +934,9 @@ void md_handle_version_checkpoint(md_req *req)
 
 /* ---- changing and deleting ---- */
 
-void md_handle_model_patch(md_req *req)
+/* PATCH and DELETE may load a stored version (seconds of libtorch and
+ * SQLite): they run on a deferred thread, never a libmicrohttpd one. */
+static void model_patch_deferred(md_req *req)
 {
     md_app *app = md_req_app(req);
     md_err err;
@@ -968,15 +970,12 @@ void md_handle_model_patch(md_req *req)
         st = md_store_set_default(app->store, name, (int)json_integer_value(dv), &err);
     if (st == MD_OK && dv &&
         !md_registry_set_default(app->registry, name, (int)json_integer_value(dv))) {
-        /* not loaded yet: load it, then swap it in as the default */
-        json_t *ver = NULL;
-        st = md_store_get_version(app->store, name, (int)json_integer_value(dv), &ver, &err);
-        md_model *m = st == MD_OK ? md_app_load_version(app, ver, &err) : NULL;
+        /* not loaded yet: load it (once, however many ask), then swap it in */
+        md_model *m = md_app_load_stored(app, name, (int)json_integer_value(dv), 1, &err);
         if (m)
-            md_registry_put(app->registry, m, 1);
+            md_model_release(m); /* the registry holds it */
         else
             st = err.status;
-        json_decref(ver);
     }
     if (st == MD_OK && ret)
         st = md_store_set_retention(app->store, name, ret, &err);
@@ -987,19 +986,19 @@ void md_handle_model_patch(md_req *req)
     reply_result(req, st, out, &err);
 }
 
-void md_handle_version_delete(md_req *req)
+void md_handle_model_patch(md_req *req) { md_req_defer(req, model_patch_deferred); }
+
+typedef struct delete_args {
+    int version, force;
+} delete_args;
+
+static void version_delete_deferred(md_req *req)
 {
     md_app *app = md_req_app(req);
     md_err err;
     md_err_clear(&err);
-    int version, force = 0;
-    if (!md_req_version_param(req, &version))
-        return;
-    const char *f = md_req_query(req, "force");
-    if (f && parse_bool("force", f, &force, &err) != MD_OK) {
-        md_reply_error(req, &err);
-        return;
-    }
+    const delete_args *a = md_req_state(req);
+    int version = a->version, force = a->force;
     const char *name = md_req_param(req, "name");
     md_status st = md_store_delete_version(app->store, name, version, force, &err);
     if (st == MD_OK) {
@@ -1010,15 +1009,9 @@ void md_handle_version_delete(md_req *req)
             json_t *dv = json_object_get(info, "default_version");
             if (json_is_integer(dv) &&
                 !md_registry_set_default(app->registry, name, (int)json_integer_value(dv))) {
-                json_t *ver = NULL;
                 md_err lerr;
-                if (md_store_get_version(app->store, name, (int)json_integer_value(dv), &ver,
-                                         &lerr) == MD_OK) {
-                    md_model *m = md_app_load_version(app, ver, &lerr);
-                    if (m)
-                        md_registry_put(app->registry, m, 1);
-                }
-                json_decref(ver);
+                md_model_release(
+                    md_app_load_stored(app, name, (int)json_integer_value(dv), 1, &lerr));
             }
             json_decref(info);
         }
@@ -1028,6 +1021,25 @@ void md_handle_version_delete(md_req *req)
                                          version)
                              : NULL,
                  &err);
+}
+
+void md_handle_version_delete(md_req *req)
+{
+    md_err err;
+    md_err_clear(&err);
+    delete_args a = {0, 0};
+    if (!md_req_version_param(req, &a.version))
+        return;
+    /* query arguments are read here, on the handler thread */
+    const char *f = md_req_query(req, "force");
+    if (f && parse_bool("force", f, &a.force, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    delete_args *state = md_xmalloc(sizeof *state);
+    *state = a;
+    md_req_set_state(req, state, free);
+    md_req_defer(req, version_delete_deferred);
 }
 
 void md_handle_model_delete(md_req *req)

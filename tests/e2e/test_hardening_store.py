@@ -242,3 +242,58 @@ def test_concurrent_registrations_share_only_the_download(start_server, gated, l
     assert s.get("/models/a").status_code == 404
     assert [p.name for p in (s.store / "blobs").iterdir()] == [sha(MLP)]
     wait_for(lambda: not list((s.store / "tmp").iterdir()), "the temp files to go", 5)
+
+
+# ----------------------------------- item 11: load once, failures remembered
+
+
+def test_concurrent_predicts_load_a_stored_version_once(start_server):
+    # MD_TEST_LOAD_HOLD (test-only, handlers/app.c): the on-demand load
+    # waits until 8 requests asked for it, so all 8 are provably concurrent
+    s = start_server(env={"MD_TEST_LOAD_HOLD": "8"})
+    created(upload(s, "m", fields=[("config", json.dumps(LABELED))]))
+    v2 = created(upload(s, "m", fields=[("deploy", "false")]))
+    assert v2["version"] == 2 and v2["state"] == "stored"
+    results = [None] * 8
+
+    def go(i):
+        try:
+            results[i] = s.request("POST", "/models/m/versions/2/predict", json=MLP_INPUT[:2],
+                                   timeout=60 * TSCALE)
+        except Exception as e:  # reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90 * TSCALE)
+    for r in results:
+        assert isinstance(r, requests.Response) and r.status_code == 200, r
+        assert r.json()["version"] == 2 and "labels" in r.json()
+    loads = s.stderr.count("model m version 2: loading on demand")
+    assert loads == 1, f"8 concurrent predictions loaded version 2 {loads} times"
+    loaded = [x for x in s.get("/models/m").json()["loaded"] if x["version"] == 2]
+    assert len(loaded) == 1, loaded
+
+
+def test_failed_version_answers_from_memory(start_server):
+    s = start_server()
+    created(upload(s, "m", fields=[("config", json.dumps(LABELED))]))
+    v2 = created(upload(s, "m", data=CNN, fields=[("deploy", "false"), ("config", "{}")]))
+    # the stored bytes go bad on disk (a torn disk, a bad copy)
+    blob = s.store / "blobs" / v2["sha256"]
+    blob.write_bytes(b"PK\x03\x04" + b"\0" * 200)
+    first = s.request("POST", "/models/m/versions/2/predict", json=MLP_INPUT[:2],
+                      timeout=30 * TSCALE)
+    assert first.status_code == 422, first.text
+    assert s.stderr.count("model m version 2: loading on demand") == 1
+    second = s.request("POST", "/models/m/versions/2/predict", json=MLP_INPUT[:2],
+                       timeout=30 * TSCALE)
+    assert second.status_code == 422 and second.json() == first.json(), second.text
+    assert s.stderr.count("model m version 2: loading on demand") == 1, \
+        "the failed version was loaded again"
+    state = s.get("/models/m/versions/2").json()
+    assert state["state"] == "failed" and state.get("state_reason"), state
+    # the default still serves
+    assert predict(s, "m")["version"] == 1

@@ -549,7 +549,8 @@ def test_list_models_paginates(server):
 
 def test_get_model_version_and_checkpoint(server):
     created(upload(server, "m", MLP, config=MLP_CONFIG, metrics={"loss": 1.5}))
-    created(upload(server, "m", CNN, metadata={"by": "test"}))
+    # another architecture: an explicit (empty) config, or it would inherit the MLP's
+    created(upload(server, "m", CNN, config={}, metadata={"by": "test"}))
     m = model(server, "m")
     assert m["name"] == "m"
     assert m["default_version"] == 2
