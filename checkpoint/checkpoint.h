@@ -34,6 +34,18 @@ typedef struct md_blob_writer md_blob_writer;
 
 #define MD_SHA256_HEX 65 /* 64 hex digits and a NUL */
 
+/* Test-only: `fn(store, point, ctx)` is called at named points inside the
+ * store's write transactions ("add_blob_decided": an add has decided its
+ * blob's file and not committed; "gc_locked": garbage collection holds the
+ * write lock; "sweep_locked": the orphan sweep at open does;
+ * "set_default_checked": md_store_set_default checked the version and has not
+ * moved the default yet) and each time a
+ * connection waits for another's write lock ("busy"), so a unit test can
+ * drive two handles (two replicas) through an exact interleaving. Global;
+ * set it before the threads it affects start. NULL removes it. */
+typedef void (*md_store_hook_fn)(md_store *store, const char *point, void *ctx);
+void md_store_set_test_hook(md_store_hook_fn fn, void *ctx);
+
 /* Open (creating if needed) the store in `dir`: migrate the schema forward,
  * sweep temp files, check every blob. */
 md_status md_store_open(const char *dir, md_store **out, md_err *err);
@@ -52,6 +64,8 @@ md_status md_blob_begin(md_store *store, long long max_bytes, md_blob_writer **o
 md_status md_blob_write(md_blob_writer *w, const void *data, size_t len, md_err *err);
 /* Bytes written so far. */
 long long md_blob_size(const md_blob_writer *w);
+/* The sha256 (hex) of a finished writer; "" before md_blob_finish. */
+const char *md_blob_sha256(const md_blob_writer *w);
 /* The temp file being written (valid until the writer is consumed). */
 const char *md_blob_path(const md_blob_writer *w);
 /* The final path of the blob with this sha256. */
@@ -63,6 +77,12 @@ void md_store_sha_path(const md_store *store, const char *sha256, char *out, siz
  * the file to blobs/<sha256>) or dropped with md_blob_abort. */
 md_status md_blob_finish(md_blob_writer *w, const char *expect_sha256, char sha256[MD_SHA256_HEX],
                          long long *size, md_err *err);
+/* A second finished writer over the same bytes: a hard link to the finished
+ * writer `w`'s temp file under a new temp name, with its sha256 and size, so
+ * several requests sharing one download each own (and commit or drop) their
+ * copy without copying bytes. `w` stays valid and owned by its caller.
+ * MD_EIO when the link fails. Thread-safe for a `w` no other thread consumes. */
+md_status md_blob_link(const md_blob_writer *w, md_blob_writer **out, md_err *err);
 /* Drop an unfinished upload and its temp file. Accepts NULL. */
 void md_blob_abort(md_blob_writer *w);
 

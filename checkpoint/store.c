@@ -14,8 +14,20 @@
  * processes that are gone, so replicas sharing the store keep theirs). A
  * crash between 3 and 4 leaves a blob no row references, swept at open once
  * it is older than ORPHAN_GRACE_S. Nothing ever leaves a row without its
- * file or a partial file under a final name. Blobs are unlinked, under the
- * same mutex, only when the last row referencing them is deleted.
+ * file or a partial file under a final name. Blobs are unlinked only when
+ * the last row referencing them is deleted.
+ *
+ * Replicas sharing the store: the per-process mutex orders this process's
+ * threads only, so every decision about a blob's file is taken inside an
+ * SQLite write transaction (BEGIN IMMEDIATE holds the database's write lock
+ * across processes): an add checks "are these bytes already in blobs/?",
+ * renames its temp file there and inserts its row in one transaction, and
+ * garbage collection (after a delete or retention, a failed add, the orphan
+ * sweep at open) re-checks "does any row reference it?" and unlinks in
+ * another. So no replica can unlink a blob between another's check and its
+ * commit: the row is either committed before the collector looks (the blob
+ * stays) or the adder looks after the unlink (and puts its own bytes back).
+ * Temp files carry their writer's pid and are swept only once it is gone.
  */
 #define _GNU_SOURCE
 #include "checkpoint.h"
@@ -27,6 +39,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sqlite3.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +49,21 @@
 #include <unistd.h>
 
 #define ORPHAN_GRACE_S 600
+
+static md_store_hook_fn test_hook;
+static void *test_hook_ctx;
+
+void md_store_set_test_hook(md_store_hook_fn fn, void *ctx)
+{
+    test_hook = fn;
+    test_hook_ctx = ctx;
+}
+
+static void hook(md_store *s, const char *point)
+{
+    if (test_hook)
+        test_hook(s, point, test_hook_ctx);
+}
 
 struct md_store {
     char *dir;
@@ -127,6 +155,19 @@ static void now_iso(char out[32])
     snprintf(out + n, 32 - n, ".%03ldZ", ts.tv_nsec / 1000000L);
 }
 
+/* Another connection (a replica, or another handle) holds the write lock:
+ * wait up to BUSY_WAIT_MS for it, telling the test hook that we wait. */
+#define BUSY_WAIT_MS 5000
+static int on_busy(void *p, int tries)
+{
+    hook(p, "busy");
+    if (tries >= BUSY_WAIT_MS)
+        return 0;
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+    return 1;
+}
+
 static md_status db_fail(md_store *s, md_err *err, const char *what)
 {
     return md_err_set(err, MD_EIO, "store index %s/index.sqlite: %s: %s", s->dir, what,
@@ -203,6 +244,17 @@ static int fsync_dir(const char *path)
     return rc;
 }
 
+/* fsync blobs/, so a rename or unlink there survives a power loss. */
+static md_status sync_blobs_dir(md_store *s, md_err *err)
+{
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/blobs", s->dir);
+    if (fsync_dir(dir) != 0)
+        return md_err_set(err, MD_EIO, "store %s: fsync of blobs/ failed: %s; check the disk",
+                          s->dir, strerror(errno));
+    return MD_OK;
+}
+
 /* Temp files of processes that are gone: tmp/upload-<pid>-XXXXXX. */
 static void sweep_tmp(md_store *s)
 {
@@ -238,7 +290,8 @@ static int sha_referenced(md_store *s, const char *sha)
     return rc != SQLITE_DONE;
 }
 
-/* Blobs no row references (a crash between rename and commit). */
+/* Blobs no row references (a crash between rename and commit), decided and
+ * unlinked inside a write transaction (see DESIGN). */
 static void sweep_orphans(md_store *s)
 {
     char path[4096];
@@ -246,6 +299,13 @@ static void sweep_orphans(md_store *s)
     DIR *d = opendir(path);
     if (!d)
         return;
+    md_err err;
+    if (exec(s, "BEGIN IMMEDIATE", &err) != MD_OK) {
+        md_log(MD_LOG_WARN, "store: orphan sweep skipped: %s", err.msg);
+        closedir(d);
+        return;
+    }
+    hook(s, "sweep_locked");
     struct dirent *e;
     time_t now = time(NULL);
     while ((e = readdir(d))) {
@@ -260,6 +320,9 @@ static void sweep_orphans(md_store *s)
             md_log(MD_LOG_INFO, "store: removed unreferenced blob %s", full);
     }
     closedir(d);
+    if (sync_blobs_dir(s, &err) != MD_OK)
+        md_log(MD_LOG_WARN, "%s", err.msg);
+    exec(s, "COMMIT", NULL); /* nothing written: ends the transaction */
 }
 
 /* Rows whose blob is missing are marked failed with the reason. */
@@ -287,8 +350,13 @@ static md_status check_blobs(md_store *s, md_err *err)
         sqlite3_bind_text(up, 1, reason, -1, SQLITE_TRANSIENT);
         sqlite3_bind_text(up, 2, (const char *)sqlite3_column_text(st, 0), -1, SQLITE_TRANSIENT);
         sqlite3_bind_int(up, 3, sqlite3_column_int(st, 1));
-        sqlite3_step(up);
+        int urc = sqlite3_step(up);
         sqlite3_reset(up);
+        if (urc != SQLITE_DONE) {
+            sqlite3_finalize(up);
+            sqlite3_finalize(st);
+            return db_fail(s, err, "mark a version with a missing blob failed");
+        }
         md_log(MD_LOG_WARN, "model %s version %d: %s", sqlite3_column_text(st, 0),
                sqlite3_column_int(st, 1), reason);
     }
@@ -335,7 +403,7 @@ md_status md_store_open(const char *dir, md_store **out, md_err *err)
         md_store_close(s);
         return MD_EIO;
     }
-    sqlite3_busy_timeout(s->db, 5000);
+    sqlite3_busy_handler(s->db, on_busy, s);
     md_status st;
     if ((st = exec(s, "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; "
                       "PRAGMA foreign_keys = ON;",
@@ -428,6 +496,8 @@ long long md_blob_size(const md_blob_writer *w) { return w->size; }
 
 const char *md_blob_path(const md_blob_writer *w) { return w->tmp_path; }
 
+const char *md_blob_sha256(const md_blob_writer *w) { return w->finished ? w->sha256 : ""; }
+
 void md_store_sha_path(const md_store *s, const char *sha, char *out, size_t size)
 {
     blob_path(s, sha, out, size);
@@ -445,6 +515,31 @@ void md_blob_abort(md_blob_writer *w)
     free(w);
 }
 
+md_status md_blob_link(const md_blob_writer *w, md_blob_writer **out, md_err *err)
+{
+    static atomic_ulong seq;
+    *out = NULL;
+    md_assert(w->finished);
+    md_blob_writer *c = md_xcalloc(1, sizeof *c);
+    c->store = w->store;
+    c->fd = -1;
+    c->size = w->size;
+    c->max_bytes = w->max_bytes;
+    c->finished = 1;
+    memcpy(c->sha256, w->sha256, sizeof c->sha256);
+    /* upload-<pid>-: swept like any temp file of this process once it is gone */
+    snprintf(c->tmp_path, sizeof c->tmp_path, "%s/tmp/upload-%ld-link%lu", w->store->dir,
+             (long)getpid(), atomic_fetch_add(&seq, 1));
+    if (link(w->tmp_path, c->tmp_path) != 0) {
+        md_err_set(err, MD_EIO, "store %s: cannot link the downloaded checkpoint %s: %s",
+                   w->store->dir, w->tmp_path, strerror(errno));
+        free(c);
+        return MD_EIO;
+    }
+    *out = c;
+    return MD_OK;
+}
+
 md_status md_blob_finish(md_blob_writer *w, const char *expect, char sha256[MD_SHA256_HEX],
                          long long *size, md_err *err)
 {
@@ -457,7 +552,11 @@ md_status md_blob_finish(md_blob_writer *w, const char *expect, char sha256[MD_S
                          "(torch.jit.save)");
         goto fail;
     }
-    EVP_DigestFinal_ex(w->sha, digest, &dlen);
+    if (EVP_DigestFinal_ex(w->sha, digest, &dlen) != 1 || dlen != 32) {
+        st = md_err_set(err, MD_EINTERNAL, "store %s: computing the checkpoint's SHA-256 failed",
+                        w->store->dir);
+        goto fail;
+    }
     for (unsigned i = 0; i < 32; i++)
         snprintf(w->sha256 + 2 * i, 3, "%02x", digest[i]);
     if (expect && *expect && strcasecmp(expect, w->sha256) != 0) {
@@ -674,7 +773,8 @@ static md_status model_missing(const char *name, md_err *err)
                        "model %s does not exist; GET /models lists the models", name);
 }
 
-/* Unlink the blob if no row references it any more. Caller holds the mutex. */
+/* Unlink the blob if no row references it any more. Caller holds the mutex
+ * and a write transaction, so no replica adds a row for it meanwhile. */
 static void release_blob(md_store *s, const char *sha)
 {
     if (sha_referenced(s, sha))
@@ -699,10 +799,24 @@ static void sha_list_add(sha_list *l, const char *sha)
     snprintf(l->items[l->count++], MD_SHA256_HEX, "%s", sha);
 }
 
+/* Garbage-collect the blobs of rows just deleted (committed), in a write
+ * transaction of its own: a replica's add of the same bytes either committed
+ * its row before (the blob stays) or checks for the file after (and puts it
+ * back). Caller holds the mutex, not a transaction. A failure only leaves an
+ * unreferenced blob, which the sweep at open removes. */
 static void release_all(md_store *s, sha_list *l)
 {
-    for (int i = 0; i < l->count; i++)
-        release_blob(s, l->items[i]);
+    md_err err;
+    if (l->count && exec(s, "BEGIN IMMEDIATE", &err) == MD_OK) {
+        hook(s, "gc_locked");
+        for (int i = 0; i < l->count; i++)
+            release_blob(s, l->items[i]);
+        if (sync_blobs_dir(s, &err) != MD_OK)
+            md_log(MD_LOG_WARN, "%s", err.msg);
+        exec(s, "COMMIT", NULL);
+    } else if (l->count) {
+        md_log(MD_LOG_WARN, "store: unreferenced blobs kept for the next sweep: %s", err.msg);
+    }
     free(l->items);
     l->items = NULL;
     l->count = 0;
@@ -840,11 +954,16 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
     md_status rc = MD_OK;
     sha_list released = {0};
     char *config = NULL, *metadata = NULL, *metrics = NULL;
+    int moved = 0; /* this add put the file in blobs/ (undone on failure) */
     json_text(spec->config, &config);
     json_text(spec->metadata, &metadata);
     json_text(spec->metrics, &metrics);
 
     pthread_mutex_lock(&s->mu);
+    /* One write transaction: the blob's file (see DESIGN), model row, version
+     * row, default, retention, generation. */
+    if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
+        goto unlock;
     if (blob) {
         md_assert(blob->finished);
         struct stat sb;
@@ -853,20 +972,19 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
         } else if (rename(blob->tmp_path, path) != 0) {
             rc = md_err_set(err, MD_EIO, "store %s: cannot move the checkpoint into blobs/: %s",
                             s->dir, strerror(errno));
-            goto unlock;
+            goto rollback;
+        } else {
+            moved = 1;
         }
         blob->tmp_path[0] = '\0';
-        char blobs_dir[4096];
-        snprintf(blobs_dir, sizeof blobs_dir, "%s/blobs", s->dir);
-        fsync_dir(blobs_dir);
+        if ((rc = sync_blobs_dir(s, err)) != MD_OK)
+            goto rollback;
     } else if (access(path, R_OK) != 0) {
         rc = md_err_set(err, MD_EIO, "store %s: checkpoint %s is no longer stored; retry", s->dir,
                         sha);
-        goto unlock;
+        goto rollback;
     }
-    /* One transaction: model row, version row, default, retention, generation. */
-    if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
-        goto unlock;
+    hook(s, "add_blob_decided");
     char now[32];
     now_iso(now);
     sqlite3_stmt *st = prep(s,
@@ -986,7 +1104,12 @@ rollback:
     exec(s, "ROLLBACK", NULL);
     free(released.items);
     released.items = NULL;
-    release_blob(s, sha); /* the upload's bytes, unless other rows use them */
+    released.count = 0;
+    if (moved) {
+        /* the upload's bytes, unless another row (maybe a replica's) uses them */
+        sha_list_add(&released, sha);
+        release_all(s, &released);
+    }
 unlock:
     pthread_mutex_unlock(&s->mu);
     md_blob_abort(blob);
@@ -1147,6 +1270,11 @@ md_status md_store_set_default(md_store *s, const char *name, int version, md_er
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
     json_t *v = NULL;
+    /* one transaction: the check of the version's state, the move and the
+     * generation bump commit together or not at all (a replica cannot delete
+     * or fail the version in between, nor see a move without its bump) */
+    if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
+        goto unlock;
     if (!model_exists(s, name)) {
         rc = model_missing(name, err);
         goto out;
@@ -1160,6 +1288,7 @@ md_status md_store_set_default(md_store *s, const char *name, int version, md_er
                          json_string_value(json_object_get(v, "state_reason")));
         goto out;
     }
+    hook(s, "set_default_checked");
     sqlite3_stmt *st = prep(s, "UPDATE models SET default_version = ?, updated_at = ? WHERE name = ?",
                             err);
     if (!st) {
@@ -1176,7 +1305,12 @@ md_status md_store_set_default(md_store *s, const char *name, int version, md_er
     sqlite3_finalize(st);
     if (rc == MD_OK)
         rc = bump_generation(s, err);
+    if (rc == MD_OK)
+        rc = exec(s, "COMMIT", err);
 out:
+    if (rc != MD_OK)
+        exec(s, "ROLLBACK", NULL);
+unlock:
     json_decref(v);
     pthread_mutex_unlock(&s->mu);
     return rc;
@@ -1235,15 +1369,17 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
     md_status rc = MD_OK;
     json_t *v = NULL;
     sha_list released = {0};
-    if (!model_exists(s, name)) {
-        rc = model_missing(name, err);
-        goto out;
-    }
-    if ((rc = get_version_locked(s, name, version, &v, err)) != MD_OK)
-        goto out;
-    int is_default = json_is_true(json_object_get(v, "default"));
+    /* read whether it is the default inside the write transaction: a
+     * replica's set_default cannot move it between the read and the delete */
     if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
         goto out;
+    if (!model_exists(s, name)) {
+        rc = model_missing(name, err);
+        goto rollback;
+    }
+    if ((rc = get_version_locked(s, name, version, &v, err)) != MD_OK)
+        goto rollback;
+    int is_default = json_is_true(json_object_get(v, "default"));
     sqlite3_stmt *st;
     if (is_default) {
         st = prep(s, "SELECT MAX(version) FROM versions WHERE model = ? AND version != ? AND "
@@ -1268,8 +1404,12 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
         else
             sqlite3_bind_null(st, 1);
         sqlite3_bind_text(st, 2, name, -1, SQLITE_STATIC);
-        sqlite3_step(st);
+        int moved_ok = sqlite3_step(st) == SQLITE_DONE;
         sqlite3_finalize(st);
+        if (!moved_ok) {
+            rc = db_fail(s, err, "move the default");
+            goto rollback;
+        }
     }
     st = prep(s, "DELETE FROM versions WHERE model = ? AND version = ?", err);
     sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);

@@ -79,11 +79,25 @@ void md_handle_v2_model_version_ready(md_req *req);
 void md_handle_v2_live(md_req *req);
 void md_handle_v2_ready(md_req *req);
 void md_handle_v2_server(md_req *req);
-/* jobs.c */
+/* app.c */
 /* md_model_resolver over the registry: the loaded version (0 = the default),
- * retained; a stored version not loaded yet is loaded on demand. Errors:
- * model_not_found, version_not_found, model_not_ready (no loaded default). */
+ * retained; a stored version not loaded yet is loaded on demand, once however
+ * many callers ask at the same time, and a version that failed to load
+ * answers its error from memory until its bytes change. Errors:
+ * model_not_found, version_not_found, model_not_ready (no loaded default),
+ * and the load's own. May block on a load: call it from a job thread or a
+ * deferred handler thread, not a libmicrohttpd thread (md_app_resolve_ready
+ * says whether it would return at once). Thread-safe. */
 md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err);
+/* Load stored `version` of `name` as md_app_resolve does (once, failures
+ * remembered) and, with make_default, make it the registry's default.
+ * Returns a new reference or NULL with `err`. May block; thread-safe. */
+md_model *md_app_load_stored(md_app *app, const char *name, int version, int make_default,
+                             md_err *err);
+/* Whether `name` / `version` (0 = the default) is loaded now, so that
+ * md_app_resolve would answer without loading. Thread-safe. */
+int md_app_resolve_ready(md_app *app, const char *name, int version);
+/* jobs.c */
 void md_handle_jobs_create(md_req *req);
 void md_handle_jobs_list(md_req *req);
 void md_handle_job_get(md_req *req);

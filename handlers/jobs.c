@@ -17,46 +17,6 @@
 
 #include "handlers.h"
 
-md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err)
-{
-    md_app *app = ctx;
-    md_model *m = md_registry_get(app->registry, name, version);
-    if (m)
-        return m;
-    json_t *info = NULL;
-    if (md_store_get_model(app->store, name, &info, err) != MD_OK)
-        return NULL; /* model_not_found */
-    int make_default = 0;
-    if (!version) {
-        /* a default deployed through a replica sharing the store since this
-         * one started: load it here too */
-        json_t *dv = json_object_get(info, "default_version");
-        if (json_is_integer(dv) && json_integer_value(dv) > 0) {
-            version = (int)json_integer_value(dv);
-            make_default = 1;
-        }
-    }
-    json_decref(info);
-    if (!version) {
-        md_err_setc(err, MD_ECONFLICT, "model_not_ready",
-                    "model %s has no loaded default version; GET /models/%s shows the versions "
-                    "and their states",
-                    name, name);
-        return NULL;
-    }
-    /* a stored version not loaded yet: load it now (not as the default) */
-    json_t *v = NULL;
-    if (md_store_get_version(app->store, name, version, &v, err) != MD_OK)
-        return NULL;
-    m = md_app_load_version(app, v, err);
-    json_decref(v);
-    if (!m)
-        return NULL;
-    md_model_retain(m);
-    md_registry_put(app->registry, m, make_default);
-    return m;
-}
-
 static int under_allowed(const md_cfg *cfg, const char *path)
 {
     char real[PATH_MAX], dir[PATH_MAX];

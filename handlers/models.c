@@ -33,8 +33,32 @@ typedef struct deploy_req {
     int deploy;       /* default 1 */
     char sha256[MD_SHA256_HEX];
     char *source;     /* owned; NULL for uploads */
-    json_t *config, *metadata, *metrics, *retention;
+    json_t *config, *metadata, *metrics, *retention; /* owned; NULL = not given */
+    unsigned given;   /* bit i: field_names[i] was given (a second one is refused) */
 } deploy_req;
+
+/* The fields of a deployment, in the order of the `given` bits. A field given
+ * twice (two form fields of one name, or a form field and a query argument)
+ * is refused with 400 naming it: last-wins would silently drop what the
+ * client sent first. */
+static const char *const field_names[] = {"config", "metadata", "metrics", "version",
+                                          "make_default", "deploy", "sha256", "retention", NULL};
+
+static md_status mark_given(deploy_req *d, const char *field, md_err *err)
+{
+    for (unsigned i = 0; field_names[i]; i++) {
+        if (strcmp(field, field_names[i]) != 0)
+            continue;
+        if (d->given & (1u << i))
+            return md_err_setc(err, MD_EINVAL, "duplicate_field",
+                               "%s is given twice (as two form fields, or as a form field and a "
+                               "query argument); give it once",
+                               field);
+        d->given |= 1u << i;
+        return MD_OK;
+    }
+    return MD_OK;
+}
 
 static void deploy_req_free(deploy_req *d)
 {
@@ -91,13 +115,20 @@ static md_status check_sha(const char *text, md_err *err)
 
 /* config/metadata/metrics: a JSON object; metrics values must be numbers
  * (they are ordered and compared). */
+static void set_slot(json_t **slot, json_t *v)
+{
+    /* mark_given refuses a second value, but never leak one either way */
+    json_decref(*slot);
+    *slot = json_incref(v);
+}
+
 static md_status set_json_field(deploy_req *d, const char *field, json_t *v, md_err *err)
 {
     md_status st;
     if (strcmp(field, "retention") == 0) {
         if ((st = md_retention_check(v, err)) != MD_OK)
             return st;
-        d->retention = json_incref(v);
+        set_slot(&d->retention, v);
         return MD_OK;
     }
     if (!json_is_object(v))
@@ -108,7 +139,7 @@ static md_status set_json_field(deploy_req *d, const char *field, json_t *v, md_
     if (strcmp(field, "config") == 0) {
         if ((st = md_model_config_check(v, err)) != MD_OK)
             return st;
-        d->config = json_incref(v);
+        set_slot(&d->config, v);
     } else if (strcmp(field, "metrics") == 0) {
         const char *k;
         json_t *x;
@@ -119,9 +150,9 @@ static md_status set_json_field(deploy_req *d, const char *field, json_t *v, md_
                                    "metrics.%s must be a number (metrics are compared and ordered)",
                                    k);
         }
-        d->metrics = json_incref(v);
+        set_slot(&d->metrics, v);
     } else {
-        d->metadata = json_incref(v);
+        set_slot(&d->metadata, v);
     }
     return MD_OK;
 }
@@ -129,6 +160,8 @@ static md_status set_json_field(deploy_req *d, const char *field, json_t *v, md_
 /* A text field (multipart field or query argument). */
 static md_status set_text_field(deploy_req *d, const char *field, const char *text, md_err *err)
 {
+    if (mark_given(d, field, err) != MD_OK)
+        return MD_EINVAL;
     if (strcmp(field, "version") == 0)
         return parse_version_text(text, &d->version, err);
     if (strcmp(field, "make_default") == 0)
@@ -154,10 +187,8 @@ static md_status set_text_field(deploy_req *d, const char *field, const char *te
 
 static int text_field_known(const char *f)
 {
-    static const char *known[] = {"config", "metadata", "metrics", "version", "make_default",
-                                  "deploy", "sha256", "retention", NULL};
-    for (int i = 0; known[i]; i++)
-        if (strcmp(f, known[i]) == 0)
+    for (int i = 0; field_names[i]; i++)
+        if (strcmp(f, field_names[i]) == 0)
             return 1;
     return 0;
 }
@@ -294,11 +325,36 @@ void md_app_sync(md_app *app)
     app->synced_generation = gen;
 }
 
+/* The config a version given without one inherits: the config of the
+ * model's current default version (a new new reference in *config, its
+ * number in *from), or nothing (*config NULL, *from 0) for a new model. A
+ * checkpoint uploaded on its own is almost always "the same model, retrained":
+ * dropping the labels, preprocess and input shape of the version it replaces
+ * would silently turn a classifier's answer into raw logits. */
+static void inherited_config(md_app *app, const char *name, json_t **config, int *from)
+{
+    *config = NULL;
+    *from = 0;
+    int dv = stored_default(app, name);
+    json_t *v = NULL;
+    if (dv <= 0 || md_store_get_version(app->store, name, dv, &v, NULL) != MD_OK)
+        return;
+    json_t *c = json_object_get(v, "config");
+    if (json_is_object(c)) {
+        *config = json_incref(c);
+        *from = dv;
+    }
+    json_decref(v);
+}
+
 /* Load the checkpoint (the real validation), add the version row, put the
  * model in the registry when deploying, and answer 201. Takes ownership of
- * `blob`. A checkpoint that does not load stores nothing (422). */
-static void commit_and_reply(md_req *req, deploy_req *d, const char *sha, long long size,
-                             md_blob_writer *blob)
+ * `blob`. A checkpoint that does not load stores nothing (422). A version
+ * given without config inherits the current default's (inherited_config) and
+ * the answer says so with "config_from". Returns the status answered, so a
+ * caller never mistakes a failed commit for a stored version. */
+static md_status commit_and_reply(md_req *req, deploy_req *d, const char *sha, long long size,
+                                  md_blob_writer *blob)
 {
     md_app *app = md_req_app(req);
     md_err err;
@@ -308,12 +364,22 @@ static void commit_and_reply(md_req *req, deploy_req *d, const char *sha, long l
         snprintf(path, sizeof path, "%s", md_blob_path(blob));
     else
         md_store_sha_path(app->store, sha, path, sizeof path);
+    int config_from = 0;
+    if (!d->config)
+        inherited_config(app, d->name, &d->config, &config_from);
     md_model *model = NULL;
     if (md_model_load(d->name, d->version, path, d->config, &app->model_defaults, &model, &err) !=
         MD_OK) {
         md_blob_abort(blob);
+        if (config_from) {
+            md_err inner = err;
+            md_err_setc(&err, inner.status, md_err_code(&inner),
+                        "%.400s (with the config inherited from version %d; give a config to "
+                        "replace it)",
+                        inner.msg, config_from);
+        }
         md_reply_error(req, &err);
-        return;
+        return err.status;
     }
     md_version_spec spec = {
         .model = d->name,
@@ -335,7 +401,7 @@ static void commit_and_reply(md_req *req, deploy_req *d, const char *sha, long l
         md_model_release(model);
         json_decref(version);
         md_reply_error(req, &err);
-        return;
+        return st;
     }
     int number = (int)json_integer_value(json_object_get(version, "version"));
     if (d->deploy && !json_is_true(json_object_get(version, "removed_by_retention"))) {
@@ -344,10 +410,13 @@ static void commit_and_reply(md_req *req, deploy_req *d, const char *sha, long l
     } else {
         md_model_release(model);
     }
+    if (config_from)
+        json_object_set_new(version, "config_from", json_integer(config_from));
     char loc[160];
     snprintf(loc, sizeof loc, "/models/%s/versions/%d", d->name, number);
     md_reply_header(req, "Location", loc);
     md_reply_json(req, 201, version);
+    return MD_OK;
 }
 
 /* ---- POST /models/{name}/versions: upload ---- */
@@ -503,11 +572,9 @@ void md_handle_version_upload(md_req *req)
         return;
     }
     /* query arguments work for both forms (raw uploads have no other place) */
-    static const char *args[] = {"config", "metadata", "metrics", "version", "make_default",
-                                 "deploy", "sha256", "retention", NULL};
-    for (int i = 0; args[i]; i++) {
-        const char *v = md_req_query(req, args[i]);
-        if (v && set_text_field(&u->d, args[i], v, &err) != MD_OK) {
+    for (int i = 0; field_names[i]; i++) {
+        const char *v = md_req_query(req, field_names[i]);
+        if (v && set_text_field(&u->d, field_names[i], v, &err) != MD_OK) {
             md_reply_error(req, &err);
             return;
         }
@@ -517,14 +584,23 @@ void md_handle_version_upload(md_req *req)
 
 /* ---- POST /models: register from a URL ---- */
 
-/* Concurrent registrations of one source share one download. */
+/*
+ * Concurrent registrations of one source share one download, and only the
+ * download: the bytes, their sha256 and size (or the download's error, which
+ * is a property of the URL). Each request then checks its own sha256, loads
+ * with its own config and commits or fails on its own, through its own hard
+ * link to the downloaded temp file (md_blob_link), so one client's wrong
+ * sha256 or bad config never answers another's request. The first request
+ * downloads; later ones wait on the fetch's condition variable (on their
+ * deferred thread). The downloaded file goes when the last request has taken
+ * its link.
+ */
 typedef struct fetch {
     char *source;
     int done;
-    md_status status;
+    md_status status;      /* of the download */
     md_err err;
-    char sha[MD_SHA256_HEX];
-    long long size;
+    md_blob_writer *blob;  /* the finished download; owned by the fetch */
     int refs;
     pthread_cond_t cv;
     struct fetch *next;
@@ -543,6 +619,7 @@ static void fetch_release(fetch *f)
             *p = f->next;
             break;
         }
+    md_blob_abort(f->blob);
     pthread_cond_destroy(&f->cv);
     free(f->source);
     free(f);
@@ -562,66 +639,65 @@ static void register_commit(md_req *req)
     if (f) {
         /* another request is downloading this source: wait for its bytes */
         f->refs++;
+        md_log(MD_LOG_INFO, "register %s: sharing the download of %s already in progress",
+               d->name, d->source);
         while (!f->done)
             pthread_cond_wait(&f->cv, &fetch_mu);
-        md_status st = f->status;
-        md_err ferr = f->err;
-        char sha[MD_SHA256_HEX];
-        long long size = f->size;
-        memcpy(sha, f->sha, sizeof sha);
-        fetch_release(f);
-        pthread_mutex_unlock(&fetch_mu);
-        if (st != MD_OK) {
-            md_reply_error(req, &ferr);
-            return;
-        }
-        if (d->sha256[0] && strcasecmp(d->sha256, sha) != 0) {
-            md_err_setc(&err, MD_EINVAL, "sha256_mismatch",
-                        "the checkpoint's sha256 is %s but %s was expected", sha, d->sha256);
-            md_reply_error(req, &err);
-            return;
-        }
-        commit_and_reply(req, d, sha, size, NULL);
-        return;
-    }
-    f = md_xcalloc(1, sizeof *f);
-    f->source = md_xstrdup(d->source);
-    f->refs = 1;
-    pthread_cond_init(&f->cv, NULL);
-    f->next = fetches;
-    fetches = f;
-    pthread_mutex_unlock(&fetch_mu);
-
-    md_fetch_opts opts = fetch_opts(app->cfg);
-    md_blob_writer *blob = NULL;
-    char sha[MD_SHA256_HEX] = "";
-    long long size = 0;
-    md_status st = md_fetch_blob(app->store, d->source, &opts, &blob, &err);
-    /* check the hash only against our own request's sha256 after the fact,
-     * so waiters with another expectation get their own answer */
-    if (st == MD_OK)
-        st = md_blob_finish(blob, NULL, sha, &size, &err);
-    if (st == MD_OK && d->sha256[0] && strcasecmp(d->sha256, sha) != 0) {
-        st = md_err_setc(&err, MD_EINVAL, "sha256_mismatch",
-                         "the checkpoint's sha256 is %s but %s was expected", sha, d->sha256);
-        md_blob_abort(blob);
-        /* waiters may still use the bytes: nothing is stored for them either */
-    }
-    if (st == MD_OK) {
-        /* commit ours first: this also puts the blob in blobs/ for the waiters */
-        commit_and_reply(req, d, sha, size, blob);
     } else {
-        md_reply_error(req, &err);
+        f = md_xcalloc(1, sizeof *f);
+        f->source = md_xstrdup(d->source);
+        f->refs = 1;
+        pthread_cond_init(&f->cv, NULL);
+        f->next = fetches;
+        fetches = f;
+        pthread_mutex_unlock(&fetch_mu);
+
+        md_fetch_opts opts = fetch_opts(app->cfg);
+        md_blob_writer *blob = NULL;
+        char sha[MD_SHA256_HEX];
+        long long size;
+        md_err ferr;
+        md_err_clear(&ferr);
+        /* no expected hash here: each request checks its own below */
+        md_status st = md_fetch_blob(app->store, d->source, &opts, &blob, &ferr);
+        if (st == MD_OK && (st = md_blob_finish(blob, NULL, sha, &size, &ferr)) != MD_OK)
+            blob = NULL; /* md_blob_finish dropped it */
+
+        pthread_mutex_lock(&fetch_mu);
+        f->done = 1;
+        f->status = st;
+        f->err = ferr;
+        f->blob = st == MD_OK ? blob : NULL;
+        pthread_cond_broadcast(&f->cv);
     }
-    pthread_mutex_lock(&fetch_mu);
-    f->done = 1;
-    f->status = st;
-    f->err = err;
-    memcpy(f->sha, sha, sizeof sha);
-    f->size = size;
-    pthread_cond_broadcast(&f->cv);
+    /* fetch_mu held, f->done: take this request's own copy of the bytes */
+    md_status st = f->status;
+    md_blob_writer *mine = NULL;
+    if (st == MD_OK)
+        st = md_blob_link(f->blob, &mine, &err);
+    else
+        err = f->err;
     fetch_release(f);
     pthread_mutex_unlock(&fetch_mu);
+    if (st != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    char sha[MD_SHA256_HEX];
+    snprintf(sha, sizeof sha, "%s", md_blob_sha256(mine));
+    long long size = md_blob_size(mine);
+    if (d->sha256[0] && strcasecmp(d->sha256, sha) != 0) {
+        md_blob_abort(mine);
+        md_err_setc(&err, MD_EINVAL, "sha256_mismatch",
+                    "the checkpoint's sha256 is %s but %s was expected; check the URL or the "
+                    "sha256 given",
+                    sha, d->sha256);
+        md_reply_error(req, &err);
+        return;
+    }
+    if (commit_and_reply(req, d, sha, size, mine) != MD_OK)
+        md_log(MD_LOG_INFO, "register %s from %s: not stored (answered with the reason)", d->name,
+               d->source);
 }
 
 static void deploy_req_free_cb(void *p)
@@ -858,7 +934,9 @@ void md_handle_version_checkpoint(md_req *req)
 
 /* ---- changing and deleting ---- */
 
-void md_handle_model_patch(md_req *req)
+/* PATCH and DELETE may load a stored version (seconds of libtorch and
+ * SQLite): they run on a deferred thread, never a libmicrohttpd one. */
+static void model_patch_deferred(md_req *req)
 {
     md_app *app = md_req_app(req);
     md_err err;
@@ -892,15 +970,12 @@ void md_handle_model_patch(md_req *req)
         st = md_store_set_default(app->store, name, (int)json_integer_value(dv), &err);
     if (st == MD_OK && dv &&
         !md_registry_set_default(app->registry, name, (int)json_integer_value(dv))) {
-        /* not loaded yet: load it, then swap it in as the default */
-        json_t *ver = NULL;
-        st = md_store_get_version(app->store, name, (int)json_integer_value(dv), &ver, &err);
-        md_model *m = st == MD_OK ? md_app_load_version(app, ver, &err) : NULL;
+        /* not loaded yet: load it (once, however many ask), then swap it in */
+        md_model *m = md_app_load_stored(app, name, (int)json_integer_value(dv), 1, &err);
         if (m)
-            md_registry_put(app->registry, m, 1);
+            md_model_release(m); /* the registry holds it */
         else
             st = err.status;
-        json_decref(ver);
     }
     if (st == MD_OK && ret)
         st = md_store_set_retention(app->store, name, ret, &err);
@@ -911,19 +986,19 @@ void md_handle_model_patch(md_req *req)
     reply_result(req, st, out, &err);
 }
 
-void md_handle_version_delete(md_req *req)
+void md_handle_model_patch(md_req *req) { md_req_defer(req, model_patch_deferred); }
+
+typedef struct delete_args {
+    int version, force;
+} delete_args;
+
+static void version_delete_deferred(md_req *req)
 {
     md_app *app = md_req_app(req);
     md_err err;
     md_err_clear(&err);
-    int version, force = 0;
-    if (!md_req_version_param(req, &version))
-        return;
-    const char *f = md_req_query(req, "force");
-    if (f && parse_bool("force", f, &force, &err) != MD_OK) {
-        md_reply_error(req, &err);
-        return;
-    }
+    const delete_args *a = md_req_state(req);
+    int version = a->version, force = a->force;
     const char *name = md_req_param(req, "name");
     md_status st = md_store_delete_version(app->store, name, version, force, &err);
     if (st == MD_OK) {
@@ -934,15 +1009,9 @@ void md_handle_version_delete(md_req *req)
             json_t *dv = json_object_get(info, "default_version");
             if (json_is_integer(dv) &&
                 !md_registry_set_default(app->registry, name, (int)json_integer_value(dv))) {
-                json_t *ver = NULL;
                 md_err lerr;
-                if (md_store_get_version(app->store, name, (int)json_integer_value(dv), &ver,
-                                         &lerr) == MD_OK) {
-                    md_model *m = md_app_load_version(app, ver, &lerr);
-                    if (m)
-                        md_registry_put(app->registry, m, 1);
-                }
-                json_decref(ver);
+                md_model_release(
+                    md_app_load_stored(app, name, (int)json_integer_value(dv), 1, &lerr));
             }
             json_decref(info);
         }
@@ -952,6 +1021,25 @@ void md_handle_version_delete(md_req *req)
                                          version)
                              : NULL,
                  &err);
+}
+
+void md_handle_version_delete(md_req *req)
+{
+    md_err err;
+    md_err_clear(&err);
+    delete_args a = {0, 0};
+    if (!md_req_version_param(req, &a.version))
+        return;
+    /* query arguments are read here, on the handler thread */
+    const char *f = md_req_query(req, "force");
+    if (f && parse_bool("force", f, &a.force, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    delete_args *state = md_xmalloc(sizeof *state);
+    *state = a;
+    md_req_set_state(req, state, free);
+    md_req_defer(req, version_delete_deferred);
 }
 
 void md_handle_model_delete(md_req *req)

@@ -321,12 +321,34 @@ static void predict(md_req *req, const char *name, int version)
 
 void md_handle_predict_default(md_req *req) { predict(req, NULL, 0); }
 
-void md_handle_predict_model(md_req *req) { predict(req, md_req_param(req, "name"), 0); }
+/* A version that is not loaded yet is loaded on a deferred thread (once,
+ * however many requests ask; handlers/app.c), never a libmicrohttpd one; the
+ * prediction then goes on from there and is handed to the batcher. */
+static void predict_model_deferred(md_req *req) { predict(req, md_req_param(req, "name"), 0); }
+
+static void predict_version_deferred(md_req *req)
+{
+    int v;
+    if (md_req_version_param(req, &v))
+        predict(req, md_req_param(req, "name"), v);
+}
+
+void md_handle_predict_model(md_req *req)
+{
+    if (!md_app_resolve_ready(md_req_app(req), md_req_param(req, "name"), 0))
+        md_req_defer(req, predict_model_deferred);
+    else
+        predict(req, md_req_param(req, "name"), 0);
+}
 
 void md_handle_predict_version(md_req *req)
 {
     int v;
-    if (md_req_version_param(req, &v))
+    if (!md_req_version_param(req, &v))
+        return;
+    if (!md_app_resolve_ready(md_req_app(req), md_req_param(req, "name"), v))
+        md_req_defer(req, predict_version_deferred);
+    else
         predict(req, md_req_param(req, "name"), v);
 }
 

@@ -80,6 +80,7 @@ struct md_req {
     md_form_fn form_fn;
     md_err *form_err;
     void (*deferred)(md_req *);
+    int in_deferred;          /* its deferred function is running (the connection is suspended) */
     /* the reply */
     reply_kind reply;
     int status;
@@ -318,8 +319,17 @@ void md_req_set_state(md_req *r, void *state, void (*free_fn)(void *))
 
 void *md_req_state(md_req *r) { return r->state; }
 
+/* Set when a deferred function hands its request on (md_req_suspend from a
+ * deferred thread): the request may be answered and freed by the next owner
+ * at once, so defer_main must not read it afterwards. */
+static _Thread_local int handed_off;
+
 void md_req_suspend(md_req *r)
 {
+    if (r->in_deferred) {
+        handed_off = 1; /* still suspended; the new owner replies and resumes */
+        return;
+    }
     r->suspended = 1;
     MHD_suspend_connection(r->conn);
 }
@@ -371,11 +381,24 @@ md_status md_req_form_feed(md_req *r, md_form_fn field_fn, const char *data, siz
     return err->status;
 }
 
+/* Deferred threads running now: bounded, so a burst of deploys or on-demand
+ * loads cannot start a thread each (503 with Retry-After past the bound). */
+#define MAX_DEFERRED 64
+static atomic_int deferred_running;
+
 static void *defer_main(void *arg)
 {
     md_req *r = arg;
     pthread_setname_np(pthread_self(), "md-deferred");
+    handed_off = 0;
+    r->in_deferred = 1;
     r->deferred(r);
+    if (handed_off) {
+        atomic_fetch_sub(&deferred_running, 1);
+        return NULL; /* r belongs to whoever took it (it may be freed already) */
+    }
+    r->in_deferred = 0;
+    atomic_fetch_sub(&deferred_running, 1);
     if (r->reply == REPLY_NONE) {
         md_err err;
         md_err_set(&err, MD_EINTERNAL, "the handler for %s %s produced no response", r->method,
@@ -388,6 +411,16 @@ static void *defer_main(void *arg)
 
 void md_req_defer(md_req *r, void (*fn)(md_req *req))
 {
+    if (atomic_fetch_add(&deferred_running, 1) >= MAX_DEFERRED) {
+        atomic_fetch_sub(&deferred_running, 1);
+        md_err err;
+        md_err_setc(&err, MD_EBUSY, "too_busy",
+                    "%d deploys, loads and downloads are in progress, the most at once; retry "
+                    "%s %s shortly",
+                    MAX_DEFERRED, r->method, r->path);
+        md_reply_error(r, &err); /* MD_EBUSY: 503 with Retry-After */
+        return;
+    }
     r->deferred = fn;
     md_req_suspend(r);
     pthread_t t;
@@ -396,6 +429,7 @@ void md_req_defer(md_req *r, void (*fn)(md_req *req))
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     if (pthread_create(&t, &attr, defer_main, r) != 0) {
         md_err err;
+        atomic_fetch_sub(&deferred_running, 1);
         md_err_set(&err, MD_EBUSY, "cannot start a thread for %s %s; retry later", r->method,
                    r->path);
         md_reply_error(r, &err);

@@ -25,6 +25,7 @@
 #include <ftw.h>
 #include <jansson.h>
 #include <openssl/evp.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sqlite3.h>
 #include <stdio.h>
@@ -650,6 +651,233 @@ static void test_shared_blobs(void **state)
     free(cnn.data);
 }
 
+/* ---- two replicas sharing one store (issue 10 item 10) ----
+ *
+ * Two md_store handles on one directory stand for two processes: each has its
+ * own SQLite connection, so only SQLite's write lock orders them. The test
+ * hook stops replica B inside md_store_add_version right after it decided its
+ * blob's file ("add_blob_decided") and runs replica A's operation on another
+ * thread; B goes on once A's operation either finished or is waiting for the
+ * write lock ("busy"). With the decision inside B's write transaction, A
+ * waits, B commits, and A's garbage collection then sees B's row. Had B
+ * decided outside it, A would finish first and unlink the file under B's row.
+ */
+
+typedef struct race {
+    md_store *b;          /* the replica whose add is held */
+    int armed;            /* hold B at its next `point` */
+    const char *point;    /* default "add_blob_decided" */
+    void *(*other)(void *); /* replica A's operation, run on its own thread */
+    void *other_arg;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int other_done, other_waiting;
+    pthread_t thread;
+    int started;
+} race;
+
+static void race_hook(md_store *store, const char *point, void *ctx)
+{
+    race *r = ctx;
+    if (strcmp(point, "busy") == 0 && store != r->b) {
+        pthread_mutex_lock(&r->mu);
+        r->other_waiting = 1;
+        pthread_cond_broadcast(&r->cv);
+        pthread_mutex_unlock(&r->mu);
+        return;
+    }
+    if (strcmp(point, r->point) != 0 || store != r->b || !r->armed)
+        return;
+    r->armed = 0;
+    assert_int_equal(pthread_create(&r->thread, NULL, r->other, r), 0);
+    r->started = 1;
+    pthread_mutex_lock(&r->mu);
+    while (!r->other_done && !r->other_waiting)
+        pthread_cond_wait(&r->cv, &r->mu);
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void race_other_finished(race *r)
+{
+    pthread_mutex_lock(&r->mu);
+    r->other_done = 1;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+typedef struct delete_args {
+    md_store *a;
+    md_status st;
+    md_err err;
+} delete_args;
+
+static void *delete_v1_on_a(void *p)
+{
+    race *r = p;
+    delete_args *d = r->other_arg;
+    d->st = md_store_delete_version(d->a, "m1", 1, 1, &d->err);
+    race_other_finished(r);
+    return NULL;
+}
+
+typedef struct open_args {
+    const char *dir;
+    md_store *opened;
+    md_status st;
+    md_err err;
+} open_args;
+
+static void *open_replica(void *p)
+{
+    race *r = p;
+    open_args *o = r->other_arg;
+    o->st = md_store_open(o->dir, &o->opened, &o->err);
+    race_other_finished(r);
+    return NULL;
+}
+
+static void race_init(race *r, md_store *b, void *(*other)(void *), void *arg)
+{
+    memset(r, 0, sizeof *r);
+    r->b = b;
+    r->armed = 1;
+    r->point = "add_blob_decided";
+    r->other = other;
+    r->other_arg = arg;
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    md_store_set_test_hook(race_hook, r);
+}
+
+static void race_finish(race *r)
+{
+    assert_true(r->started);
+    pthread_join(r->thread, NULL);
+    md_store_set_test_hook(NULL, NULL);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+}
+
+/* A deletes the last row of bytes X (its GC wants to unlink blobs/X) while
+ * B adds a row for the same bytes X. */
+static void test_replica_gc_waits_for_add_of_same_bytes(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    char sm[MD_SHA256_HEX];
+    sha_hex(mlp.data, mlp.len, sm);
+    md_store *a = NULL, *b = NULL;
+    open_store(f, &a);
+    open_store(f, &b);
+    assert_int_equal(add(a, "m1", &mlp, 0, NULL, 1), 1);
+    assert_true(blob_exists(f, sm));
+
+    delete_args d = {.a = a};
+    race r;
+    race_init(&r, b, delete_v1_on_a, &d);
+    assert_int_equal(add(b, "m2", &mlp, 0, NULL, 1), 1); /* held in the hook */
+    race_finish(&r);
+    assert_int_equal(d.st, MD_OK);
+
+    /* what a user sees: B's version has its file, from either handle */
+    char path[4096], sha[MD_SHA256_HEX];
+    md_err err;
+    assert_int_equal(md_store_blob_path(a, "m2", 1, path, sizeof path, sha, &err), MD_OK);
+    assert_string_equal(sha, sm);
+    assert_true(access(path, R_OK) == 0);
+    assert_true(blob_exists(f, sm));
+    json_t *gone = NULL;
+    assert_int_equal(md_store_get_version(a, "m1", 1, &gone, &err), MD_ENOTFOUND);
+    /* and once B's row goes too, the file goes */
+    assert_int_equal(md_store_delete_version(b, "m2", 1, 1, &err), MD_OK);
+    assert_false(blob_exists(f, sm));
+    md_store_close(a);
+    md_store_close(b);
+    free(mlp.data);
+}
+
+/* A replica starting (its orphan sweep) while B adds a row for bytes that sit
+ * in blobs/ unreferenced and older than the sweep's grace period. */
+static void test_replica_sweep_waits_for_add_of_orphan_bytes(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    char sm[MD_SHA256_HEX];
+    sha_hex(mlp.data, mlp.len, sm);
+    md_store *b = NULL;
+    open_store(f, &b);
+    /* an orphan: the same bytes in blobs/, no row, an hour old */
+    char rel[128], path[512];
+    snprintf(rel, sizeof rel, "blobs/%s", sm);
+    snprintf(path, sizeof path, "%s/%s", f->dir, rel);
+    FILE *fp = fopen(path, "wb");
+    assert_non_null(fp);
+    assert_int_equal(fwrite(mlp.data, 1, mlp.len, fp), mlp.len);
+    fclose(fp);
+    struct timeval tv[2];
+    gettimeofday(&tv[0], NULL);
+    tv[0].tv_sec -= 3600;
+    tv[1] = tv[0];
+    assert_int_equal(utimes(path, tv), 0);
+
+    open_args o = {.dir = f->dir};
+    race r;
+    race_init(&r, b, open_replica, &o);
+    assert_int_equal(add(b, "m", &mlp, 0, NULL, 1), 1); /* reuses the orphan; held */
+    race_finish(&r);
+    assert_int_equal(o.st, MD_OK);
+
+    md_err err;
+    char got[4096], sha[MD_SHA256_HEX];
+    assert_int_equal(md_store_blob_path(o.opened, "m", 1, got, sizeof got, sha, &err), MD_OK);
+    assert_true(access(got, R_OK) == 0);
+    md_store_close(o.opened);
+    md_store_close(b);
+    free(mlp.data);
+}
+
+/* md_store_set_default checks the version and moves the default in one
+ * write transaction: a replica deleting that version meanwhile waits, and
+ * then finds it is the default. Had the check and the move been two
+ * autocommits, the delete would land between them and the default would
+ * name a version that no longer exists. */
+static void *delete_v2_on_a(void *p)
+{
+    race *r = p;
+    delete_args *d = r->other_arg;
+    d->st = md_store_delete_version(d->a, "m", 2, 0, &d->err);
+    race_other_finished(r);
+    return NULL;
+}
+
+static void test_replica_delete_waits_for_set_default(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    md_store *a = NULL, *b = NULL;
+    open_store(f, &a);
+    open_store(f, &b);
+    assert_int_equal(add(a, "m", &mlp, 0, NULL, 1), 1);
+    assert_int_equal(add(a, "m", &mlp, 0, NULL, 0), 2);
+    delete_args d = {.a = a};
+    race r;
+    race_init(&r, b, delete_v2_on_a, &d);
+    r.point = "set_default_checked";
+    md_err err;
+    assert_int_equal(md_store_set_default(b, "m", 2, &err), MD_OK); /* held in the hook */
+    race_finish(&r);
+    assert_int_equal(d.st, MD_ECONFLICT);
+    assert_string_equal(md_err_code(&d.err), "version_is_default");
+    int dv = default_version(a, "m");
+    assert_int_equal(dv, 2);
+    json_t *v = NULL;
+    assert_int_equal(md_store_get_version(a, "m", dv, &v, &err), MD_OK);
+    json_decref(v);
+    md_store_close(a);
+    md_store_close(b);
+    free(mlp.data);
+}
+
 static void test_version_conflict_keeps_nothing(void **state)
 {
     fx *f = *state;
@@ -1270,6 +1498,11 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_blob_finish_errors_leave_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shared_blobs, setup, teardown),
         cmocka_unit_test_setup_teardown(test_version_conflict_keeps_nothing, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_replica_gc_waits_for_add_of_same_bytes, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_replica_sweep_waits_for_add_of_orphan_bytes, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_replica_delete_waits_for_set_default, setup, teardown),
         cmocka_unit_test_setup_teardown(test_crash_unfinished_temp_file, setup, teardown),
         cmocka_unit_test_setup_teardown(test_crash_blob_without_row, setup, teardown),
         cmocka_unit_test_setup_teardown(test_crash_row_without_blob, setup, teardown),

@@ -549,7 +549,8 @@ def test_list_models_paginates(server):
 
 def test_get_model_version_and_checkpoint(server):
     created(upload(server, "m", MLP, config=MLP_CONFIG, metrics={"loss": 1.5}))
-    created(upload(server, "m", CNN, metadata={"by": "test"}))
+    # another architecture: an explicit (empty) config, or it would inherit the MLP's
+    created(upload(server, "m", CNN, config={}, metadata={"by": "test"}))
     m = model(server, "m")
     assert m["name"] == "m"
     assert m["default_version"] == 2
@@ -759,7 +760,7 @@ def test_retention_applied_at_once_and_default_kept(server):
 def test_restart_keeps_every_version(start_server):
     s = start_server()
     created(upload(s, "a", MLP, config=MLP_CONFIG, metrics={"loss": 0.2}))
-    created(upload(s, "a", CNN, make_default="false"))
+    created(upload(s, "a", CNN, config={}, make_default="false"))  # not the MLP's config
     created(upload(s, "b", BIG))
     before = {n: model(s, n) for n in ("a", "b")}
     assert s.stop() == 0, s.stderr
