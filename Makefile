@@ -136,7 +136,7 @@ TSAN_E2E_TESTS := concurrent or split or max_delay or hot_swap or queue_full or 
 tsan: deps
 	$(MAKE) SAN_FLAGS="-fsanitize=thread" OPT="-O1 -g" BUILD=build-tsan TSAN_E2E=1 \
 	  UNIT_TESTS="test_batcher test_store test_readers" \
-	  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+	  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(CURDIR)/tests/tsan.supp" \
 	  PYTEST_ARGS="-k '$(TSAN_E2E_TESTS)'" unit e2e
 
 fixtures:

@@ -19,7 +19,9 @@ extern "C" {
 #endif
 
 /* Everything a handler can reach. Created by main; outlives the HTTP server.
- * `ready` is an md_ready_state, changed by main and read by /readyz. */
+ * `ready` is an md_ready_state, changed by main and read by /readyz; both it
+ * and `stop_signal` are atomics, since HTTP threads read them while main
+ * writes (a reason string there was a data race ThreadSanitizer found). */
 typedef struct md_app {
     const md_cfg *cfg;
     md_store *store;
@@ -27,7 +29,7 @@ typedef struct md_app {
     md_jobs *jobs;
     md_model_defaults model_defaults;
     atomic_int ready;
-    char not_ready_reason[160]; /* written before `ready` changes */
+    atomic_int stop_signal;      /* the signal that began the drain (0: none yet) */
     long long synced_generation; /* the store generation md_app_sync last matched */
 } md_app;
 

@@ -15,9 +15,12 @@ void md_handle_readyz(md_req *req)
         return;
     }
     md_err err;
-    md_err_setc(&err, MD_EUNAVAIL, state == MD_DRAINING ? "draining" : "starting", "%s",
-                app->not_ready_reason[0] ? app->not_ready_reason
-                : state == MD_DRAINING   ? "the server is shutting down"
-                                         : "the server is starting");
+    if (state == MD_DRAINING)
+        md_err_setc(&err, MD_EUNAVAIL, "draining", "the server is shutting down (signal %d)",
+                    atomic_load(&app->stop_signal));
+    else
+        md_err_setc(&err, MD_EUNAVAIL, "starting", "%s",
+                    state == MD_LOADING ? "the server is loading its deployed models"
+                                        : "the server is starting");
     md_reply_error(req, &err);
 }

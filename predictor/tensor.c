@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -593,16 +594,21 @@ char *md_npy_encode(const float *data, const int64_t *shape, int ndim, size_t *l
 
 /* 10^k as double for k in -60..60 (exact for |k| <= 22; the round-trip
  * check below catches any digit string the others get wrong). */
+static double pow10_cache[121];
+
+static void pow10_init(void)
+{
+    for (int i = 0; i <= 120; i++)
+        pow10_cache[i] = i - 60 < 0 ? 1.0 / pow10_tab_any(60 - i) : pow10_tab_any(i - 60);
+}
+
 static double pow10i(int k)
 {
-    static double tab[121];
-    static int ready;
-    if (!ready) {
-        for (int i = 0; i <= 120; i++)
-            tab[i] = i - 60 < 0 ? 1.0 / pow10_tab_any(60 - i) : pow10_tab_any(i - 60);
-        ready = 1; /* idempotent: racing threads write the same values */
-    }
-    return tab[k + 60];
+    /* filled once: HTTP threads decode at the same time (an unguarded
+     * "ready" flag was a data race, even if every writer wrote the same) */
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, pow10_init);
+    return pow10_cache[k + 60];
 }
 
 /* Write `p` significant digits `digits` (no trailing zeros handled by the

@@ -121,7 +121,6 @@ int main(int argc, char **argv)
 
     static md_app app;
     app.cfg = &cfg;
-    snprintf(app.not_ready_reason, sizeof app.not_ready_reason, "the server is starting");
     atomic_store(&app.ready, MD_STARTING);
 
     /* Open the store before binding: a replica that cannot read its store
@@ -151,8 +150,7 @@ int main(int argc, char **argv)
         return 1;
     }
     /* Serve /healthz and /readyz (503: starting) while the models load. */
-    snprintf(app.not_ready_reason, sizeof app.not_ready_reason,
-             "the server is loading its deployed models");
+    atomic_store(&app.ready, MD_LOADING);
     app.synced_generation = md_store_generation(app.store);
     md_app_load_defaults(&app, stop_pending);
     md_fetch_opts job_fetch = {
@@ -168,7 +166,6 @@ int main(int argc, char **argv)
         md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);
     pthread_t poller;
     int polling = cfg.store_poll_ms > 0 && pthread_create(&poller, NULL, poll_main, &app) == 0;
-    app.not_ready_reason[0] = '\0';
     atomic_store(&app.ready, MD_READY);
     md_log(MD_LOG_INFO, "modeld %s listening on %s:%d (libtorch %s)", MODELD_VERSION, cfg.host,
            md_http_port(http), md_torch_version());
@@ -177,8 +174,7 @@ int main(int argc, char **argv)
     while (sig == 0)
         sig = wait_signal(&stop_signals, 1e9);
 
-    snprintf(app.not_ready_reason, sizeof app.not_ready_reason,
-             "the server is shutting down (signal %d)", sig);
+    atomic_store(&app.stop_signal, sig);
     atomic_store(&app.ready, MD_DRAINING);
     md_log(MD_LOG_INFO, "signal %d: not ready; closing the listener in %d s", sig,
            cfg.drain_seconds);

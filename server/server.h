@@ -104,7 +104,7 @@ json_t *md_error_body(const md_err *err, int v2);
 /* ---- the server ---- */
 
 /* Readiness, read by /readyz and set by main. */
-typedef enum md_ready_state { MD_STARTING = 0, MD_READY, MD_DRAINING } md_ready_state;
+typedef enum md_ready_state { MD_STARTING = 0, MD_LOADING, MD_READY, MD_DRAINING } md_ready_state;
 
 /*
  * Bind host:port from `cfg` and start serving `routes` (borrowed; must
