@@ -262,7 +262,7 @@ def online_latency(srv, name, seconds, threads=4, stop=None):
 def check_job_beside_online(srv, tmp):
     """A long job on the GPU beside online 1-row requests to the same cuda model:
     both finish, and the online latency is reported beside the idle one."""
-    n = int(os.environ.get("MIXED_ROWS", "400000"))
+    n = int(os.environ.get("MIXED_ROWS", "3000000"))
     path = Path(tmp) / "big_u8.npy"
     np.save(path, np.random.default_rng(4).integers(0, 256, (n, 784), dtype=np.uint8))
     idle = online_latency(srv, "fashion_cuda", 3)

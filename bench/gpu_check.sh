@@ -11,7 +11,8 @@
 # LIBTORCH: a CUDA libtorch; default: the folder of the python3 torch package
 #   (pip's torch holds include/ and lib/ of a CUDA libtorch).
 # Environment: FMNIST_DIR (the FashionMNIST t10k IDX.gz, for the job check),
-#   BENCH_SECONDS, BENCH_CLIENTS (bench/gpu_check.py), GPU_CHECK_E2E=1 to run
+#   BENCH_SECONDS, BENCH_CLIENTS, MIXED_ROWS (bench/gpu_check.py), INPROC_SECONDS
+#   (bench/inprocess.c on cuda and cpu; 0 skips it), GPU_CHECK_E2E=1 to run
 #   tests/e2e/test_predict.py and test_jobs.py against the CUDA build too, UNIT=1 for `make unit`.
 #
 # Prints PASS/FAIL lines; exits non-zero if any check failed.
@@ -63,6 +64,18 @@ case $ver in *CUDA*) pass "modeld --version says CUDA" ;; *) failed "modeld --ve
 if [ "${UNIT:-0}" = 1 ]; then
   echo "== unit tests (CUDA libtorch linked)"
   if "${mk[@]}" unit >build/gpu_unit.log 2>&1; then pass "make unit"; else tail -30 build/gpu_unit.log; failed "make unit"; fi
+fi
+
+if [ "${INPROC_SECONDS:-3}" != 0 ]; then
+  echo "== in-process forward ceiling (bench/inprocess.c, no HTTP), FashionMNIST MLP"
+  if "${mk[@]}" build/bench/inprocess >build/gpu_inproc_build.log 2>&1; then
+    t=${INPROC_SECONDS:-3}
+    build/bench/inprocess --device cuda --batch 64,1024 --threads 4 --seconds "$t" || failed "inprocess cuda"
+    build/bench/inprocess --device cuda --batch 64 --threads "$(nproc)" --seconds "$t" || failed "inprocess cuda"
+    build/bench/inprocess --device cpu --batch 64,1024 --threads "$(nproc)" --seconds "$t" || failed "inprocess cpu"
+  else
+    tail -20 build/gpu_inproc_build.log; failed "build bench/inprocess"
+  fi
 fi
 
 echo "== checks"
