@@ -13,17 +13,27 @@ BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev li
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
 	python3-numpy python3-yaml curl ca-certificates sqlite3 dataset-fashion-mnist git
 
-# libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one.
+# libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one
+# (a libtorch tree, or pip's torch package folder, whose include/ and lib/ are one).
+# Its headers are -isystem: a newer libtorch's own warnings must not fail -Werror.
 LIBTORCH ?=
+CUDA_HOME ?= /usr/local/cuda
 ifeq ($(LIBTORCH),)
 TORCH_CFLAGS := -I/usr/include/torch/csrc/api/include
 TORCH_LIBS   := -ltorch -ltorch_cpu -lc10
 else
-TORCH_CFLAGS := -I$(LIBTORCH)/include -I$(LIBTORCH)/include/torch/csrc/api/include
+TORCH_CFLAGS := -isystem $(LIBTORCH)/include -isystem $(LIBTORCH)/include/torch/csrc/api/include
+ifeq ($(WITH_CUDA),1)
+# c10/cuda's headers include the CUDA runtime's
+TORCH_CFLAGS += -isystem $(CUDA_HOME)/include
+endif
 TORCH_LIBS   := -L$(LIBTORCH)/lib -Wl,-rpath,$(LIBTORCH)/lib -Wl,--no-as-needed -ltorch \
 	-ltorch_cpu -lc10
 ifeq ($(WITH_CUDA),1)
-TORCH_LIBS   += -ltorch_cuda -lc10_cuda -Wl,--as-needed
+# c10/cuda's inline functions (the stream guard's) call the CUDA runtime
+# directly, so the backend needs libcudart itself, from the CUDA toolkit
+TORCH_LIBS   += -ltorch_cuda -lc10_cuda -Wl,--as-needed -L$(CUDA_HOME)/lib64 \
+	-Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
 endif
 endif
 ifeq ($(WITH_CUDA),1)
@@ -31,14 +41,20 @@ TORCH_CFLAGS += -DWITH_CUDA=1
 endif
 
 SAN_FLAGS ?=
+# Hooks for dependencies outside the system paths, e.g. Debian packages
+# unpacked into DIR (bench/gpu_check.sh): EXTRA_CFLAGS=-IDIR/usr/include
+# EXTRA_LDFLAGS=-LDIR/usr/lib/x86_64-linux-gnu
+EXTRA_CFLAGS  ?=
+EXTRA_LDFLAGS ?=
 OPT       ?= -O2 -g
 # GCC's -O2 vectorizes only loops of known trip count; the row conversions and
 # preprocess loops that jobs run per row need the cheap model (clang: default)
 VECT      := $(if $(shell $(CC) --version 2>/dev/null | grep -q clang || echo gcc),-fvect-cost-model=cheap,)
 WARN      := -Wall -Wextra -Werror
-CFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(OPT) $(VECT) $(WARN) -pthread $(SAN_FLAGS)
-CXXFLAGS  := -std=c++17 $(OPT) $(WARN) -Wno-unused-parameter -pthread $(TORCH_CFLAGS) $(SAN_FLAGS)
-LIBS      := -lmicrohttpd -ljansson -lsqlite3 -lcurl -lcrypto -lz $(TORCH_LIBS) -lstdc++ -lm -pthread
+CFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(OPT) $(VECT) $(WARN) -pthread $(SAN_FLAGS) $(EXTRA_CFLAGS)
+CXXFLAGS  := -std=c++17 $(OPT) $(WARN) -Wno-unused-parameter -pthread $(TORCH_CFLAGS) $(SAN_FLAGS) \
+	$(EXTRA_CFLAGS)
+LIBS      := $(EXTRA_LDFLAGS) -lmicrohttpd -ljansson -lsqlite3 -lcurl -lcrypto -lz $(TORCH_LIBS) -lstdc++ -lm -pthread
 
 BUILD := build$(if $(SAN_FLAGS),-asan,)
 
@@ -190,7 +206,6 @@ fuzz:
 # The CUDA path of the backend must keep compiling even where no CUDA libtorch
 # exists to link it: compile it against Debian's libtorch headers and the CUDA
 # toolkit's (Debian omits one generated c10 header; a stub stands in for it).
-CUDA_HOME ?= /usr/local/cuda
 cuda-compile-check:
 	@if [ -f $(CUDA_HOME)/include/cuda_runtime.h ]; then \
 	  mkdir -p build/cudastub/c10/cuda/impl && \

@@ -144,13 +144,14 @@ static double percentile(const double *sorted, size_t n, double p)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: inprocess [--model PATH] [--batch B[,B...]] [--seconds S] [--threads T]\n"
-               "                 [--warmup S] [--features F]\n"
+               "                 [--warmup S] [--features F] [--device D]\n"
                "  --model     TorchScript file (default examples/fashion_mnist/model.pt)\n"
                "  --batch     rows per forward, comma-separated (default 64,1)\n"
                "  --seconds   timed seconds per batch size (default 5)\n"
                "  --threads   concurrent forward threads (default: online cores)\n"
                "  --warmup    untimed seconds per thread first (default 0.5)\n"
-               "  --features  values per row (default 784)\n");
+               "  --features  values per row (default 784)\n"
+               "  --device    cpu, cuda, cuda:N or auto, as a model's config says (default cpu)\n");
 }
 
 static int parse_batches(const char *s, int64_t *out, int *n)
@@ -181,6 +182,7 @@ int main(int argc, char **argv)
     double seconds = 5.0, warmup = 0.5;
     long threads = sysconf(_SC_NPROCESSORS_ONLN);
     long features = 784;
+    const char *device = "cpu";
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -209,6 +211,8 @@ int main(int argc, char **argv)
             threads = atol(v);
         else if (strcmp(a, "--features") == 0)
             features = atol(v);
+        else if (strcmp(a, "--device") == 0)
+            device = v;
         else {
             usage(stderr);
             return 2;
@@ -225,7 +229,7 @@ int main(int argc, char **argv)
     md_err err;
     md_err_clear(&err);
     md_torch_model *model = NULL;
-    if (md_torch_load(model_path, "cpu", MD_F32, &model, &err) != MD_OK) {
+    if (md_torch_load(model_path, device, MD_F32, &model, &err) != MD_OK) {
         fprintf(stderr, "inprocess: %s: %s\n", model_path, err.msg);
         return 1;
     }
