@@ -767,10 +767,31 @@ static int model_exists(md_store *s, const char *name)
     return found;
 }
 
-static md_status model_missing(const char *name, md_err *err)
+/* model_not_found, with the nearest stored name when the name looks like a
+ * typo of one ("did you mean fashion?"). Caller holds the mutex. */
+static md_status model_missing(md_store *s, const char *name, md_err *err)
 {
+    enum { MAX_NAMES = 4096 }; /* a store with more names gets no suggestion past them */
+    char hint[96] = "";
+    sqlite3_stmt *st = prep(s, "SELECT name FROM models ORDER BY name LIMIT 4096", NULL);
+    if (st) {
+        char **names = calloc(MAX_NAMES, sizeof *names);
+        size_t n = 0;
+        while (names && n < MAX_NAMES && sqlite3_step(st) == SQLITE_ROW) {
+            const char *v = (const char *)sqlite3_column_text(st, 0);
+            if (v && (names[n] = strdup(v)))
+                n++;
+        }
+        sqlite3_finalize(st);
+        const char *near = names ? md_suggest(name, (const char *const *)names, n) : NULL;
+        if (near)
+            snprintf(hint, sizeof hint, "did you mean %.64s? ", near);
+        for (size_t i = 0; i < n; i++)
+            free(names[i]);
+        free(names);
+    }
     return md_err_setc(err, MD_ENOTFOUND, "model_not_found",
-                       "model %s does not exist; GET /models lists the models", name);
+                       "model %s does not exist; %sGET /models lists the models", name, hint);
 }
 
 /* Unlink the blob if no row references it any more. Caller holds the mutex
@@ -1216,7 +1237,7 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
     sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
     if (sqlite3_step(st) != SQLITE_ROW) {
         sqlite3_finalize(st);
-        rc = model_missing(name, err);
+        rc = model_missing(s, name, err);
         goto out;
     }
     json_t *settings = json_col(st, 2);
@@ -1250,7 +1271,7 @@ md_status md_store_get_version(md_store *s, const char *name, int version, json_
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = model_exists(s, name) ? get_version_locked(s, name, version, out, err)
-                                         : model_missing(name, err);
+                                         : model_missing(s, name, err);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -1260,7 +1281,7 @@ md_status md_store_list_versions(md_store *s, const char *name, const char *orde
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = model_exists(s, name) ? list_versions_locked(s, name, order_by, asc, out, err)
-                                         : model_missing(name, err);
+                                         : model_missing(s, name, err);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -1276,7 +1297,7 @@ md_status md_store_set_default(md_store *s, const char *name, int version, md_er
     if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
         goto unlock;
     if (!model_exists(s, name)) {
-        rc = model_missing(name, err);
+        rc = model_missing(s, name, err);
         goto out;
     }
     if ((rc = get_version_locked(s, name, version, &v, err)) != MD_OK)
@@ -1324,7 +1345,7 @@ md_status md_store_set_retention(md_store *s, const char *name, json_t *retentio
     sha_list released = {0};
     pthread_mutex_lock(&s->mu);
     if (!model_exists(s, name)) {
-        rc = model_missing(name, err);
+        rc = model_missing(s, name, err);
         goto out;
     }
     if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
@@ -1374,7 +1395,7 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
     if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
         goto out;
     if (!model_exists(s, name)) {
-        rc = model_missing(name, err);
+        rc = model_missing(s, name, err);
         goto rollback;
     }
     if ((rc = get_version_locked(s, name, version, &v, err)) != MD_OK)
@@ -1440,7 +1461,7 @@ md_status md_store_delete_model(md_store *s, const char *name, md_err *err)
     md_status rc = MD_OK;
     sha_list released = {0};
     if (!model_exists(s, name)) {
-        rc = model_missing(name, err);
+        rc = model_missing(s, name, err);
         goto out;
     }
     if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)

@@ -227,9 +227,9 @@ const char *md_suggest(const char *word, const char *const *candidates, size_t n
         size_t limit = longer <= 4 ? 1 : longer <= 8 ? 2 : 3;
         if ((lc > lw ? lc - lw : lw - lc) > limit)
             continue;
-        size_t d = edit_distance(word, lw, c, lc);
-        if (d == 0)
-            return NULL;
+        if (strcmp(word, c) == 0)
+            return NULL; /* the word itself is known: nothing to suggest */
+        size_t d = edit_distance(word, lw, c, lc); /* 0: it differs only in case */
         if (d <= limit && d < best_d) {
             best_d = d;
             best = c;

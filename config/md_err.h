@@ -114,7 +114,9 @@ extern "C" {
 #endif
 /* The candidate nearest to `word` by edit distance (case-insensitive) when it
  * is close enough to be a typo of it (1 edit when the longer of the two has up
- * to 4 characters, 2 up to 8, 3 beyond; a swap of neighbours is one), else NULL; an exact match is not a suggestion.
+ * to 4 characters, 2 up to 8, 3 beyond; a swap of neighbours is one; a
+ * difference of case alone is nearest), else NULL; an exact match is not a
+ * suggestion.
  * Borrowed from `candidates` (NULL entries are skipped). Thread-safe. */
 const char *md_suggest(const char *word, const char *const *candidates, size_t n);
 #ifdef __cplusplus

@@ -860,6 +860,50 @@ void md_handle_model_get(md_req *req)
     reply_result(req, st, out, &err);
 }
 
+/* order_by=metrics.KEY where no version has KEY sorts nothing: a typo
+ * (metrics.los) would answer 200 in version order. Answer 400 naming the
+ * metrics the versions have and the nearest one. No versions: nothing to
+ * check. */
+static md_status check_metric_known(json_t *versions, const char *key, md_err *err)
+{
+    enum { MAX_KEYS = 64 };
+    const char *keys[MAX_KEYS];
+    size_t n = 0;
+    size_t i;
+    json_t *v;
+    if (json_array_size(versions) == 0)
+        return MD_OK;
+    json_array_foreach(versions, i, v)
+    {
+        json_t *metrics = json_object_get(v, "metrics");
+        if (json_object_get(metrics, key))
+            return MD_OK;
+        const char *k;
+        json_t *val;
+        json_object_foreach(metrics, k, val)
+        {
+            size_t j = 0;
+            while (j < n && strcmp(keys[j], k) != 0)
+                j++;
+            if (j == n && n < MAX_KEYS)
+                keys[n++] = k; /* borrowed from `versions`, alive until the reply */
+        }
+    }
+    char have[256] = "";
+    size_t used = 0;
+    for (size_t j = 0; j < n && used < sizeof have; j++)
+        used += (size_t)snprintf(have + used, sizeof have - used, "%s%s", j ? ", " : "", keys[j]);
+    const char *near = md_suggest(key, keys, n);
+    char hint[96] = "";
+    if (near)
+        snprintf(hint, sizeof hint, "; did you mean metrics.%.64s?", near);
+    return md_err_setc(err, MD_EINVAL, "unknown_metric",
+                       "order_by=metrics.%.64s: no version of this model has metric \"%.64s\"; "
+                       "%s%s%s",
+                       key, key, n ? "their metrics are: " : "the versions have no metrics",
+                       have, hint);
+}
+
 void md_handle_versions_list(md_req *req)
 {
     md_app *app = md_req_app(req);
@@ -872,11 +916,15 @@ void md_handle_versions_list(md_req *req)
         return;
     }
     json_t *out = NULL;
-    md_status st = md_store_list_versions(app->store, md_req_param(req, "name"),
-                                          md_req_query(req, "order_by"),
+    const char *order_by = md_req_query(req, "order_by");
+    md_status st = md_store_list_versions(app->store, md_req_param(req, "name"), order_by,
                                           !order || strcmp(order, "asc") == 0, &out, &err);
+    if (st == MD_OK && order_by && strncmp(order_by, "metrics.", 8) == 0)
+        st = check_metric_known(out, order_by + 8, &err);
     if (st == MD_OK)
         out = json_pack("{s:o}", "versions", out);
+    else
+        json_decref(out), out = NULL;
     reply_result(req, st, out, &err);
 }
 

@@ -556,6 +556,7 @@ static void test_suggest(void **state)
     assert_string_equal(md_suggest("FASHION_CN", names, 4), "fashion_cnn");
     assert_string_equal(md_suggest("mpl", names, 4), "mlp");
     assert_null(md_suggest("fashion", names, 4)); /* exact: no suggestion */
+    assert_string_equal(md_suggest("Fashion", names, 4), "fashion"); /* case only */
     assert_null(md_suggest("resnet", names, 4));  /* too far */
     assert_null(md_suggest("", names, 4));
     assert_null(md_suggest("x", names, 0));

@@ -606,6 +606,23 @@ def test_versions_ordered_by_metric(server):
     expect_error(server.get("/models/m/versions", params={"order_by": "metrics.x') --"}), 400)
     expect_error(server.get("/models/m/versions", params={"order": "up"}), 400)
     expect_error(server.get("/models/nope/versions"), 404, "model_not_found")
+    # a metric no version has is a typo, not a sort key: 400 with what there is
+    err = expect_error(server.get("/models/m/versions", params={"order_by": "metrics.los"}), 400,
+                       "unknown_metric")
+    assert "loss, acc" in err["message"] and "did you mean metrics.loss?" in err["message"], err
+
+
+def test_model_name_typo_suggests_the_nearest(server):
+    created(upload(server, "fashion", MLP, config=MLP_CONFIG))
+    for path, kw in (("/models/fashon", {}), ("/models/fashon/versions", {}),
+                     ("/models/Fashion/versions/1", {})):
+        err = expect_error(server.get(path, **kw), 404, "model_not_found")
+        assert "did you mean fashion?" in err["message"], (path, err)
+    r = server.request("POST", "/models/fashoin/predict", data="[[1, 2, 3, 4]]")
+    err = expect_error(r, 404, "model_not_found")
+    assert "did you mean fashion?" in err["message"], err
+    err = expect_error(server.get("/models/resnet"), 404, "model_not_found")
+    assert "did you mean" not in err["message"], err
 
 
 # ---------------------------------------------------------------- changing and deleting
