@@ -98,6 +98,34 @@ void *md_malloc_checked(size_t size, const char *what, md_err *err)
     return p;
 }
 
+void *md_mallocarray_checked(size_t n, size_t size, const char *what, md_err *err)
+{
+    size_t total;
+    if (md_mul_size(n, size, &total)) {
+        md_err_set(err, MD_ENOMEM,
+                   "cannot allocate %zu x %zu bytes for %s: the size overflows; send less", n,
+                   size, what);
+        return NULL;
+    }
+    return md_malloc_checked(total, what, err);
+}
+
+void *md_calloc_checked(size_t n, size_t size, const char *what, md_err *err)
+{
+    size_t total;
+    if (md_mul_size(n, size, &total)) {
+        md_err_set(err, MD_ENOMEM,
+                   "cannot allocate %zu x %zu bytes for %s: the size overflows; send less", n,
+                   size, what);
+        return NULL;
+    }
+    void *p = calloc(total ? total : 1, 1);
+    if (!p)
+        md_err_set(err, MD_ENOMEM, "could not allocate %zu bytes for %s; retry later or send less",
+                   total, what);
+    return p;
+}
+
 static void oom(size_t size)
 {
     fprintf(stderr, "modeld: out of memory allocating %zu bytes\n", size);

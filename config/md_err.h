@@ -13,6 +13,7 @@
 #define MD_ERR_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -72,7 +73,39 @@ const char *md_err_code(const md_err *err);
  * and sets MD_ENOMEM on `err` naming `what`. */
 void *md_malloc_checked(size_t size, const char *what, md_err *err);
 
-/* Small internal allocations: abort with a message on OOM. */
+/* As md_malloc_checked for `n` elements of `size` bytes: the product is
+ * overflow-checked first (an overflow is MD_ENOMEM too, naming `what`). */
+void *md_mallocarray_checked(size_t n, size_t size, const char *what, md_err *err);
+/* As md_mallocarray_checked, zero-filled. */
+void *md_calloc_checked(size_t n, size_t size, const char *what, md_err *err);
+
+/*
+ * Checked arithmetic: every size computed from input (a shape's product,
+ * rows x width, a header's count) goes through these, as SQLite funnels its
+ * arithmetic through sqlite3MulInt64. Each stores the result in *out and
+ * returns 0, or returns 1 when it overflows (or, for md_mul_i64, when an
+ * operand is negative: sizes never are), leaving *out unspecified.
+ * Thread-safe: pure functions.
+ */
+static inline int md_mul_i64(int64_t a, int64_t b, int64_t *out)
+{
+    return a < 0 || b < 0 || __builtin_mul_overflow(a, b, out);
+}
+static inline int md_add_i64(int64_t a, int64_t b, int64_t *out)
+{
+    return a < 0 || b < 0 || __builtin_add_overflow(a, b, out);
+}
+static inline int md_mul_size(size_t a, size_t b, size_t *out)
+{
+    return __builtin_mul_overflow(a, b, out);
+}
+static inline int md_add_size(size_t a, size_t b, size_t *out)
+{
+    return __builtin_add_overflow(a, b, out);
+}
+
+/* Small fixed-size internal allocations only (never sized by a request, a
+ * config or a file header): abort with a message on OOM. */
 void *md_xmalloc(size_t size);
 void *md_xcalloc(size_t n, size_t size);
 char *md_xstrdup(const char *s);

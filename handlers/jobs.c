@@ -177,8 +177,10 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
     if (bs && (!json_is_integer(bs) || json_integer_value(bs) < 1 || json_integer_value(bs) > 65536))
         return md_err_setc(err, MD_EINVAL, "invalid_job", "batch_size must be an integer in 1..65536");
     json_t *tk = json_object_get(spec, "top_k");
-    if (tk && (!json_is_integer(tk) || json_integer_value(tk) < 1))
-        return md_err_setc(err, MD_EINVAL, "invalid_job", "top_k must be a positive integer");
+    if (tk && (!json_is_integer(tk) || json_integer_value(tk) < 1 ||
+               json_integer_value(tk) > MD_TOP_K_MAX))
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "top_k must be an integer in 1..%d (the top_k limit)", MD_TOP_K_MAX);
     json_t *oe = json_object_get(spec, "on_error");
     if (oe && !one_of(json_string_value(oe), (const char *const[]){"fail", "skip", NULL}))
         return md_err_setc(err, MD_EINVAL, "invalid_job", "on_error must be \"fail\" or \"skip\"");

@@ -111,10 +111,10 @@ static void add_labels_scores(sbuf *b, pctx *c, const float *out, const int64_t 
     sb_str(&lab, ",\"labels\":[");
     sb_str(&sco, ",\"scores\":[");
     float *p = md_xmalloc(sizeof(float) * (size_t)classes);
-    int *top = md_xmalloc(sizeof(int) * (size_t)k);
+    int64_t *top = md_xmalloc(sizeof(int64_t) * (size_t)k);
     for (int64_t r = 0; r < rows; r++) {
         const float *x = out + r * classes;
-        if (md_model_output_logits(c->model)) {
+        if (md_model_output_logits(c->model) && classes > 0) {
             float mx = x[0];
             for (int64_t j = 1; j < classes; j++)
                 mx = x[j] > mx ? x[j] : mx;
@@ -126,18 +126,7 @@ static void add_labels_scores(sbuf *b, pctx *c, const float *out, const int64_t 
         } else {
             memcpy(p, x, sizeof(float) * (size_t)classes);
         }
-        /* top k by partial selection: k is small */
-        for (int t = 0; t < k; t++) {
-            int best = -1;
-            for (int64_t j = 0; j < classes; j++) {
-                int used = 0;
-                for (int u = 0; u < t; u++)
-                    used |= top[u] == j;
-                if (!used && (best < 0 || p[j] > p[best]))
-                    best = (int)j;
-            }
-            top[t] = best;
-        }
+        md_top_k(p, classes, k, top);
         sb_str(&lab, r ? ",[" : "[");
         sb_str(&sco, r ? ",[" : "[");
         for (int t = 0; t < k; t++) {
@@ -150,7 +139,7 @@ static void add_labels_scores(sbuf *b, pctx *c, const float *out, const int64_t 
                 sb_json_string(&lab, json_string_value(name));
             } else {
                 char n[24];
-                snprintf(n, sizeof n, "%d", top[t]);
+                snprintf(n, sizeof n, "%lld", (long long)top[t]);
                 sb_str(&lab, n);
             }
             sb_float(&sco, p[top[t]]);
@@ -294,7 +283,8 @@ static void predict(md_req *req, const char *name, int version)
     md_err err;
     md_err_clear(&err);
     long top_k;
-    if (md_req_query_int(req, "top_k", 1, 1000, 0, "invalid_top_k", &top_k, &err) != MD_OK) {
+    if (md_req_query_int(req, "top_k", 1, MD_TOP_K_MAX, 0, "invalid_top_k", &top_k, &err) !=
+        MD_OK) {
         md_reply_error(req, &err);
         return;
     }
@@ -354,7 +344,7 @@ void md_handle_predict_version(md_req *req)
 
 /* ---- Open Inference Protocol V2 ---- */
 
-static md_status v2_decode(json_t *in, md_tensor *t, md_err *err)
+static md_status v2_decode(json_t *in, md_tensor *t, size_t max_vals, md_err *err)
 {
     const char *dt = json_string_value(json_object_get(in, "datatype"));
     json_t *shape = json_object_get(in, "shape"), *data = json_object_get(in, "data");
@@ -370,18 +360,29 @@ static md_status v2_decode(json_t *in, md_tensor *t, md_err *err)
     if (!json_is_array(shape) || json_array_size(shape) == 0 ||
         json_array_size(shape) > MD_MAX_DIMS)
         return md_err_set(err, MD_EINVAL, "input shape must be an array of 1 to 8 integers");
-    size_t count = 1;
+    int64_t values = 1;
+    int overflow = 0;
     memset(t, 0, sizeof *t);
     for (size_t i = 0; i < json_array_size(shape); i++) {
         json_t *d = json_array_get(shape, i);
         if (!json_is_integer(d) || json_integer_value(d) < 1)
             return md_err_set(err, MD_EINVAL, "input shape[%zu] must be a positive integer", i);
         t->shape[t->ndim++] = json_integer_value(d);
-        count *= (size_t)json_integer_value(d);
+        overflow |= md_mul_i64(values, json_integer_value(d), &values);
     }
+    /* the shape sizes the buffer: bound it before allocating, by the same
+     * limit as every other body (the data cannot hold more values anyway) */
+    if (overflow || (uint64_t)values > (uint64_t)max_vals)
+        return md_err_setc(err, MD_ETOOBIG, "too_many_values",
+                           "input shape holds %s%lld values, more than the limit of %zu; send "
+                           "fewer rows per request",
+                           overflow ? "more than " : "", overflow ? (long long)INT64_MAX
+                                                                  : (long long)values,
+                           max_vals);
+    size_t count = (size_t)values;
     if (!json_is_array(data))
         return md_err_set(err, MD_EINVAL, "input data must be an array (flat or nested)");
-    float *buf = md_malloc_checked(count * sizeof(float), "the input", err);
+    float *buf = md_mallocarray_checked(count, sizeof(float), "the input", err);
     if (!buf)
         return MD_ENOMEM;
     /* flatten nested data depth-first */
@@ -452,7 +453,7 @@ static void v2_infer(md_req *req, int version)
         return;
     }
     md_tensor t;
-    if (v2_decode(json_array_get(inputs, 0), &t, &err) != MD_OK) {
+    if (v2_decode(json_array_get(inputs, 0), &t, max_values(req), &err) != MD_OK) {
         json_decref(root);
         md_reply_error(req, &err);
         return;

@@ -18,14 +18,26 @@
  * only until max_delay_us after the batch's FIRST request arrived (the clock
  * starts at arrival, not when a worker polls), so a fixed delay never stacks
  * on top of queueing time.
- * A request larger than max_batch_size is taken in pieces, possibly by
- * several workers at once; each piece writes its rows of the shared output
+ * A request larger than max_batch_size is taken in pieces, by several
+ * workers at once (a worker that leaves rows queued wakes another); each
+ * piece writes its rows of the shared output
  * and the piece that completes the last row answers. An online request whose
  * deadline passed before any row was taken is answered 504 and never
  * computed (job chunks have no deadline: under online load they wait for
  * spare CPU however long it takes); one whose requester is gone (the alive
  * check, a peek at the client's socket) is dropped the same way. The queue
  * limit counts online requests, answered 503 at submit.
+ * A split request answers only when every piece's output rows have one
+ * shape: a model whose output width depends on the batch (x @ x.t()) fails
+ * it (500 bad_model_output) instead of copying rows of another width.
+ * A model deployed without config.input.shape learns its row shape from the
+ * first forward that SUCCEEDS (set by that worker under the lock, published
+ * through `shape_known`); until then any row shape is queued, batches hold
+ * one row shape each, and each forward decides. A request whose forward
+ * fails therefore never fixes the shape for the requests after it.
+ * Every size computed from a request or a config (row size, gather buffer,
+ * output buffer) is overflow-checked and allocated with a status, so a huge
+ * shape answers an error instead of aborting the process.
  * Lifetime: the registry and each queued request hold references; the last
  * release sets `stopping`; workers finish the queue, exit, and the last one
  * to exit frees the model, so a release from a worker thread never joins
@@ -51,6 +63,7 @@
 typedef struct item {
     md_tensor in;              /* [rows, row shape...], preprocessed */
     int64_t rows;
+    int64_t row_size;          /* floats per input row: in.count / rows */
     int64_t taken;             /* rows handed to workers (queue lock) */
     atomic_llong done;         /* rows computed */
     float *out;                /* allocated by the first finished piece (queue lock) */
@@ -76,7 +89,11 @@ struct md_model {
     char name[72];
     int version;
     md_torch_model *torch;
-    /* config */
+    /* config. The row shape is declared (config.input.shape, set at load) or
+     * learned by the first successful forward (written once, under mu, by a
+     * worker). Readers outside mu read it only after an acquire load of
+     * shape_known returned 1; it never changes after that. */
+    atomic_int shape_known;
     int row_ndim;
     int64_t row_shape[MD_MAX_DIMS];
     int64_t row_size;          /* floats per input row */
@@ -163,6 +180,96 @@ typedef struct piece {
     int64_t start, rows;
 } piece;
 
+/* "[a, b, c]" of dims[0..n) into buf. */
+static const char *fmt_dims(char *buf, size_t size, const int64_t *dims, int n)
+{
+    int len = snprintf(buf, size, "[");
+    for (int d = 0; d < n && len > 0 && (size_t)len < size; d++)
+        len += snprintf(buf + len, size - (size_t)len, "%s%lld", d ? ", " : "",
+                        (long long)dims[d]);
+    if (len > 0 && (size_t)len < size)
+        snprintf(buf + len, size - (size_t)len, "]");
+    return buf;
+}
+
+/* 1 when two queued items have the same row shape, so one forward can take both. */
+static int same_row_shape(const item *a, const item *b)
+{
+    return a->in.ndim == b->in.ndim &&
+           memcmp(a->in.shape + 1, b->in.shape + 1, sizeof(int64_t) * (size_t)(a->in.ndim - 1)) == 0;
+}
+
+/* Fail `it` with `e` unless it already failed (the first failure is its answer). */
+static void fail_item(item *it, const md_err *e)
+{
+    if (atomic_exchange(&it->failed, 1) == 0)
+        it->err = *e;
+}
+
+/* Store this piece's output rows in its request: the first piece sizes the
+ * request's output, later ones must have the same row shape (a model whose
+ * output width depends on the batch must not write rows of another width
+ * into it). Called under m->mu; returns 1 when the caller copies the rows. */
+static int claim_output(md_model *m, item *it, int64_t out_row, const int64_t *out_shape,
+                        int out_ndim)
+{
+    md_err e;
+    if (atomic_load(&it->failed))
+        return 0;
+    if (!it->out) {
+        size_t count;
+        if (md_mul_size((size_t)it->rows, (size_t)out_row, &count)) {
+            md_err_setc(&e, MD_ENOMEM, "out_of_memory",
+                        "model %s answers %lld values per row: %lld rows of them do not fit in "
+                        "memory; send fewer rows",
+                        m->name, (long long)out_row, (long long)it->rows);
+            fail_item(it, &e);
+            return 0;
+        }
+        it->out = md_mallocarray_checked(count, sizeof(float), "the output of a prediction", &e);
+        if (!it->out) {
+            fail_item(it, &e);
+            return 0;
+        }
+        it->out_row = out_row;
+        it->out_ndim = out_ndim;
+        memcpy(it->out_shape, out_shape, sizeof(int64_t) * (size_t)out_ndim);
+        it->out_shape[0] = it->rows;
+        return 1;
+    }
+    if (out_ndim != it->out_ndim ||
+        memcmp(out_shape + 1, it->out_shape + 1, sizeof(int64_t) * (size_t)(out_ndim - 1)) != 0) {
+        char a[128], b[128];
+        md_err_setc(&e, MD_EINTERNAL, "bad_model_output",
+                    "model %s returned rows of shape %s for one part of a split request and %s "
+                    "for another; its output per row must not depend on the batch (requests "
+                    "over batching.max_batch_size = %d rows are split), or send at most %d rows",
+                    m->name, fmt_dims(a, sizeof a, it->out_shape + 1, it->out_ndim - 1),
+                    fmt_dims(b, sizeof b, out_shape + 1, out_ndim - 1), m->max_batch,
+                    m->max_batch);
+        fail_item(it, &e);
+        return 0;
+    }
+    return 1;
+}
+
+/* A config-less model learns its row shape from a successful forward on
+ * rows of `shape[1..ndim)`; the first one wins. */
+static void learn_row_shape(md_model *m, const int64_t *shape, int ndim, int64_t row_size)
+{
+    if (atomic_load_explicit(&m->shape_known, memory_order_acquire))
+        return;
+    pthread_mutex_lock(&m->mu);
+    if (!atomic_load_explicit(&m->shape_known, memory_order_relaxed)) {
+        m->row_ndim = ndim - 1;
+        memcpy(m->row_shape, shape + 1, sizeof(int64_t) * (size_t)(ndim - 1));
+        m->row_size = row_size;
+        m->norm_inner = m->n_norm > 1 ? m->row_size / m->n_norm : 0;
+        atomic_store_explicit(&m->shape_known, 1, memory_order_release);
+    }
+    pthread_mutex_unlock(&m->mu);
+}
+
 /* The loop of one worker of pool `qi` (0: online, 1: batch jobs). */
 static void worker_loop(md_model *m, int qi)
 {
@@ -218,6 +325,10 @@ static void worker_loop(md_model *m, int qi)
                     expired = it;
                     continue;
                 }
+                /* one forward takes one row shape: a config-less model that
+                 * has not learned its shape yet may have several queued */
+                if (n > 0 && !same_row_shape(pieces[0].it, it))
+                    break;
                 int64_t k = it->rows - it->taken;
                 if (k > cap - rows)
                     k = cap - rows;
@@ -239,6 +350,8 @@ static void worker_loop(md_model *m, int qi)
             }
             if (!q->head)
                 q->tail = NULL;
+            else /* rows left (a split request, a backlog): an idle worker takes them now */
+                pthread_cond_signal(&m->cv[qi]);
         }
         pthread_mutex_unlock(&m->mu);
 
@@ -262,43 +375,65 @@ static void worker_loop(md_model *m, int qi)
         if (n == 0)
             continue;
 
-        /* one piece: forward on its rows in place; else gather */
-        const float *input;
+        /* one piece: forward on its rows in place; else gather. Every piece
+         * has the first one's row shape (the take loop stops at another). */
+        const item *first = pieces[0].it;
+        int64_t row_size = first->row_size;
+        md_err ferr;
+        md_err_clear(&ferr);
+        md_status st = MD_OK;
+        const float *input = NULL;
         if (n == 1) {
-            input = pieces[0].it->in.data + pieces[0].start * m->row_size;
+            input = first->in.data + pieces[0].start * row_size;
         } else {
-            size_t need = (size_t)rows * (size_t)m->row_size;
-            if (need > batch_cap) {
+            size_t need;
+            if (md_mul_size((size_t)rows, (size_t)row_size, &need))
+                st = md_err_setc(&ferr, MD_ENOMEM, "out_of_memory",
+                                 "a batch of %lld rows of %lld values is too large",
+                                 (long long)rows, (long long)row_size);
+            if (st == MD_OK && need > batch_cap) {
                 free(batch);
-                batch = md_xmalloc(need * sizeof(float));
-                batch_cap = need;
+                batch_cap = 0;
+                batch = md_mallocarray_checked(need, sizeof(float), "a batch", &ferr);
+                if (batch)
+                    batch_cap = need;
+                else
+                    st = MD_ENOMEM;
             }
-            size_t off = 0;
-            for (int i = 0; i < n; i++) {
-                size_t len = (size_t)pieces[i].rows * (size_t)m->row_size;
-                memcpy(batch + off, pieces[i].it->in.data + pieces[i].start * m->row_size,
-                       len * sizeof(float));
-                off += len;
+            if (st == MD_OK) {
+                size_t off = 0;
+                for (int i = 0; i < n; i++) {
+                    size_t len = (size_t)pieces[i].rows * (size_t)row_size;
+                    memcpy(batch + off, pieces[i].it->in.data + pieces[i].start * row_size,
+                           len * sizeof(float));
+                    off += len;
+                }
+                input = batch;
             }
-            input = batch;
         }
         int64_t shape[MD_MAX_DIMS + 1];
+        int ndim = first->in.ndim;
         shape[0] = rows;
-        for (int d = 0; d < m->row_ndim; d++)
-            shape[d + 1] = m->row_shape[d];
+        memcpy(shape + 1, first->in.shape + 1, sizeof(int64_t) * (size_t)(ndim - 1));
         float *out = NULL;
         int64_t out_shape[MD_MAX_DIMS];
         int out_ndim = 0;
-        md_err ferr;
-        md_err_clear(&ferr);
-        md_status st = md_torch_forward(m->torch, input, shape, m->row_ndim + 1, &out, out_shape,
-                                        &out_ndim, &ferr);
-        if (st == MD_OK && out_shape[0] != rows) {
+        if (st == MD_OK)
+            st = md_torch_forward(m->torch, input, shape, ndim, &out, out_shape, &out_ndim,
+                                  &ferr);
+        if (st == MD_OK && (out_ndim < 1 || out_shape[0] != rows)) {
             st = md_err_setc(&ferr, MD_EUNPROC, "bad_model_output",
                              "model %s returned %lld rows for a batch of %lld; its output must "
                              "keep the batch dimension",
-                             m->name, (long long)out_shape[0], (long long)rows);
+                             m->name, out_ndim < 1 ? 0LL : (long long)out_shape[0],
+                             (long long)rows);
         }
+        int64_t out_row = 1;
+        if (st == MD_OK && md_shape_product(out_shape + 1, out_ndim - 1, &out_row) != 0)
+            st = md_err_setc(&ferr, MD_EUNPROC, "bad_model_output",
+                             "model %s returned an output whose size overflows", m->name);
+        if (st == MD_OK)
+            learn_row_shape(m, shape, ndim, row_size);
         atomic_fetch_add(&m->n_batches, 1);
         atomic_fetch_add(&m->n_rows, rows);
         int bucket = 0;
@@ -306,28 +441,17 @@ static void worker_loop(md_model *m, int qi)
             bucket++;
         atomic_fetch_add(&m->batch_hist[bucket], 1);
 
-        int64_t out_row = 1;
-        for (int d = 1; d < out_ndim; d++)
-            out_row *= out_shape[d];
         int64_t off = 0;
         for (int i = 0; i < n; i++) {
             item *it = pieces[i].it;
             if (st != MD_OK) {
-                if (atomic_exchange(&it->failed, 1) == 0)
-                    it->err = ferr;
+                fail_item(it, &ferr);
             } else {
                 pthread_mutex_lock(&m->mu);
-                if (!it->out && !atomic_load(&it->failed)) {
-                    it->out = malloc((size_t)(it->rows * out_row) * sizeof(float) + 1);
-                    it->out_row = out_row;
-                    it->out_ndim = out_ndim;
-                    memcpy(it->out_shape, out_shape, sizeof(int64_t) * (size_t)out_ndim);
-                    it->out_shape[0] = it->rows;
-                    if (!it->out && atomic_exchange(&it->failed, 1) == 0)
-                        md_err_set(&it->err, MD_ENOMEM, "out of memory for the output");
-                }
+                int copy = claim_output(m, it, out_row, out_shape, out_ndim);
                 pthread_mutex_unlock(&m->mu);
-                if (it->out)
+                /* the rows this piece owns: no other piece writes them */
+                if (copy)
                     memcpy(it->out + pieces[i].start * out_row, out + off * out_row,
                            (size_t)(pieces[i].rows * out_row) * sizeof(float));
             }
@@ -394,11 +518,19 @@ md_status md_model_load(const char *name, int version, const char *path, json_t 
     atomic_store(&m->refs, 1);
     json_t *input = json_object_get(config, "input");
     json_t *shape = json_object_get(input, "shape");
-    m->row_size = 1;
-    for (size_t i = 0; i < json_array_size(shape); i++) {
+    for (size_t i = 0; i < json_array_size(shape) && i < MD_MAX_DIMS - 1; i++)
         m->row_shape[m->row_ndim++] = json_integer_value(json_array_get(shape, i));
-        m->row_size *= m->row_shape[m->row_ndim - 1];
+    /* md_model_config_check bounded the product; checked again because the
+     * zero row of the test forward is allocated from it */
+    if (md_shape_product(m->row_shape, m->row_ndim, &m->row_size) != 0 ||
+        m->row_size > MD_MAX_ROW_VALUES) {
+        model_free(m);
+        return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                           "config.input.shape holds more than %lld values per row; give the "
+                           "shape of one row",
+                           (long long)MD_MAX_ROW_VALUES);
     }
+    atomic_store(&m->shape_known, m->row_ndim > 0);
     json_t *pre = json_object_get(config, "preprocess");
     m->scale = json_is_number(json_object_get(pre, "scale"))
                    ? json_number_value(json_object_get(pre, "scale"))
@@ -442,7 +574,12 @@ md_status md_model_load(const char *name, int version, const char *path, json_t 
     }
     if (m->row_ndim > 0) {
         /* the test forward: one zero row of the declared shape */
-        float *zeros = md_xcalloc((size_t)m->row_size, sizeof(float));
+        float *zeros = md_calloc_checked((size_t)m->row_size, sizeof(float),
+                                         "the test forward's zero row", err);
+        if (!zeros) {
+            model_free(m);
+            return MD_ENOMEM;
+        }
         int64_t s[MD_MAX_DIMS + 1] = {1};
         memcpy(s + 1, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
         float *o = NULL;
@@ -519,6 +656,8 @@ int md_model_output_logits(const md_model *m) { return m->logits; }
 
 int md_model_input_shape(const md_model *m, int64_t *shape)
 {
+    if (!atomic_load_explicit(&((md_model *)m)->shape_known, memory_order_acquire))
+        return 0;
     memcpy(shape, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
     return m->row_ndim;
 }
@@ -547,7 +686,8 @@ json_t *md_model_stats(const md_model *m)
 }
 
 /* Shape `in` to [rows, row shape...]: a single row in the declared shape is
- * a batch of one; flat rows of the right width are reshaped. */
+ * a batch of one; flat rows of the right width are reshaped. Only for a
+ * model whose shape is known (read after an acquire of shape_known). */
 static md_status shape_input(md_model *m, md_tensor *in, md_err *err)
 {
     int same = in->ndim == m->row_ndim;
@@ -615,25 +755,41 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
         in->shape[0] = 1;
         in->ndim = 2;
     }
-    pthread_mutex_lock(&m->mu);
-    if (m->row_ndim == 0) {
-        /* no config.input.shape: the first request's row shape is the model's */
-        m->row_ndim = in->ndim - 1;
-        m->row_size = 1;
-        for (int d = 1; d < in->ndim; d++)
-            m->row_size *= (m->row_shape[d - 1] = in->shape[d]);
-        m->norm_inner = m->n_norm > 1 ? m->row_size / m->n_norm : 0;
-    }
-    pthread_mutex_unlock(&m->mu);
-    if ((st = shape_input(m, in, err)) != MD_OK) {
+    /* No config.input.shape and no successful forward yet: any row shape is
+     * queued as it is, and its forward decides (see DESIGN). */
+    if (atomic_load_explicit(&m->shape_known, memory_order_acquire) &&
+        (st = shape_input(m, in, err)) != MD_OK) {
         md_tensor_free(in);
         return st;
+    }
+    /* the shape must hold exactly the values given: a job's input.shape or a
+     * V2 shape that does not would make the workers read past the data */
+    int64_t rows = in->shape[0], row_size = 0, values = 0;
+    if (in->ndim < 2 || in->ndim > MD_MAX_DIMS || rows < 1 ||
+        md_shape_product(in->shape + 1, in->ndim - 1, &row_size) != 0 ||
+        md_mul_i64(rows, row_size, &values) || (uint64_t)values != (uint64_t)in->count) {
+        char dims[160];
+        md_status bad = md_err_setc(err, MD_EINVAL, "wrong_shape",
+                                    "the input's shape %s does not hold its %zu values; send "
+                                    "rows with a shape that matches the data",
+                                    fmt_dims(dims, sizeof dims, in->shape,
+                                             in->ndim < MD_MAX_DIMS ? in->ndim : MD_MAX_DIMS),
+                                    in->count);
+        md_tensor_free(in);
+        return bad;
+    }
+    if (row_size > MD_MAX_ROW_VALUES) {
+        md_tensor_free(in);
+        return md_err_setc(err, MD_ETOOBIG, "too_many_values",
+                           "each row has %lld values, more than the limit of %lld per row",
+                           (long long)row_size, (long long)MD_MAX_ROW_VALUES);
     }
     preprocess(m, in);
     item *it = md_xcalloc(1, sizeof *it);
     it->in = *in;
     memset(in, 0, sizeof *in);
-    it->rows = it->in.shape[0];
+    it->rows = rows;
+    it->row_size = row_size;
     it->cb = cb;
     it->alive = alive;
     it->ctx = ctx;

@@ -288,14 +288,10 @@ static void format_row(char **b, size_t *len, size_t *cap, const outfmt *o, md_m
             int k = o->top_k < width ? o->top_k : (int)width;
             if (o->kind == 0)
                 ADD("[");
-            unsigned char *used = calloc((size_t)width, 1);
-            md_assert(used != NULL);
+            int64_t *top = md_xmalloc(sizeof(int64_t) * (size_t)k);
+            md_top_k(y, width, k, top);
             for (int t = 0; t < k; t++) {
-                int best = -1;
-                for (int64_t j = 0; j < width; j++)
-                    if (!used[j] && (best < 0 || y[j] > y[best]))
-                        best = (int)j;
-                used[best] = 1;
+                int best = (int)top[t];
                 if (t)
                     ADD(o->kind == 0 ? "," : ";");
                 json_t *name = labels ? json_array_get(labels, (size_t)best) : NULL;
@@ -310,7 +306,7 @@ static void format_row(char **b, size_t *len, size_t *cap, const outfmt *o, md_m
                     ADD(num);
                 }
             }
-            free(used);
+            free(top);
             if (o->kind == 0)
                 ADD("]");
         } else if (labels && json_is_string(json_array_get(labels, (size_t)cls))) {
@@ -513,10 +509,12 @@ static void run_job(md_jobs *J, int slot, const char *id)
     /* input.shape: the per-row shape the flat rows are given to the model in */
     json_t *row_shape = json_object_get(input, "shape");
     int64_t shape_prod = 1;
-    for (size_t i = 0; i < json_array_size(row_shape); i++)
-        shape_prod *= json_integer_value(json_array_get(row_shape, i));
+    int shape_overflow = 0;
+    for (size_t i = 0; i < json_array_size(row_shape) && !shape_overflow; i++)
+        shape_overflow = md_mul_i64(shape_prod, json_integer_value(json_array_get(row_shape, i)),
+                                    &shape_prod);
     if (json_array_size(row_shape) > 0 &&
-        (json_array_size(row_shape) >= MD_MAX_DIMS || shape_prod != width)) {
+        (json_array_size(row_shape) >= MD_MAX_DIMS || shape_overflow || shape_prod != width)) {
         md_err_setc(&err, MD_EINVAL, "invalid_job",
                     "input.shape holds %lld values per row but the dataset rows have %lld",
                     (long long)shape_prod, (long long)width);

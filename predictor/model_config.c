@@ -1,4 +1,5 @@
 /* model_config.c - validation of per-version model config (see predictor.h). */
+#include <stdio.h>
 #include <string.h>
 
 #include "predictor.h"
@@ -58,10 +59,27 @@ md_status md_model_config_check(json_t *c, md_err *err)
                         return bad(err, "input.shape",
                                    "give the per-row shape as 1 to 7 positive integers, e.g. "
                                    "[784] or [1, 28, 28]");
+                    int64_t values = 1;
+                    int overflow = 0;
                     json_array_foreach(v2, i, d)
                     {
                         if (!int_in(d, 1, 1 << 30))
                             return bad(err, "input.shape", "every dimension must be an integer >= 1");
+                        overflow |= md_mul_i64(values, json_integer_value(d), &values);
+                    }
+                    /* the product sizes every row buffer and the test forward */
+                    if (overflow || values > MD_MAX_ROW_VALUES) {
+                        char prod[32];
+                        if (overflow)
+                            snprintf(prod, sizeof prod, "more than 2^63");
+                        else
+                            snprintf(prod, sizeof prod, "%lld", (long long)values);
+                        return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                                           "config.input.shape holds %s values per row, more "
+                                           "than the limit of %lld; give the shape of one row "
+                                           "(without the batch dimension), e.g. [784] or "
+                                           "[3, 224, 224]",
+                                           prod, (long long)MD_MAX_ROW_VALUES);
                     }
                 } else if (strcmp(k2, "dtype") == 0) {
                     const char *t = json_string_value(v2);

@@ -26,6 +26,16 @@ extern "C" {
 
 #define MD_MAX_DIMS 8
 
+/* The most values one input row may hold (the product of config.input.shape,
+ * a dataset row's width): 2^26 floats, 256 MiB a row, far past any image or
+ * sequence a model server takes (3x224x224 is 150,528), and small enough that
+ * rows x values never overflows where rows is bounded by a body or a batch. */
+#define MD_MAX_ROW_VALUES ((int64_t)1 << 26)
+
+/* The largest top_k a prediction or a job may ask (400 past it). Selection
+ * costs O(classes log k), so this bounds the answer's size, not the CPU. */
+#define MD_TOP_K_MAX 1000
+
 typedef struct md_tensor md_tensor;
 
 /* Check a version config object; MD_EUNPROC naming the key and what is
@@ -228,6 +238,18 @@ md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tens
 /* Encode `count` float32 values of `shape` as an NPY (<f4) file. Returns a
  * new malloc'd buffer and its length in *len. */
 char *md_npy_encode(const float *data, const int64_t *shape, int ndim, size_t *len);
+
+/* The product of dims[0..ndim) into *out: 0, or -1 when a dim is negative or
+ * the product overflows int64. Thread-safe. */
+int md_shape_product(const int64_t *dims, int ndim, int64_t *out);
+
+/*
+ * The indices of the k largest of x[0..n), best first, into idx (room for
+ * min(k, n)); returns how many were written, min(k, n). Equal values rank by
+ * lower index first; NaN ranks below every number (NaNs among themselves by
+ * index). O(n log k) time, no allocation. Thread-safe.
+ */
+int64_t md_top_k(const float *x, int64_t n, int64_t k, int64_t *idx);
 
 /* Append the shortest decimal that reads back as the same float32. */
 int md_float_format(float v, char *buf, size_t size);

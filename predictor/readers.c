@@ -43,7 +43,6 @@
 
 #define READ_CHUNK (64 * 1024)          /* the text buffer's first size */
 #define MAX_RECORD (64 * 1024 * 1024)   /* the longest CSV/JSONL row kept */
-#define MAX_ROW_BYTES (1024 * 1024 * 1024) /* the largest NPY/IDX row */
 #define SHOW_MAX 40                     /* characters of a bad value quoted back */
 
 typedef enum { FMT_CSV, FMT_JSONL, FMT_NPY, FMT_IDX } reader_format;
@@ -813,10 +812,9 @@ static md_status npy_open(md_reader *r, const md_reader_opts *opts, md_err *err)
     r->total = dims[0];
     r->width = 1;
     for (int i = 1; i < ndim; i++) {
-        if (dims[i] && r->width > MAX_ROW_BYTES / (int64_t)r->esize / dims[i])
-            return open_error(err, "%s: a row is larger than %d MiB", r->name,
-                              MAX_ROW_BYTES / (1024 * 1024));
-        r->width *= dims[i];
+        if (md_mul_i64(r->width, dims[i], &r->width) || r->width > MD_MAX_ROW_VALUES)
+            return open_error(err, "%s: a row holds more than %lld values (the shape past dim 0), "
+                              "the limit per row", r->name, (long long)MD_MAX_ROW_VALUES);
     }
     if (r->width == 0)
         return open_error(err, "%s: rows have no values (shape has a 0 past dim 0)", r->name);
@@ -967,10 +965,9 @@ static md_status idx_open(md_reader *r, const md_reader_opts *opts, md_err *err)
     r->total = dims[0];
     r->width = 1;
     for (int i = 1; i < magic[3]; i++) {
-        if (dims[i] && r->width > MAX_ROW_BYTES / dims[i])
-            return open_error(err, "%s: a row is larger than %d MiB", r->name,
-                              MAX_ROW_BYTES / (1024 * 1024));
-        r->width *= dims[i];
+        if (md_mul_i64(r->width, dims[i], &r->width) || r->width > MD_MAX_ROW_VALUES)
+            return open_error(err, "%s: a row holds more than %lld values (the dims past the "
+                              "first), the limit per row", r->name, (long long)MD_MAX_ROW_VALUES);
     }
     if (r->width == 0)
         return open_error(err, "%s: rows have no values (a dim past the first is 0)", r->name);
@@ -1065,6 +1062,11 @@ md_status md_reader_open(const md_reader_opts *opts, md_reader **out, md_err *er
     case FMT_NPY: st = npy_open(r, opts, err); break;
     default: st = idx_open(r, opts, err); break;
     }
+    /* csv and jsonl widths come from a header or a first line: bounded by
+     * the record limit, and here by the per-row limit every format shares */
+    if (st == MD_OK && r->width > MD_MAX_ROW_VALUES)
+        st = open_error(err, "%s: a row holds %lld values, more than the limit of %lld per row",
+                        r->name, (long long)r->width, (long long)MD_MAX_ROW_VALUES);
     if (st != MD_OK) {
         md_reader_close(r);
         return st;

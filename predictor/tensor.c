@@ -503,9 +503,10 @@ md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tens
         if (end == sp || d < 0 || out->ndim >= MD_MAX_DIMS)
             return md_err_setc(err, MD_EINVAL, "invalid_npy", "the NPY shape is malformed or has more than 8 dims");
         out->shape[out->ndim++] = d;
-        if (d && count > (size_t)-1 / (size_t)d)
-            return md_err_setc(err, MD_ETOOBIG, "too_many_values", "the NPY array is too large");
-        count *= (size_t)d;
+        if (md_mul_size(count, (size_t)d, &count))
+            return md_err_setc(err, MD_ETOOBIG, "too_many_values",
+                               "the NPY shape holds more values than fit in memory; the limit "
+                               "is %zu", max_values);
         sp = end;
     }
     if (out->ndim == 0)
@@ -516,13 +517,13 @@ md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tens
         return md_err_setc(err, MD_ETOOBIG, "too_many_values",
                            "the input has %zu numbers, more than the limit of %zu", count, max_values);
     off += hlen;
-    if (len - off < count * (size_t)esize)
+    if ((len - off) / (size_t)esize < count)
         return md_err_setc(err, MD_EINVAL, "invalid_npy",
                            "the NPY data is truncated: %zu bytes for %zu values of %d bytes",
                            len - off, count, esize);
-    float *buf = malloc(count * sizeof(float));
+    float *buf = md_mallocarray_checked(count, sizeof(float), "the NPY input values", err);
     if (!buf)
-        return md_err_set(err, MD_ENOMEM, "out of memory for %zu input values", count);
+        return MD_ENOMEM;
     const char *src = data + off;
     for (size_t i = 0; i < count; i++) {
         switch (kind) {
@@ -687,4 +688,79 @@ int md_float_format(float v, char *buf, size_t size)
             return n;
     }
     return snprintf(buf, size, "%.9g", (double)v);
+}
+
+/* ---- sizes and top-k selection ---- */
+
+int md_shape_product(const int64_t *dims, int ndim, int64_t *out)
+{
+    int64_t p = 1;
+    for (int d = 0; d < ndim; d++)
+        if (md_mul_i64(p, dims[d], &p))
+            return -1;
+    *out = p;
+    return 0;
+}
+
+/* 1 when x[i] ranks before x[j]: larger first, NaN last, ties by index. */
+static int ranks_before(const float *x, int64_t i, int64_t j)
+{
+    float a = x[i], b = x[j];
+    int an = isnan(a), bn = isnan(b);
+    if (an || bn)
+        return an == bn ? i < j : bn;
+    if (a != b)
+        return a > b;
+    return i < j;
+}
+
+/* Restore the heap below `at`: each parent ranks after its children, so the
+ * root is the worst of those kept. */
+static void sift_down(const float *x, int64_t *h, int64_t m, int64_t at)
+{
+    for (;;) {
+        int64_t worst = at, l = 2 * at + 1, r = l + 1;
+        if (l < m && ranks_before(x, h[worst], h[l]))
+            worst = l;
+        if (r < m && ranks_before(x, h[worst], h[r]))
+            worst = r;
+        if (worst == at)
+            return;
+        int64_t t = h[at];
+        h[at] = h[worst];
+        h[worst] = t;
+        at = worst;
+    }
+}
+
+/*
+ * DESIGN: a heap of the k best seen so far with the worst of them at the
+ * root; every other value is compared with the root once and replaces it
+ * when it ranks before it: O(n log k). A heap sort of the k kept then puts
+ * them best first. The order (value, then lower index) is a strict total
+ * order, so the answer is the same as the former k passes of "the best not
+ * yet taken", which cost O(k^2 n) and stalled a worker for seconds.
+ */
+int64_t md_top_k(const float *x, int64_t n, int64_t k, int64_t *idx)
+{
+    if (k <= 0 || n <= 0)
+        return 0;
+    int64_t m = k < n ? k : n;
+    for (int64_t j = 0; j < m; j++)
+        idx[j] = j;
+    for (int64_t at = m / 2 - 1; at >= 0; at--)
+        sift_down(x, idx, m, at);
+    for (int64_t j = m; j < n; j++) {
+        if (ranks_before(x, j, idx[0])) {
+            idx[0] = j;
+            sift_down(x, idx, m, 0);
+        }
+    }
+    for (int64_t end = m - 1; end > 0; end--) {
+        int64_t t = idx[0];
+        idx[0] = idx[end];
+        idx[end] = t;
+        sift_down(x, idx, end, 0);
+    }
+    return m;
 }

@@ -8,9 +8,14 @@
  * (LDFLAGS_test_batcher in the Makefile), so batcher.o's calls reach the
  * __wrap_ functions below. The fake forward records every batch (its rows and
  * the first value of each row), returns out = 2 * input (same shape), and
- * blocks on a "gate" when a row starts with GATE, so a test can hold the
- * only worker busy while requests pile up, then release it. Every wait is
- * bounded (WAIT_S) so a failure never hangs; timing bounds are generous.
+ * has the real thing's awkward modes, chosen by a row's first value: it
+ * blocks on a "gate" (GATE: a stall the test releases, so a test can hold a
+ * worker busy while requests pile up), fails (FAIL: a forward that throws),
+ * answers a row too many (BADROWS), or answers rows as wide as the batch
+ * (WIDE: x @ x.t(), an output width that depends on the batch); and with
+ * g_need_width set it fails rows of any other width, as a Linear layer does.
+ * Every wait is bounded (WAIT_S) so a failure never hangs; no bound depends
+ * on the machine's speed.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -39,6 +44,7 @@
 #define GATE -7777.0f    /* a row starting with this blocks its forward until the gate opens */
 #define FAIL -5555.0f    /* ... makes the forward fail */
 #define BADROWS -3333.0f /* ... makes the forward answer one row too many */
+#define WIDE -4444.0f    /* ... makes the forward answer x @ x.t(): [rows, rows] */
 
 /* ---- the fake backend ---- */
 
@@ -70,6 +76,7 @@ static int g_nbatches;
 static int g_gate_open;
 static int g_gate_entered;
 static int g_forward_sleep_us;
+static int64_t g_need_width;     /* nonzero: the forward fails rows of another width */
 static _Thread_local int g_loading; /* set around md_model_load: its test forward is not recorded */
 
 md_status __wrap_md_torch_load(const char *path, const char *device, md_dtype input_dtype,
@@ -124,11 +131,12 @@ md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const i
     int64_t rows = shape[0], per = 1;
     for (int d = 1; d < ndim; d++)
         per *= shape[d];
-    int gate = 0, fail = 0, badrows = 0;
+    int gate = 0, fail = 0, badrows = 0, wide = 0;
     for (int64_t r = 0; r < rows; r++) {
         gate |= input[r * per] == GATE;
         fail |= input[r * per] == FAIL;
         badrows |= input[r * per] == BADROWS;
+        wide |= input[r * per] == WIDE;
     }
     if (!g_loading) {
         pthread_mutex_lock(&g_mu);
@@ -139,6 +147,7 @@ md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const i
             b->t = mono();
             for (int64_t r = 0; r < rows && r < 64; r++)
                 b->first[r] = input[r * per];
+            pthread_cond_broadcast(&g_cv); /* a test may wait for this batch */
         }
         if (gate) {
             g_gate_entered++;
@@ -154,6 +163,26 @@ md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const i
     }
     if (fail)
         return md_err_setc(err, MD_EUNPROC, "forward_failed", "fake forward failed");
+    if (g_need_width && per != g_need_width)
+        return md_err_setc(err, MD_EUNPROC, "forward_failed",
+                           "fake forward: mat1 and mat2 shapes cannot be multiplied (%lldx%lld "
+                           "and %lldx8)",
+                           (long long)rows, (long long)per, (long long)g_need_width);
+    if (wide) { /* x @ x.t() */
+        float *o = malloc(sizeof(float) * (size_t)(rows * rows));
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t j = 0; j < rows; j++) {
+                float acc = 0;
+                for (int64_t c = 0; c < per; c++)
+                    acc += input[i * per + c] * input[j * per + c];
+                o[i * rows + j] = acc;
+            }
+        out_shape[0] = rows;
+        out_shape[1] = rows;
+        *out_ndim = 2;
+        *out = o;
+        return MD_OK;
+    }
     int64_t out_rows = rows + badrows;
     float *o = malloc(sizeof(float) * (size_t)(out_rows * per) + 1);
     for (int64_t i = 0; i < rows * per; i++)
@@ -420,6 +449,7 @@ static int setup(void **state)
     g_gate_open = 0;
     g_gate_entered = 0;
     g_forward_sleep_us = 0;
+    g_need_width = 0;
     pthread_mutex_unlock(&g_mu);
     memset(g_held, 0, sizeof g_held);
     g_reg = NULL;
@@ -1000,6 +1030,193 @@ static void test_forward_error(void **state)
     assert_int_equal(g_req[3].st, MD_OK);
 }
 
+
+/* A model whose output width depends on the batch (x @ x.t()), a request of
+ * 5 rows over max_batch_size 4: pieces of 4 and 1 rows answer rows of 4 and
+ * of 1 value. The request fails naming the model and the split; before, the
+ * output was sized by whichever piece finished first and the other copied
+ * its own width into it (a heap overflow under ASan, garbage without). */
+static void test_split_output_width_depends_on_batch(void **state)
+{
+    (void)state;
+    md_model *m = load(ROW2, 2, 4, 0, 100, 10000);
+    float in[10];
+    for (int r = 0; r < 5; r++) {
+        in[2 * r] = WIDE;
+        in[2 * r + 1] = (float)r;
+    }
+    submit_ok(m, 0, 5, 2, in);
+    ASSERT_WAIT(reqs_done(0, 1));
+    assert_int_equal(g_req[0].st, MD_EINTERNAL);
+    assert_string_equal(g_req[0].code, "bad_model_output");
+    assert_non_null(strstr(g_req[0].msg, "model m returned rows of shape"));
+    assert_non_null(strstr(g_req[0].msg, "[4]"));
+    assert_non_null(strstr(g_req[0].msg, "[1]"));
+    assert_non_null(strstr(g_req[0].msg, "split"));
+    /* the same order with one worker: the 4-row piece first, then the 1-row */
+    md_model *m1 = load_ex("one", 1, ROW2, 1, 4, 0, 100, 10000, NULL);
+    submit_ok(m1, 1, 5, 2, in);
+    ASSERT_WAIT(reqs_done(1, 2));
+    assert_string_equal(g_req[1].code, "bad_model_output");
+    /* a request that is not split answers x @ x.t() */
+    submit_ok(m, 2, 2, 2, (const float[]){WIDE, 1, WIDE, 2});
+    ASSERT_WAIT(reqs_done(2, 3));
+    assert_int_equal(g_req[2].st, MD_OK);
+    assert_int_equal(g_req[2].shape[0], 2);
+    assert_int_equal(g_req[2].shape[1], 2);
+    assert_true(g_req[2].out[1] == WIDE * WIDE + 2.0f);
+    assert_int_equal(locked_int(&g_req[0].calls), 1);
+}
+
+/* A split request whose first piece stalls in its forward while another
+ * worker computes the rest is answered once, after the stall ends, with
+ * every row in place; one whose later piece throws fails once. */
+static void test_split_with_stalled_and_failing_pieces(void **state)
+{
+    (void)state;
+    md_model *m = load(ROW2, 2, 4, 0, 100, 10000);
+    int id = locked_int(&g_next_id) - 1;
+    float in[12];
+    for (int r = 0; r < 6; r++) {
+        in[2 * r] = (float)(10 + r);
+        in[2 * r + 1] = 0;
+    }
+    in[0] = GATE;
+    submit_ok(m, 0, 6, 2, in);
+    ASSERT_WAIT(g_gate_entered == 1);
+    /* the other worker takes the 2-row rest meanwhile */
+    int64_t rows[8];
+    int ok;
+    WAIT_FOR(ok, g_nbatches == 2, WAIT_S);
+    assert_true(ok);
+    assert_int_equal(batches_of(id, 0, rows, 8), 2);
+    assert_int_equal(locked_int(&g_req[0].calls), 0);
+    open_gate();
+    ASSERT_WAIT(reqs_done(0, 1));
+    assert_int_equal(g_req[0].st, MD_OK);
+    assert_int_equal(g_req[0].shape[0], 6);
+    assert_true(g_req[0].out[0] == 2.0f * GATE);
+    for (int r = 1; r < 6; r++)
+        assert_true(g_req[0].out[2 * r] == 2.0f * (float)(10 + r));
+    /* the second piece throws: the request fails, once, with its message */
+    in[0] = 10;
+    in[2 * 5] = FAIL;
+    submit_ok(m, 1, 6, 2, in);
+    ASSERT_WAIT(reqs_done(1, 2));
+    assert_int_equal(g_req[1].st, MD_EUNPROC);
+    assert_non_null(strstr(g_req[1].msg, "fake forward failed"));
+    /* every piece has reported before the answer: nothing left to count */
+    submit_ok(m, 2, 1, 2, (const float[]){1, 1});
+    ASSERT_WAIT(reqs_done(2, 3));
+    assert_int_equal(locked_int(&g_req[1].calls), 1);
+}
+
+/* A model deployed without config.input.shape learns its row shape from its
+ * first SUCCESSFUL forward: a first request of the wrong width fails in its
+ * forward and leaves the model open to the right width (before, it fixed
+ * the shape at submit and every right request got 400 until a restart). The
+ * same for a job chunk. Once learned, other widths answer 400 as before. */
+static void test_configless_shape_learned_from_success_only(void **state)
+{
+    (void)state;
+    pthread_mutex_lock(&g_mu);
+    g_need_width = 4;
+    pthread_mutex_unlock(&g_mu);
+    md_model *m = load_ex("noshape", 1, NULL, 1, 64, 0, 100, 10000, NULL);
+    int64_t shape[MD_MAX_DIMS];
+    assert_int_equal(md_model_input_shape(m, shape), 0);
+    /* online, then a job chunk, of the wrong width: each fails in its forward */
+    submit_ok(m, 0, 1, 3, (const float[]){1, 2, 3});
+    ASSERT_WAIT(reqs_done(0, 1));
+    assert_int_equal(g_req[0].st, MD_EUNPROC);
+    assert_non_null(strstr(g_req[0].msg, "cannot be multiplied"));
+    md_err err;
+    assert_int_equal(submit_prio(m, 1, 2, 3, (const float[]){1, 2, 3, 4, 5, 6}, MD_PRIO_BATCH,
+                                 &err),
+                     MD_OK);
+    ASSERT_WAIT(reqs_done(1, 2));
+    assert_int_equal(g_req[1].st, MD_EUNPROC);
+    assert_int_equal(md_model_input_shape(m, shape), 0);
+    /* the right width still passes, and now fixes the shape */
+    submit_ok(m, 2, 1, 4, (const float[]){1, 2, 3, 4});
+    ASSERT_WAIT(reqs_done(2, 3));
+    assert_int_equal(g_req[2].st, MD_OK);
+    assert_true(g_req[2].out[3] == 8.0f);
+    assert_int_equal(md_model_input_shape(m, shape), 1);
+    assert_int_equal(shape[0], 4);
+    assert_int_equal(submit(m, 3, 1, 3, (const float[]){1, 2, 3}, &err), MD_EINVAL);
+    assert_string_equal(md_err_code(&err), "wrong_shape");
+    assert_non_null(strstr(err.msg, "expects rows of shape [4]"));
+    /* a job chunk of the right width after it */
+    assert_int_equal(submit_prio(m, 4, 2, 4, (const float[]){1, 2, 3, 4, 5, 6, 7, 8},
+                                 MD_PRIO_BATCH, &err),
+                     MD_OK);
+    ASSERT_WAIT(reqs_done(4, 5));
+    assert_int_equal(g_req[4].st, MD_OK);
+
+    /* queued together before anything is learned, rows of two widths go in
+     * separate forwards: the wrong one fails, the right one passes */
+    md_model *m2 = load_ex("noshape2", 1, NULL, 1, 64, 0, 100, 10000, NULL);
+    submit_ok(m2, 5, 1, 4, (const float[]){GATE, 0, 0, 0});
+    ASSERT_WAIT(g_gate_entered == 1);
+    submit_ok(m2, 6, 1, 3, (const float[]){1, 2, 3});
+    submit_ok(m2, 7, 1, 4, (const float[]){5, 6, 7, 8});
+    open_gate();
+    ASSERT_WAIT(reqs_done(5, 8));
+    assert_int_equal(g_req[5].st, MD_OK);
+    assert_int_equal(g_req[6].st, MD_EUNPROC);
+    assert_int_equal(g_req[7].st, MD_OK);
+    assert_true(g_req[7].out[0] == 10.0f);
+}
+
+/* Sizes from a config or a request never reach an allocation unchecked: a
+ * shape whose product overflows answers 422 naming input.shape and the
+ * limit (it aborted the process: "out of memory allocating 0 bytes"), and a
+ * tensor whose shape does not hold its values (a job's input.shape, a V2
+ * shape) is refused at submit instead of being read past its end. */
+static void test_sizes_checked(void **state)
+{
+    (void)state;
+    md_model_defaults def = {1, 4, 0, 100, 10000, 0};
+    const char *huge[] = {
+        "{\"input\": {\"shape\": [1073741824, 1073741824, 4]}}",
+        "{\"input\": {\"shape\": [1073741824, 1073741824, 1073741824, 1073741824]}}",
+        "{\"input\": {\"shape\": [8192, 8193]}}",
+    };
+    for (int i = 0; i < 3; i++) {
+        json_t *cfg = json_loads(huge[i], 0, NULL);
+        md_model *bad = NULL;
+        md_err err;
+        md_err_clear(&err);
+        g_loading = 1;
+        md_status st = md_model_load("big", 1, "fake-big", cfg, &def, &bad, &err);
+        g_loading = 0;
+        json_decref(cfg);
+        assert_int_equal(st, MD_EUNPROC);
+        assert_null(bad);
+        assert_string_equal(md_err_code(&err), "invalid_config");
+        assert_non_null(strstr(err.msg, "config.input.shape"));
+        assert_non_null(strstr(err.msg, "67108864"));
+    }
+    /* a tensor whose shape says more rows than its data holds */
+    md_model *m = load_ex("noshape", 1, NULL, 1, 4, 0, 100, 10000, NULL);
+    md_err err;
+    md_tensor t = {.ndim = 2, .shape = {(int64_t)1 << 62, 4}, .count = 4,
+                   .data = calloc(4, sizeof(float))};
+    assert_int_equal(md_model_submit(m, &t, MD_PRIO_BATCH, on_done, &g_req[0], &err), MD_EINVAL);
+    assert_null(t.data);
+    assert_string_equal(md_err_code(&err), "wrong_shape");
+    /* ... or whose product overflows */
+    md_tensor t2 = {.ndim = 3, .shape = {2, (int64_t)1 << 40, (int64_t)1 << 40}, .count = 0,
+                    .data = calloc(4, sizeof(float))};
+    assert_int_equal(md_model_submit(m, &t2, MD_PRIO_ONLINE, on_done, &g_req[1], &err), MD_EINVAL);
+    assert_int_equal(locked_int(&g_req[0].calls) + locked_int(&g_req[1].calls), 0);
+    /* and the model still serves */
+    submit_ok(m, 2, 1, 4, (const float[]){1, 2, 3, 4});
+    ASSERT_WAIT(reqs_done(2, 3));
+    assert_int_equal(g_req[2].st, MD_OK);
+}
+
 static void test_registry_swap_drains_old(void **state)
 {
     (void)state;
@@ -1297,6 +1514,10 @@ int main(void)
         T(test_job_workers_niced),
         T(test_job_chunk_is_one_forward),
         T(test_forward_error),
+        T(test_split_output_width_depends_on_batch),
+        T(test_split_with_stalled_and_failing_pieces),
+        T(test_configless_shape_learned_from_success_only),
+        T(test_sizes_checked),
         T(test_registry_swap_drains_old),
         T(test_registry_versions),
         T(test_concurrent_submitters),

@@ -814,6 +814,46 @@ static void test_idx_errors(void **state)
     md_reader_close(r);
 }
 
+/* Write a version 1 NPY header of `shape` (a Python tuple) with no data. */
+static void write_npy_header(char *path, const char *shape)
+{
+    char file[128];
+    memset(file, ' ', sizeof file);
+    memcpy(file, "\x93NUMPY\x01\x00", 8);
+    file[8] = (char)(sizeof file - 10), file[9] = 0;
+    int n = snprintf(file + 10, sizeof file - 10,
+                     "{'descr': '<f4', 'fortran_order': False, 'shape': %s, }", shape);
+    file[10 + n] = ' ';
+    file[sizeof file - 1] = '\n';
+    write_temp_n(path, file, sizeof file);
+}
+
+/* A row wider than MD_MAX_ROW_VALUES (2^26) is refused at open, naming the
+ * limit, before any buffer is sized from the header (the former bound was a
+ * 1 GiB row: a 2^27-value f4 row was accepted and sized a 512 MiB buffer,
+ * and the job then allocated chunks of batch x width floats from it). */
+static void test_row_width_limit(void **state)
+{
+    (void)state;
+    md_err err;
+    char path[64];
+    write_npy_header(path, "(2, 16384, 8192)");
+    assert_msg_has(open_fails(path, "npy", NULL, NULL, &err),
+                   "a row holds more than 67108864 values", NULL);
+    write_npy_header(path, "(1, 4294967296, 4294967296, 4294967296)");
+    assert_msg_has(open_fails(path, "npy", NULL, NULL, &err),
+                   "a row holds more than 67108864 values", NULL);
+    /* the limit itself passes the width check (then the missing data is named) */
+    write_npy_header(path, "(2, 8192, 8192)");
+    assert_msg_has(open_fails(path, "npy", NULL, NULL, &err), "is truncated", NULL);
+    /* IDX: dims of 2^32 - 1 */
+    const unsigned char idx[] = {0, 0, 8, 3, 0, 0, 0, 1, 0xff, 0xff, 0xff, 0xff,
+                                 0xff, 0xff, 0xff, 0xff};
+    write_temp_n(path, (const char *)idx, sizeof idx);
+    assert_msg_has(open_fails(path, "idx", NULL, NULL, &err),
+                   "a row holds more than 67108864 values", NULL);
+}
+
 /* The real FashionMNIST test set: 10000 rows of 784, 1000 of each class. */
 static void test_fashion_mnist(void **state)
 {
@@ -1169,6 +1209,7 @@ int main(void)
         cmocka_unit_test_teardown(test_csv_large, remove_temps),
         cmocka_unit_test_teardown(test_csv_streams_from_fifo, remove_temps),
         cmocka_unit_test_teardown(test_row_too_long, remove_temps),
+        cmocka_unit_test_teardown(test_row_width_limit, remove_temps),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

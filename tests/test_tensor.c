@@ -1002,6 +1002,115 @@ static void test_float_format_small_buffer(void **state)
     assert_int_equal(buf[4], 'Z');
 }
 
+
+/* ---- md_top_k and checked sizes ---- */
+
+/* The former selection, kept as the reference: k passes, each taking the
+ * best value not yet taken, the lowest index among equals. */
+static void naive_top_k(const float *x, int64_t n, int64_t k, int64_t *idx)
+{
+    unsigned char used[4096] = {0};
+    for (int64_t t = 0; t < k && t < n; t++) {
+        int64_t best = -1;
+        for (int64_t j = 0; j < n; j++)
+            if (!used[j] && (best < 0 || x[j] > x[best]))
+                best = j;
+        used[best] = 1;
+        idx[t] = best;
+    }
+}
+
+/* md_top_k answers exactly what the O(k^2 n) loop did, ties included,
+ * on random inputs drawn from few distinct values (many ties). */
+static void test_top_k_matches_reference(void **state)
+{
+    (void)state;
+    srand(12345);
+    float x[4096];
+    int64_t want[4096], got[4096];
+    for (int trial = 0; trial < 2000; trial++) {
+        int64_t n = 1 + rand() % (trial < 1500 ? 40 : 3000);
+        int distinct = 1 + rand() % 8;
+        for (int64_t j = 0; j < n; j++)
+            x[j] = (float)(rand() % distinct) * (rand() % 2 ? 0.5f : -0.25f);
+        int64_t k = 1 + rand() % (n + 3); /* sometimes more than n */
+        naive_top_k(x, n, k, want);
+        int64_t m = md_top_k(x, n, k, got);
+        assert_int_equal(m, k < n ? k : n);
+        for (int64_t t = 0; t < m; t++)
+            if (got[t] != want[t])
+                fail_msg("trial %d (n %lld, k %lld): place %lld is %lld, want %lld", trial,
+                         (long long)n, (long long)k, (long long)t, (long long)got[t],
+                         (long long)want[t]);
+    }
+    /* nothing asked, nothing answered */
+    assert_int_equal(md_top_k(x, 10, 0, got), 0);
+    assert_int_equal(md_top_k(x, 0, 5, got), 0);
+    /* NaN ranks last, whatever its index */
+    float nan_first[4] = {NAN, 1.0f, 3.0f, NAN};
+    assert_int_equal(md_top_k(nan_first, 4, 4, got), 4);
+    assert_int_equal(got[0], 2);
+    assert_int_equal(got[1], 1);
+    assert_int_equal(got[2], 0);
+    assert_int_equal(got[3], 3);
+}
+
+/* Counting comparisons is not possible from outside, so bound the work by
+ * size instead: k = 1000 over 200,000 classes, which the former loop would
+ * take k*k*n = 2e11 steps for, must answer the same as a sort would. */
+static void test_top_k_large(void **state)
+{
+    (void)state;
+    enum { N = 200000, K = 1000 };
+    float *x = malloc(sizeof(float) * N);
+    int64_t *got = malloc(sizeof(int64_t) * K);
+    for (int j = 0; j < N; j++)
+        x[j] = (float)((j * 7919) % 100003);
+    assert_int_equal(md_top_k(x, N, K, got), K);
+    /* the values 100002, 100001, ... each appear at most twice below N */
+    for (int t = 1; t < K; t++) {
+        float a = x[got[t - 1]], b = x[got[t]];
+        assert_true(a > b || (a == b && got[t - 1] < got[t]));
+    }
+    assert_true(x[got[0]] == 100002.0f);
+    free(x);
+    free(got);
+}
+
+static void test_checked_sizes(void **state)
+{
+    (void)state;
+    int64_t p;
+    assert_int_equal(md_shape_product((const int64_t[]){3, 224, 224}, 3, &p), 0);
+    assert_int_equal(p, 150528);
+    assert_int_equal(
+        md_shape_product((const int64_t[]){1073741824, 1073741824, 1073741824}, 3, &p), -1);
+    assert_int_equal(md_shape_product((const int64_t[]){4, -1}, 2, &p), -1);
+    assert_int_equal(md_shape_product(NULL, 0, &p), 0);
+    assert_int_equal(p, 1);
+    int64_t v;
+    assert_int_equal(md_mul_i64(INT64_MAX / 2, 3, &v), 1);
+    assert_int_equal(md_mul_i64(-1, 3, &v), 1);
+    assert_int_equal(md_add_i64(INT64_MAX, 1, &v), 1);
+    size_t z;
+    assert_int_equal(md_mul_size(SIZE_MAX / 4 + 1, 4, &z), 1);
+    assert_int_equal(md_mul_size(1000, 4, &z), 0);
+    assert_int_equal(z, 4000);
+    /* a request-sized allocation that overflows fails with a status */
+    md_err err;
+    md_err_clear(&err);
+    assert_null(md_mallocarray_checked(SIZE_MAX / 2, sizeof(float), "the test", &err));
+    assert_int_equal(err.status, MD_ENOMEM);
+    assert_non_null(strstr(err.msg, "the test"));
+    md_err_clear(&err);
+    assert_null(md_calloc_checked((size_t)1 << 62, 8, "zeros", &err));
+    assert_int_equal(err.status, MD_ENOMEM);
+    void *ok = md_calloc_checked(4, 4, "zeros", &err);
+    assert_non_null(ok);
+    assert_true(((float *)ok)[3] == 0.0f);
+    free(ok);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1041,6 +1150,9 @@ int main(void)
         cmocka_unit_test(test_float_format_random),
         cmocka_unit_test(test_float_format_subnormal_shortest),
         cmocka_unit_test(test_float_format_small_buffer),
+        cmocka_unit_test(test_top_k_matches_reference),
+        cmocka_unit_test(test_top_k_large),
+        cmocka_unit_test(test_checked_sizes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
