@@ -555,7 +555,10 @@ md_status md_model_load(const char *name, int version, const char *path, json_t 
     }
     const char *output = json_string_value(json_object_get(config, "output"));
     m->logits = output && strcmp(output, "logits") == 0;
-    m->labels = json_incref(json_object_get(config, "labels"));
+    /* a private copy: the config belongs to the request that deployed it, and
+     * jansson's reference counts are not safe to share across threads (TSan:
+     * the request freed the config while a worker released its labels) */
+    m->labels = json_deep_copy(json_object_get(config, "labels"));
     json_t *b = json_object_get(config, "batching");
     m->max_batch = cfg_int(b, "max_batch_size", def->max_batch_size);
     m->max_delay_us = cfg_int(b, "max_delay_us", def->max_delay_us);
