@@ -4,14 +4,17 @@
 CC      ?= cc
 CXX     ?= g++
 PYTHON  := /usr/bin/python3
-PORT    ?= 8080
+# `make run PORT=9000` or `make run ARGS='--port 9000 --workers 2'`; MODELD_*
+# variables work too (flags win over them, so PORT is passed only when given).
+PORT    ?=
+ARGS    ?=
 
 # Debian packages the build, the tests and the benchmarks need.
 # BUILD_PACKAGES build ./modeld (the Docker build stage installs only these).
 BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
 	libcurl4-openssl-dev libssl-dev zlib1g-dev libtorch-dev libopenblas0-pthread
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
-	python3-numpy curl ca-certificates sqlite3 dataset-fashion-mnist git
+	python3-numpy python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist git jq
 
 # libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one.
 LIBTORCH ?=
@@ -94,9 +97,11 @@ deps deps-build:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
+# Serve on :8080 with the committed FashionMNIST model deployed as `fashion`
+# (examples/serve.sh deploys it when the store ./modeld-data does not have it).
 run: deps
 	$(MAKE) all
-	OPENBLAS_NUM_THREADS=1 ./modeld --port $(PORT)
+	OPENBLAS_NUM_THREADS=1 examples/serve.sh $(if $(PORT),--port $(PORT)) $(ARGS)
 
 unit: $(UNIT_BINS)
 	@fail=0; for t in $(UNIT_BINS); do echo "== $$t"; $$t || fail=1; done; exit $$fail
