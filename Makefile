@@ -62,7 +62,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
-.PHONY: all run test unit e2e asan bench deps deps-build clean lint-openapi fixtures fuzz \
+.PHONY: all run test unit e2e asan bench deps deps-build clean lint-openapi fixtures fixtures-check fuzz \
 	cuda-compile-check docker-check
 
 all: $(MODELD)
@@ -118,6 +118,7 @@ test: deps
 	$(MAKE) all
 	$(MAKE) unit
 	$(MAKE) e2e
+	$(MAKE) fixtures-check
 	$(MAKE) lint-openapi
 	$(MAKE) cuda-compile-check
 	$(MAKE) docker-check
@@ -131,8 +132,14 @@ asan: deps
 	$(MAKE) SAN_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" \
 	  OPT="-O1 -g" ASAN_E2E=1 unit e2e
 
+# Rewrite tests/fixtures; fixtures-check regenerates them into a temporary
+# directory and compares values (the archives' bytes are not reproducible:
+# see tests/fixtures/README.md).
 fixtures:
 	$(PYTHON) tests/fixtures/make_fixtures.py
+
+fixtures-check:
+	$(PYTHON) tests/fixtures/make_fixtures.py --check
 
 $(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $(BUILD)/config/md_err.o
 	@mkdir -p $(dir $@)
