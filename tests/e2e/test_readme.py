@@ -33,8 +33,9 @@ How a README is written so that this test reads it (the convention):
 * Each README file runs in order in one bash process (variables carry over,
   e.g. JOB=$(...)) from the repository root, against a fresh server started
   by examples/serve.sh (what `make run` runs) with a temporary store. Before
-  running, `127.0.0.1:8080` becomes the server's port and `/tmp/` the test's
-  temporary directory, in commands and expected outputs alike.
+  running, `127.0.0.1:8080` becomes the server's port, `/tmp/` the test's
+  temporary directory and `./modeld` the binary under test (MODELD_BIN: a
+  sanitizer build under `make asan`), in commands and expected outputs alike.
 * Running a README must leave the repository as it was (git status).
 
 The training scripts get a test of their own: a tiny bounded run with no
@@ -365,6 +366,7 @@ def git_status():
 
 
 def substitute(text, port, tmp):
+    text = re.sub(r"(?<![\w/.])\./modeld(?![\w.-])", modeld_bin(), text)  # the binary under test
     text = text.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
     return text.replace("localhost:8080", f"localhost:{port}").replace("/tmp/", f"{tmp}/")
 
