@@ -4,14 +4,18 @@
 CC      ?= cc
 CXX     ?= g++
 PYTHON  := /usr/bin/python3
-PORT    ?= 8080
+# `make run PORT=9000` or `make run ARGS='--port 9000 --workers 2'`; MODELD_*
+# variables work too (flags win over them, so PORT is passed only when given).
+PORT    ?=
+ARGS    ?=
 
 # Debian packages the build, the tests and the benchmarks need.
 # BUILD_PACKAGES build ./modeld (the Docker build stage installs only these).
 BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
 	libcurl4-openssl-dev libssl-dev zlib1g-dev libtorch-dev libopenblas0-pthread
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
-	python3-numpy python3-yaml curl ca-certificates sqlite3 dataset-fashion-mnist git
+	python3-numpy python3-yaml python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist \
+	git jq
 
 # libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one
 # (a libtorch tree, or pip's torch package folder, whose include/ and lib/ are one).
@@ -75,7 +79,8 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
-.PHONY: all run test unit e2e asan tsan bench deps deps-build clean lint-openapi fixtures fuzz \
+.PHONY: all run test unit e2e asan tsan bench deps deps-build clean lint-openapi fixtures \
+	fixtures-check fuzz \
 	cuda-compile-check docker-check
 
 all: $(MODELD)
@@ -110,9 +115,11 @@ deps deps-build:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
+# Serve on :8080 with the committed FashionMNIST model deployed as `fashion`
+# (examples/serve.sh deploys it when the store ./modeld-data does not have it).
 run: deps
 	$(MAKE) all
-	OPENBLAS_NUM_THREADS=1 ./modeld --port $(PORT)
+	OPENBLAS_NUM_THREADS=1 examples/serve.sh $(if $(PORT),--port $(PORT)) $(ARGS)
 
 unit: $(UNIT_BINS)
 	@fail=0; for t in $(UNIT_BINS); do echo "== $$t"; $$t || fail=1; done; exit $$fail
@@ -129,6 +136,7 @@ test: deps
 	$(MAKE) all
 	$(MAKE) unit
 	$(MAKE) e2e
+	$(MAKE) fixtures-check
 	$(MAKE) lint-openapi
 	$(MAKE) cuda-compile-check
 	$(MAKE) docker-check
@@ -155,8 +163,14 @@ tsan: deps
 	  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(CURDIR)/tests/tsan.supp" \
 	  PYTEST_ARGS="-k '$(TSAN_E2E_TESTS)'" unit e2e
 
+# Rewrite tests/fixtures; fixtures-check regenerates them into a temporary
+# directory and compares values (the archives' bytes are not reproducible:
+# see tests/fixtures/README.md).
 fixtures:
 	$(PYTHON) tests/fixtures/make_fixtures.py
+
+fixtures-check:
+	$(PYTHON) tests/fixtures/make_fixtures.py --check
 
 $(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $(BUILD)/config/md_err.o
 	@mkdir -p $(dir $@)

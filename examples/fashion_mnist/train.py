@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """Train the PyTorch quickstart NeuralNetwork on FashionMNIST and export it.
 
-Uses the IDX files from Debian's fashion-mnist data package (read here with
-gzip + numpy; torchvision is not needed). Writes:
+Uses the IDX files from Debian's dataset-fashion-mnist package (read here with
+gzip + numpy; torchvision is not needed). Writes into --out DIR (default: a new
+temporary directory; the path is printed), never anywhere else:
 
   model.pt      TorchScript model; input float32 [N,784] or [N,1,28,28]
                 (pixels scaled to [0,1]), output logits [N,10]
@@ -12,12 +13,14 @@ gzip + numpy; torchvision is not needed). Writes:
                 test-set accuracy as a fraction
 
 Usage:
-    /usr/bin/python3 examples/fashion_mnist/train.py [--epochs 3] [--out model.pt]
+    /usr/bin/python3 examples/fashion_mnist/train.py [--epochs 3] [--out DIR]
+    /usr/bin/python3 examples/fashion_mnist/train.py --epochs 1 --limit 256   # a quick check
 """
 import argparse
 import gzip
 import json
 import os
+import tempfile
 import time
 
 # Keep CPU use modest: one BLAS/OpenMP thread unless the caller says otherwise.
@@ -28,7 +31,6 @@ import numpy as np
 import torch
 from torch import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = "/usr/share/datasets/fashion-mnist"
 
 LABELS = [
@@ -72,10 +74,13 @@ def read_idx(path):
     return arr.reshape(dims)
 
 
-def load_split(data_dir, split):
-    """split is 'train' or 't10k'. Returns (float32 [N,1,28,28] in [0,1], int64 [N])."""
+def load_split(data_dir, split, limit=0):
+    """split is 'train' or 't10k'; the first `limit` examples (0 = all).
+    Returns (float32 [N,1,28,28] in [0,1], int64 [N])."""
     images = read_idx(os.path.join(data_dir, f"{split}-images-idx3-ubyte.gz"))
     labels = read_idx(os.path.join(data_dir, f"{split}-labels-idx1-ubyte.gz"))
+    if limit:
+        images, labels = images[:limit], labels[:limit]
     # ToTensor semantics: uint8 / 255.
     x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
     y = torch.from_numpy(labels.astype(np.int64))
@@ -101,17 +106,24 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--limit", type=int, default=0,
+                    help="use only the first N training and test images (0 = all)")
     ap.add_argument("--data", default=DEFAULT_DATA)
-    ap.add_argument("--out", default=os.path.join(HERE, "model.pt"))
-    ap.add_argument("--config", default=os.path.join(HERE, "model.json"))
-    ap.add_argument("--metrics", default=os.path.join(HERE, "metrics.json"))
+    ap.add_argument("--out", help="directory to write model.pt, model.json, metrics.json "
+                                  "(default: a new temporary directory)")
     args = ap.parse_args()
+
+    out = args.out or tempfile.mkdtemp(prefix="fashion_mnist-")
+    os.makedirs(out, exist_ok=True)
+    model_path = os.path.join(out, "model.pt")
+    config_path = os.path.join(out, "model.json")
+    metrics_path = os.path.join(out, "metrics.json")
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    x_train, y_train = load_split(args.data, "train")
-    x_test, y_test = load_split(args.data, "t10k")
+    x_train, y_train = load_split(args.data, "train", args.limit)
+    x_test, y_test = load_split(args.data, "t10k", args.limit)
     print(f"train {tuple(x_train.shape)}  test {tuple(x_test.shape)}", flush=True)
 
     model = NeuralNetwork()
@@ -147,7 +159,7 @@ def main():
         a = scripted(x_test[:4])
         b = scripted(x_test[:4].reshape(4, 784))
     assert torch.equal(a, b) and a.shape == (4, 10)
-    scripted.save(args.out)
+    scripted.save(model_path)
 
     config = {
         "input": {"shape": [784], "dtype": "float32"},
@@ -155,16 +167,16 @@ def main():
         "output": "logits",
         "labels": LABELS,
     }
-    with open(args.config, "w") as f:
+    with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
     metrics = {"epoch": args.epochs, "loss": round(test_loss, 6),
                "accuracy": round(acc, 6)}
-    with open(args.metrics, "w") as f:
+    with open(metrics_path, "w") as f:
         json.dump(metrics, f)
         f.write("\n")
-    print(f"wrote {args.out} ({os.path.getsize(args.out)} bytes), "
-          f"{args.config}, {args.metrics}")
+    print(f"wrote model.pt ({os.path.getsize(model_path)} bytes), model.json, "
+          f"metrics.json to {out}")
     print(json.dumps(metrics))
 
 
