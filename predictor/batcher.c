@@ -38,6 +38,9 @@
  * Every size computed from a request or a config (row size, gather buffer,
  * output buffer) is overflow-checked and allocated with a status, so a huge
  * shape answers an error instead of aborting the process.
+ * A forward of several requests that fails with the model's own error (it
+ * raised) is run again one request at a time (run_pieces), so a request that
+ * makes the model throw fails alone instead of taking its batch with it.
  * Lifetime: the registry and each queued request hold references; the last
  * release sets `stopping`; workers finish the queue, exit, and the last one
  * to exit frees the model, so a release from a worker thread never joins
@@ -270,6 +273,121 @@ static void learn_row_shape(md_model *m, const int64_t *shape, int ndim, int64_t
     pthread_mutex_unlock(&m->mu);
 }
 
+/*
+ * One forward over `pieces` (n of them, `rows` rows, one row shape), then each
+ * piece's rows delivered to its request. When a forward of several requests
+ * fails with the model's own error (it raised, or rejected the batch), each
+ * request is run again alone, so a request that makes the model throw fails
+ * only itself, not the others that happened to share its batch (the cost is
+ * paid only on failure). `batch`/`batch_cap` are the worker's gather buffer.
+ */
+static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **batch_p,
+                       size_t *batch_cap_p)
+{
+    float *batch = *batch_p;
+    size_t batch_cap = *batch_cap_p;
+    /* one piece: forward on its rows in place; else gather. Every piece
+     * has the first one's row shape (the take loop stops at another). */
+    const item *first = pieces[0].it;
+    int64_t row_size = first->row_size;
+    md_err ferr;
+    md_err_clear(&ferr);
+    md_status st = MD_OK;
+    const float *input = NULL;
+    if (n == 1) {
+        input = first->in.data + pieces[0].start * row_size;
+    } else {
+        size_t need;
+        if (md_mul_size((size_t)rows, (size_t)row_size, &need))
+            st = md_err_setc(&ferr, MD_ENOMEM, "out_of_memory",
+                             "a batch of %lld rows of %lld values is too large",
+                             (long long)rows, (long long)row_size);
+        if (st == MD_OK && need > batch_cap) {
+            free(batch);
+            batch_cap = 0;
+            batch = md_mallocarray_checked(need, sizeof(float), "a batch", &ferr);
+            if (batch)
+                batch_cap = need;
+            else
+                st = MD_ENOMEM;
+        }
+        if (st == MD_OK) {
+            size_t off = 0;
+            for (int i = 0; i < n; i++) {
+                size_t len = (size_t)pieces[i].rows * (size_t)row_size;
+                memcpy(batch + off, pieces[i].it->in.data + pieces[i].start * row_size,
+                       len * sizeof(float));
+                off += len;
+            }
+            input = batch;
+        }
+    }
+    int64_t shape[MD_MAX_DIMS + 1];
+    int ndim = first->in.ndim;
+    shape[0] = rows;
+    memcpy(shape + 1, first->in.shape + 1, sizeof(int64_t) * (size_t)(ndim - 1));
+    float *out = NULL;
+    int64_t out_shape[MD_MAX_DIMS];
+    int out_ndim = 0;
+    if (st == MD_OK)
+        st = md_torch_forward(m->torch, input, shape, ndim, &out, out_shape, &out_ndim,
+                              &ferr);
+    if (st == MD_OK && (out_ndim < 1 || out_shape[0] != rows)) {
+        st = md_err_setc(&ferr, MD_EUNPROC, "bad_model_output",
+                         "model %s returned %lld rows for a batch of %lld; its output must "
+                         "keep the batch dimension",
+                         m->name, out_ndim < 1 ? 0LL : (long long)out_shape[0],
+                         (long long)rows);
+    }
+    int64_t out_row = 1;
+    if (st == MD_OK && md_shape_product(out_shape + 1, out_ndim - 1, &out_row) != 0)
+        st = md_err_setc(&ferr, MD_EUNPROC, "bad_model_output",
+                         "model %s returned an output whose size overflows", m->name);
+    if (st == MD_OK)
+        learn_row_shape(m, shape, ndim, row_size);
+    *batch_p = batch;
+    *batch_cap_p = batch_cap;
+    if (st == MD_EUNPROC && n > 1 && strcmp(md_err_code(&ferr), "bad_model_output") != 0) {
+        /* isolate: each piece alone; a piece that fails again fails its
+         * request, the others are answered (the failed batch is not counted) */
+        md_log(MD_LOG_DEBUG, "model %s: a forward of %d requests failed (%s); running each alone",
+               m->name, n, ferr.msg);
+        free(out);
+        for (int i = 0; i < n; i++)
+            run_pieces(m, pieces + i, 1, pieces[i].rows, batch_p, batch_cap_p);
+        return;
+    }
+    atomic_fetch_add(&m->n_batches, 1);
+    atomic_fetch_add(&m->n_rows, rows);
+    int bucket = 0;
+    while (bucket < 7 && (1LL << bucket) < rows)
+        bucket++;
+    atomic_fetch_add(&m->batch_hist[bucket], 1);
+
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        item *it = pieces[i].it;
+        if (st != MD_OK) {
+            fail_item(it, &ferr);
+        } else {
+            pthread_mutex_lock(&m->mu);
+            int copy = claim_output(m, it, out_row, out_shape, out_ndim);
+            pthread_mutex_unlock(&m->mu);
+            /* the rows this piece owns: no other piece writes them */
+            if (copy)
+                memcpy(it->out + pieces[i].start * out_row, out + off * out_row,
+                       (size_t)(pieces[i].rows * out_row) * sizeof(float));
+        }
+        off += pieces[i].rows;
+        /* read rows first: once done is added, another worker may finish and free it */
+        int64_t total = it->rows;
+        if (atomic_fetch_add(&it->done, pieces[i].rows) + pieces[i].rows == total)
+            finish_item(m, it);
+    }
+    free(out);
+}
+
+
 /* The loop of one worker of pool `qi` (0: online, 1: batch jobs). */
 static void worker_loop(md_model *m, int qi)
 {
@@ -375,93 +493,7 @@ static void worker_loop(md_model *m, int qi)
         if (n == 0)
             continue;
 
-        /* one piece: forward on its rows in place; else gather. Every piece
-         * has the first one's row shape (the take loop stops at another). */
-        const item *first = pieces[0].it;
-        int64_t row_size = first->row_size;
-        md_err ferr;
-        md_err_clear(&ferr);
-        md_status st = MD_OK;
-        const float *input = NULL;
-        if (n == 1) {
-            input = first->in.data + pieces[0].start * row_size;
-        } else {
-            size_t need;
-            if (md_mul_size((size_t)rows, (size_t)row_size, &need))
-                st = md_err_setc(&ferr, MD_ENOMEM, "out_of_memory",
-                                 "a batch of %lld rows of %lld values is too large",
-                                 (long long)rows, (long long)row_size);
-            if (st == MD_OK && need > batch_cap) {
-                free(batch);
-                batch_cap = 0;
-                batch = md_mallocarray_checked(need, sizeof(float), "a batch", &ferr);
-                if (batch)
-                    batch_cap = need;
-                else
-                    st = MD_ENOMEM;
-            }
-            if (st == MD_OK) {
-                size_t off = 0;
-                for (int i = 0; i < n; i++) {
-                    size_t len = (size_t)pieces[i].rows * (size_t)row_size;
-                    memcpy(batch + off, pieces[i].it->in.data + pieces[i].start * row_size,
-                           len * sizeof(float));
-                    off += len;
-                }
-                input = batch;
-            }
-        }
-        int64_t shape[MD_MAX_DIMS + 1];
-        int ndim = first->in.ndim;
-        shape[0] = rows;
-        memcpy(shape + 1, first->in.shape + 1, sizeof(int64_t) * (size_t)(ndim - 1));
-        float *out = NULL;
-        int64_t out_shape[MD_MAX_DIMS];
-        int out_ndim = 0;
-        if (st == MD_OK)
-            st = md_torch_forward(m->torch, input, shape, ndim, &out, out_shape, &out_ndim,
-                                  &ferr);
-        if (st == MD_OK && (out_ndim < 1 || out_shape[0] != rows)) {
-            st = md_err_setc(&ferr, MD_EUNPROC, "bad_model_output",
-                             "model %s returned %lld rows for a batch of %lld; its output must "
-                             "keep the batch dimension",
-                             m->name, out_ndim < 1 ? 0LL : (long long)out_shape[0],
-                             (long long)rows);
-        }
-        int64_t out_row = 1;
-        if (st == MD_OK && md_shape_product(out_shape + 1, out_ndim - 1, &out_row) != 0)
-            st = md_err_setc(&ferr, MD_EUNPROC, "bad_model_output",
-                             "model %s returned an output whose size overflows", m->name);
-        if (st == MD_OK)
-            learn_row_shape(m, shape, ndim, row_size);
-        atomic_fetch_add(&m->n_batches, 1);
-        atomic_fetch_add(&m->n_rows, rows);
-        int bucket = 0;
-        while (bucket < 7 && (1LL << bucket) < rows)
-            bucket++;
-        atomic_fetch_add(&m->batch_hist[bucket], 1);
-
-        int64_t off = 0;
-        for (int i = 0; i < n; i++) {
-            item *it = pieces[i].it;
-            if (st != MD_OK) {
-                fail_item(it, &ferr);
-            } else {
-                pthread_mutex_lock(&m->mu);
-                int copy = claim_output(m, it, out_row, out_shape, out_ndim);
-                pthread_mutex_unlock(&m->mu);
-                /* the rows this piece owns: no other piece writes them */
-                if (copy)
-                    memcpy(it->out + pieces[i].start * out_row, out + off * out_row,
-                           (size_t)(pieces[i].rows * out_row) * sizeof(float));
-            }
-            off += pieces[i].rows;
-            /* read rows first: once done is added, another worker may finish and free it */
-            int64_t total = it->rows;
-            if (atomic_fetch_add(&it->done, pieces[i].rows) + pieces[i].rows == total)
-                finish_item(m, it);
-        }
-        free(out);
+        run_pieces(m, pieces, n, rows, &batch, &batch_cap);
     }
 }
 

@@ -1031,6 +1031,39 @@ static void test_forward_error(void **state)
 }
 
 
+/* A request that makes the model throw, batched with others: the failed
+ * forward is run again one request at a time, so only that request fails and
+ * the ones that happened to share its batch are answered. */
+static void test_bad_request_fails_alone(void **state)
+{
+    (void)state;
+    md_model *m = load(ROW2, 1, 64, 0, 100, 10000);
+    int id = locked_int(&g_next_id) - 1;
+    submit_ok(m, 0, 1, 2, (const float[]){GATE, 0});
+    ASSERT_WAIT(g_gate_entered == 1);
+    for (int i = 1; i <= 5; i++)
+        submit_ok(m, i, 1, 2, (const float[]){i == 3 ? FAIL : (float)i, (float)(10 * i)});
+    open_gate();
+    ASSERT_WAIT(reqs_done(0, 6));
+    for (int i = 1; i <= 5; i++) {
+        assert_int_equal(g_req[i].calls, 1);
+        if (i == 3) {
+            assert_int_equal(g_req[i].st, MD_EUNPROC);
+            assert_non_null(strstr(g_req[i].msg, "fake forward failed"));
+        } else {
+            assert_int_equal(g_req[i].st, MD_OK);
+            assert_true(g_req[i].out[0] == 2.0f * (float)i);
+        }
+    }
+    /* the gate's batch, the failed batch of 5, then each of the 5 alone */
+    int64_t rows[16];
+    assert_int_equal(batches_of(id, 0, rows, 16), 7);
+    assert_int_equal(rows[1], 5);
+    for (int b = 2; b < 7; b++)
+        assert_int_equal(rows[b], 1);
+    assert_int_equal(stat_int(m, "batches"), 6); /* the failed batch is not counted */
+}
+
 /* A model whose output width depends on the batch (x @ x.t()), a request of
  * 5 rows over max_batch_size 4: pieces of 4 and 1 rows answer rows of 4 and
  * of 1 value. The request fails naming the model and the split; before, the
@@ -1514,6 +1547,7 @@ int main(void)
         T(test_job_workers_niced),
         T(test_job_chunk_is_one_forward),
         T(test_forward_error),
+        T(test_bad_request_fails_alone),
         T(test_split_output_width_depends_on_batch),
         T(test_split_with_stalled_and_failing_pieces),
         T(test_configless_shape_learned_from_success_only),
