@@ -480,9 +480,14 @@ md_status md_blob_write(md_blob_writer *w, const void *data, size_t len, md_err 
         if (n < 0) {
             if (errno == EINTR)
                 continue;
-            return md_err_set(err, errno == ENOSPC ? MD_ENOMEM : MD_EIO,
-                              "store %s: writing the checkpoint failed: %s", w->store->dir,
-                              strerror(errno));
+            if (errno == ENOSPC || errno == EDQUOT)
+                return md_err_set(err, MD_ENOSPC,
+                                  "store %s: no space left for the checkpoint (%lld bytes "
+                                  "written); free space on the store's filesystem, or delete "
+                                  "old versions",
+                                  w->store->dir, w->size + (long long)(len - left));
+            return md_err_set(err, MD_EIO, "store %s: writing the checkpoint failed: %s",
+                              w->store->dir, strerror(errno));
         }
         p += n;
         left -= (size_t)n;

@@ -25,6 +25,7 @@ static const struct {
     [MD_ENOMEM] = {503, "out_of_memory"},
     [MD_EIO] = {500, "io_error"},
     [MD_EINTERNAL] = {500, "internal_error"},
+    [MD_ENOSPC] = {507, "insufficient_storage"},
 };
 
 void md_err_clear(md_err *err)

@@ -35,6 +35,7 @@ typedef enum md_status {
     MD_ENOMEM,        /* an allocation sized by a request failed (503) */
     MD_EIO,           /* a file, database or network operation failed (500) */
     MD_EINTERNAL,     /* a bug or an unexpected library failure (500) */
+    MD_ENOSPC,        /* the store's filesystem is full (507) */
     MD_STATUS_COUNT
 } md_status;
 

@@ -458,7 +458,7 @@ static void test_status_http(void **state)
         {MD_OK, 200},          {MD_EINVAL, 400},   {MD_ENOTFOUND, 404}, {MD_EMETHOD, 405},
         {MD_ECONFLICT, 409},   {MD_ETOOBIG, 413},  {MD_EMEDIA, 415},    {MD_EUNPROC, 422},
         {MD_EAUTH, 401},       {MD_EBUSY, 503},    {MD_EUNAVAIL, 503},  {MD_ETIMEOUT, 504},
-        {MD_ENOMEM, 503},      {MD_EIO, 500},      {MD_EINTERNAL, 500},
+        {MD_ENOMEM, 503},      {MD_EIO, 500},      {MD_EINTERNAL, 500}, {MD_ENOSPC, 507},
     };
     assert_int_equal(sizeof want / sizeof want[0], MD_STATUS_COUNT);
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
