@@ -78,7 +78,9 @@ typedef struct md_fetch_opts {
     int timeout_s;
     int max_redirects;
     const md_strlist *allowed_paths; /* file:// only under these */
-    const md_strlist *allowed_urls;  /* when non-empty, http(s) URLs must start with one */
+    const md_strlist *allowed_urls;  /* when non-empty, each http(s) URL and redirect must
+                                      * match one: scheme, host, port, path under its path */
+    int allow_private;               /* 1: may connect to loopback, private, link-local... */
 } md_fetch_opts;
 
 /* Check a source URL against the scheme and the allow lists without fetching:

@@ -54,6 +54,7 @@ struct md_jobs {
     char owner[160];      /* this process in jobs.owner: "host|pid|nonce" */
     char host[128];
     double lease_s;
+    int chunk_delay_ms;   /* for tests only: pause after each committed chunk */
     char (*running)[64];  /* id per runner, "" when idle */
     atomic_int *cancel;   /* per runner */
     atomic_int *lost;     /* per runner: another process holds its job now */
@@ -402,6 +403,23 @@ static md_status finish_npy(int fd, long long out_bytes, int64_t width, const ch
     return MD_OK;
 }
 
+/* For tests only (test_job_chunk_delay_ms): pause after a committed chunk,
+ * so a test can kill, stop or cancel in the middle of a job however fast the
+ * machine is. Ends early on stop and on a cancel made here. */
+static void test_pause(md_jobs *J, int slot)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long ns = (long long)ts.tv_nsec + (long long)J->chunk_delay_ms * 1000000LL;
+    ts.tv_sec += (time_t)(ns / 1000000000LL);
+    ts.tv_nsec = (long)(ns % 1000000000LL);
+    pthread_mutex_lock(&J->mu);
+    while (!atomic_load(&J->stopping) && !atomic_load(&J->cancel[slot]) &&
+           pthread_cond_timedwait(&J->cv, &J->mu, &ts) != ETIMEDOUT) {
+    }
+    pthread_mutex_unlock(&J->mu);
+}
+
 /* ---- running one job ---- */
 
 static void run_job(md_jobs *J, int slot, const char *id)
@@ -701,7 +719,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
         double el = mono() - t0;
         int last = (eof && inflight == 0) || atomic_load(&J->cancel[slot]) ||
                    atomic_load(&J->stopping);
-        if (!last && mono() - last_commit < COMMIT_INTERVAL_S)
+        if (!last && J->chunk_delay_ms == 0 && mono() - last_commit < COMMIT_INTERVAL_S)
             continue;
         last_commit = mono();
         if (fdatasync(fd) != 0) {
@@ -750,6 +768,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
         }
         if (eof && inflight == 0)
             break;
+        if (J->chunk_delay_ms > 0)
+            test_pause(J, slot);
     }
     if (o.kind == 2 && finish_npy(fd, out_bytes, npy_width, partial, &err) != MD_OK)
         goto failed;
@@ -885,6 +905,8 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
             atomic_store(&J->cancel[i], 1);
             running = 1;
         }
+    if (running)
+        pthread_cond_broadcast(&J->cv); /* a runner pausing for tests stops pausing */
     pthread_mutex_unlock(&J->mu);
     if (running)
         return MD_OK;
@@ -893,8 +915,9 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
     return md_store_job_request_cancel(J->store, id, &now, err);
 }
 
-md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, const md_fetch_opts *fetch,
-                        md_model_resolver resolve, void *ctx, md_jobs **out, md_err *err)
+md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_chunk_delay_ms,
+                        const md_fetch_opts *fetch, md_model_resolver resolve, void *ctx,
+                        md_jobs **out, md_err *err)
 {
     char dir[4200];
     snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(store));
@@ -906,6 +929,7 @@ md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, const md_
     J->resolve = resolve;
     J->resolve_ctx = ctx;
     J->lease_s = lease_s > 0 ? lease_s : 30;
+    J->chunk_delay_ms = test_chunk_delay_ms > 0 ? test_chunk_delay_ms : 0;
     if (gethostname(J->host, sizeof J->host - 1) != 0 || !J->host[0])
         snprintf(J->host, sizeof J->host, "localhost");
     for (char *p = J->host; *p; p++)
