@@ -361,7 +361,10 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def test_url_input(fashion, fmnist):
+def test_url_input(start_server, fmnist, tmp_path):
+    # the file server is on 127.0.0.1, which downloads refuse unless allowed
+    fashion = start_server(*server_args(fmnist, tmp_path), "--allow-private-urls", "1")
+    deploy_fashion(fashion)
     handler = functools.partial(_QuietHandler, directory=str(fmnist.dir))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
