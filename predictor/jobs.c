@@ -17,6 +17,14 @@
  * computed again, so every input row appears exactly once, in order. On
  * success the partial file is renamed to the output path. NPY output keeps
  * a fixed 128-byte header slot, filled in with the final shape at the end.
+ *
+ * Leases: a runner holds its job with a lease it renews; the pipeline renews
+ * as chunks complete, and a keeper thread renews while the runner is inside
+ * one long call (model load, input download, skipping committed rows), so a
+ * live runner is never taken over. Each run writes a new inode (see "the
+ * output file"), so one that lost its lease can never write into the file of
+ * the runner that took over. Paths are opened under allowed_paths without
+ * following symlinks, again at run time (this replica's settings).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -858,7 +866,6 @@ static void run_job(md_jobs *J, int slot, const char *id)
             ro.label = label_path;
         }
     }
-    keeper_stop(&kp);
     if (md_reader_open(&ro, &r, &err) != MD_OK)
         goto reader_failed;
     int64_t width = md_reader_row_width(r);
@@ -879,6 +886,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
         if (st == MD_EIO)
             goto reader_failed;
     }
+    keeper_stop(&kp); /* from here the pipeline renews the lease as it goes */
     outfmt o = {0};
     const char *ofmt = json_string_value(json_object_get(output, "format"));
     o.kind = !ofmt || !strcmp(ofmt, "jsonl") ? 0 : !strcmp(ofmt, "csv") ? 1 : 2;
@@ -1152,6 +1160,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
            (double)rows_this_run / (mono() - t0 > 0 ? mono() - t0 : 1));
     goto out;
 stopped_early:
+    keeper_stop(&kp);
     /* stopped before any output: a lost job is the new owner's; a stop gives
      * it back; a cancel ends it with nothing written */
     if (atomic_load(&J->lost[slot]))
@@ -1166,13 +1175,16 @@ stopped_early:
     json_decref(f);
     goto out;
 reader_failed:
+    keeper_stop(&kp);
     if (url)
         reader_err_from_url(&err, in_format);
     reader_err_name(&err, in_fd, json_string_value(json_object_get(input, "path")));
     reader_err_name(&err, label_fd, json_string_value(json_object_get(input, "label")));
 failed:
+    keeper_stop(&kp);
     fail_job(J, slot, id, &err);
 out:
+    keeper_stop(&kp);
     /* never free a chunk a worker may still answer */
     while (inflight > 0) {
         chunk_wait(&ring[head]);
