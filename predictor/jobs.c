@@ -12,8 +12,9 @@
  * statement commits rows_done (input rows consumed, good and skipped),
  * output_bytes and the running accuracy counts, so the disk never stalls the
  * pipeline once per forward. Resume after a
- * crash: truncate the partial file to output_bytes, reopen the input and
- * skip rows_done rows. Rows written after the last commit are cut off and
+ * crash: copy the first output_bytes of the partial file into this run's
+ * own new file (see "the output file"), reopen the input and skip rows_done
+ * rows. Rows written after the last commit are cut off and
  * computed again, so every input row appears exactly once, in order. On
  * success the partial file is renamed to the output path. NPY output keeps
  * a fixed 128-byte header slot, filled in with the final shape at the end.
@@ -709,10 +710,20 @@ fail:
     return -1;
 }
 
-/* Give the finished (or cancelled) partial file its name: never over a
- * file that appeared there meanwhile; durable once the directory is. */
-static md_status out_publish(outfile *of, md_err *err)
+/* Give the finished (or cancelled) partial file `fd` its name: only if
+ * <leaf>.partial is still this run's file (another job given the same
+ * output.path replaces it with its own), never over a file that appeared
+ * meanwhile; durable once the directory is. */
+static md_status out_publish(outfile *of, int fd, md_err *err)
 {
+    struct stat mine, there;
+    if (fstat(fd, &mine) != 0 ||
+        fstatat(of->dirfd, of->partial, &there, AT_SYMLINK_NOFOLLOW) != 0 ||
+        mine.st_dev != there.st_dev || mine.st_ino != there.st_ino)
+        return md_err_setc(err, MD_ECONFLICT, "output_conflict",
+                           "another job wrote to the same output %.200s; this job's result "
+                           "is discarded: give each job its own output.path",
+                           of->path);
     if (renameat2(of->dirfd, of->partial, of->dirfd, of->leaf, RENAME_NOREPLACE) != 0) {
         int e = errno;
         if (e == EINVAL || e == ENOSYS) { /* a file system without RENAME_NOREPLACE */
@@ -1116,10 +1127,10 @@ static void run_job(md_jobs *J, int slot, const char *id)
                 md_err_set(&err, MD_EIO, "fsync of %s failed: %s", partial, strerror(errno));
                 goto failed;
             }
+            if (out_publish(&of, fd, &err) != MD_OK)
+                goto failed;
             close(fd);
             fd = -1;
-            if (out_publish(&of, &err) != MD_OK)
-                goto failed;
             now_iso(now);
             f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
             jupdate(J, slot, id, f, NULL);
@@ -1146,10 +1157,10 @@ static void run_job(md_jobs *J, int slot, const char *id)
         md_err_set(&err, MD_EIO, "fsync of %s failed: %s", partial, strerror(errno));
         goto failed;
     }
+    if (out_publish(&of, fd, &err) != MD_OK)
+        goto failed;
     close(fd);
     fd = -1;
-    if (out_publish(&of, &err) != MD_OK)
-        goto failed;
     now_iso(now);
     f = json_pack("{s:s,s:s,s:I}", "status", "succeeded", "finished_at", now, "rows_total",
                   (json_int_t)md_reader_position(r));

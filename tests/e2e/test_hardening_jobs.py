@@ -289,6 +289,29 @@ def test_output_that_appears_while_the_job_runs_is_kept(start_server, fmnist, di
     assert out.read_text() == "someone else's file\n"
 
 
+def test_two_jobs_with_one_output_path(start_server, fmnist, dirs):
+    """Two jobs given the same output.path (both accepted: nothing was there
+    yet). The later one's file replaces the earlier one's .partial; the
+    earlier job must then fail instead of publishing the other's unfinished
+    rows as its own output, and the later one's output is whole."""
+    allowed, _, _ = dirs
+    srv = start_server("--allowed-paths", f"{allowed},{fmnist.dir}", *PACED)
+    deploy_fashion(srv)
+    out = allowed / "out.jsonl"
+    spec = {"model": "fashion", "batch_size": 1000,
+            "input": {"path": str(fmnist.csv), "format": "csv", "label": "label"},
+            "output": {"path": str(out)}}
+    first = create_job(srv, spec)
+    wait_rows(srv, first, at_least=3000)  # 3 of its 10 paced chunks: far ahead
+    second = create_job(srv, spec)
+    job = wait_job(srv, first, want="failed")
+    assert "another job wrote to the same output" in job["error"], job
+    job = wait_job(srv, second)
+    assert job["rows_done"] == N, job
+    rows = jsonl_rows(output(srv, second))
+    assert [row["index"] for row in rows] == list(range(N)), "the output is not the whole job's"
+
+
 def test_input_swapped_for_a_symlink_before_the_job_runs(start_server, fmnist, dirs):
     """The input is opened when the job runs, not only checked when it is
     created: swapped for a symlink to a secret meanwhile, it is refused."""
