@@ -143,6 +143,27 @@ static int url_allowed_by(const url_parts *u, const char *allowed)
     return a.path[n - 1] == '/' || u->path[n] == '\0' || u->path[n] == '/';
 }
 
+/* 1 when `host` (as libcurl parsed it: IPv6 in brackets) is an internal
+ * address written out, such as 127.0.0.1, [::1] or 169.254.169.254. */
+static int host_is_internal_literal(const char *host)
+{
+    struct sockaddr_in a4 = {.sin_family = AF_INET};
+    struct sockaddr_in6 a6 = {.sin6_family = AF_INET6};
+    char h[256];
+    size_t n = strlen(host);
+    if (n >= 2 && host[0] == '[' && host[n - 1] == ']' && n - 2 < sizeof h) {
+        memcpy(h, host + 1, n - 2);
+        h[n - 2] = '\0';
+        char *zone = strchr(h, '%');
+        if (zone)
+            *zone = '\0';
+        return inet_pton(AF_INET6, h, &a6.sin6_addr) == 1 &&
+               md_addr_is_internal((struct sockaddr *)&a6);
+    }
+    return inet_pton(AF_INET, host, &a4.sin_addr) == 1 &&
+           md_addr_is_internal((struct sockaddr *)&a4);
+}
+
 /* Check an http(s) URL. `shown` is what a message may quote: the URL the
  * client sent (for a redirect hop, never the server's Location). */
 static md_status url_check(const char *url, const char *shown, int is_redirect,
@@ -158,6 +179,20 @@ static md_status url_check(const char *url, const char *shown, int is_redirect,
                                shown);
         return md_err_setc(err, MD_EINVAL, "invalid_source",
                            "source \"%.200s\": not a valid http://, https:// or file:// URL", url);
+    }
+    /* a literal internal address is refused at once; a name is checked on
+     * the addresses it resolves to, when connecting (open_socket) */
+    if (!o->allow_private && host_is_internal_literal(u.host)) {
+        if (is_redirect)
+            return md_err_setc(err, MD_EINVAL, "source_not_allowed",
+                               "source %.200s redirects to a loopback, private or link-local "
+                               "address; set allow_private_urls=1 if the server may download "
+                               "from internal hosts",
+                               shown);
+        return md_err_setc(err, MD_EINVAL, "source_not_allowed",
+                           "source %.200s is a loopback, private or link-local address; set "
+                           "allow_private_urls=1 if the server may download from internal hosts",
+                           url);
     }
     if (!o->allowed_urls || o->allowed_urls->count == 0)
         return MD_OK;

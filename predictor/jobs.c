@@ -976,7 +976,16 @@ static void run_job(md_jobs *J, int slot, const char *id)
                !atomic_load(&J->stopping) && !atomic_load(&J->lost[slot])) {
             chunk *c = &ring[(head + inflight) % PIPELINE];
             chunk_reset(c);
-            float *buf = md_malloc_checked(sizeof(float) * (size_t)(batch * width), "a job chunk", &err);
+            size_t chunk_values, chunk_size;
+            if (__builtin_mul_overflow((size_t)batch, (size_t)width, &chunk_values) ||
+                __builtin_mul_overflow(chunk_values, sizeof(float), &chunk_size)) {
+                md_err_setc(&err, MD_ETOOBIG, "invalid_job",
+                            "a chunk of batch_size %d rows of %lld values is too large; lower "
+                            "batch_size",
+                            batch, (long long)width);
+                goto failed;
+            }
+            float *buf = md_malloc_checked(chunk_size, "a job chunk", &err);
             if (!buf)
                 goto failed;
             c->labels = md_xmalloc(sizeof(int64_t) * (size_t)batch);

@@ -1282,6 +1282,20 @@ static void test_addr_is_internal(void **state)
     for (size_t i = 0; i < sizeof out6 / sizeof out6[0]; i++)
         if (internal6(out6[i]))
             fail_msg("%s is a public address", out6[i]);
+    /* an internal address written in the URL is refused before any fetch */
+    const char *urls[] = {"http://127.0.0.1:8080/x", "http://[::1]/x", "https://10.0.0.5/x",
+                          "http://169.254.169.254/latest/meta-data/", "http://[::ffff:7f00:1]/x"};
+    for (size_t i = 0; i < sizeof urls / sizeof urls[0]; i++) {
+        md_fetch_opts o = {0};
+        md_err err;
+        md_err_clear(&err);
+        if (md_source_check(urls[i], &o, &err) != MD_EINVAL)
+            fail_msg("%s should be refused", urls[i]);
+        assert_string_equal(err.code, "source_not_allowed");
+        assert_non_null(strstr(err.msg, "allow_private_urls"));
+        o.allow_private = 1;
+        assert_int_equal(md_source_check(urls[i], &o, &err), MD_OK);
+    }
 }
 
 static void test_allowed_urls_compare_parsed_urls(void **state)

@@ -116,11 +116,18 @@ def url_job(url, fmt="csv"):
 
 def test_job_url_to_loopback_is_refused_by_default(start_server, fmnist, tmp_path, service):
     """A job over http://127.0.0.1:PORT/creds gets nothing from the internal
-    service: the connection is refused, the job fails naming the setting."""
+    service: an address written out is refused at once (400, nothing stored);
+    a name is refused on the address it resolves to, when the job connects."""
     service.serve("/creds", (SECRET + "\n").encode())
     srv = start_server(*server_args(fmnist, tmp_path))
     deploy_fashion(srv)
-    jid = create_job(srv, url_job(service.url("/creds")))
+    before = job_count(srv)
+    for url in (service.url("/creds"), f"http://[::ffff:127.0.0.1]:{service.port}/creds"):
+        r = post_job(srv, url_job(url))
+        assert r.status_code == 400 and err_code(r) == "source_not_allowed", f"{url}: {r.text}"
+        assert "allow_private_urls" in r.json()["error"]["message"], r.text
+    assert job_count(srv) == before, "a refused job was stored"
+    jid = create_job(srv, url_job(f"http://localhost:{service.port}/creds"))
     job = wait_job(srv, jid, want="failed")
     assert "allow_private_urls" in job["error"], job
     assert SECRET not in json.dumps(job) and SECRET not in srv.stderr, job
@@ -129,10 +136,11 @@ def test_job_url_to_loopback_is_refused_by_default(start_server, fmnist, tmp_pat
 
 def test_model_source_to_loopback_is_refused_by_default(server, service):
     service.serve("/cnn.pt", b"PK\x03\x04 not really a model")
-    r = server.request("POST", "/models", json={"name": "x", "source": service.url("/cnn.pt")},
-                       timeout=30 * TSCALE)
-    assert r.status_code == 400 and err_code(r) == "source_not_allowed", r.text
-    assert "allow_private_urls" in r.json()["error"]["message"], r.text
+    for url in (service.url("/cnn.pt"), f"http://localhost:{service.port}/cnn.pt"):
+        r = server.request("POST", "/models", json={"name": "x", "source": url},
+                           timeout=30 * TSCALE)
+        assert r.status_code == 400 and err_code(r) == "source_not_allowed", f"{url}: {r.text}"
+        assert "allow_private_urls" in r.json()["error"]["message"], r.text
     assert service.gets("/cnn.pt") == 0
     assert server.get("/models/x").status_code == 404
 
