@@ -61,7 +61,8 @@ static const setting settings[] = {
      "under the listed one (comma-separated)"},
     {"allow_private_urls", T_INT, OFF(allow_private_urls), 0, 1, "0", NULL,
      "1 = downloads may connect to loopback, private, link-local and other internal "
-     "addresses; 0 = such a connection is refused, at every redirect"},
+     "addresses (and go through the environment's http(s)_proxy); 0 = such a connection is "
+     "refused, at every redirect, and no proxy is used"},
     {"download_connect_timeout_s", T_INT, OFF(download_connect_timeout_s), 1, 3600, "10", NULL,
      "connect timeout for checkpoint and dataset downloads"},
     {"download_timeout_s", T_INT, OFF(download_timeout_s), 1, 86400, "600", NULL,

@@ -9,6 +9,11 @@ examples/fashion_mnist/model.pt on the same 10,000 images
 (examples/fashion_mnist/metrics.json, written by train.py): the server must
 get exactly that many right. torch is not needed here.
 
+Tests that act in the middle of a job (kill, SIGTERM, cancel, a replica taking
+over) run it paced with the test-only --test-job-chunk-delay-ms (PACED): every
+chunk is committed and followed by a pause, so "the middle" is a state that
+lasts for many chunks on any machine, not a race against its speed.
+
 The dataset conversion (IDX.gz -> CSV, NPY, N-D float32 NPY, JSONL) is
 `convert_fashion_mnist` below, run once per session by the `fmnist` fixture.
 """
