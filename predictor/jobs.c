@@ -349,13 +349,33 @@ static void reader_err_from_url(md_err *err, const char *format)
 {
     if (err->status != MD_EINVAL)
         return; /* read failures and truncation quote no data */
+    /* the reason, as one of the reader's fixed phrases; never its inserts */
+    static const char *const reasons[][2] = {
+        {"is not a finite float32", "a value is not a finite float32 number"},
+        {"NaN or infinite", "a value is NaN or infinite"},
+        {"is not a number", "a value is not a number"},
+        {"is not an integer", "the label is not an integer"},
+        {"is empty", "a value is empty"},
+        {"fields, the header has", "it has another number of fields than the header"},
+        {"values, the first row has", "it has another number of values than the first row"},
+        {"invalid JSON", "it is not valid JSON"},
+        {"has no field", "a field asked for is missing"},
+        {"quoted field", "a quoted field has text after its closing quote"},
+        {"is longer than", "the row is too long"},
+    };
+    const char *reason = "it is malformed";
+    for (size_t i = 0; i < sizeof reasons / sizeof reasons[0]; i++)
+        if (strstr(err->msg, reasons[i][0])) {
+            reason = reasons[i][1];
+            break;
+        }
     const char *row = strstr(err->msg, " row ");
     long long n = -1;
     if (row && sscanf(row, " row %lld", &n) == 1 && n >= 0)
         snprintf(err->msg, sizeof err->msg,
-                 "input.url data row %lld (0-based) is malformed for format %s; its contents "
-                 "are not shown for downloaded data: check that row of the file",
-                 n, format);
+                 "input.url data row %lld (0-based, format %s): %s; its contents are not shown "
+                 "for downloaded data: check that row of the file",
+                 n, format, reason);
     else if (strstr(err->msg, " header"))
         snprintf(err->msg, sizeof err->msg,
                  "input.url data: the %s header is malformed or lacks the features or label "

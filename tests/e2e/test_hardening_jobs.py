@@ -158,7 +158,8 @@ def test_url_dataset_errors_never_quote_its_bytes(start_server, fmnist, tmp_path
     cells[100] = SECRET
     body[3] = ",".join(cells)
     service.serve("/row.csv", ("\n".join(body) + "\n").encode())
-    for path, where in (("/creds", "header"), ("/row.csv", "row 2")):
+    for path, where in (("/creds", "header"), ("/row.csv", "row 2 (0-based, format csv): a value "
+                                                     "is not a number")):
         jid = create_job(srv, url_job(service.url(path)))
         job = wait_job(srv, jid, want="failed")
         assert SECRET not in job["error"] and "hunter2" not in job["error"], job["error"]
