@@ -98,24 +98,64 @@ typedef struct md_fetch_opts {
     int timeout_s;
     int max_redirects;
     const md_strlist *allowed_paths; /* file:// only under these */
-    const md_strlist *allowed_urls;  /* when non-empty, http(s) URLs must start with one */
+    const md_strlist *allowed_urls;  /* when non-empty, each http(s) URL and redirect must
+                                      * match one: scheme, host, port, path under its path */
+    int allow_private;               /* 1: may connect to loopback, private, link-local... */
+    /* Optional: called during a transfer (about once a second and on every
+     * read); returning 0 stops it with MD_ECONFLICT. Called on the
+     * downloading thread. */
+    int (*keep_going)(void *ctx);
+    void *keep_going_ctx;
 } md_fetch_opts;
 
 /* Check a source URL against the scheme and the allow lists without fetching:
  * MD_EINVAL for a malformed, unsupported or forbidden URL, naming the setting
- * that would allow it. */
+ * that would allow it. A file:// source is opened (under allowed_paths, no
+ * symlink followed) and closed. Where an http(s) URL resolves to is checked
+ * only when it is fetched. Thread-safe. */
 md_status md_source_check(const char *url, const md_fetch_opts *opts, md_err *err);
 
-/* Download `url` (http, https or file) into a new blob writer with libcurl:
- * connect and total timeouts, size limit, bounded redirects (to http/https
- * only). On success `*out` is an unfinished writer for md_blob_finish. */
+/* Download `url` (http, https or file) into a new blob writer: connect and
+ * total timeouts, size limit, at most max_redirects redirects, each checked
+ * like the URL itself; every connection refused when it goes to an internal
+ * address (loopback, RFC 1918, link-local, unique-local, ...) unless
+ * allow_private. Messages quote `url`, never a redirect target or fetched
+ * bytes. On success `*out` is an unfinished writer for md_blob_finish.
+ * Thread-safe. */
 md_status md_fetch_blob(md_store *store, const char *url, const md_fetch_opts *opts,
                         md_blob_writer **out, md_err *err);
 
-/* Download `url` to the file `dest` (written under dest.download, fsynced,
- * then renamed), with the same checks and limits as md_fetch_blob. */
+/* Download `url` to the file `dest` (written under a temp name of this
+ * call's own, fsynced, renamed, the directory fsynced), with the same checks
+ * and limits as md_fetch_blob. Thread-safe; concurrent calls for one dest
+ * leave one whole file. */
 md_status md_fetch_file(const char *url, const md_fetch_opts *opts, const char *dest, md_err *err);
 
+/* 1 when a download must not connect to `addr` by default: loopback,
+ * private, link-local, carrier-grade NAT, multicast, reserved, and the
+ * IPv6 forms (::1, fc00::/7, fe80::/10, IPv4-mapped, NAT64, 6to4 of those).
+ * `addr` is a struct sockaddr. Thread-safe. Exposed for tests. */
+struct sockaddr;
+int md_addr_is_internal(const struct sockaddr *addr);
+
+/* Open the directory holding the absolute `path` under one of `allowed`:
+ * the allowed directory is resolved once, then each component below it is
+ * opened with openat(O_NOFOLLOW), so no symlink is followed and no other
+ * file is reached than the one checked. On success `*dirfd` is a new
+ * descriptor the caller closes and `*leaf` points into `path` at the last
+ * component. MD_EINVAL with code path_not_allowed (outside, a symlink,
+ * paths disabled), invalid_path (relative, "..") or `notfound_code` (a
+ * missing directory); `what` names the field in messages. Thread-safe. */
+md_status md_path_open_dir(const md_strlist *allowed, const char *what, const char *path,
+                           const char *notfound_code, int *dirfd, const char **leaf, md_err *err);
+
+/* md_path_open_dir, then the regular file itself read-only with O_NOFOLLOW;
+ * `*fd` is a new descriptor the caller closes. Thread-safe. */
+md_status md_path_open_file(const md_strlist *allowed, const char *what, const char *path,
+                            const char *notfound_code, int *fd, md_err *err);
+
+/* fsync a directory, so the renames in it are durable; MD_EIO naming `what`. */
+md_status md_fsync_dir(int dirfd, const char *what, md_err *err);
 /* ---- models and versions ---- */
 
 /* Whether `name` is a valid model name: [A-Za-z0-9._-]{1,64}. */

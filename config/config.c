@@ -57,7 +57,12 @@ static const setting settings[] = {
     {"allowed_paths", T_LIST, OFF(allowed_paths), 0, 0, "", NULL,
      "directories file:// sources and job inputs may come from (comma-separated)"},
     {"allowed_urls", T_LIST, OFF(allowed_urls), 0, 0, "", NULL,
-     "when set, URL sources must start with one of these prefixes (comma-separated)"},
+     "when set, URL sources must match one of these: same scheme, host and port, and a path "
+     "under the listed one (comma-separated)"},
+    {"allow_private_urls", T_INT, OFF(allow_private_urls), 0, 1, "0", NULL,
+     "1 = downloads may connect to loopback, private, link-local and other internal "
+     "addresses (and go through the environment's http(s)_proxy); 0 = such a connection is "
+     "refused, at every redirect, and no proxy is used"},
     {"download_connect_timeout_s", T_INT, OFF(download_connect_timeout_s), 1, 3600, "10", NULL,
      "connect timeout for checkpoint and dataset downloads"},
     {"download_timeout_s", T_INT, OFF(download_timeout_s), 1, 86400, "600", NULL,
@@ -85,6 +90,9 @@ static const setting settings[] = {
      "a replica sharing the store takes over a job whose runner went silent this long"},
     {"job_nice", T_INT, OFF(job_nice), 0, 19, "19", NULL,
      "nice of the workers computing batch jobs: 0 = equal to online work, 19 = spare CPU only"},
+    {"test_job_chunk_delay_ms", T_INT, OFF(test_job_chunk_delay_ms), 0, 600000, "0", NULL,
+     "for tests only: commit after every job chunk and sleep this long after each committed "
+     "chunk, so a test can act in the middle of a job"},
 };
 #define N_SETTINGS (sizeof settings / sizeof settings[0])
 

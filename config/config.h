@@ -43,7 +43,8 @@ typedef struct md_cfg {
     char *store;                /* store directory (index.sqlite, blobs/) */
     long long max_checkpoint_bytes; /* largest checkpoint upload or download */
     md_strlist allowed_paths;   /* file:// sources and job inputs must be under one */
-    md_strlist allowed_urls;    /* when non-empty, URL sources must start with one */
+    md_strlist allowed_urls;    /* when non-empty, URL sources must match one (scheme, host, port, path) */
+    int allow_private_urls;     /* 1: downloads may reach loopback/private/link-local addresses */
     int download_connect_timeout_s;
     int download_timeout_s;
     int download_max_redirects;
@@ -60,6 +61,7 @@ typedef struct md_cfg {
     int job_nice;               /* nice of the job workers (0..19) */
     int job_lease_s;            /* a silent job runner's jobs are taken over after this */
     int store_poll_ms;          /* converge on other replicas' changes this often; 0 = never */
+    int test_job_chunk_delay_ms; /* for tests only: pause after each committed job chunk */
 } md_cfg;
 
 /* What main should do after loading. */

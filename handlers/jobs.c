@@ -17,47 +17,36 @@
 
 #include "handlers.h"
 
-static int under_allowed(const md_cfg *cfg, const char *path)
+/* An input file: opened under allowed_paths without following symlinks
+ * (md_path_open_file), then closed; the runner opens it again the same way,
+ * under its own replica's settings. */
+static md_status check_input(const md_cfg *cfg, const char *what, const char *path, md_err *err)
 {
-    char real[PATH_MAX], dir[PATH_MAX];
-    for (int i = 0; i < cfg->allowed_paths.count; i++) {
-        if (!realpath(cfg->allowed_paths.items[i], dir))
-            continue;
-        size_t n = strlen(dir);
-        if (realpath(path, real) && strncmp(real, dir, n) == 0 && (real[n] == '/' || !real[n]))
-            return 1;
-    }
-    return 0;
+    int fd;
+    md_status st = md_path_open_file(&cfg->allowed_paths, what, path, "input_not_found", &fd, err);
+    if (st == MD_OK)
+        close(fd);
+    return st;
 }
 
-static md_status check_path(const md_cfg *cfg, const char *what, const char *path, int must_exist,
-                            md_err *err)
+/* An output file: its directory under allowed_paths without following
+ * symlinks, and nothing there yet (a job never replaces a file). */
+static md_status check_output(const md_cfg *cfg, const char *path, md_err *err)
 {
-    if (path[0] != '/')
-        return md_err_setc(err, MD_EINVAL, "invalid_path", "%s \"%.200s\" must be an absolute path",
-                           what, path);
-    if (cfg->allowed_paths.count == 0)
-        return md_err_setc(err, MD_EINVAL, "path_not_allowed",
-                           "%s paths are disabled; set allowed_paths to the directories modeld may "
-                           "use, or give a URL",
-                           what);
-    char probe[PATH_MAX];
-    snprintf(probe, sizeof probe, "%s", path);
-    if (!must_exist) {
-        /* an output file need not exist: check its directory */
-        char *slash = strrchr(probe, '/');
-        if (slash && slash != probe)
-            *slash = '\0';
-    }
-    if (access(probe, F_OK) != 0)
-        return md_err_setc(err, MD_EINVAL, must_exist ? "input_not_found" : "invalid_path",
-                           "%s %.200s does not exist", what, probe);
-    if (!under_allowed(cfg, probe))
-        return md_err_setc(err, MD_EINVAL, "path_not_allowed",
-                           "%s %.200s is not under allowed_paths; add its directory to the "
-                           "allowed_paths setting",
-                           what, path);
-    return MD_OK;
+    int dirfd;
+    const char *leaf;
+    md_status st = md_path_open_dir(&cfg->allowed_paths, "output.path", path, "invalid_path",
+                                    &dirfd, &leaf, err);
+    if (st != MD_OK)
+        return st;
+    struct stat sb;
+    if (fstatat(dirfd, leaf, &sb, AT_SYMLINK_NOFOLLOW) == 0)
+        st = md_err_setc(err, MD_ECONFLICT, "output_exists",
+                         "output.path %.200s already exists; modeld never replaces a file: "
+                         "remove it or give another output.path",
+                         path);
+    close(dirfd);
+    return st;
 }
 
 static int one_of(const char *v, const char *const *choices)
@@ -131,15 +120,16 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
     if (!one_of(json_string_value(json_object_get(in, "format")), in_formats))
         return md_err_setc(err, MD_EINVAL, "invalid_format",
                            "input.format must be one of csv, jsonl, npy, idx");
-    if (path && (st = check_path(app->cfg, "input.path", path, 1, err)) != MD_OK)
+    if (path && (st = check_input(app->cfg, "input.path", path, err)) != MD_OK)
         return st;
     md_fetch_opts fo = {.allowed_paths = &app->cfg->allowed_paths,
-                        .allowed_urls = &app->cfg->allowed_urls};
+                        .allowed_urls = &app->cfg->allowed_urls,
+                        .allow_private = app->cfg->allow_private_urls};
     if (url && (st = md_source_check(url, &fo, err)) != MD_OK)
         return st;
     const char *label = json_string_value(json_object_get(in, "label"));
     if (label && !strcmp(json_string_value(json_object_get(in, "format")), "idx") &&
-        (st = check_path(app->cfg, "input.label", label, 1, err)) != MD_OK)
+        (st = check_input(app->cfg, "input.label", label, err)) != MD_OK)
         return st;
     json_t *out = json_object_get(spec, "output");
     if (out && !json_is_object(out))
@@ -166,7 +156,7 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
     }
     const char *opath = json_string_value(json_object_get(out, "path"));
     if (opath) {
-        if ((st = check_path(app->cfg, "output.path", opath, 0, err)) != MD_OK)
+        if ((st = check_output(app->cfg, opath, err)) != MD_OK)
             return st;
         snprintf(out_path, out_size, "%s", opath);
     } else {
@@ -334,13 +324,31 @@ void md_handle_job_output(md_req *req)
         md_reply_error(req, &err);
         return;
     }
+    /* opened as the runner wrote it: under allowed_paths (output.path) or
+     * in the store, no symlink followed, a regular file only */
     const char *path = json_string_value(json_object_get(job, "output_path"));
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    json_t *spec_out = json_object_get(json_object_get(job, "spec"), "output");
+    int fd = -1;
     struct stat sb;
+    if (json_is_string(json_object_get(spec_out, "path"))) {
+        md_err_clear(&err);
+        if (md_path_open_file(&app->cfg->allowed_paths, "output.path", path, "output_missing",
+                              &fd, &err) != MD_OK)
+            fd = -1;
+    } else {
+        fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd >= 0 && (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode))) {
+            close(fd);
+            fd = -1;
+        }
+    }
     if (fd < 0 || fstat(fd, &sb) != 0) {
         if (fd >= 0)
             close(fd);
-        md_err_setc(&err, MD_ENOTFOUND, "output_missing", "the output file %s is missing", path);
+        md_err_setc(&err, MD_ENOTFOUND, "output_missing",
+                    "the output file %s is missing, or is not a regular file reachable under "
+                    "allowed_paths without a symlink",
+                    path);
         json_decref(job);
         md_reply_error(req, &err);
         return;

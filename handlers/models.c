@@ -202,6 +202,7 @@ static md_fetch_opts fetch_opts(const md_cfg *cfg)
         .max_redirects = cfg->download_max_redirects,
         .allowed_paths = &cfg->allowed_paths,
         .allowed_urls = &cfg->allowed_urls,
+        .allow_private = cfg->allow_private_urls,
     };
     return o;
 }

@@ -12,11 +12,20 @@
  * statement commits rows_done (input rows consumed, good and skipped),
  * output_bytes and the running accuracy counts, so the disk never stalls the
  * pipeline once per forward. Resume after a
- * crash: truncate the partial file to output_bytes, reopen the input and
- * skip rows_done rows. Rows written after the last commit are cut off and
+ * crash: copy the first output_bytes of the partial file into this run's
+ * own new file (see "the output file"), reopen the input and skip rows_done
+ * rows. Rows written after the last commit are cut off and
  * computed again, so every input row appears exactly once, in order. On
  * success the partial file is renamed to the output path. NPY output keeps
  * a fixed 128-byte header slot, filled in with the final shape at the end.
+ *
+ * Leases: a runner holds its job with a lease it renews; the pipeline renews
+ * as chunks complete, and a keeper thread renews while the runner is inside
+ * one long call (model load, input download, skipping committed rows), so a
+ * live runner is never taken over. Each run writes a new inode (see "the
+ * output file"), so one that lost its lease can never write into the file of
+ * the runner that took over. Paths are opened under allowed_paths without
+ * following symlinks, again at run time (this replica's settings).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -54,10 +63,12 @@ struct md_jobs {
     char owner[160];      /* this process in jobs.owner: "host|pid|nonce" */
     char host[128];
     double lease_s;
+    int chunk_delay_ms;   /* for tests only: pause after each committed chunk */
     char (*running)[64];  /* id per runner, "" when idle */
     atomic_int *cancel;   /* per runner */
     atomic_int *lost;     /* per runner: another process holds its job now */
-    double *renewed;      /* per runner: monotonic time of the last lease renewal */
+    _Atomic double *renewed; /* per runner: monotonic time of the last lease renewal
+                              * (written by the runner and its lease keeper) */
     int n_runners;
     pthread_t *threads;
     atomic_int stopping;
@@ -79,6 +90,7 @@ typedef struct chunk {
     int64_t end_position; /* reader position after its last row */
     int64_t *labels;
     int64_t *index;       /* dataset row index per row (skips leave gaps) */
+    int64_t skipped_end;  /* rows skipped in the input up to its end */
 } chunk;
 
 static void chunk_cb(void *ctx, md_status st, const md_err *err, const float *out,
@@ -205,6 +217,22 @@ static md_status jupdate(md_jobs *J, int slot, const char *id, json_t *f, md_err
     return st;
 }
 
+/* `in` for one log line: control characters, non-ASCII bytes and the
+ * backslash as \xNN, so text from a dataset or a URL cannot forge lines or
+ * terminal escapes in the log. `out` holds 4 * strlen(in) + 1 or is cut. */
+static const char *log_escape(const char *in, char *out, size_t size)
+{
+    size_t n = 0;
+    for (const unsigned char *p = (const unsigned char *)in; *p && n + 5 < size; p++) {
+        if (*p < 0x20 || *p >= 0x7f || *p == '\\')
+            n += (size_t)snprintf(out + n, size - n, "\\x%02x", *p);
+        else
+            out[n++] = (char)*p;
+    }
+    out[n] = '\0';
+    return out;
+}
+
 static void fail_job(md_jobs *J, int slot, const char *id, const md_err *err)
 {
     if (atomic_load(&J->lost[slot]))
@@ -215,7 +243,149 @@ static void fail_job(md_jobs *J, int slot, const char *id, const md_err *err)
                           now);
     jupdate(J, slot, id, f, NULL);
     json_decref(f);
-    md_log(MD_LOG_WARN, "job %s failed: %s", id, err->msg);
+    char shown[4 * MD_ERR_MSG_MAX + 1];
+    md_log(MD_LOG_WARN, "job %s failed: %s", id, log_escape(err->msg, shown, sizeof shown));
+}
+
+/* ---- the lease while nothing is written: downloads, model loads ---- */
+
+/* A thread that renews the job's lease every lease/4 while the runner is
+ * busy in one long call (an input download, a model load), so a replica
+ * does not take the job over from a live runner. */
+typedef struct keeper {
+    md_jobs *J;
+    int slot;
+    const char *id;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int stop, started;
+} keeper;
+
+static void *keeper_main(void *arg)
+{
+    keeper *k = arg;
+    pthread_mutex_lock(&k->mu);
+    while (!k->stop) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        double t = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 + k->J->lease_s / 4;
+        ts.tv_sec = (time_t)t;
+        ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+        if (pthread_cond_timedwait(&k->cv, &k->mu, &ts) == ETIMEDOUT && !k->stop &&
+            !atomic_load(&k->J->lost[k->slot])) {
+            pthread_mutex_unlock(&k->mu);
+            jupdate(k->J, k->slot, k->id, NULL, NULL);
+            pthread_mutex_lock(&k->mu);
+        }
+    }
+    pthread_mutex_unlock(&k->mu);
+    return NULL;
+}
+
+static void keeper_start(keeper *k, md_jobs *J, int slot, const char *id)
+{
+    memset(k, 0, sizeof *k);
+    k->J = J;
+    k->slot = slot;
+    k->id = id;
+    pthread_mutex_init(&k->mu, NULL);
+    pthread_cond_init(&k->cv, NULL);
+    k->started = pthread_create(&k->thread, NULL, keeper_main, k) == 0;
+    if (!k->started)
+        md_log(MD_LOG_WARN, "job %s: cannot start its lease keeper; a long download may let "
+               "another replica take the job over", id);
+}
+
+static void keeper_stop(keeper *k)
+{
+    if (!k->J)
+        return;
+    pthread_mutex_lock(&k->mu);
+    k->stop = 1;
+    pthread_cond_signal(&k->cv);
+    pthread_mutex_unlock(&k->mu);
+    if (k->started)
+        pthread_join(k->thread, NULL);
+    pthread_mutex_destroy(&k->mu);
+    pthread_cond_destroy(&k->cv);
+    k->J = NULL;
+}
+
+typedef struct slot_ref {
+    md_jobs *J;
+    int slot;
+} slot_ref;
+
+/* md_fetch_opts.keep_going: a download stops when the job is lost,
+ * cancelled here, or the server stops. */
+static int download_keep_going(void *ctx)
+{
+    slot_ref *r = ctx;
+    return !atomic_load(&r->J->lost[r->slot]) && !atomic_load(&r->J->cancel[r->slot]) &&
+           !atomic_load(&r->J->stopping);
+}
+
+/* ---- dataset errors ---- */
+
+/* The reader names the file by its path's last component; given
+ * /proc/self/fd/N it says "N": put the dataset's own name back. */
+static void reader_err_name(md_err *err, int fd, const char *path)
+{
+    char fdname[16];
+    int n = snprintf(fdname, sizeof fdname, "%d", fd);
+    if (fd < 0 || strncmp(err->msg, fdname, (size_t)n) != 0 ||
+        (err->msg[n] != ' ' && err->msg[n] != ':'))
+        return;
+    const char *slash = strrchr(path, '/');
+    char msg[MD_ERR_MSG_MAX];
+    snprintf(msg, sizeof msg, "%.200s%s", slash ? slash + 1 : path, err->msg + n);
+    snprintf(err->msg, sizeof err->msg, "%s", msg);
+}
+
+/* A malformed row of a downloaded dataset: say where and what kind of
+ * problem, never its bytes, which may be an internal service's answer. */
+static void reader_err_from_url(md_err *err, const char *format)
+{
+    if (err->status != MD_EINVAL)
+        return; /* read failures and truncation quote no data */
+    /* the reason, as one of the reader's fixed phrases; never its inserts */
+    static const char *const reasons[][2] = {
+        {"is not a finite float32", "a value is not a finite float32 number"},
+        {"NaN or infinite", "a value is NaN or infinite"},
+        {"is not a number", "a value is not a number"},
+        {"is not an integer", "the label is not an integer"},
+        {"is empty", "a value is empty"},
+        {"fields, the header has", "it has another number of fields than the header"},
+        {"values, the first row has", "it has another number of values than the first row"},
+        {"invalid JSON", "it is not valid JSON"},
+        {"has no field", "a field asked for is missing"},
+        {"quoted field", "a quoted field has text after its closing quote"},
+        {"is longer than", "the row is too long"},
+    };
+    const char *reason = "it is malformed";
+    for (size_t i = 0; i < sizeof reasons / sizeof reasons[0]; i++)
+        if (strstr(err->msg, reasons[i][0])) {
+            reason = reasons[i][1];
+            break;
+        }
+    const char *row = strstr(err->msg, " row ");
+    long long n = -1;
+    if (row && sscanf(row, " row %lld", &n) == 1 && n >= 0)
+        snprintf(err->msg, sizeof err->msg,
+                 "input.url data row %lld (0-based, format %s): %s; its contents are not shown "
+                 "for downloaded data: check that row of the file",
+                 n, format, reason);
+    else if (strstr(err->msg, " header"))
+        snprintf(err->msg, sizeof err->msg,
+                 "input.url data: the %s header is malformed or lacks the features or label "
+                 "asked for; its contents are not shown for downloaded data",
+                 format);
+    else
+        snprintf(err->msg, sizeof err->msg,
+                 "input.url data is not a valid %s dataset with the features and label asked "
+                 "for; its contents are not shown for downloaded data",
+                 format);
 }
 
 static int include_has(json_t *include, const char *what, int dflt)
@@ -386,16 +556,227 @@ static void npy_header(char out[NPY_HEADER], int64_t rows, const int64_t *shape,
 }
 
 /* Write the final NPY header: the shape is known only at the end. */
-static md_status finish_npy(int fd, long long out_bytes, int64_t width, const char *path,
+/* Write the final NPY header: the shape is known only at the end. The
+ * width comes from the file's size and the rows written (`rows`, counted
+ * from the committed state), not from this run's chunks: a run that resumes
+ * with nothing left to compute writes the same header as the first. */
+static md_status finish_npy(int fd, long long out_bytes, int64_t rows, const char *path,
                             md_err *err)
 {
     char h[NPY_HEADER];
-    int64_t shape[2] = {0, width};
-    int64_t rows = width ? (out_bytes - NPY_HEADER) / (int64_t)sizeof(float) / width : 0;
-    npy_header(h, rows, shape, width ? 2 : 1);
+    long long payload = out_bytes - NPY_HEADER;
+    int64_t width = 0;
+    if (rows > 0) {
+        if (payload <= 0 || payload % ((long long)sizeof(float) * rows) != 0)
+            return md_err_set(err, MD_EIO, "the job output %s holds %lld bytes of predictions, "
+                              "not a whole number of float32 values for each of its %lld rows",
+                              path, payload, (long long)rows);
+        width = payload / (long long)sizeof(float) / rows;
+    }
+    int64_t shape[2] = {rows, width};
+    npy_header(h, rows, shape, rows > 0 ? 2 : 1);
     if (pwrite(fd, h, NPY_HEADER, 0) != NPY_HEADER)
         return md_err_set(err, MD_EIO, "writing %s failed: %s", path, strerror(errno));
     return MD_OK;
+}
+
+/* ---- the output file ---- */
+
+/*
+ * The output lives in a directory opened once per run: under allowed_paths
+ * component by component without following symlinks (output.path), or the
+ * store's jobs/ directory. Each run writes into a file of its own: a new
+ * inode created with O_EXCL under a unique temp name, filled with the
+ * committed bytes of the previous <leaf>.partial when resuming, then renamed
+ * over <leaf>.partial. A runner that lost its lease and has not noticed yet
+ * still holds the old inode, so it can never write into the new owner's
+ * file. The finished file is renamed to <leaf> only if nothing is there.
+ */
+typedef struct outfile {
+    int dirfd;
+    char leaf[256];
+    char partial[300];
+    const char *path; /* the output path, for messages */
+} outfile;
+
+static md_status out_open_dir(md_jobs *J, json_t *output, const char *out_path, outfile *of,
+                              md_err *err)
+{
+    of->dirfd = -1;
+    of->path = out_path;
+    const char *leaf;
+    if (json_is_string(json_object_get(output, "path"))) {
+        /* checked again here: this replica's allowed_paths may differ from
+         * the one that took the request, and the tree may have changed */
+        md_status st = md_path_open_dir(J->fetch.allowed_paths, "output.path", out_path,
+                                        "invalid_path", &of->dirfd, &leaf, err);
+        if (st != MD_OK)
+            return st;
+    } else {
+        char dir[4200];
+        snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(J->store));
+        of->dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (of->dirfd < 0)
+            return md_err_set(err, MD_EIO, "cannot open %s: %s", dir, strerror(errno));
+        const char *slash = strrchr(out_path, '/');
+        leaf = slash ? slash + 1 : out_path;
+    }
+    if (strlen(leaf) + 40 > sizeof of->leaf)
+        return md_err_setc(err, MD_EINVAL, "invalid_path",
+                           "output.path %.200s: the file name is longer than %zu bytes", out_path,
+                           sizeof of->leaf - 40);
+    snprintf(of->leaf, sizeof of->leaf, "%s", leaf);
+    snprintf(of->partial, sizeof of->partial, "%s.partial", leaf);
+    return MD_OK;
+}
+
+/* Copy the first `n` bytes of `from` into `to` (both at offset 0). */
+static int copy_prefix(int from, int to, long long n)
+{
+    char buf[65536];
+    long long off = 0;
+    while (off < n) {
+        size_t want = (size_t)(n - off < (long long)sizeof buf ? n - off : (long long)sizeof buf);
+        ssize_t r = pread(from, buf, want, (off_t)off);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return -1;
+        if (write_all(to, buf, (size_t)r) != 0)
+            return -1;
+        off += r;
+    }
+    return 0;
+}
+
+/* This run's partial file, positioned at `out_bytes` (see above). `fresh`:
+ * nothing is committed yet. `in_fd` (or -1) is the input, which must not be
+ * the output. Returns the descriptor, or -1 with `err` set. */
+static int out_open_partial(outfile *of, int fresh, long long out_bytes, int in_fd, md_err *err)
+{
+    struct stat sb, in_sb;
+    if (fresh && fstatat(of->dirfd, of->leaf, &sb, AT_SYMLINK_NOFOLLOW) == 0) {
+        md_err_setc(err, MD_ECONFLICT, "output_exists",
+                    "the output %.200s already exists; modeld never replaces a file: remove it "
+                    "or give another output.path",
+                    of->path);
+        return -1;
+    }
+    unsigned rnd = 0;
+    if (getrandom(&rnd, sizeof rnd, 0) != sizeof rnd)
+        rnd = (unsigned)time(NULL) ^ (unsigned)(uintptr_t)&rnd;
+    char tmp[400];
+    snprintf(tmp, sizeof tmp, "%s.%ld.%08x", of->partial, (long)getpid(), rnd);
+    int fd = openat(of->dirfd, tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        md_err_set(err, MD_EIO, "cannot create the job output %s.partial: %s", of->path,
+                   strerror(errno));
+        return -1;
+    }
+    if (!fresh) {
+        int old = openat(of->dirfd, of->partial, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        if (old < 0 || fstat(old, &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size < out_bytes) {
+            md_err_set(err, MD_EIO, "the job output %s.partial is missing, not a regular file or "
+                       "shorter than its %lld committed bytes; the job cannot resume: create it "
+                       "again",
+                       of->path, out_bytes);
+            goto fail_old;
+        }
+        if (in_fd >= 0 && fstat(in_fd, &in_sb) == 0 && in_sb.st_dev == sb.st_dev &&
+            in_sb.st_ino == sb.st_ino) {
+            md_err_setc(err, MD_EINVAL, "invalid_path",
+                        "the input is this job's own output file %s.partial", of->path);
+            goto fail_old;
+        }
+        if (copy_prefix(old, fd, out_bytes) != 0) {
+            md_err_set(err, MD_EIO, "copying the job output %s.partial failed: %s", of->path,
+                       strerror(errno));
+            goto fail_old;
+        }
+        close(old);
+        if (fsync(fd) != 0) {
+            md_err_set(err, MD_EIO, "fsync of %s.partial failed: %s", of->path, strerror(errno));
+            goto fail;
+        }
+        goto renamed;
+    fail_old:
+        if (old >= 0)
+            close(old);
+        goto fail;
+    }
+renamed:
+    if (renameat(of->dirfd, tmp, of->dirfd, of->partial) != 0) {
+        md_err_set(err, MD_EIO, "cannot rename the job output to %s.partial: %s", of->path,
+                   strerror(errno));
+        goto fail;
+    }
+    if (md_fsync_dir(of->dirfd, of->path, err) != MD_OK) {
+        close(fd);
+        return -1;
+    }
+    if (lseek(fd, (off_t)out_bytes, SEEK_SET) != (off_t)out_bytes) {
+        md_err_set(err, MD_EIO, "cannot seek in %s.partial: %s", of->path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    return fd;
+fail:
+    unlinkat(of->dirfd, tmp, 0);
+    close(fd);
+    return -1;
+}
+
+/* Give the finished (or cancelled) partial file `fd` its name: only if
+ * <leaf>.partial is still this run's file (another job given the same
+ * output.path replaces it with its own), never over a file that appeared
+ * meanwhile; durable once the directory is. */
+static md_status out_publish(outfile *of, int fd, md_err *err)
+{
+    struct stat mine, there;
+    if (fstat(fd, &mine) != 0 ||
+        fstatat(of->dirfd, of->partial, &there, AT_SYMLINK_NOFOLLOW) != 0 ||
+        mine.st_dev != there.st_dev || mine.st_ino != there.st_ino)
+        return md_err_setc(err, MD_ECONFLICT, "output_conflict",
+                           "another job wrote to the same output %.200s; this job's result "
+                           "is discarded: give each job its own output.path",
+                           of->path);
+    if (renameat2(of->dirfd, of->partial, of->dirfd, of->leaf, RENAME_NOREPLACE) != 0) {
+        int e = errno;
+        if (e == EINVAL || e == ENOSYS) { /* a file system without RENAME_NOREPLACE */
+            if (linkat(of->dirfd, of->partial, of->dirfd, of->leaf, 0) == 0) {
+                unlinkat(of->dirfd, of->partial, 0);
+                e = 0;
+            } else {
+                e = errno;
+            }
+        }
+        if (e == EEXIST)
+            return md_err_setc(err, MD_ECONFLICT, "output_exists",
+                               "the output %.200s appeared while the job ran; modeld never "
+                               "replaces a file: the result stays in %.200s.partial",
+                               of->path, of->path);
+        if (e)
+            return md_err_set(err, MD_EIO, "cannot rename %s.partial to %s: %s", of->path,
+                              of->path, strerror(e));
+    }
+    return md_fsync_dir(of->dirfd, of->path, err);
+}
+
+/* For tests only (test_job_chunk_delay_ms): pause after a committed chunk,
+ * so a test can kill, stop or cancel in the middle of a job however fast the
+ * machine is. Ends early on stop and on a cancel made here. */
+static void test_pause(md_jobs *J, int slot)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long ns = (long long)ts.tv_nsec + (long long)J->chunk_delay_ms * 1000000LL;
+    ts.tv_sec += (time_t)(ns / 1000000000LL);
+    ts.tv_nsec = (long)(ns % 1000000000LL);
+    pthread_mutex_lock(&J->mu);
+    while (!atomic_load(&J->stopping) && !atomic_load(&J->cancel[slot]) &&
+           pthread_cond_timedwait(&J->cv, &J->mu, &ts) != ETIMEDOUT) {
+    }
+    pthread_mutex_unlock(&J->mu);
 }
 
 /* ---- running one job ---- */
@@ -428,7 +809,13 @@ static void run_job(md_jobs *J, int slot, const char *id)
     snprintf(partial, sizeof partial, "%s.partial", out_path);
     md_model *m = NULL;
     md_reader *r = NULL;
-    int fd = -1;
+    int fd = -1, in_fd = -1, label_fd = -1;
+    const char *in_format = json_string_value(json_object_get(input, "format"));
+    const char *url = json_string_value(json_object_get(input, "url"));
+    outfile of = {.dirfd = -1};
+    keeper kp = {0};
+    slot_ref sref = {J, slot};
+    int64_t written_skipped = skipped; /* rows_skipped as of the last row written */
     chunk ring[PIPELINE];
     memset(ring, 0, sizeof ring);
     for (int i = 0; i < PIPELINE; i++) {
@@ -453,32 +840,61 @@ static void run_job(md_jobs *J, int slot, const char *id)
     if (atomic_load(&J->lost[slot]))
         goto out;
 
-    /* the model */
+    /* the model, then the input: either may take longer than a lease (a
+     * checkpoint to load, a dataset to download), so a keeper renews it */
+    keeper_start(&kp, J, slot, id);
     m = J->resolve(J->resolve_ctx, model_name, version, &err);
-    if (!m)
+    if (!m) {
+        keeper_stop(&kp);
         goto failed;
+    }
     if (!version) {
         f = json_pack("{s:i}", "version", md_model_version(m));
         jupdate(J, slot, id, f, NULL);
         json_decref(f);
     }
-    /* the input: a URL is downloaded once into the store */
-    const char *url = json_string_value(json_object_get(input, "url"));
-    if (url) {
-        snprintf(input_path, sizeof input_path, "%s/jobs/%s.input", md_store_dir(J->store), id);
-        if (access(input_path, R_OK) != 0 && md_fetch_file(url, &J->fetch, input_path, &err) != MD_OK)
-            goto failed;
-    } else {
-        snprintf(input_path, sizeof input_path, "%s", json_string_value(json_object_get(input, "path")));
-    }
+    /* the input: a URL is downloaded once into the store; a path is opened
+     * here under this replica's allowed_paths without following symlinks,
+     * and the reader reads that very file through /proc/self/fd */
+    char label_path[64];
     md_reader_opts ro = {
         .path = input_path,
-        .format = json_string_value(json_object_get(input, "format")),
+        .format = in_format,
         .features = json_object_get(input, "features"),
         .label = json_string_value(json_object_get(input, "label")),
     };
+    if (url) {
+        snprintf(input_path, sizeof input_path, "%s/jobs/%s.input", md_store_dir(J->store), id);
+        md_fetch_opts fo = J->fetch;
+        fo.keep_going = download_keep_going;
+        fo.keep_going_ctx = &sref;
+        if (access(input_path, R_OK) != 0 && md_fetch_file(url, &fo, input_path, &err) != MD_OK) {
+            keeper_stop(&kp);
+            if (atomic_load(&J->lost[slot]) || atomic_load(&J->stopping) ||
+                atomic_load(&J->cancel[slot]))
+                goto stopped_early;
+            goto failed;
+        }
+    } else {
+        const char *path = json_string_value(json_object_get(input, "path"));
+        if (md_path_open_file(J->fetch.allowed_paths, "input.path", path, "input_not_found",
+                              &in_fd, &err) != MD_OK) {
+            keeper_stop(&kp);
+            goto failed;
+        }
+        snprintf(input_path, sizeof input_path, "/proc/self/fd/%d", in_fd);
+        if (ro.label && !strcmp(in_format, "idx")) {
+            if (md_path_open_file(J->fetch.allowed_paths, "input.label", ro.label,
+                                  "input_not_found", &label_fd, &err) != MD_OK) {
+                keeper_stop(&kp);
+                goto failed;
+            }
+            snprintf(label_path, sizeof label_path, "/proc/self/fd/%d", label_fd);
+            ro.label = label_path;
+        }
+    }
     if (md_reader_open(&ro, &r, &err) != MD_OK)
-        goto failed;
+        goto reader_failed;
     int64_t width = md_reader_row_width(r);
     int has_labels = md_reader_has_labels(r);
     int64_t total = md_reader_total_rows(r);
@@ -495,8 +911,9 @@ static void run_job(md_jobs *J, int slot, const char *id)
         if (st == MD_ENOTFOUND)
             break;
         if (st == MD_EIO)
-            goto failed;
+            goto reader_failed;
     }
+    keeper_stop(&kp); /* from here the pipeline renews the lease as it goes */
     outfmt o = {0};
     const char *ofmt = json_string_value(json_object_get(output, "format"));
     o.kind = !ofmt || !strcmp(ofmt, "jsonl") ? 0 : !strcmp(ofmt, "csv") ? 1 : 2;
@@ -524,24 +941,19 @@ static void run_job(md_jobs *J, int slot, const char *id)
     /* the output is touched only under a fresh lease */
     if (jupdate(J, slot, id, NULL, NULL) == MD_ECONFLICT)
         goto out;
-    fd = open(partial, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        md_err_set(&err, MD_EIO, "cannot open the job output %s: %s", partial, strerror(errno));
+    if (out_open_dir(J, output, out_path, &of, &err) != MD_OK)
         goto failed;
-    }
-    if (rows_done == 0 && out_bytes == 0) {
-        if (ftruncate(fd, 0) != 0) {
-            md_err_set(&err, MD_EIO, "cannot truncate %s: %s", partial, strerror(errno));
-            goto failed;
-        }
+    int fresh = rows_done == 0 && out_bytes == 0;
+    fd = out_open_partial(&of, fresh, out_bytes, in_fd, &err);
+    if (fd < 0)
+        goto failed;
+    if (fresh) {
+        char head[128] = "";
         if (o.kind == 2) {
-            char h[NPY_HEADER];
             int64_t s1[1] = {0};
-            npy_header(h, 0, s1, 1);
-            write_all(fd, h, NPY_HEADER);
+            npy_header(head, 0, s1, 1);
             out_bytes = NPY_HEADER;
         } else if (o.kind == 1) {
-            char head[128] = "";
             int first = 1;
             if (o.inc_index)
                 strcat(head, "index"), first = 0;
@@ -552,14 +964,13 @@ static void run_job(md_jobs *J, int slot, const char *id)
             if (o.inc_scores)
                 strcat(head, first ? "scores" : ",scores");
             strcat(head, "\n");
-            write_all(fd, head, strlen(head));
             out_bytes = (long long)strlen(head);
         }
-    } else if (ftruncate(fd, out_bytes) != 0) {
-        md_err_set(&err, MD_EIO, "cannot truncate %s: %s", partial, strerror(errno));
-        goto failed;
+        if (out_bytes > 0 && write_all(fd, head, (size_t)out_bytes) != 0) {
+            md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));
+            goto failed;
+        }
     }
-    lseek(fd, out_bytes, SEEK_SET);
 
     /* no batch_size given: the model version's max_batch_size, recorded */
     int batch = (int)json_integer_value(json_object_get(spec, "batch_size"));
@@ -575,7 +986,6 @@ static void run_job(md_jobs *J, int slot, const char *id)
     depth = depth < 2 ? 2 : depth > PIPELINE ? PIPELINE : depth;
     double t0 = mono(), last_commit = t0;
     int64_t rows_this_run = 0;
-    int64_t npy_width = 0;
     int64_t index_next = md_reader_position(r);
     int64_t written_end = index_next; /* reader position after the last row written */
     for (;;) {
@@ -584,7 +994,16 @@ static void run_job(md_jobs *J, int slot, const char *id)
                !atomic_load(&J->stopping) && !atomic_load(&J->lost[slot])) {
             chunk *c = &ring[(head + inflight) % PIPELINE];
             chunk_reset(c);
-            float *buf = md_malloc_checked(sizeof(float) * (size_t)(batch * width), "a job chunk", &err);
+            size_t chunk_values, chunk_size;
+            if (__builtin_mul_overflow((size_t)batch, (size_t)width, &chunk_values) ||
+                __builtin_mul_overflow(chunk_values, sizeof(float), &chunk_size)) {
+                md_err_setc(&err, MD_ETOOBIG, "invalid_job",
+                            "a chunk of batch_size %d rows of %lld values is too large; lower "
+                            "batch_size",
+                            batch, (long long)width);
+                goto failed;
+            }
+            float *buf = md_malloc_checked(chunk_size, "a job chunk", &err);
             if (!buf)
                 goto failed;
             c->labels = md_xmalloc(sizeof(int64_t) * (size_t)batch);
@@ -602,10 +1021,11 @@ static void run_job(md_jobs *J, int slot, const char *id)
                 }
                 if (st != MD_OK) {
                     free(buf);
-                    goto failed;
+                    goto reader_failed;
                 }
                 c->index[c->rows++] = pos;
             }
+            c->skipped_end = skipped;
             index_next = md_reader_position(r);
             c->end_position = index_next;
             if (c->rows == 0) {
@@ -663,7 +1083,6 @@ static void run_job(md_jobs *J, int slot, const char *id)
                                 json_array_get(json_array_get(confusion, (size_t)a), (size_t)b2));
             }
             if (o.kind == 2) {
-                npy_width = ow;
                 len = (size_t)(c->rows * ow) * sizeof(float);
                 if (write_all(fd, (const char *)c->out, len) != 0) {
                     md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));
@@ -690,8 +1109,10 @@ static void run_job(md_jobs *J, int slot, const char *id)
             out_bytes += (long long)len;
             rows_this_run += c->rows;
         }
-        if (c)
+        if (c) {
             written_end = c->end_position;
+            written_skipped = c->skipped_end;
+        }
         /* Commit a chunk of work at most every COMMIT_INTERVAL_S: one
          * fdatasync and one SQLite commit per forward would stall the
          * pipeline on the disk. Rows written since the last commit are cut
@@ -699,7 +1120,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
         double el = mono() - t0;
         int last = (eof && inflight == 0) || atomic_load(&J->cancel[slot]) ||
                    atomic_load(&J->stopping);
-        if (!last && mono() - last_commit < COMMIT_INTERVAL_S)
+        if (!last && J->chunk_delay_ms == 0 && mono() - last_commit < COMMIT_INTERVAL_S)
             continue;
         last_commit = mono();
         if (fdatasync(fd) != 0) {
@@ -708,7 +1129,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
         }
         f = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f}", "rows_done", (json_int_t)written_end,
                       "output_bytes", (json_int_t)out_bytes, "correct", (json_int_t)correct,
-                      "labeled", (json_int_t)labeled, "rows_skipped", (json_int_t)skipped,
+                      "labeled", (json_int_t)labeled, "rows_skipped", (json_int_t)written_skipped,
                       "rows_per_s", el > 0 ? (double)rows_this_run / el : 0.0);
         if (conf) {
             json_t *cm = json_array();
@@ -726,12 +1147,17 @@ static void run_job(md_jobs *J, int slot, const char *id)
             goto failed;
         if (atomic_load(&J->cancel[slot]) && inflight == 0) {
             /* keep what is written, as a valid file marked partial */
-            if (o.kind == 2)
-                finish_npy(fd, out_bytes, npy_width, partial, NULL);
-            fsync(fd);
+            if (o.kind == 2 &&
+                finish_npy(fd, out_bytes, written_end - written_skipped, partial, &err) != MD_OK)
+                goto failed;
+            if (fsync(fd) != 0) {
+                md_err_set(&err, MD_EIO, "fsync of %s failed: %s", partial, strerror(errno));
+                goto failed;
+            }
+            if (out_publish(&of, fd, &err) != MD_OK)
+                goto failed;
             close(fd);
             fd = -1;
-            rename(partial, out_path);
             now_iso(now);
             f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
             jupdate(J, slot, id, f, NULL);
@@ -746,18 +1172,22 @@ static void run_job(md_jobs *J, int slot, const char *id)
                    "start (or on another replica now)", id, (long long)written_end);
             goto out;
         }
+        if (J->chunk_delay_ms > 0)
+            test_pause(J, slot); /* after the last chunk too: "committed, not finished" */
         if (eof && inflight == 0)
             break;
     }
-    if (o.kind == 2 && finish_npy(fd, out_bytes, npy_width, partial, &err) != MD_OK)
+    if (o.kind == 2 &&
+        finish_npy(fd, out_bytes, written_end - written_skipped, partial, &err) != MD_OK)
         goto failed;
-    fsync(fd);
-    close(fd);
-    fd = -1;
-    if (rename(partial, out_path) != 0) {
-        md_err_set(&err, MD_EIO, "cannot rename %s: %s", partial, strerror(errno));
+    if (fsync(fd) != 0) {
+        md_err_set(&err, MD_EIO, "fsync of %s failed: %s", partial, strerror(errno));
         goto failed;
     }
+    if (out_publish(&of, fd, &err) != MD_OK)
+        goto failed;
+    close(fd);
+    fd = -1;
     now_iso(now);
     f = json_pack("{s:s,s:s,s:I}", "status", "succeeded", "finished_at", now, "rows_total",
                   (json_int_t)md_reader_position(r));
@@ -767,9 +1197,32 @@ static void run_job(md_jobs *J, int slot, const char *id)
            (long long)md_reader_position(r), mono() - t0,
            (double)rows_this_run / (mono() - t0 > 0 ? mono() - t0 : 1));
     goto out;
+stopped_early:
+    keeper_stop(&kp);
+    /* stopped before any output: a lost job is the new owner's; a stop gives
+     * it back; a cancel ends it with nothing written */
+    if (atomic_load(&J->lost[slot]))
+        goto out;
+    if (atomic_load(&J->stopping)) {
+        md_store_job_release(J->store, id, J->owner, NULL);
+        goto out;
+    }
+    now_iso(now);
+    f = json_pack("{s:s,s:s}", "status", "cancelled", "finished_at", now);
+    jupdate(J, slot, id, f, NULL);
+    json_decref(f);
+    goto out;
+reader_failed:
+    keeper_stop(&kp);
+    if (url)
+        reader_err_from_url(&err, in_format);
+    reader_err_name(&err, in_fd, json_string_value(json_object_get(input, "path")));
+    reader_err_name(&err, label_fd, json_string_value(json_object_get(input, "label")));
 failed:
+    keeper_stop(&kp);
     fail_job(J, slot, id, &err);
 out:
+    keeper_stop(&kp);
     /* never free a chunk a worker may still answer */
     while (inflight > 0) {
         chunk_wait(&ring[head]);
@@ -783,6 +1236,12 @@ out:
     }
     if (fd >= 0)
         close(fd);
+    if (in_fd >= 0)
+        close(in_fd);
+    if (label_fd >= 0)
+        close(label_fd);
+    if (of.dirfd >= 0)
+        close(of.dirfd);
     free(rowbuf);
     free(text);
     free(conf);
@@ -883,6 +1342,8 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
             atomic_store(&J->cancel[i], 1);
             running = 1;
         }
+    if (running)
+        pthread_cond_broadcast(&J->cv); /* a runner pausing for tests stops pausing */
     pthread_mutex_unlock(&J->mu);
     if (running)
         return MD_OK;
@@ -891,8 +1352,9 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
     return md_store_job_request_cancel(J->store, id, &now, err);
 }
 
-md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, const md_fetch_opts *fetch,
-                        md_model_resolver resolve, void *ctx, md_jobs **out, md_err *err)
+md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_chunk_delay_ms,
+                        const md_fetch_opts *fetch, md_model_resolver resolve, void *ctx,
+                        md_jobs **out, md_err *err)
 {
     char dir[4200];
     snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(store));
@@ -904,6 +1366,7 @@ md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, const md_
     J->resolve = resolve;
     J->resolve_ctx = ctx;
     J->lease_s = lease_s > 0 ? lease_s : 30;
+    J->chunk_delay_ms = test_chunk_delay_ms > 0 ? test_chunk_delay_ms : 0;
     if (gethostname(J->host, sizeof J->host - 1) != 0 || !J->host[0])
         snprintf(J->host, sizeof J->host, "localhost");
     for (char *p = J->host; *p; p++)
@@ -919,7 +1382,7 @@ md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, const md_
     J->running = md_xcalloc((size_t)max_jobs, 64);
     J->cancel = md_xcalloc((size_t)max_jobs, sizeof(atomic_int));
     J->lost = md_xcalloc((size_t)max_jobs, sizeof(atomic_int));
-    J->renewed = md_xcalloc((size_t)max_jobs, sizeof(double));
+    J->renewed = md_xcalloc((size_t)max_jobs, sizeof(_Atomic double));
     J->threads = md_xcalloc((size_t)max_jobs, sizeof(pthread_t));
     /* the runners claim what a previous process left, oldest first */
     for (int i = 0; i < max_jobs; i++) {
@@ -949,7 +1412,7 @@ void md_jobs_stop(md_jobs *J)
     free(J->running);
     free(J->cancel);
     free(J->lost);
-    free(J->renewed);
+    free((void *)J->renewed);
     free(J->threads);
     pthread_mutex_destroy(&J->mu);
     pthread_cond_destroy(&J->cv);

@@ -193,11 +193,14 @@ typedef md_model *(*md_model_resolver)(void *ctx, const char *name, int version,
  * the oldest job nobody alive holds, with a lease of lease_s seconds that it
  * renews while the job runs: jobs made here or through a replica sharing the
  * store, and jobs a stopped or dead process left (they resume from their
- * last committed chunk). `fetch` (copied) bounds input downloads.
+ * last committed chunk). `fetch` (copied; its lists borrowed for the
+ * runners' lifetime) bounds input downloads and names allowed_paths.
+ * test_chunk_delay_ms (for tests only, else 0): commit after every chunk and
+ * pause this long after each, so a test can act in the middle of a job.
  */
-md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, const md_fetch_opts *fetch,
-                        md_model_resolver resolve, void *resolve_ctx, md_jobs **out,
-                        md_err *err);
+md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_chunk_delay_ms,
+                        const md_fetch_opts *fetch, md_model_resolver resolve, void *resolve_ctx,
+                        md_jobs **out, md_err *err);
 /* Queue a job already inserted in the store. Thread-safe. */
 void md_jobs_enqueue(md_jobs *jobs, const char *id);
 /* Cancel: a queued job at once, a running one after its current chunk; the

@@ -160,8 +160,9 @@ int main(int argc, char **argv)
         .max_redirects = cfg.download_max_redirects,
         .allowed_paths = &cfg.allowed_paths,
         .allowed_urls = &cfg.allowed_urls,
+        .allow_private = cfg.allow_private_urls,
     };
-    if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, &job_fetch, md_app_resolve, &app, &app.jobs, &err) !=
+    if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, cfg.test_job_chunk_delay_ms, &job_fetch, md_app_resolve, &app, &app.jobs, &err) !=
         MD_OK)
         md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);
     pthread_t poller;

@@ -110,6 +110,7 @@ static const char *const all_keys[] = {
     "allowed_urls", "download_connect_timeout_s", "download_timeout_s", "download_max_redirects",
     "workers", "intra_op_threads", "max_batch_size", "max_delay_us", "queue_limit", "timeout_ms",
     "default_model", "max_jobs", "job_lease_s", "job_nice", "store_poll_ms",
+    "allow_private_urls", "test_job_chunk_delay_ms",
 };
 #define N_KEYS (sizeof all_keys / sizeof all_keys[0])
 
@@ -135,6 +136,8 @@ static void assert_defaults(const md_cfg *cfg)
     assert_int_equal(cfg->job_nice, 19);
     assert_int_equal(cfg->job_lease_s, 30);
     assert_int_equal(cfg->store_poll_ms, 1000);
+    assert_int_equal(cfg->allow_private_urls, 0); /* downloads refuse internal addresses */
+    assert_int_equal(cfg->test_job_chunk_delay_ms, 0);
 }
 
 /* ---- defaults ---- */

@@ -19,7 +19,10 @@
 
 #include <cmocka.h>
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -1466,6 +1469,165 @@ static void test_job_leases(void **state)
     md_store_close(s);
 }
 
+
+/* ---- download.c: where a URL or a path may lead ---- */
+
+static int internal4(const char *ip)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    assert_int_equal(inet_pton(AF_INET, ip, &a.sin_addr), 1);
+    return md_addr_is_internal((struct sockaddr *)&a);
+}
+
+static int internal6(const char *ip)
+{
+    struct sockaddr_in6 a = {.sin6_family = AF_INET6};
+    assert_int_equal(inet_pton(AF_INET6, ip, &a.sin6_addr), 1);
+    return md_addr_is_internal((struct sockaddr *)&a);
+}
+
+static void test_addr_is_internal(void **state)
+{
+    (void)state;
+    const char *in4[] = {"127.0.0.1", "127.255.1.2", "10.1.2.3", "172.16.0.1", "172.31.255.255",
+                         "192.168.1.1", "169.254.169.254", "0.0.0.0", "100.64.0.1",
+                         "100.127.255.255", "198.18.0.1", "224.0.0.1", "255.255.255.255"};
+    for (size_t i = 0; i < sizeof in4 / sizeof in4[0]; i++)
+        if (!internal4(in4[i]))
+            fail_msg("%s must count as internal", in4[i]);
+    const char *out4[] = {"8.8.8.8", "172.32.0.1", "172.15.255.255", "100.128.0.1",
+                          "169.253.1.1", "192.169.0.1", "1.1.1.1", "198.20.0.1"};
+    for (size_t i = 0; i < sizeof out4 / sizeof out4[0]; i++)
+        if (internal4(out4[i]))
+            fail_msg("%s is a public address", out4[i]);
+    const char *in6[] = {"::1", "::", "fc00::1", "fd12:3456::1", "fe80::1", "::ffff:127.0.0.1",
+                         "::ffff:10.0.0.1", "::ffff:169.254.169.254", "64:ff9b::7f00:1",
+                         "2002:7f00:1::", "ff02::1"};
+    for (size_t i = 0; i < sizeof in6 / sizeof in6[0]; i++)
+        if (!internal6(in6[i]))
+            fail_msg("%s must count as internal", in6[i]);
+    const char *out6[] = {"2001:4860:4860::8888", "::ffff:8.8.8.8", "2606:4700::1111"};
+    for (size_t i = 0; i < sizeof out6 / sizeof out6[0]; i++)
+        if (internal6(out6[i]))
+            fail_msg("%s is a public address", out6[i]);
+    /* an internal address written in the URL is refused before any fetch */
+    const char *urls[] = {"http://127.0.0.1:8080/x", "http://[::1]/x", "https://10.0.0.5/x",
+                          "http://169.254.169.254/latest/meta-data/", "http://[::ffff:7f00:1]/x"};
+    for (size_t i = 0; i < sizeof urls / sizeof urls[0]; i++) {
+        md_fetch_opts o = {0};
+        md_err err;
+        md_err_clear(&err);
+        if (md_source_check(urls[i], &o, &err) != MD_EINVAL)
+            fail_msg("%s should be refused", urls[i]);
+        assert_string_equal(err.code, "source_not_allowed");
+        assert_non_null(strstr(err.msg, "allow_private_urls"));
+        o.allow_private = 1;
+        assert_int_equal(md_source_check(urls[i], &o, &err), MD_OK);
+    }
+}
+
+static void test_allowed_urls_compare_parsed_urls(void **state)
+{
+    (void)state;
+    char *items[] = {"https://a.example", "https://b.example:8443/models/", "http://c.example/d",
+                     NULL};
+    md_strlist allowed = {.items = items, .count = 3};
+    md_fetch_opts o = {.allowed_urls = &allowed};
+    const char *ok[] = {"https://a.example/x.pt", "https://A.EXAMPLE/x.pt",
+                        "https://a.example:443/x.pt", "https://b.example:8443/models/m.pt",
+                        "http://c.example/d", "http://c.example/d/e.csv",
+                        "https://b.example:8443/models/x/../m.pt"};
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        md_err err;
+        md_err_clear(&err);
+        if (md_source_check(ok[i], &o, &err) != MD_OK)
+            fail_msg("%s should be allowed: %s", ok[i], err.msg);
+    }
+    const char *refused[] = {
+        "https://a.example.evil/x.pt",            /* the string-prefix trick */
+        "https://a.example@evil.example/x.pt",    /* userinfo: the host is evil.example */
+        "http://a.example/x.pt",                  /* another scheme */
+        "https://a.example:8443/x.pt",            /* another port */
+        "https://b.example:8443/modelsX/m.pt",    /* not on a segment boundary */
+        "https://b.example:8443/models/../etc/x", /* dot segments out of the path */
+        "https://b.example:8443/models/%2e%2e/x", /* encoded ones */
+        "http://c.example/de.csv",
+        "https://b.example/models/m.pt",          /* default port 443, not 8443 */
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        md_err err;
+        md_err_clear(&err);
+        if (md_source_check(refused[i], &o, &err) != MD_EINVAL)
+            fail_msg("%s should be refused", refused[i]);
+        assert_string_equal(err.code, "source_not_allowed");
+        assert_non_null(strstr(err.msg, "allowed_urls"));
+    }
+}
+
+static void test_path_open_follows_no_symlink(void **state)
+{
+    (void)state;
+    char base[] = "/tmp/md_path_XXXXXX";
+    assert_non_null(mkdtemp(base));
+    char allowed_dir[256], outside[256], p[512], q[512];
+    snprintf(allowed_dir, sizeof allowed_dir, "%s/allowed", base);
+    snprintf(outside, sizeof outside, "%s/outside", base);
+    assert_int_equal(mkdir(allowed_dir, 0755), 0);
+    assert_int_equal(mkdir(outside, 0755), 0);
+    snprintf(p, sizeof p, "%s/secret", outside);
+    FILE *f = fopen(p, "w");
+    assert_non_null(f);
+    fputs("secret\n", f);
+    fclose(f);
+    snprintf(p, sizeof p, "%s/sub", allowed_dir);
+    assert_int_equal(mkdir(p, 0755), 0);
+    snprintf(p, sizeof p, "%s/sub/data.csv", allowed_dir);
+    f = fopen(p, "w");
+    assert_non_null(f);
+    fclose(f);
+    snprintf(p, sizeof p, "%s/link", allowed_dir);
+    snprintf(q, sizeof q, "%s/secret", outside);
+    assert_int_equal(symlink(q, p), 0);
+    snprintf(p, sizeof p, "%s/dirlink", allowed_dir);
+    assert_int_equal(symlink(outside, p), 0);
+    char *items[] = {allowed_dir, NULL};
+    md_strlist allowed = {.items = items, .count = 1};
+    md_err err;
+    int fd;
+    /* a real file below: opened */
+    snprintf(p, sizeof p, "%s/sub/data.csv", allowed_dir);
+    assert_int_equal(md_path_open_file(&allowed, "input.path", p, "input_not_found", &fd, &err), MD_OK);
+    close(fd);
+    /* a symlink as the file, as a directory, a "..", a path outside */
+    const char *bad[] = {"/link", "/dirlink/secret", "/sub/../../outside/secret"};
+    for (size_t i = 0; i < 3; i++) {
+        snprintf(p, sizeof p, "%s%s", allowed_dir, bad[i]);
+        md_err_clear(&err);
+        fd = -1;
+        if (md_path_open_file(&allowed, "input.path", p, "input_not_found", &fd, &err) == MD_OK)
+            fail_msg("%s was opened through a symlink or ..", p);
+        assert_int_equal(fd, -1);
+        assert_non_null(strstr(err.msg, "input.path"));
+    }
+    md_err_clear(&err);
+    assert_int_equal(md_path_open_file(&allowed, "input.path", q, "input_not_found", &fd, &err),
+                     MD_EINVAL);
+    assert_string_equal(err.code, "path_not_allowed");
+    /* the output's directory through a symlink: refused too */
+    int dirfd;
+    const char *leaf;
+    snprintf(p, sizeof p, "%s/dirlink/out.jsonl", allowed_dir);
+    assert_int_equal(md_path_open_dir(&allowed, "output.path", p, "invalid_path", &dirfd, &leaf, &err),
+                     MD_EINVAL);
+    assert_string_equal(err.code, "path_not_allowed");
+    snprintf(p, sizeof p, "%s/sub/out.jsonl", allowed_dir);
+    assert_int_equal(md_path_open_dir(&allowed, "output.path", p, "invalid_path", &dirfd, &leaf, &err),
+                     MD_OK);
+    assert_string_equal(leaf, "out.jsonl");
+    close(dirfd);
+    nftw(base, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
 static void test_model_name_ok(void **state)
 {
     (void)state;
@@ -1516,6 +1678,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_defaults_and_generation, setup, teardown),
         cmocka_unit_test_setup_teardown(test_job_leases, setup, teardown),
         cmocka_unit_test(test_model_name_ok),
+        cmocka_unit_test(test_addr_is_internal),
+        cmocka_unit_test(test_allowed_urls_compare_parsed_urls),
+        cmocka_unit_test(test_path_open_follows_no_symlink),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

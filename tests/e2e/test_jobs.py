@@ -9,6 +9,11 @@ examples/fashion_mnist/model.pt on the same 10,000 images
 (examples/fashion_mnist/metrics.json, written by train.py): the server must
 get exactly that many right. torch is not needed here.
 
+Tests that act in the middle of a job (kill, SIGTERM, cancel, a replica taking
+over) run it paced with the test-only --test-job-chunk-delay-ms (PACED): every
+chunk is committed and followed by a pause, so "the middle" is a state that
+lasts for many chunks on any machine, not a race against its speed.
+
 The dataset conversion (IDX.gz -> CSV, NPY, N-D float32 NPY, JSONL) is
 `convert_fashion_mnist` below, run once per session by the `fmnist` fixture.
 """
@@ -110,12 +115,28 @@ def server_args(fmnist, tmp_path):
     return ("--allowed-paths", f"{fmnist.dir},{tmp_path},{DATASETS}")
 
 
+# For tests only: the server commits after every job chunk and then pauses this
+# long, so "the middle of a job" lasts (chunks x PACE_MS) however fast the
+# machine is, and a kill, SIGTERM or cancel lands there for certain.
+PACE_MS = 200
+PACED = ("--test-job-chunk-delay-ms", str(PACE_MS))
+
+
 def deploy_fashion(srv):
     with open(FASHION_PT, "rb") as f:
         r = requests.post(srv.url + "/models/fashion/versions", files={"checkpoint": f},
                           data={"config": FASHION_JSON.read_text()}, timeout=30 * TSCALE)
     assert r.status_code == 201, f"deploy fashion: expected 201, got {r.status_code}: {r.text!r}"
     return r.json()
+
+
+@pytest.fixture
+def paced(start_server, fmnist, tmp_path):
+    """Like `fashion`, with every job paced (PACED): each committed chunk is
+    followed by a PACE_MS pause, so a job of many chunks is reliably mid-way."""
+    srv = start_server(*server_args(fmnist, tmp_path), *PACED)
+    deploy_fashion(srv)
+    return srv
 
 
 @pytest.fixture
@@ -345,7 +366,10 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def test_url_input(fashion, fmnist):
+def test_url_input(start_server, fmnist, tmp_path):
+    # the file server is on 127.0.0.1, which downloads refuse unless allowed
+    fashion = start_server(*server_args(fmnist, tmp_path), "--allow-private-urls", "1")
+    deploy_fashion(fashion)
     handler = functools.partial(_QuietHandler, directory=str(fmnist.dir))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -460,7 +484,8 @@ def test_validation(fashion, fmnist, tmp_path):
 # ------------------------------------------------------------ listing, 404, 409
 
 
-def test_list_filters_and_not_found(fashion, fmnist, tmp_path):
+def test_list_filters_and_not_found(paced, fmnist, tmp_path):
+    fashion = paced
     small = write_small_csv(tmp_path / "small.csv", fmnist)
     bad = write_small_csv(tmp_path / "bad.csv", fmnist, bad=(2, 100, "abc"))
     spec = {"model": "fashion", "input": {"path": small, "format": "csv", "label": "label"}}
@@ -472,7 +497,8 @@ def test_list_filters_and_not_found(fashion, fmnist, tmp_path):
     ok2 = create_job(fashion, spec)
     wait_job(fashion, ok2)
 
-    # output while queued or running: 409 job_not_finished (best effort: a slow job)
+    # output while queued or running: 409 job_not_finished (a paced job of
+    # 10,000 chunks cannot end before the test cancels it)
     slow = create_job(fashion, {"model": "fashion", "input": idx_input(), "batch_size": 1})
     r = fashion.get(f"/jobs/{slow}/output")
     st = get_job(fashion, slow)["status"]
@@ -520,9 +546,10 @@ def test_list_filters_and_not_found(fashion, fmnist, tmp_path):
 # ------------------------------------------------------------ cancel
 
 
-def test_cancel(fashion, fmnist):
+def test_cancel(paced, fmnist):
+    fashion = paced
     jid = create_job(fashion, {"model": "fashion", "input": idx_input(), "batch_size": 1})
-    job = wait_rows(fashion, jid, at_least=20)
+    job = wait_rows(fashion, jid, at_least=3)
     assert job["status"] == "running", f"expected a running job: {job}"
     r = fashion.request("DELETE", f"/jobs/{jid}")
     assert r.status_code == 202, f"DELETE /jobs/{jid}: {r.status_code} {r.text!r}"
@@ -547,7 +574,8 @@ def test_cancel(fashion, fmnist):
         f"second DELETE: {r.status_code} {r.text!r}"
 
 
-def test_cancel_queued(fashion, fmnist):
+def test_cancel_queued(paced, fmnist):
+    fashion = paced
     # the default max_jobs is 2: two slow jobs hold both runners, the third waits
     slow = [create_job(fashion, {"model": "fashion", "input": idx_input(), "batch_size": 1})
             for _ in range(2)]
@@ -586,13 +614,13 @@ def stored_job(store, jid):
 
 def restart_mid_job(start_server, fmnist, tmp_path, how):
     args = server_args(fmnist, tmp_path)
-    srv = start_server(*args)
+    srv = start_server(*args, *PACED)  # 625 chunks, each followed by a pause
     deploy_fashion(srv)
     jid = create_job(srv, {"model": "fashion", "input": idx_input(), "batch_size": 16,
                            "output": {"format": "jsonl"}})
-    job = wait_rows(srv, jid, at_least=1, interval=0.001)
+    job = wait_rows(srv, jid, at_least=3 * 16)
     assert job["status"] == "running" and 0 < job["rows_done"] < N, \
-        f"could not catch the job in the middle (it is too fast?): {job}"
+        f"could not catch the job in the middle: {job}"
     stopped_at = job["rows_done"]
     t0 = time.monotonic()
     if how == "kill":
@@ -617,7 +645,7 @@ def restart_mid_job(start_server, fmnist, tmp_path, how):
             f"the job {stored['status']} at rows_done {stored['rows_done']} of {N}; a running " \
             f"job should stop after its current chunk, not run to the end of the input"
 
-    srv2 = start_server(*args)  # same tmp_path, so the same store
+    srv2 = start_server(*args)  # same tmp_path, so the same store; not paced
     first = get_job(srv2, jid)
     print(f"{how}: stopped at rows_done {stopped_at}; after the restart "
           f"{first['status']} at rows_done {first['rows_done']}")
@@ -754,12 +782,12 @@ def test_default_batch_size_is_the_versions_max_batch_size(start_server, fmnist,
 # ------------------------------------------------------------ replicas sharing a store
 
 
-def replicas(start_server, fmnist, tmp_path, *extra):
+def replicas(start_server, fmnist, tmp_path, *extra, a_extra=(), b_extra=()):
     """Two modeld processes on one store (the same tmp_path), B started before the
-    model is deployed through A."""
+    model is deployed through A; a_extra and b_extra are for one of them only."""
     args = server_args(fmnist, tmp_path) + extra
-    a = start_server(*args)
-    b = start_server(*args)
+    a = start_server(*args, *a_extra)
+    b = start_server(*args, *b_extra)
     assert a.store == b.store
     deploy_fashion(a)
     return a, b
@@ -769,8 +797,10 @@ def test_replicas_share_the_jobs_once_each(start_server, fmnist, tmp_path):
     """Jobs created through either replica run once, each on one replica; both
     replicas take jobs (one runner each); every output is whole and in order.
     B never saw the deploy: it loads the store's default version to run a job."""
-    a, b = replicas(start_server, fmnist, tmp_path, "--max-jobs", "1")
-    spec = {"model": "fashion", "input": idx_input(), "batch_size": 4}
+    # paced: a job of 10 chunks lasts 10 x PACE_MS, so neither replica can
+    # finish its first job before the other has claimed one
+    a, b = replicas(start_server, fmnist, tmp_path, "--max-jobs", "1", *PACED)
+    spec = {"model": "fashion", "input": idx_input(), "batch_size": 1000}
     ids = [create_job(a, spec), create_job(b, spec), create_job(a, spec), create_job(b, spec)]
     jobs = [wait_job(a, jid) for jid in ids]
     for job in jobs:
@@ -786,9 +816,9 @@ def test_replicas_share_the_jobs_once_each(start_server, fmnist, tmp_path):
 def test_replica_takes_over_the_job_of_one_killed(start_server, fmnist, tmp_path):
     """kill -9 the replica running a job: the other one resumes it from the last
     committed chunk, and the output holds every row exactly once, in order."""
-    a, b = replicas(start_server, fmnist, tmp_path, "--job-lease-s", "2")
-    jid = create_job(a, {"model": "fashion", "input": idx_input(), "batch_size": 1})
-    job = wait_rows(a, jid, at_least=300)
+    a, b = replicas(start_server, fmnist, tmp_path, "--job-lease-s", "2", a_extra=PACED)
+    jid = create_job(a, {"model": "fashion", "input": idx_input(), "batch_size": 16})
+    job = wait_rows(a, jid, at_least=3 * 16)
     assert job["status"] == "running" and f"|{a.proc.pid}|" in job["owner"], job
     a.proc.kill()
     a.proc.wait(10)
@@ -802,9 +832,9 @@ def test_replica_takes_over_the_job_of_one_killed(start_server, fmnist, tmp_path
 def test_cancel_through_another_replica(start_server, fmnist, tmp_path):
     """DELETE through B cancels the job A runs: A stops at its next commit and
     keeps a valid partial output."""
-    a, b = replicas(start_server, fmnist, tmp_path, "--max-jobs", "1")
+    a, b = replicas(start_server, fmnist, tmp_path, "--max-jobs", "1", a_extra=PACED)
     jid = create_job(a, {"model": "fashion", "input": idx_input(), "batch_size": 1})
-    job = wait_rows(a, jid, at_least=50)
+    job = wait_rows(a, jid, at_least=3)
     assert f"|{a.proc.pid}|" in job["owner"], job
     r = b.request("DELETE", f"/jobs/{jid}")
     assert r.status_code == 202, f"DELETE through B: {r.status_code} {r.text!r}"
@@ -817,9 +847,9 @@ def test_cancel_through_another_replica(start_server, fmnist, tmp_path):
 def test_sigterm_hands_the_job_to_a_replica(start_server, fmnist, tmp_path):
     """SIGTERM gives a running job back at once: the replica goes on with it
     without waiting for a lease to end (the default lease is 30 s)."""
-    a, b = replicas(start_server, fmnist, tmp_path)
-    jid = create_job(a, {"model": "fashion", "input": idx_input(), "batch_size": 2})
-    wait_rows(a, jid, at_least=200)
+    a, b = replicas(start_server, fmnist, tmp_path, a_extra=PACED)
+    jid = create_job(a, {"model": "fashion", "input": idx_input(), "batch_size": 16})
+    wait_rows(a, jid, at_least=3 * 16)
     t0 = time.monotonic()
     assert a.stop(signal.SIGTERM) == 0, a.stderr[-2000:]
     job = wait_rows(b, jid, at_least=get_job(b, jid)["rows_done"] + 100, timeout=20)

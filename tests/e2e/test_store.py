@@ -179,6 +179,15 @@ def files():
     fs.close()
 
 
+# FileServer listens on 127.0.0.1, which downloads refuse unless allowed
+ALLOW_LOOPBACK = ("--allow-private-urls", "1")
+
+
+@pytest.fixture
+def url_server(start_server):
+    return start_server(*ALLOW_LOOPBACK)
+
+
 def register(srv, body):
     return srv.request("POST", "/models", json=body, timeout=30 * TSCALE)
 
@@ -400,7 +409,8 @@ def test_checkpoint_over_max_checkpoint_bytes(start_server):
 # ---------------------------------------------------------------- register from a URL
 
 
-def test_register_from_http_url(server, files):
+def test_register_from_http_url(url_server, files):
+    server = url_server
     url = files.url("/cnn.pt")
     r = register(server, {"name": "cnn", "source": url, "sha256": sha(CNN),
                           "metrics": {"loss": 0.4}})
@@ -420,7 +430,8 @@ def test_register_from_http_url(server, files):
     wait_tmp_empty(server)
 
 
-def test_register_wrong_sha256_stores_nothing(server, files):
+def test_register_wrong_sha256_stores_nothing(url_server, files):
+    server = url_server
     r = register(server, {"name": "cnn", "source": files.url("/cnn.pt"), "sha256": sha(MLP)})
     expect_error(r, 400, "sha256_mismatch")
     expect_error(server.get("/models/cnn"), 404, "model_not_found")
@@ -435,7 +446,8 @@ def test_register_wrong_sha256_stores_nothing(server, files):
     wait_tmp_empty(server)
 
 
-def test_register_download_errors(server, files):
+def test_register_download_errors(url_server, files):
+    server = url_server
     expect_error(register(server, {"name": "x", "source": files.url("/nope.pt")}), 422,
                  "download_failed")
     # not a TorchScript archive, fetched fine
@@ -454,7 +466,7 @@ def test_register_download_errors(server, files):
 
 
 def test_register_too_large_download(start_server, files):
-    s = start_server("--max-checkpoint-bytes", "1000")
+    s = start_server("--max-checkpoint-bytes", "1000", *ALLOW_LOOPBACK)
     expect_error(register(s, {"name": "x", "source": files.url("/cnn.pt")}), 413)
     expect_error(s.get("/models/x"), 404, "model_not_found")
     assert blob_names(s) == []
@@ -487,7 +499,7 @@ def test_register_file_url_without_allowed_paths(server):
 
 
 def test_register_allowed_urls(start_server, files):
-    s = start_server("--allowed-urls", files.url("/ok/"))
+    s = start_server("--allowed-urls", files.url("/ok/"), *ALLOW_LOOPBACK)
     expect_error(register(s, {"name": "u", "source": files.url("/cnn.pt")}), 400,
                  "source_not_allowed")
     assert files.gets("/cnn.pt") == 0, "a refused source must not be fetched"
@@ -496,7 +508,8 @@ def test_register_allowed_urls(start_server, files):
     assert versions_of(s, "u") == [1]
 
 
-def test_concurrent_registrations_download_once(server, files):
+def test_concurrent_registrations_download_once(url_server, files):
+    server = url_server
     files.set_delay(0.5)
     url = files.url("/cnn.pt")
     results = {}
