@@ -79,7 +79,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
-.PHONY: all run test unit e2e asan tsan bench deps deps-build clean lint-openapi fixtures \
+.PHONY: all run test unit e2e asan tsan faults bench deps deps-build clean lint-openapi fixtures \
 	fixtures-check fuzz \
 	cuda-compile-check docker-check
 
@@ -149,6 +149,12 @@ docker-check: deps
 asan: deps
 	$(MAKE) SAN_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" \
 	  OPT="-O1 -g" ASAN_E2E=1 unit e2e
+
+# The real binary under faults (tests/e2e/test_faults.py, also part of make
+# test): kill -9 during 50 deploys, a full disk (a tmpfs: needs root), a
+# corrupt blob, a model that throws for some requests.
+faults: all
+	MODELD_BIN=$(CURDIR)/$(MODELD) $(PYTHON) -m pytest -q tests/e2e/test_faults.py $(PYTEST_ARGS)
 
 # ThreadSanitizer over the modules with threads of their own (the batcher and
 # registry, the store, the readers) and the end-to-end tests that drive

@@ -44,12 +44,23 @@ static md_status err_vset(md_err *err, md_status status, const char *code, const
         return status;
     err->status = status;
     snprintf(err->code, sizeof err->code, "%s", code ? code : "");
-    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    char raw[MD_ERR_MSG_MAX];
+    vsnprintf(raw, sizeof raw, fmt, ap);
     /* a message quotes what the client sent: keep it one line of printable
-     * text, so it can neither break a log line nor forge another */
-    for (char *c = err->msg; *c; c++)
-        if ((unsigned char)*c < 0x20 || *c == 0x7f)
-            *c = ' ';
+     * text (control characters written as \xNN, as C writes them), so it can
+     * neither break a log line nor forge another, and still shows the bytes */
+    size_t o = 0;
+    for (const unsigned char *c = (const unsigned char *)raw; *c && o + 1 < sizeof err->msg;
+         c++) {
+        if (*c < 0x20 || *c == 0x7f) {
+            if (o + 5 > sizeof err->msg)
+                break;
+            o += (size_t)snprintf(err->msg + o, sizeof err->msg - o, "\\x%02x", *c);
+        } else {
+            err->msg[o++] = (char)*c;
+        }
+    }
+    err->msg[o] = '\0';
     return status;
 }
 

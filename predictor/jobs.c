@@ -217,14 +217,15 @@ static md_status jupdate(md_jobs *J, int slot, const char *id, json_t *f, md_err
     return st;
 }
 
-/* `in` for one log line: control characters, non-ASCII bytes and the
- * backslash as \xNN, so text from a dataset or a URL cannot forge lines or
- * terminal escapes in the log. `out` holds 4 * strlen(in) + 1 or is cut. */
+/* `in` for one log line: control characters and non-ASCII bytes as \xNN
+ * (md_err already writes a message's control characters so), so text from a
+ * dataset or a URL can forge neither lines nor terminal escapes in the log.
+ * `out` holds 4 * strlen(in) + 1 or is cut. */
 static const char *log_escape(const char *in, char *out, size_t size)
 {
     size_t n = 0;
     for (const unsigned char *p = (const unsigned char *)in; *p && n + 5 < size; p++) {
-        if (*p < 0x20 || *p >= 0x7f || *p == '\\')
+        if (*p < 0x20 || *p >= 0x7f)
             n += (size_t)snprintf(out + n, size - n, "\\x%02x", *p);
         else
             out[n++] = (char)*p;

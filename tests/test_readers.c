@@ -282,7 +282,7 @@ static void test_csv_quoted(void **state)
     expect_bad_row(r, MD_EINVAL, "quoted.csv row 0: column \"name\" is not a number: \"a,b\"", NULL);
     expect_bad_row(r, MD_EINVAL, "quoted.csv row 1: column \"name\" is not a number: \"say \"hi\"\"",
                    NULL);
-    expect_bad_row(r, MD_EINVAL, "quoted.csv row 2: column \"name\" is not a number: \"two lines\"",
+    expect_bad_row(r, MD_EINVAL, "quoted.csv row 2: column \"name\" is not a number: \"two\\x0alines\"",
                    NULL);
     expect_bad_row(r, MD_EINVAL, "quoted.csv row 3: column \"name\" is not a number: \"plain\"", NULL);
     expect_end(r, 4);

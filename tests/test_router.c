@@ -518,7 +518,7 @@ static void test_err_message_one_line(void **state)
     assert_null(strchr(err.msg, '\r'));
     assert_null(strchr(err.msg, '\x1b'));
     assert_null(strchr(err.msg, '\x7f'));
-    assert_string_equal(err.msg, "config file a b  [31mc : not found");
+    assert_string_equal(err.msg, "config file a\\x0ab\\x0d\\x1b[31mc\\x7f: not found");
 }
 
 /* ---- query parameters and "did you mean" ---- */

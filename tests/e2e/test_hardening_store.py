@@ -136,7 +136,7 @@ def wait_for(cond, what, timeout=30.0):
 
 
 def test_version_without_config_inherits_the_default_config(start_server, gated):
-    s = start_server()
+    s = start_server("--allow-private-urls", "1")  # the gated file server is on 127.0.0.1
     v1 = created(upload(s, "clf", fields=[("config", json.dumps(LABELED))]))
     assert "config_from" not in v1
     first = predict(s, "clf")
@@ -203,7 +203,7 @@ def test_repeated_field_refused_and_nothing_leaks(start_server, how):
 
 @pytest.mark.parametrize("leader", ["wrong_sha256", "bad_config"])
 def test_concurrent_registrations_share_only_the_download(start_server, gated, leader):
-    s = start_server()
+    s = start_server("--allow-private-urls", "1")  # the gated file server is on 127.0.0.1
     url = gated.url("/mlp.pt")
     bad = {"name": "a", "source": url}
     if leader == "wrong_sha256":
