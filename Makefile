@@ -79,7 +79,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
-.PHONY: all run test unit e2e asan tsan faults bench deps deps-build clean lint-openapi fixtures \
+.PHONY: all run test unit e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
 	fixtures-check fuzz \
 	cuda-compile-check docker-check
 
@@ -155,6 +155,13 @@ asan: deps
 # corrupt blob, a model that throws for some requests.
 faults: all
 	MODELD_BIN=$(CURDIR)/$(MODELD) $(PYTHON) -m pytest -q tests/e2e/test_faults.py $(PYTEST_ARGS)
+
+# Five minutes of mixed load at 80% of capacity (predictions, deploys and
+# deletes, jobs), RSS flat after warm-up, 100 deploy/delete cycles without
+# growth (bench/soak.py; not part of make test: it takes about 7 minutes).
+SOAK_ARGS ?=
+soak: all
+	$(PYTHON) bench/soak.py --modeld $(CURDIR)/modeld $(SOAK_ARGS)
 
 # ThreadSanitizer over the modules with threads of their own (the batcher and
 # registry, the store, the readers) and the end-to-end tests that drive
