@@ -39,8 +39,9 @@ typedef struct md_blob_writer md_blob_writer;
  * blob's file and not committed; "gc_locked": garbage collection holds the
  * write lock; "sweep_locked": the orphan sweep at open does;
  * "set_default_checked": md_store_set_default checked the version and has not
- * moved the default yet) and each time a
- * connection waits for another's write lock ("busy"), so a unit test can
+ * moved the default yet), where a "did you mean" hint is about to be
+ * computed ("hint": neither the mutex nor a transaction is held there), and
+ * each time a connection waits for another's write lock ("busy"), so a unit test can
  * drive two handles (two replicas) through an exact interleaving. Global;
  * set it before the threads it affects start. NULL removes it. */
 typedef void (*md_store_hook_fn)(md_store *store, const char *point, void *ctx);

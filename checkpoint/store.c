@@ -322,7 +322,12 @@ static void sweep_orphans(md_store *s)
     closedir(d);
     if (sync_blobs_dir(s, &err) != MD_OK)
         md_log(MD_LOG_WARN, "%s", err.msg);
-    exec(s, "COMMIT", NULL); /* nothing written: ends the transaction */
+    /* nothing written: ends the transaction. A failed COMMIT would leave the
+     * connection inside it, holding the write lock every replica shares. */
+    if (exec(s, "COMMIT", &err) != MD_OK) {
+        md_log(MD_LOG_WARN, "store: orphan sweep: %s", err.msg);
+        exec(s, "ROLLBACK", NULL);
+    }
 }
 
 /* Rows whose blob is missing are marked failed with the reason. */
@@ -772,31 +777,50 @@ static int model_exists(md_store *s, const char *name)
     return found;
 }
 
-/* model_not_found, with the nearest stored name when the name looks like a
- * typo of one ("did you mean fashion?"). Caller holds the mutex. */
-static md_status model_missing(md_store *s, const char *name, md_err *err)
+/* model_not_found, without the "did you mean" hint: cheap, so it may be
+ * decided under the mutex and inside a write transaction. The public
+ * function adds the hint (with_hint) once it holds neither. */
+static md_status model_missing(const char *name, md_err *err)
 {
-    enum { MAX_NAMES = 4096 }; /* a store with more names gets no suggestion past them */
-    char hint[96] = "";
-    sqlite3_stmt *st = prep(s, "SELECT name FROM models ORDER BY name LIMIT 4096", NULL);
-    if (st) {
-        char **names = calloc(MAX_NAMES, sizeof *names);
-        size_t n = 0;
-        while (names && n < MAX_NAMES && sqlite3_step(st) == SQLITE_ROW) {
+    return md_err_setc(err, MD_ENOTFOUND, "model_not_found",
+                       "model %s does not exist; GET /models lists the models", name);
+}
+
+/* When `rc` is model_not_found, add the nearest stored name when `name`
+ * looks like a typo of one ("did you mean fashion?"). Call with neither the
+ * mutex nor a transaction held: the names are copied under the mutex in one
+ * read, the edit distances are computed after it. Returns rc. */
+static md_status with_hint(md_store *s, md_status rc, const char *name, md_err *err)
+{
+    enum { MAX_NAMES = 4096, NAME_BYTES = 65 }; /* more names: none past them suggested */
+    if (rc != MD_ENOTFOUND || !err || strcmp(md_err_code(err), "model_not_found") != 0)
+        return rc;
+    char(*buf)[NAME_BYTES] = malloc(sizeof *buf * MAX_NAMES);
+    const char **names = malloc(sizeof *names * MAX_NAMES);
+    size_t n = 0;
+    if (buf && names) {
+        pthread_mutex_lock(&s->mu);
+        sqlite3_stmt *st = prep(s, "SELECT name FROM models ORDER BY name LIMIT 4096", NULL);
+        while (st && n < MAX_NAMES && sqlite3_step(st) == SQLITE_ROW) {
             const char *v = (const char *)sqlite3_column_text(st, 0);
-            if (v && (names[n] = strdup(v)))
+            if (v) {
+                snprintf(buf[n], NAME_BYTES, "%s", v);
+                names[n] = buf[n];
                 n++;
+            }
         }
         sqlite3_finalize(st);
-        const char *near = names ? md_suggest(name, (const char *const *)names, n) : NULL;
-        if (near)
-            snprintf(hint, sizeof hint, "did you mean %.64s? ", near);
-        for (size_t i = 0; i < n; i++)
-            free(names[i]);
-        free(names);
+        pthread_mutex_unlock(&s->mu);
     }
-    return md_err_setc(err, MD_ENOTFOUND, "model_not_found",
-                       "model %s does not exist; %sGET /models lists the models", name, hint);
+    hook(s, "hint");
+    const char *near = n ? md_suggest(name, names, n) : NULL;
+    if (near)
+        md_err_setc(err, MD_ENOTFOUND, "model_not_found",
+                    "model %s does not exist; did you mean %.64s? GET /models lists the models",
+                    name, near);
+    free(buf);
+    free(names);
+    return rc;
 }
 
 /* Unlink the blob if no row references it any more. Caller holds the mutex
@@ -839,7 +863,11 @@ static void release_all(md_store *s, sha_list *l)
             release_blob(s, l->items[i]);
         if (sync_blobs_dir(s, &err) != MD_OK)
             md_log(MD_LOG_WARN, "%s", err.msg);
-        exec(s, "COMMIT", NULL);
+        /* never left inside the transaction (it holds the shared write lock) */
+        if (exec(s, "COMMIT", &err) != MD_OK) {
+            md_log(MD_LOG_WARN, "store: blob collection: %s", err.msg);
+            exec(s, "ROLLBACK", NULL);
+        }
     } else if (l->count) {
         md_log(MD_LOG_WARN, "store: unreferenced blobs kept for the next sweep: %s", err.msg);
     }
@@ -1242,7 +1270,7 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
     sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
     if (sqlite3_step(st) != SQLITE_ROW) {
         sqlite3_finalize(st);
-        rc = model_missing(s, name, err);
+        rc = model_missing(name, err);
         goto out;
     }
     json_t *settings = json_col(st, 2);
@@ -1268,7 +1296,7 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
     *out = m;
 out:
     pthread_mutex_unlock(&s->mu);
-    return rc;
+    return with_hint(s, rc, name, err);
 }
 
 md_status md_store_get_version(md_store *s, const char *name, int version, json_t **out,
@@ -1276,9 +1304,9 @@ md_status md_store_get_version(md_store *s, const char *name, int version, json_
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = model_exists(s, name) ? get_version_locked(s, name, version, out, err)
-                                         : model_missing(s, name, err);
+                                         : model_missing(name, err);
     pthread_mutex_unlock(&s->mu);
-    return rc;
+    return with_hint(s, rc, name, err);
 }
 
 md_status md_store_list_versions(md_store *s, const char *name, const char *order_by, int asc,
@@ -1286,9 +1314,9 @@ md_status md_store_list_versions(md_store *s, const char *name, const char *orde
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = model_exists(s, name) ? list_versions_locked(s, name, order_by, asc, out, err)
-                                         : model_missing(s, name, err);
+                                         : model_missing(name, err);
     pthread_mutex_unlock(&s->mu);
-    return rc;
+    return with_hint(s, rc, name, err);
 }
 
 md_status md_store_set_default(md_store *s, const char *name, int version, md_err *err)
@@ -1302,7 +1330,7 @@ md_status md_store_set_default(md_store *s, const char *name, int version, md_er
     if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
         goto unlock;
     if (!model_exists(s, name)) {
-        rc = model_missing(s, name, err);
+        rc = model_missing(name, err);
         goto out;
     }
     if ((rc = get_version_locked(s, name, version, &v, err)) != MD_OK)
@@ -1339,7 +1367,7 @@ out:
 unlock:
     json_decref(v);
     pthread_mutex_unlock(&s->mu);
-    return rc;
+    return with_hint(s, rc, name, err); /* after the ROLLBACK: see with_hint */
 }
 
 md_status md_store_set_retention(md_store *s, const char *name, json_t *retention, md_err *err)
@@ -1349,12 +1377,14 @@ md_status md_store_set_retention(md_store *s, const char *name, json_t *retentio
         return rc;
     sha_list released = {0};
     pthread_mutex_lock(&s->mu);
-    if (!model_exists(s, name)) {
-        rc = model_missing(s, name, err);
-        goto out;
-    }
     if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
         goto out;
+    /* inside the transaction: a replica cannot delete the model in between */
+    if (!model_exists(s, name)) {
+        rc = model_missing(name, err);
+        exec(s, "ROLLBACK", NULL);
+        goto out;
+    }
     char *text = json_dumps(retention, JSON_COMPACT | JSON_ENCODE_ANY);
     sqlite3_stmt *st = prep(s,
                             "UPDATE models SET settings = json_set(settings, '$.retention', "
@@ -1385,7 +1415,7 @@ md_status md_store_set_retention(md_store *s, const char *name, json_t *retentio
     release_all(s, &released);
 out:
     pthread_mutex_unlock(&s->mu);
-    return rc;
+    return with_hint(s, rc, name, err);
 }
 
 md_status md_store_delete_version(md_store *s, const char *name, int version, int force,
@@ -1400,7 +1430,7 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
     if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
         goto out;
     if (!model_exists(s, name)) {
-        rc = model_missing(s, name, err);
+        rc = model_missing(name, err);
         goto rollback;
     }
     if ((rc = get_version_locked(s, name, version, &v, err)) != MD_OK)
@@ -1410,10 +1440,21 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
     if (is_default) {
         st = prep(s, "SELECT MAX(version) FROM versions WHERE model = ? AND version != ? AND "
                      "state != 'failed'", err);
+        if (!st) {
+            rc = MD_EIO;
+            goto rollback;
+        }
         sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
         sqlite3_bind_int(st, 2, version);
+        /* an error must not read as "no other version": that would set the
+         * default to NULL without force */
+        if (sqlite3_step(st) != SQLITE_ROW) {
+            rc = db_fail(s, err, "find the next default");
+            sqlite3_finalize(st);
+            goto rollback;
+        }
         int other = 0;
-        if (sqlite3_step(st) == SQLITE_ROW && sqlite3_column_type(st, 0) != SQLITE_NULL)
+        if (sqlite3_column_type(st, 0) != SQLITE_NULL)
             other = sqlite3_column_int(st, 0);
         sqlite3_finalize(st);
         if (other && !force) {
@@ -1457,7 +1498,7 @@ rollback:
 out:
     json_decref(v);
     pthread_mutex_unlock(&s->mu);
-    return rc;
+    return with_hint(s, rc, name, err); /* after the ROLLBACK: see with_hint */
 }
 
 md_status md_store_delete_model(md_store *s, const char *name, md_err *err)
@@ -1465,17 +1506,29 @@ md_status md_store_delete_model(md_store *s, const char *name, md_err *err)
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
     sha_list released = {0};
-    if (!model_exists(s, name)) {
-        rc = model_missing(s, name, err);
-        goto out;
-    }
     if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
         goto out;
+    /* inside the transaction: a replica cannot delete it in between */
+    if (!model_exists(s, name)) {
+        rc = model_missing(name, err);
+        exec(s, "ROLLBACK", NULL);
+        goto out;
+    }
     sqlite3_stmt *st = prep(s, "SELECT sha256 FROM versions WHERE model = ?", err);
-    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-    while (sqlite3_step(st) == SQLITE_ROW)
-        sha_list_add(&released, (const char *)sqlite3_column_text(st, 0));
-    sqlite3_finalize(st);
+    int step = SQLITE_ERROR;
+    if (st) {
+        sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+        while ((step = sqlite3_step(st)) == SQLITE_ROW)
+            sha_list_add(&released, (const char *)sqlite3_column_text(st, 0));
+        sqlite3_finalize(st);
+    }
+    if (step != SQLITE_DONE) {
+        /* the blobs to collect are unknown: delete nothing */
+        rc = st ? db_fail(s, err, "list the model's versions") : MD_EIO;
+        exec(s, "ROLLBACK", NULL);
+        free(released.items);
+        goto out;
+    }
     st = prep(s, "DELETE FROM models WHERE name = ?", err);
     sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
     int ok = sqlite3_step(st) == SQLITE_DONE;
@@ -1489,7 +1542,7 @@ md_status md_store_delete_model(md_store *s, const char *name, md_err *err)
     release_all(s, &released);
 out:
     pthread_mutex_unlock(&s->mu);
-    return rc;
+    return with_hint(s, rc, name, err);
 }
 
 md_status md_store_set_state(md_store *s, const char *name, int version, const char *state,

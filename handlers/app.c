@@ -1,7 +1,8 @@
 /*
  * app.c - finding the loaded model a request or a job needs, loading a stored
  * version on demand: once per (model, version) however many ask at the same
- * time, and never again after it failed, until its bytes change.
+ * time, with a deadline for those who wait, and remembering what a retry
+ * would not change (a bad checkpoint, a name the store does not have).
  *
  * DESIGN
  * A stored version that is not loaded (an older version asked for by number,
@@ -9,110 +10,235 @@
  * libtorch load, a test forward and SQLite writes: seconds for a big model,
  * and N copies of the model if N requests each did it. So:
  *   - the first caller for (name, version) creates a load slot and loads;
- *     callers arriving meanwhile wait on the slot's condition variable and
+ *     callers arriving meanwhile wait on the slot's condition variable, until
+ *     the version's batching.timeout_ms at most (then 504 naming it), and
  *     take the same model (a reference each). The loader puts the model in
- *     the registry before it signals, so later callers hit the registry.
- *   - a load that fails is remembered in memory by (name, version, sha256),
- *     with its error: later callers get that answer at once, without a load
- *     or a log line. The store row says "failed" too (md_app_load_version).
- *     New bytes (another sha256) are a new version and load again.
- * Callers block while they wait; HTTP handlers call from a deferred thread
- * (md_req_defer), never from a libmicrohttpd thread.
+ *     the registry before it marks the slot done, and a caller that finds no
+ *     slot looks in the registry again under load_mu before it creates one,
+ *     so a version is never loaded twice (a slot is freed when its last
+ *     caller leaves, which may be before a late caller reads the store).
+ *     Start-up loads and the store sync go through the same slots.
+ *   - what a retry would answer the same is remembered in memory: a load
+ *     that failed because the checkpoint or its config is bad (MD_EUNPROC,
+ *     MD_EINVAL; never EIO, ENOMEM, EBUSY or a timeout, which may pass), keyed
+ *     by the row's identity (sha256, created_at, config); and a model or
+ *     version the store does not have. HTTP threads answer these from memory
+ *     (md_app_lookup) without a deferred thread or SQLite.
+ *   - memory goes stale only when the store changes, so it is forgotten then:
+ *     a local add or delete forgets that name (md_app_forget), and the store
+ *     sync forgets everything when the store's generation moved (a replica's
+ *     change). An epoch counter, bumped by every forget, keeps a caller that
+ *     read the store before a forget from remembering what it read.
+ * md_app_resolve and md_app_load_stored block while they load or wait: HTTP
+ * handlers call them from a deferred thread (md_req_defer), never from a
+ * libmicrohttpd thread; there only md_app_lookup, which never blocks.
  *
- * Test-only knob: MD_TEST_LOAD_HOLD=N makes an on-demand load wait
- * (at most 30 s) until N callers have asked for an on-demand load, so a test
- * can have N concurrent requests provably inside the loader at once.
+ * Test-only knobs: MD_TEST_LOAD_HOLD=N makes a load wait until N callers
+ * (the loader included, and waiters that gave up) have asked for that
+ * (name, version), so a test can have N requests provably inside one load; MD_TEST_LOAD_HOLD_VERSION=V
+ * holds only loads of version V; MD_TEST_LOAD_HOLD_S bounds the hold
+ * (default 120 s). A held load logs "load held for the test" once.
  */
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "handlers.h"
 
-#define FAILED_MAX 256 /* failed loads remembered; the oldest go first */
+#define REMEMBERED_MAX 256 /* answers remembered; the oldest go first */
+#define NAME_MAX_LEN 72    /* model names are at most 64 bytes */
 
 typedef struct load_slot {
-    char name[72];
+    char name[NAME_MAX_LEN];
     int version;
     int done;
     md_model *model; /* one reference, held for the waiters; NULL on failure */
     md_err err;
-    int refs;
+    int refs;  /* the loader and its waiters */
+    int asked; /* callers that came for this load, those gone included */
     pthread_cond_t cv;
     struct load_slot *next;
 } load_slot;
 
-typedef struct failed_load {
-    char name[72];
+/* A remembered answer: a failed load of (name, version) whose row had
+ * `identity`, or (identity "") a model (version 0) or version the store does
+ * not have. */
+typedef struct remembered {
+    char name[NAME_MAX_LEN];
     int version;
-    char sha256[MD_SHA256_HEX];
+    char identity[160];
     md_err err;
-} failed_load;
+} remembered;
 
 static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t arrival_cv = PTHREAD_COND_INITIALIZER;
 static load_slot *loading;
-static failed_load failed[FAILED_MAX];
-static int n_failed, next_failed;
-static long arrivals; /* on-demand load requests so far (the test knob counts them) */
+static remembered memory[REMEMBERED_MAX];
+static int n_memory, next_memory;
+static unsigned long epoch; /* bumped by every forget (load_mu) */
 
-static failed_load *find_failed(const char *name, int version, const char *sha)
+/* ---- remembered answers (load_mu held) ---- */
+
+static int name_fits(const char *name) { return name && strlen(name) < NAME_MAX_LEN; }
+
+/* What identifies one row of (name, version): recreating the row or changing
+ * its bytes or config changes it. `out` is "" when `v` lacks them. */
+static void row_identity(json_t *v, char *out, size_t size)
 {
-    for (int i = 0; i < n_failed; i++)
-        if (failed[i].version == version && strcmp(failed[i].name, name) == 0 &&
-            strcmp(failed[i].sha256, sha) == 0)
-            return &failed[i];
+    const char *sha = json_string_value(json_object_get(v, "sha256"));
+    const char *created = json_string_value(json_object_get(v, "created_at"));
+    char *config = json_dumps(json_object_get(v, "config"),
+                              JSON_COMPACT | JSON_SORT_KEYS | JSON_ENCODE_ANY);
+    uint64_t h = 1469598103934665603ULL; /* FNV-1a of the config */
+    for (const char *p = config ? config : ""; *p; p++)
+        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    free(config);
+    snprintf(out, size, "%s/%s/%016llx", sha ? sha : "", created ? created : "",
+             (unsigned long long)h);
+}
+
+/* The remembered answer for name/version. With `identity` (a row the store
+ * has just shown): only a failed load of that very row. Without: any entry
+ * for (name, version), or the model itself not found. */
+static remembered *recall(const char *name, int version, const char *identity)
+{
+    for (int i = 0; i < n_memory; i++) {
+        remembered *r = &memory[i];
+        if (strcmp(r->name, name) != 0)
+            continue;
+        if (identity) {
+            if (r->version == version && strcmp(r->identity, identity) == 0)
+                return r;
+            continue;
+        }
+        if (r->version == version || (r->version == 0 && r->err.status == MD_ENOTFOUND))
+            return r; /* no such model: no version either */
+    }
     return NULL;
 }
 
-static void remember_failure(const char *name, int version, const char *sha, const md_err *err)
+/* Remember `err` for name/version, unless something was forgotten since
+ * `seen_epoch` (what the caller read may be stale already). */
+static void remember(const char *name, int version, const char *identity, const md_err *err,
+                     unsigned long seen_epoch)
 {
-    failed_load *f = find_failed(name, version, sha);
-    if (!f) {
-        f = &failed[next_failed];
-        next_failed = (next_failed + 1) % FAILED_MAX;
-        if (n_failed < FAILED_MAX)
-            n_failed++;
+    if (seen_epoch != epoch || !name_fits(name))
+        return;
+    remembered *r = NULL;
+    for (int i = 0; i < n_memory && !r; i++)
+        if (memory[i].version == version && strcmp(memory[i].name, name) == 0)
+            r = &memory[i];
+    if (!r) {
+        r = &memory[next_memory];
+        next_memory = (next_memory + 1) % REMEMBERED_MAX;
+        if (n_memory < REMEMBERED_MAX)
+            n_memory++;
     }
-    snprintf(f->name, sizeof f->name, "%s", name);
-    f->version = version;
-    snprintf(f->sha256, sizeof f->sha256, "%s", sha);
-    f->err = *err;
+    snprintf(r->name, sizeof r->name, "%s", name);
+    r->version = version;
+    snprintf(r->identity, sizeof r->identity, "%s", identity ? identity : "");
+    r->err = *err;
 }
 
-/* load_mu held. */
-static void hold_for_test(void)
+/* Failures a retry would answer the same: the checkpoint or its config is
+ * bad. I/O errors, memory, a full queue, a timeout may pass. */
+static int deterministic(md_status st) { return st == MD_EUNPROC || st == MD_EINVAL; }
+
+void md_app_forget(md_app *app, const char *name, int version)
 {
-    static long hold = -1;
+    (void)app;
+    pthread_mutex_lock(&load_mu);
+    epoch++;
+    int kept = 0;
+    for (int i = 0; i < n_memory; i++) {
+        remembered *r = &memory[i];
+        int drop = !name || (strcmp(r->name, name) == 0 &&
+                             (version == 0 || r->version == version || r->version == 0));
+        if (!drop)
+            memory[kept++] = *r;
+    }
+    n_memory = kept;
+    next_memory = kept % REMEMBERED_MAX;
+    pthread_mutex_unlock(&load_mu);
+}
+
+/* ---- loading once ---- */
+
+/* Loader, load_mu held: with MD_TEST_LOAD_HOLD, wait until enough callers
+ * asked for this load (see the DESIGN note). */
+static void hold_for_test(load_slot *s)
+{
+    static long hold = -1, hold_version, hold_s;
     if (hold < 0) {
         const char *h = getenv("MD_TEST_LOAD_HOLD");
+        const char *hv = getenv("MD_TEST_LOAD_HOLD_VERSION");
+        const char *hs = getenv("MD_TEST_LOAD_HOLD_S");
+        hold_version = hv ? strtol(hv, NULL, 10) : 0;
+        hold_s = hs ? strtol(hs, NULL, 10) : 120;
         hold = h ? strtol(h, NULL, 10) : 0;
     }
+    if (s->asked >= hold || (hold_version && s->version != hold_version))
+        return;
+    md_log(MD_LOG_INFO, "model %s version %d: load held for the test until %ld callers asked",
+           s->name, s->version, hold);
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += 30;
-    while (arrivals < hold)
+    until.tv_sec += hold_s;
+    while (s->asked < hold)
         if (pthread_cond_timedwait(&arrival_cv, &load_mu, &until) == ETIMEDOUT)
             break;
 }
 
-/* Load the stored version `v` (its JSON from the store) once; see DESIGN.
- * Returns a new reference, or NULL with `err` set. The model is also in the
- * registry (not as the default). Blocks while another caller loads it. */
-static md_model *load_once(md_app *app, json_t *v, md_err *err)
+/* How long a caller waits for another's load of `v`: its batching.timeout_ms,
+ * else the server's. */
+static int wait_ms(md_app *app, json_t *v)
+{
+    json_t *t = json_object_get(json_object_get(json_object_get(v, "config"), "batching"),
+                                "timeout_ms");
+    if (json_is_integer(t) && json_integer_value(t) > 0 && json_integer_value(t) <= 3600000)
+        return (int)json_integer_value(t);
+    return app->model_defaults.timeout_ms > 0 ? app->model_defaults.timeout_ms : 30000;
+}
+
+/* Free `s` once its last caller leaves (load_mu held). */
+static void slot_leave(load_slot *s)
+{
+    if (--s->refs > 0)
+        return;
+    for (load_slot **p = &loading; *p; p = &(*p)->next)
+        if (*p == s) {
+            *p = s->next;
+            break;
+        }
+    md_model_release(s->model);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+}
+
+/* Load the stored version `v` (its JSON from the store, read after
+ * `seen_epoch`) once; see DESIGN. `why` goes in the log line ("on demand",
+ * "at start", ...). Returns a new reference, or NULL with `err` set. The
+ * model is also in the registry (not as the default). Blocks while another
+ * caller loads it, until that version's timeout (MD_ETIMEOUT). */
+static md_model *load_once(md_app *app, json_t *v, unsigned long seen_epoch, const char *why,
+                           md_err *err)
 {
     const char *name = json_string_value(json_object_get(v, "model"));
     int version = (int)json_integer_value(json_object_get(v, "version"));
-    const char *sha = json_string_value(json_object_get(v, "sha256"));
+    char identity[160];
+    row_identity(v, identity, sizeof identity);
+    if (!name_fits(name)) {
+        md_err_set(err, MD_EINTERNAL, "a stored model name is longer than 64 bytes");
+        return NULL;
+    }
     pthread_mutex_lock(&load_mu);
-    arrivals++;
-    pthread_cond_broadcast(&arrival_cv);
-    failed_load *fl = find_failed(name, version, sha ? sha : "");
-    if (fl) {
-        *err = fl->err; /* answered from memory: no load, no log line */
+    remembered *r = recall(name, version, identity);
+    if (r) {
+        *err = r->err; /* answered from memory: no load, no log line */
         pthread_mutex_unlock(&load_mu);
         return NULL;
     }
@@ -121,23 +247,50 @@ static md_model *load_once(md_app *app, json_t *v, md_err *err)
         s = s->next;
     if (s) {
         s->refs++;
+        s->asked++;
+        pthread_cond_broadcast(&arrival_cv);
+        int ms = wait_ms(app, v);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += ms / 1000;
+        until.tv_nsec += (long)(ms % 1000) * 1000000L;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
         while (!s->done)
-            pthread_cond_wait(&s->cv, &load_mu);
+            if (pthread_cond_timedwait(&s->cv, &load_mu, &until) == ETIMEDOUT && !s->done) {
+                slot_leave(s);
+                pthread_mutex_unlock(&load_mu);
+                md_err_setc(err, MD_ETIMEOUT, "model_loading",
+                            "model %s version %d is still loading after %d ms (its "
+                            "batching.timeout_ms); retry shortly",
+                            name, version, ms);
+                return NULL;
+            }
     } else {
+        /* the slot of a load that just finished may be gone: its model is
+         * in the registry then (put there before the slot was marked done) */
+        md_model *m = md_registry_get(app->registry, name, version);
+        if (m) {
+            pthread_mutex_unlock(&load_mu);
+            return m;
+        }
         s = md_xcalloc(1, sizeof *s);
         snprintf(s->name, sizeof s->name, "%s", name);
         s->version = version;
         s->refs = 1;
+        s->asked = 1;
         pthread_cond_init(&s->cv, NULL);
         s->next = loading;
         loading = s;
-        hold_for_test();
+        hold_for_test(s);
         pthread_mutex_unlock(&load_mu);
 
-        md_log(MD_LOG_INFO, "model %s version %d: loading on demand", name, version);
+        md_log(MD_LOG_INFO, "model %s version %d: loading %s", name, version, why);
         md_err lerr;
         md_err_clear(&lerr);
-        md_model *m = md_app_load_version(app, v, &lerr);
+        m = md_app_load_version(app, v, &lerr);
         if (m) {
             md_model_retain(m); /* the registry's reference */
             md_registry_put(app->registry, m, 0);
@@ -146,8 +299,8 @@ static md_model *load_once(md_app *app, json_t *v, md_err *err)
         s->done = 1;
         s->model = m;
         s->err = lerr;
-        if (!m)
-            remember_failure(name, version, sha ? sha : "", &lerr);
+        if (!m && deterministic(lerr.status))
+            remember(name, version, identity, &lerr, seen_epoch);
         pthread_cond_broadcast(&s->cv);
     }
     md_model *m = s->model;
@@ -155,42 +308,78 @@ static md_model *load_once(md_app *app, json_t *v, md_err *err)
         md_model_retain(m);
     else
         *err = s->err;
-    if (--s->refs == 0) {
-        for (load_slot **p = &loading; *p; p = &(*p)->next)
-            if (*p == s) {
-                *p = s->next;
-                break;
-            }
-        md_model_release(s->model);
-        pthread_cond_destroy(&s->cv);
-        free(s);
-    }
+    slot_leave(s);
     pthread_mutex_unlock(&load_mu);
     return m;
+}
+
+static unsigned long current_epoch(void)
+{
+    pthread_mutex_lock(&load_mu);
+    unsigned long e = epoch;
+    pthread_mutex_unlock(&load_mu);
+    return e;
+}
+
+/* A store lookup's "not found" (model or version), remembered. */
+static void remember_missing(const char *name, int version, const md_err *err,
+                             unsigned long seen_epoch)
+{
+    if (err->status != MD_ENOTFOUND)
+        return;
+    pthread_mutex_lock(&load_mu);
+    remember(name, strcmp(md_err_code(err), "version_not_found") == 0 ? version : 0, NULL, err,
+             seen_epoch);
+    pthread_mutex_unlock(&load_mu);
+}
+
+md_model *md_app_load_row(md_app *app, json_t *v, const char *why, md_err *err)
+{
+    return load_once(app, v, current_epoch(), why, err);
 }
 
 md_model *md_app_load_stored(md_app *app, const char *name, int version, int make_default,
                              md_err *err)
 {
+    unsigned long seen = current_epoch();
     json_t *v = NULL;
-    if (md_store_get_version(app->store, name, version, &v, err) != MD_OK)
+    if (md_store_get_version(app->store, name, version, &v, err) != MD_OK) {
+        remember_missing(name, version, err, seen);
         return NULL;
-    md_model *m = load_once(app, v, err);
+    }
+    md_model *m = load_once(app, v, seen, "on demand", err);
     json_decref(v);
     if (m && make_default)
         md_registry_set_default(app->registry, name, version);
     return m;
 }
 
+md_model *md_app_lookup(md_app *app, const char *name, int version, md_err *err)
+{
+    md_err_clear(err);
+    md_model *m = md_registry_get(app->registry, name, version);
+    if (m || !name_fits(name))
+        return m; /* a name too long to remember: not stored either; resolve says so */
+    pthread_mutex_lock(&load_mu);
+    remembered *r = recall(name, version, NULL);
+    if (r)
+        *err = r->err;
+    pthread_mutex_unlock(&load_mu);
+    return NULL;
+}
+
 md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err)
 {
     md_app *app = ctx;
-    md_model *m = md_registry_get(app->registry, name, version);
-    if (m)
+    md_model *m = md_app_lookup(app, name, version, err);
+    if (m || err->status != MD_OK)
         return m;
+    unsigned long seen = current_epoch();
     json_t *info = NULL;
-    if (md_store_get_model(app->store, name, &info, err) != MD_OK)
-        return NULL; /* model_not_found */
+    if (md_store_get_model(app->store, name, &info, err) != MD_OK) {
+        remember_missing(name, 0, err, seen); /* model_not_found */
+        return NULL;
+    }
     int make_default = 0;
     if (!version) {
         /* a default deployed through a replica sharing the store since this
@@ -210,11 +399,4 @@ md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err)
         return NULL;
     }
     return md_app_load_stored(app, name, version, make_default, err);
-}
-
-int md_app_resolve_ready(md_app *app, const char *name, int version)
-{
-    md_model *m = md_registry_get(app->registry, name, version);
-    md_model_release(m);
-    return m != NULL;
 }

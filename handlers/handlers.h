@@ -82,23 +82,36 @@ void md_handle_v2_live(md_req *req);
 void md_handle_v2_ready(md_req *req);
 void md_handle_v2_server(md_req *req);
 /* app.c */
+/* The loaded version of `name` (0 = the default), retained, from memory
+ * only: never loads, waits or reads SQLite, so an HTTP thread may call it.
+ * On NULL, err->status says whether the answer is known: model_not_found,
+ * version_not_found or a failed load's error remembered (see app.c), or
+ * MD_OK when it is not: then call md_app_resolve on a deferred thread.
+ * Thread-safe. */
+md_model *md_app_lookup(md_app *app, const char *name, int version, md_err *err);
 /* md_model_resolver over the registry: the loaded version (0 = the default),
  * retained; a stored version not loaded yet is loaded on demand, once however
- * many callers ask at the same time, and a version that failed to load
- * answers its error from memory until its bytes change. Errors:
+ * many callers ask at the same time; callers that wait on another's load give
+ * up at the version's batching.timeout_ms (MD_ETIMEOUT). Errors:
  * model_not_found, version_not_found, model_not_ready (no loaded default),
- * and the load's own. May block on a load: call it from a job thread or a
- * deferred handler thread, not a libmicrohttpd thread (md_app_resolve_ready
- * says whether it would return at once). Thread-safe. */
+ * model_loading (timeout) and the load's own. May block: call it from a job
+ * thread or a deferred handler thread, never a libmicrohttpd thread (there,
+ * md_app_lookup). Thread-safe. */
 md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err);
-/* Load stored `version` of `name` as md_app_resolve does (once, failures
- * remembered) and, with make_default, make it the registry's default.
- * Returns a new reference or NULL with `err`. May block; thread-safe. */
+/* Load stored `version` of `name` as md_app_resolve does (once, deadline,
+ * failures remembered) and, with make_default, make it the registry's
+ * default. Returns a new reference or NULL with `err`. May block; thread-safe. */
 md_model *md_app_load_stored(md_app *app, const char *name, int version, int make_default,
                              md_err *err);
-/* Whether `name` / `version` (0 = the default) is loaded now, so that
- * md_app_resolve would answer without loading. Thread-safe. */
-int md_app_resolve_ready(md_app *app, const char *name, int version);
+/* Load the stored row `v` (borrowed; its JSON from the store) through the
+ * same once-only slots; `why` words the log line ("at start"). The model is
+ * in the registry, not as the default. New reference or NULL with `err`.
+ * May block; thread-safe. */
+md_model *md_app_load_row(md_app *app, json_t *v, const char *why, md_err *err);
+/* Forget what is remembered about `name` (failed loads, "not found"):
+ * version 0 every version of it, NULL every name. Call after changing the
+ * store (an add, a delete, retention) or noticing a replica did. Thread-safe. */
+void md_app_forget(md_app *app, const char *name, int version);
 /* jobs.c */
 void md_handle_jobs_create(md_req *req);
 void md_handle_jobs_list(md_req *req);

@@ -215,8 +215,18 @@ md_model *md_app_load_version(md_app *app, json_t *v, md_err *err)
     md_store_sha_path(app->store, json_string_value(json_object_get(v, "sha256")), path,
                       sizeof path);
     md_model *m = NULL;
-    md_status st = md_model_load(name, version, path, json_object_get(v, "config"),
-                                 &app->model_defaults, &m, err);
+    md_status st;
+    /* a blob missing now (a replica's delete racing this load, a volume not
+     * mounted yet) is an I/O error, which may pass, not a bad checkpoint,
+     * which would be remembered (app.c) */
+    if (access(path, R_OK) != 0)
+        st = md_err_setc(err, MD_EIO, "checkpoint_missing",
+                         "model %s version %d: its checkpoint file is missing from the store "
+                         "(sha256 %.64s); retry, or upload the version again",
+                         name, version, json_string_value(json_object_get(v, "sha256")));
+    else
+        st = md_model_load(name, version, path, json_object_get(v, "config"),
+                           &app->model_defaults, &m, err);
     md_store_set_state(app->store, name, version, st == MD_OK ? "ready" : "failed",
                        st == MD_OK ? NULL : err->msg, NULL);
     if (st != MD_OK)
@@ -243,11 +253,13 @@ void md_app_load_defaults(md_app *app, int (*stop)(void))
         }
         if (strcmp(state, "failed") == 0)
             continue;
-        md_model *m = md_app_load_version(app, v, &err);
+        /* through the load slots: a request may already be loading it */
+        md_model *m = md_app_load_row(app, v, "at start", &err);
         if (m) {
-            md_registry_put(app->registry, m, 1);
+            md_registry_set_default(app->registry, md_model_name(m), md_model_version(m));
             md_log(MD_LOG_INFO, "model %s version %d loaded", md_model_name(m),
                    md_model_version(m));
+            md_model_release(m);
         }
     }
     json_decref(defaults);
@@ -273,6 +285,10 @@ void md_app_sync(md_app *app)
     long long gen = md_store_generation(app->store);
     if (gen == app->synced_generation)
         return;
+    /* the store changed, maybe through a replica: what app.c remembered
+     * (failed loads, names not found) may be stale now */
+    md_app_forget(app, NULL, 0);
+    int again = 0; /* a load was still running elsewhere: look again next pass */
     md_err err;
     md_err_clear(&err);
     json_t *defaults = NULL;
@@ -293,13 +309,17 @@ void md_app_sync(md_app *app)
         if (cur_v == version || (state && strcmp(state, "failed") == 0))
             continue;
         if (md_registry_set_default(app->registry, name, version) == 0) {
-            md_model *m = md_app_load_version(app, v, &err);
+            /* through the load slots: a request may be loading it already */
+            md_model *m = md_app_load_row(app, v, "for the store sync", &err);
             if (!m) {
                 md_log(MD_LOG_WARN, "store sync: model %s version %d: %s", name, version, err.msg);
+                again |= err.status == MD_ETIMEOUT;
                 continue;
             }
             /* a local deploy or rollback may have moved the default meanwhile */
-            md_registry_put(app->registry, m, stored_default(app, name) == version);
+            if (stored_default(app, name) == version)
+                md_registry_set_default(app->registry, name, version);
+            md_model_release(m);
         } else if (stored_default(app, name) != version) {
             continue; /* changed meanwhile: the next pass sees it */
         }
@@ -323,7 +343,8 @@ void md_app_sync(md_app *app)
         }
     }
     json_decref(loaded);
-    app->synced_generation = gen;
+    if (!again)
+        app->synced_generation = gen;
 }
 
 /* The config a version given without one inherits: the config of the
@@ -398,6 +419,9 @@ static md_status commit_and_reply(md_req *req, deploy_req *d, const char *sha, l
     md_status st = md_store_add_version(app->store, &spec, blob, &version, &err);
     if (st == MD_OK && d->retention)
         st = md_store_set_retention(app->store, d->name, d->retention, &err);
+    /* a new row (maybe a number deleted and reused) and retention's deletes:
+     * what app.c remembered about this name is stale */
+    md_app_forget(app, d->name, 0);
     if (st != MD_OK) {
         md_model_release(model);
         json_decref(version);
@@ -1026,8 +1050,10 @@ static void model_patch_deferred(md_req *req)
         else
             st = err.status;
     }
-    if (st == MD_OK && ret)
+    if (st == MD_OK && ret) {
         st = md_store_set_retention(app->store, name, ret, &err);
+        md_app_forget(app, name, 0); /* retention may have deleted versions */
+    }
     json_decref(body);
     json_t *out = NULL;
     if (st == MD_OK)
@@ -1052,6 +1078,7 @@ static void version_delete_deferred(md_req *req)
     md_status st = md_store_delete_version(app->store, name, version, force, &err);
     if (st == MD_OK) {
         md_registry_remove(app->registry, name, version);
+        md_app_forget(app, name, version); /* the number may be uploaded again */
         /* a forced delete of the default moved it: follow in the registry */
         json_t *info = NULL;
         if (md_store_get_model(app->store, name, &info, NULL) == MD_OK) {
@@ -1097,8 +1124,10 @@ void md_handle_model_delete(md_req *req)
     md_err err;
     const char *name = md_req_param(req, "name");
     md_status st = md_store_delete_model(app->store, name, &err);
-    if (st == MD_OK)
+    if (st == MD_OK) {
         md_registry_remove(app->registry, name, 0);
+        md_app_forget(app, name, 0);
+    }
     reply_result(req, st, st == MD_OK ? json_pack("{s:{s:s}}", "deleted", "model", name) : NULL,
                  &err);
 }

@@ -224,35 +224,39 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
     finish(c);
 }
 
-/* ---- finding the model ---- */
+/* ---- finding the model ----
+ *
+ * Every prediction route looks the model up once, in memory only
+ * (md_app_lookup: the registry and what app.c remembers), on the
+ * libmicrohttpd thread. On a hit it goes straight on to the batcher with the
+ * model that lookup retained; a lookup that cannot answer (a version not
+ * loaded here yet) hands the request to a deferred thread, which resolves it
+ * (a store read, maybe a load, once however many ask) and then goes on the
+ * same way. No libmicrohttpd thread ever loads or waits on a load, and there
+ * is no second lookup that a delete could make miss. */
 
-static md_model *find_model(md_req *req, const char *name, int version, md_err *err)
-{
-    return md_app_resolve(md_req_app(req), name, version, err);
-}
+/* What the handler read on its own thread, for whichever thread submits.
+ * Request state: freed with the request. */
+typedef struct pending {
+    char name[256];
+    int version;
+    int v2;
+    int top_k;
+    int npy;
+    int have_tensor;   /* V2: decoded before the lookup */
+    md_tensor t;
+    char content_type[128];
+    int has_content_type;
+    char v2_id[128];
+    char v2_output[64];
+} pending;
 
-/* The model answering POST /predict: default_model, else the only one. */
-static md_model *default_model(md_req *req, md_err *err)
+static void pending_free(void *p)
 {
-    md_app *app = md_req_app(req);
-    if (app->cfg->default_model[0])
-        return find_model(req, app->cfg->default_model, 0, err);
-    json_t *names = md_registry_names(app->registry);
-    md_model *m = NULL;
-    if (json_array_size(names) == 1) {
-        m = find_model(req, json_string_value(json_array_get(names, 0)), 0, err);
-    } else {
-        char *list = json_dumps(names, JSON_COMPACT);
-        md_err_setc(err, MD_EINVAL, "no_default_model",
-                    json_array_size(names) ? "several models are deployed (%s); use POST "
-                                             "/models/NAME/predict or set default_model"
-                                           : "no model is deployed%s; deploy one with POST "
-                                             "/models/NAME/versions",
-                    json_array_size(names) ? list : "");
-        free(list);
-    }
-    json_decref(names);
-    return m;
+    pending *pd = p;
+    if (pd && pd->have_tensor)
+        md_tensor_free(&pd->t);
+    free(pd);
 }
 
 static size_t max_values(md_req *req)
@@ -278,6 +282,91 @@ static void submit(md_req *req, md_model *m, md_tensor *t, pctx *c)
     }
 }
 
+/* Decode the body if not done yet and submit to `m` (a reference, taken). */
+static void go_on(md_req *req, pending *pd, md_model *m)
+{
+    md_err err;
+    md_err_clear(&err);
+    if (!pd->have_tensor) {
+        size_t len;
+        const char *body = md_req_body(req, &len);
+        if (md_tensor_decode(body, len, pd->has_content_type ? pd->content_type : NULL,
+                             max_values(req), &pd->t, &err) != MD_OK) {
+            md_model_release(m);
+            md_reply_error(req, &err);
+            return;
+        }
+    }
+    pd->have_tensor = 0; /* submit takes it, even on failure */
+    pctx *c = md_xcalloc(1, sizeof *c);
+    c->top_k = pd->top_k;
+    c->npy = pd->npy;
+    c->v2 = pd->v2;
+    memcpy(c->v2_id, pd->v2_id, sizeof c->v2_id);
+    memcpy(c->v2_output, pd->v2_output, sizeof c->v2_output);
+    md_tensor t = pd->t;
+    submit(req, m, &t, c);
+}
+
+/* On a deferred thread: resolve (may load or wait on a load), then go on. */
+static void resolve_deferred(md_req *req)
+{
+    pending *pd = md_req_state(req);
+    md_err err;
+    md_err_clear(&err);
+    md_model *m = md_app_resolve(md_req_app(req), pd->name, pd->version, &err);
+    if (!m) {
+        md_reply_error(req, &err);
+        return;
+    }
+    go_on(req, pd, m);
+}
+
+/* Takes `pd` (request state from here). */
+static void find_and_go(md_req *req, pending *pd)
+{
+    md_req_set_state(req, pd, pending_free);
+    md_err err;
+    md_model *m = md_app_lookup(md_req_app(req), pd->name, pd->version, &err);
+    if (m)
+        go_on(req, pd, m);
+    else if (err.status != MD_OK)
+        md_reply_error(req, &err); /* known here: not found, a remembered failure */
+    else
+        md_req_defer(req, resolve_deferred);
+}
+
+/* The name answering POST /predict: default_model, else the only model with
+ * a loaded default. Returns 0 after replying when there is none. */
+static int default_name(md_req *req, char *out, size_t size)
+{
+    md_app *app = md_req_app(req);
+    if (app->cfg->default_model[0]) {
+        snprintf(out, size, "%s", app->cfg->default_model);
+        return 1;
+    }
+    json_t *names = md_registry_names(app->registry);
+    int ok = json_array_size(names) == 1;
+    if (ok) {
+        snprintf(out, size, "%s", json_string_value(json_array_get(names, 0)));
+    } else {
+        md_err err;
+        char *list = json_dumps(names, JSON_COMPACT);
+        md_err_setc(&err, MD_EINVAL, "no_default_model",
+                    json_array_size(names) ? "several models are deployed (%s); use POST "
+                                             "/models/NAME/predict or set default_model"
+                                           : "no model is deployed%s; deploy one with POST "
+                                             "/models/NAME/versions",
+                    json_array_size(names) ? list : "");
+        free(list);
+        md_reply_error(req, &err);
+    }
+    json_decref(names);
+    return ok;
+}
+
+/* The JSON/NPY routes; `name` NULL: POST /predict. Query and headers are
+ * read here, on the handler thread. */
 static void predict(md_req *req, const char *name, int version)
 {
     md_err err;
@@ -288,57 +377,33 @@ static void predict(md_req *req, const char *name, int version)
         md_reply_error(req, &err);
         return;
     }
-    md_model *m = name ? find_model(req, name, version, &err) : default_model(req, &err);
-    if (!m) {
-        md_reply_error(req, &err);
+    pending *pd = md_xcalloc(1, sizeof *pd);
+    if (name)
+        snprintf(pd->name, sizeof pd->name, "%s", name);
+    else if (!default_name(req, pd->name, sizeof pd->name)) {
+        free(pd);
         return;
     }
-    size_t len;
-    const char *body = md_req_body(req, &len);
-    md_tensor t;
-    if (md_tensor_decode(body, len, md_req_header(req, "Content-Type"), max_values(req), &t, &err) !=
-        MD_OK) {
-        md_model_release(m);
-        md_reply_error(req, &err);
-        return;
-    }
-    pctx *c = md_xcalloc(1, sizeof *c);
-    c->top_k = (int)top_k;
+    pd->version = version;
+    pd->top_k = (int)top_k;
     const char *accept = md_req_header(req, "Accept");
-    c->npy = accept && strstr(accept, "application/x-npy") != NULL;
-    submit(req, m, &t, c);
+    pd->npy = accept && strstr(accept, "application/x-npy") != NULL;
+    const char *ct = md_req_header(req, "Content-Type");
+    if (ct) {
+        pd->has_content_type = 1;
+        snprintf(pd->content_type, sizeof pd->content_type, "%s", ct);
+    }
+    find_and_go(req, pd);
 }
 
 void md_handle_predict_default(md_req *req) { predict(req, NULL, 0); }
 
-/* A version that is not loaded yet is loaded on a deferred thread (once,
- * however many requests ask; handlers/app.c), never a libmicrohttpd one; the
- * prediction then goes on from there and is handed to the batcher. */
-static void predict_model_deferred(md_req *req) { predict(req, md_req_param(req, "name"), 0); }
-
-static void predict_version_deferred(md_req *req)
-{
-    int v;
-    if (md_req_version_param(req, &v))
-        predict(req, md_req_param(req, "name"), v);
-}
-
-void md_handle_predict_model(md_req *req)
-{
-    if (!md_app_resolve_ready(md_req_app(req), md_req_param(req, "name"), 0))
-        md_req_defer(req, predict_model_deferred);
-    else
-        predict(req, md_req_param(req, "name"), 0);
-}
+void md_handle_predict_model(md_req *req) { predict(req, md_req_param(req, "name"), 0); }
 
 void md_handle_predict_version(md_req *req)
 {
     int v;
-    if (!md_req_version_param(req, &v))
-        return;
-    if (!md_app_resolve_ready(md_req_app(req), md_req_param(req, "name"), v))
-        md_req_defer(req, predict_version_deferred);
-    else
+    if (md_req_version_param(req, &v))
         predict(req, md_req_param(req, "name"), v);
 }
 
@@ -458,22 +523,19 @@ static void v2_infer(md_req *req, int version)
         md_reply_error(req, &err);
         return;
     }
-    md_model *m = find_model(req, name, version, &err);
-    if (!m) {
-        md_tensor_free(&t);
-        json_decref(root);
-        md_reply_error(req, &err);
-        return;
-    }
-    pctx *c = md_xcalloc(1, sizeof *c);
-    c->v2 = 1;
+    pending *pd = md_xcalloc(1, sizeof *pd);
+    snprintf(pd->name, sizeof pd->name, "%s", name);
+    pd->version = version;
+    pd->v2 = 1;
+    pd->t = t;
+    pd->have_tensor = 1;
     const char *id = json_string_value(json_object_get(root, "id"));
-    snprintf(c->v2_id, sizeof c->v2_id, "%s", id ? id : "");
+    snprintf(pd->v2_id, sizeof pd->v2_id, "%s", id ? id : "");
     json_t *outs = json_object_get(root, "outputs");
     const char *oname = json_string_value(json_object_get(json_array_get(outs, 0), "name"));
-    snprintf(c->v2_output, sizeof c->v2_output, "%s", oname ? oname : "output0");
+    snprintf(pd->v2_output, sizeof pd->v2_output, "%s", oname ? oname : "output0");
     json_decref(root);
-    submit(req, m, &t, c);
+    find_and_go(req, pd);
 }
 
 void md_handle_v2_infer(md_req *req) { v2_infer(req, 0); }

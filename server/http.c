@@ -382,9 +382,23 @@ md_status md_req_form_feed(md_req *r, md_form_fn field_fn, const char *data, siz
 }
 
 /* Deferred threads running now: bounded, so a burst of deploys or on-demand
- * loads cannot start a thread each (503 with Retry-After past the bound). */
+ * loads cannot start a thread each (503 with Retry-After past the bound).
+ * Test-only: MD_TEST_MAX_DEFERRED=N lowers the bound, so a test can fill it. */
 #define MAX_DEFERRED 64
 static atomic_int deferred_running;
+
+static int max_deferred(void)
+{
+    static atomic_int limit; /* 0: not read yet */
+    int n = atomic_load(&limit);
+    if (n == 0) {
+        const char *t = getenv("MD_TEST_MAX_DEFERRED");
+        long v = t ? strtol(t, NULL, 10) : 0;
+        n = v >= 1 && v <= MAX_DEFERRED ? (int)v : MAX_DEFERRED;
+        atomic_store(&limit, n);
+    }
+    return n;
+}
 
 static void *defer_main(void *arg)
 {
@@ -411,13 +425,14 @@ static void *defer_main(void *arg)
 
 void md_req_defer(md_req *r, void (*fn)(md_req *req))
 {
-    if (atomic_fetch_add(&deferred_running, 1) >= MAX_DEFERRED) {
+    int limit = max_deferred();
+    if (atomic_fetch_add(&deferred_running, 1) >= limit) {
         atomic_fetch_sub(&deferred_running, 1);
         md_err err;
         md_err_setc(&err, MD_EBUSY, "too_busy",
                     "%d deploys, loads and downloads are in progress, the most at once; retry "
                     "%s %s shortly",
-                    MAX_DEFERRED, r->method, r->path);
+                    limit, r->method, r->path);
         md_reply_error(r, &err); /* MD_EBUSY: 503 with Retry-After */
         return;
     }

@@ -677,6 +677,7 @@ typedef struct race {
     int other_done, other_waiting;
     pthread_t thread;
     int started;
+    int timed_out; /* the other operation neither finished nor waited in time */
 } race;
 
 static void race_hook(md_store *store, const char *point, void *ctx)
@@ -694,9 +695,18 @@ static void race_hook(md_store *store, const char *point, void *ctx)
     r->armed = 0;
     assert_int_equal(pthread_create(&r->thread, NULL, r->other, r), 0);
     r->started = 1;
+    /* bounded: a regression (the other operation blocked on something this
+     * thread holds, not the write lock) fails the test instead of hanging
+     * `make test`; race_finish reports it once B has let go */
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 30;
     pthread_mutex_lock(&r->mu);
     while (!r->other_done && !r->other_waiting)
-        pthread_cond_wait(&r->cv, &r->mu);
+        if (pthread_cond_timedwait(&r->cv, &r->mu, &until) == ETIMEDOUT) {
+            r->timed_out = 1;
+            break;
+        }
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -756,6 +766,9 @@ static void race_finish(race *r)
 {
     assert_true(r->started);
     pthread_join(r->thread, NULL);
+    if (r->timed_out)
+        fail_msg("replica A's operation neither finished nor waited for the write lock within "
+                 "30 s while B was held");
     md_store_set_test_hook(NULL, NULL);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
@@ -1628,6 +1641,105 @@ static void test_path_open_follows_no_symlink(void **state)
     nftw(base, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
+/* "did you mean": the edit distances over every stored name are computed
+ * with neither the store mutex nor a write transaction held (BEGIN
+ * IMMEDIATE holds the write lock every replica shares). */
+typedef struct hint_probe {
+    const fx *f;
+    md_store *s;
+    int calls, write_lock_free, mutex_free;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int generation_read;
+} hint_probe;
+
+static void *read_generation(void *p)
+{
+    hint_probe *h = p;
+    md_store_generation(h->s); /* takes the store mutex */
+    pthread_mutex_lock(&h->mu);
+    h->generation_read = 1;
+    pthread_cond_broadcast(&h->cv);
+    pthread_mutex_unlock(&h->mu);
+    return NULL;
+}
+
+static void hint_hook(md_store *store, const char *point, void *ctx)
+{
+    hint_probe *h = ctx;
+    if (strcmp(point, "hint") != 0 || store != h->s)
+        return;
+    h->calls++;
+    /* another connection (a replica) can take the write lock at once */
+    char path[512];
+    snprintf(path, sizeof path, "%s/index.sqlite", h->f->dir);
+    sqlite3 *db = NULL;
+    if (sqlite3_open(path, &db) == SQLITE_OK) {
+        sqlite3_busy_timeout(db, 0);
+        if (sqlite3_exec(db, "BEGIN IMMEDIATE", NULL, NULL, NULL) == SQLITE_OK) {
+            h->write_lock_free++;
+            sqlite3_exec(db, "ROLLBACK", NULL, NULL, NULL);
+        }
+    }
+    sqlite3_close(db);
+    /* another thread can take the store mutex (bounded wait: a held mutex
+     * fails the check instead of hanging; the reader finishes after) */
+    pthread_t t;
+    h->generation_read = 0;
+    assert_int_equal(pthread_create(&t, NULL, read_generation, h), 0);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 10;
+    pthread_mutex_lock(&h->mu);
+    while (!h->generation_read)
+        if (pthread_cond_timedwait(&h->cv, &h->mu, &until) == ETIMEDOUT)
+            break;
+    h->mutex_free += h->generation_read;
+    pthread_mutex_unlock(&h->mu);
+    if (h->generation_read)
+        pthread_join(t, NULL);
+    else
+        pthread_detach(t);
+}
+
+static void test_typo_hint_computed_outside_locks(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    md_store *s = NULL;
+    open_store(f, &s);
+    assert_int_equal(add(s, "fashion", &mlp, 0, NULL, 1), 1);
+    hint_probe h = {.f = f, .s = s};
+    pthread_mutex_init(&h.mu, NULL);
+    pthread_cond_init(&h.cv, NULL);
+    md_store_set_test_hook(hint_hook, &h);
+    md_err err;
+    json_t *out = NULL;
+    assert_int_equal(md_store_set_default(s, "fashon", 1, &err), MD_ENOTFOUND);
+    assert_non_null(strstr(err.msg, "did you mean fashion?"));
+    assert_int_equal(md_store_delete_version(s, "fashon", 1, 0, &err), MD_ENOTFOUND);
+    assert_non_null(strstr(err.msg, "did you mean fashion?"));
+    assert_int_equal(md_store_set_retention(s, "fashon", json_null(), &err), MD_ENOTFOUND);
+    assert_non_null(strstr(err.msg, "did you mean fashion?"));
+    assert_int_equal(md_store_delete_model(s, "fashon", &err), MD_ENOTFOUND);
+    assert_non_null(strstr(err.msg, "did you mean fashion?"));
+    assert_int_equal(md_store_get_model(s, "fashon", &out, &err), MD_ENOTFOUND);
+    assert_non_null(strstr(err.msg, "did you mean fashion?"));
+    /* far from every name: no hint */
+    assert_int_equal(md_store_get_model(s, "zzzzzzzzzz", &out, &err), MD_ENOTFOUND);
+    assert_null(strstr(err.msg, "did you mean"));
+    md_store_set_test_hook(NULL, NULL);
+    assert_int_equal(h.calls, 6);
+    assert_int_equal(h.write_lock_free, 6);
+    assert_int_equal(h.mutex_free, 6);
+    /* and the store is usable after (no transaction left open) */
+    assert_int_equal(md_store_set_default(s, "fashion", 1, &err), MD_OK);
+    pthread_mutex_destroy(&h.mu);
+    pthread_cond_destroy(&h.cv);
+    md_store_close(s);
+    free(mlp.data);
+}
+
 static void test_model_name_ok(void **state)
 {
     (void)state;
@@ -1681,6 +1793,7 @@ int main(void)
         cmocka_unit_test(test_addr_is_internal),
         cmocka_unit_test(test_allowed_urls_compare_parsed_urls),
         cmocka_unit_test(test_path_open_follows_no_symlink),
+        cmocka_unit_test_setup_teardown(test_typo_hint_computed_outside_locks, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -247,10 +247,41 @@ def test_concurrent_registrations_share_only_the_download(start_server, gated, l
 # ----------------------------------- item 11: load once, failures remembered
 
 
+def hold_env(callers, version=None, **extra):
+    """MD_TEST_LOAD_HOLD (test-only, handlers/app.c): a load waits until
+    `callers` requests asked for it (of `version` only, when given); the hold's
+    own bound is scaled, so only the test releases it."""
+    env = {"MD_TEST_LOAD_HOLD": str(callers), "MD_TEST_LOAD_HOLD_S": str(int(120 * TSCALE))}
+    if version is not None:
+        env["MD_TEST_LOAD_HOLD_VERSION"] = str(version)
+    env.update(extra)
+    return env
+
+
+def in_background(fn, *args):
+    """Run fn(*args) on a thread; returns (thread, result list [value or exception])."""
+    out = []
+
+    def run():
+        try:
+            out.append(fn(*args))
+        except Exception as e:  # reported by the caller
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def held(srv, name, version):
+    wait_for(lambda: f"model {name} version {version}: load held for the test" in srv.stderr,
+             f"the load of {name} version {version} to be held")
+
+
 def test_concurrent_predicts_load_a_stored_version_once(start_server):
-    # MD_TEST_LOAD_HOLD (test-only, handlers/app.c): the on-demand load
-    # waits until 8 requests asked for it, so all 8 are provably concurrent
-    s = start_server(env={"MD_TEST_LOAD_HOLD": "8"})
+    # the on-demand load waits until 8 requests asked for it, so all 8 are
+    # provably concurrent
+    s = start_server(env=hold_env(8))
     created(upload(s, "m", fields=[("config", json.dumps(LABELED))]))
     v2 = created(upload(s, "m", fields=[("deploy", "false")]))
     assert v2["version"] == 2 and v2["state"] == "stored"
@@ -297,3 +328,162 @@ def test_failed_version_answers_from_memory(start_server):
     assert state["state"] == "failed" and state.get("state_reason"), state
     # the default still serves
     assert predict(s, "m")["version"] == 1
+
+
+# ------------------- review of the on-demand loads: HTTP threads never load
+
+
+def v2_body(rows):
+    return {"inputs": [{"name": "input0", "shape": [len(rows), len(rows[0])],
+                        "datatype": "FP32", "data": rows}]}
+
+
+@pytest.mark.parametrize("route", ["v2_infer", "predict_default"])
+def test_a_held_on_demand_load_leaves_the_only_http_thread_free(start_server, tmp_path, route):
+    # a replica with one HTTP thread that has not seen the deploy yet (its
+    # store poll is a minute away), so its first request loads on demand
+    store = tmp_path / "shared"
+    b = start_server("--threads", "1", "--store-poll-ms", "60000", "--default-model", "m",
+                     store=store, env=hold_env(2))
+    a = start_server(store=store)
+    created(upload(a, "m", fields=[("config", json.dumps(LABELED))]))
+
+    def ask():
+        if route == "v2_infer":
+            return b.request("POST", "/v2/models/m/infer", json=v2_body(MLP_INPUT[:2]),
+                             timeout=60 * TSCALE)
+        return b.request("POST", "/predict", json=MLP_INPUT[:2], timeout=60 * TSCALE)
+
+    t1, first = in_background(ask)
+    held(b, "m", 1)
+    # the load is held inside the server: its one HTTP thread must still answer
+    assert b.get("/healthz", timeout=5 * TSCALE).status_code == 200
+    t2, second = in_background(ask)  # the second caller releases the hold
+    t1.join(90 * TSCALE)
+    t2.join(90 * TSCALE)
+    for r in first + second:
+        assert isinstance(r, requests.Response) and r.status_code == 200, r
+        body = r.json()
+        assert body.get("model_version", body.get("version")) in ("1", 1), body
+    assert b.stderr.count("model m version 1: loading on demand") == 1, b.stderr[-3000:]
+
+
+def test_a_deleted_and_reuploaded_version_loads_again(start_server):
+    s = start_server()
+    created(upload(s, "m", fields=[("config", json.dumps(LABELED))]))
+    v2 = created(upload(s, "m", data=CNN, fields=[("deploy", "false"), ("config", "{}")]))
+    (s.store / "blobs" / v2["sha256"]).write_bytes(b"PK\x03\x04" + b"\0" * 200)
+    cnn_in = json.loads((FIXTURES / "cnn_input.json").read_text())[:1]
+    r = s.request("POST", "/models/m/versions/2/predict", json=cnn_in, timeout=30 * TSCALE)
+    assert r.status_code == 422, r.text
+    assert s.request("DELETE", "/models/m/versions/2").status_code == 200
+    # the same good bytes, as version 2 again
+    again = created(upload(s, "m", data=CNN, fields=[("deploy", "false"), ("config", "{}"),
+                                                     ("version", "2")]))
+    assert again["version"] == 2 and again["sha256"] == v2["sha256"]
+    r = s.request("POST", "/models/m/versions/2/predict", json=cnn_in, timeout=30 * TSCALE)
+    assert r.status_code == 200, f"the re-uploaded version answered from stale memory: {r.text}"
+    assert r.json()["version"] == 2
+    assert s.stderr.count("model m version 2: loading on demand") == 2
+
+
+def test_a_transient_load_failure_is_not_remembered(start_server):
+    s = start_server()
+    created(upload(s, "m", fields=[("config", json.dumps(LABELED))]))
+    v2 = created(upload(s, "m", data=CNN, fields=[("deploy", "false"), ("config", "{}")]))
+    blob = s.store / "blobs" / v2["sha256"]
+    aside = s.tmp_path / "aside"
+    blob.rename(aside)  # a blob missing for a moment: not a bad checkpoint
+    cnn_in = json.loads((FIXTURES / "cnn_input.json").read_text())[:1]
+    r = s.request("POST", "/models/m/versions/2/predict", json=cnn_in, timeout=30 * TSCALE)
+    expect_error(r, 500, "checkpoint_missing")
+    aside.rename(blob)
+    r = s.request("POST", "/models/m/versions/2/predict", json=cnn_in, timeout=30 * TSCALE)
+    assert r.status_code == 200, f"a transient failure was remembered: {r.text}"
+    assert s.stderr.count("model m version 2: loading on demand") == 2
+
+
+def test_waiting_on_a_held_load_gives_up_at_the_versions_timeout(start_server):
+    s = start_server(env=hold_env(3, version=2))
+    created(upload(s, "m", fields=[("config", json.dumps(LABELED))]))
+    ms = int(1000 * TSCALE)
+    cfg = dict(LABELED, batching={"timeout_ms": ms})
+    created(upload(s, "m", fields=[("deploy", "false"), ("config", json.dumps(cfg))]))
+
+    def ask():
+        return s.request("POST", "/models/m/versions/2/predict", json=MLP_INPUT[:2],
+                         timeout=60 * TSCALE)
+
+    t1, first = in_background(ask)
+    held(s, "m", 2)
+    r = ask()  # waits on the held load: gives up at its timeout, not never
+    msg = expect_error(r, 504, "model_loading")
+    assert "batching.timeout_ms" in msg and str(ms) in msg, msg
+    t3, third = in_background(ask)  # the third caller releases the hold
+    t1.join(90 * TSCALE)
+    t3.join(90 * TSCALE)
+    for r in first + third:
+        assert isinstance(r, requests.Response) and r.status_code == 200, r
+    assert s.stderr.count("model m version 2: loading on demand") == 1
+
+
+def test_full_deferred_pool_answers_503_and_known_answers_need_no_thread(start_server):
+    # one deferred thread (test-only MD_TEST_MAX_DEFERRED), held by a load
+    s = start_server(env=hold_env(2, version=2, MD_TEST_MAX_DEFERRED="1"))
+    created(upload(s, "m", fields=[("config", json.dumps(LABELED))]))
+    created(upload(s, "m", fields=[("deploy", "false")]))
+    v3 = created(upload(s, "m", data=CNN, fields=[("deploy", "false"), ("config", "{}")]))
+    (s.store / "blobs" / v3["sha256"]).write_bytes(b"PK\x03\x04" + b"\0" * 200)
+    bad = s.request("POST", "/models/m/versions/3/predict", json=MLP_INPUT[:2],
+                    timeout=30 * TSCALE)
+    assert bad.status_code == 422, bad.text
+    expect_error(s.request("POST", "/models/nope/predict", json=MLP_INPUT[:2]), 404,
+                 "model_not_found")
+    expect_error(s.request("POST", "/models/m/versions/9/predict", json=MLP_INPUT[:2]), 404,
+                 "version_not_found")
+
+    t1, first = in_background(
+        lambda: s.request("POST", "/models/m/versions/2/predict", json=MLP_INPUT[:2],
+                          timeout=60 * TSCALE))
+    held(s, "m", 2)
+    # the pool is full: what needs a deferred thread is refused at once
+    r = s.request("PATCH", "/models/m", json={"default_version": 1})
+    expect_error(r, 503, "too_busy")
+    assert r.headers.get("Retry-After"), r.headers
+    # what is known in memory is answered without one
+    again = s.request("POST", "/models/m/versions/3/predict", json=MLP_INPUT[:2])
+    assert again.status_code == 422 and again.json() == bad.json(), again.text
+    expect_error(s.request("POST", "/models/nope/predict", json=MLP_INPUT[:2]), 404,
+                 "model_not_found")
+    r = s.request("POST", "/v2/models/nope/infer", json=v2_body(MLP_INPUT[:2]))
+    assert r.status_code == 404, r.text
+    expect_error(s.request("POST", "/models/m/versions/9/predict", json=MLP_INPUT[:2]), 404,
+                 "version_not_found")
+    assert predict(s, "m")["version"] == 1  # a loaded version needs no thread either
+    s.kill()  # the held load never ends on its own within the test
+    t1.join(30 * TSCALE)
+
+
+def test_store_sync_joins_a_load_in_progress_instead_of_loading_again(start_server, tmp_path):
+    store = tmp_path / "shared"
+    b = start_server("--store-poll-ms", "100", store=store, env=hold_env(2, version=2))
+    a = start_server(store=store)
+    created(upload(a, "m", fields=[("config", json.dumps(LABELED))]))
+    wait_for(lambda: b.request("POST", "/models/m/predict", json=MLP_INPUT[:2]).status_code
+             == 200, "b to serve version 1")
+    v2 = created(upload(a, "m", fields=[("deploy", "false")]))
+    assert v2["version"] == 2 and v2["default"] is False, v2
+    # b loads version 2 on demand; the load is held until a second caller asks
+    t1, first = in_background(
+        lambda: b.request("POST", "/models/m/versions/2/predict", json=MLP_INPUT[:2],
+                          timeout=30 * TSCALE))
+    held(b, "m", 2)
+    # a replica makes it the default: b's store sync must join that load (the
+    # second caller, which releases the hold), not start a load of its own
+    r = a.request("PATCH", "/models/m", json={"default_version": 2}, timeout=30 * TSCALE)
+    assert r.status_code == 200, r.text
+    t1.join(60 * TSCALE)
+    assert first and isinstance(first[0], requests.Response), first
+    assert first[0].status_code == 200, first[0].text
+    wait_for(lambda: predict(b, "m")["version"] == 2, "b to serve version 2 as the default")
+    assert b.stderr.count("model m version 2: loading") == 1, b.stderr[-3000:]
