@@ -60,7 +60,7 @@ BUILD := build$(if $(SAN_FLAGS),-asan,)
 
 # every C module but main.c; the binary and the unit tests link these
 LIB_C   := config/md_err.c config/config.c server/router.c server/http.c checkpoint/store.c \
-	checkpoint/download.c predictor/model_config.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
+	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c predictor/model_config.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
 	predictor/readers.c predictor/jobs.c handlers/app.c handlers/jobs.c \
 	handlers/models.c handlers/predict.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
@@ -68,7 +68,7 @@ LIB_CXX := predictor/torch_backend.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
 
-UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_batcher
+UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_batcher test_formats
 # the batcher is tested over a fake backend: the linker seam replaces libtorch calls
 LDFLAGS_test_batcher := -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free
 UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)

@@ -331,3 +331,72 @@ extern "C" md_status md_torch_forward(md_torch_model *m, const float *input, con
 }
 
 extern "C" void md_torch_free(md_torch_model *m) { delete m; }
+
+/* ---- training checkpoints (issue 12): zip records, architectures ---- */
+
+#include <map>
+#include <memory>
+
+struct md_torch_zip {
+    std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+    std::map<std::string, std::pair<at::DataPtr, size_t>> records;
+};
+
+extern "C" md_status md_torch_zip_open(const char *path, md_torch_zip **out, md_err *err)
+{
+    *out = nullptr;
+    try {
+        auto reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+        md_torch_zip *z = new (std::nothrow) md_torch_zip;
+        if (!z)
+            return md_err_set(err, MD_ENOMEM, "out of memory opening a zip archive");
+        z->reader = std::move(reader);
+        *out = z;
+        return MD_OK;
+    } catch (const std::exception &e) {
+        set_torch_err(err, MD_EUNPROC, "the file is not a readable zip archive", error_text(e));
+        return MD_EUNPROC;
+    } catch (...) {
+        return md_err_set(err, MD_EUNPROC, "the file is not a readable zip archive");
+    }
+}
+
+extern "C" int md_torch_zip_has_record(md_torch_zip *z, const char *name)
+{
+    try {
+        return z->reader->hasRecord(name) ? 1 : 0;
+    } catch (...) {
+        return 0;
+    }
+}
+
+extern "C" md_status md_torch_zip_record(md_torch_zip *z, const char *name, const uint8_t **data,
+                                         size_t *size, md_err *err)
+{
+    *data = nullptr;
+    *size = 0;
+    try {
+        auto it = z->records.find(name);
+        if (it == z->records.end()) {
+            if (!z->reader->hasRecord(name))
+                return md_err_set(err, MD_ENOTFOUND, "the archive has no record \"%.200s\"",
+                                  name);
+            auto rec = z->reader->getRecord(name);
+            it = z->records.emplace(name, std::make_pair(std::move(std::get<0>(rec)),
+                                                         std::get<1>(rec))).first;
+        }
+        *data = static_cast<const uint8_t *>(it->second.first.get());
+        *size = it->second.second;
+        return MD_OK;
+    } catch (const std::bad_alloc &) {
+        return md_err_set(err, MD_ENOMEM, "out of memory reading record \"%.200s\"", name);
+    } catch (const std::exception &e) {
+        set_torch_err(err, MD_EUNPROC, "a zip record could not be read", error_text(e));
+        return MD_EUNPROC;
+    } catch (...) {
+        return md_err_set(err, MD_EUNPROC, "zip record \"%.200s\" could not be read", name);
+    }
+}
+
+extern "C" void md_torch_zip_close(md_torch_zip *z) { delete z; }
+
