@@ -461,11 +461,185 @@ static void test_pickle_limits(void **state)
 
 /* ---- safetensors ---- */
 
+static md_tensors *read_st_ok(const char *file)
+{
+    char path[256];
+    snprintf(path, sizeof path, CKPT "%s", file);
+    md_tensors *t = NULL;
+    md_err err;
+    if (md_safetensors_read_file(path, &t, &err) != MD_OK)
+        fail_msg("reading %s failed: %s", file, err.msg);
+    return t;
+}
 
+static void test_safetensors_files_read_exactly(void **state)
+{
+    (void)state;
+    static const char *const files[] = {"mlp.safetensors", "mlp_bf16.safetensors",
+                                        "bn.safetensors"};
+    for (size_t i = 0; i < 3; i++) {
+        md_tensors *t = read_st_ok(files[i]);
+        assert_matches_expected(t, files[i]);
+        md_tensors_free(t);
+    }
+    md_tensors *t = read_st_ok("mlp.safetensors");
+    assert_int_equal(md_tensors_meta_count(t), 2);
+    assert_string_equal(md_tensors_meta_get(t, "format"), "pt");
+    assert_string_equal(md_tensors_meta_get(t, "epoch"), "3");
+    assert_null(md_tensors_meta_get(t, "absent"));
+    md_tensors_free(t);
+}
 
+/* Writing what was read gives back the bytes Python wrote, and reading that
+ * gives back the same tensors bit for bit. */
+static void test_safetensors_round_trip(void **state)
+{
+    (void)state;
+    static const char *const files[] = {"mlp.safetensors", "mlp_bf16.safetensors",
+                                        "bn.safetensors"};
+    for (size_t f = 0; f < 3; f++) {
+        char path[256];
+        snprintf(path, sizeof path, CKPT "%s", files[f]);
+        size_t len;
+        uint8_t *orig = slurp(path, &len);
+        md_tensors *t = read_st_ok(files[f]);
+        uint8_t *buf;
+        size_t blen;
+        md_err err;
+        assert_int_equal(md_safetensors_write(t, &buf, &blen, &err), MD_OK);
+        assert_int_equal(blen, len);
+        assert_memory_equal(buf, orig, len);
+        md_tensors *back;
+        assert_int_equal(md_safetensors_read(buf, blen, &back, &err), MD_OK);
+        assert_int_equal(md_tensors_count(back), md_tensors_count(t));
+        for (size_t i = 0; i < md_tensors_count(t); i++) {
+            assert_string_equal(md_tensors_name(back, i), md_tensors_name(t, i));
+            assert_int_equal(md_tensors_nbytes(back, i), md_tensors_nbytes(t, i));
+            assert_memory_equal(md_tensors_data(back, i), md_tensors_data(t, i),
+                                md_tensors_nbytes(t, i));
+        }
+        /* and through a file descriptor */
+        char tmp[] = "/tmp/modeld_test_formats_XXXXXX";
+        int fd = mkstemp(tmp);
+        assert_true(fd >= 0);
+        assert_int_equal(md_safetensors_write_fd(t, fd, &err), MD_OK);
+        close(fd);
+        size_t flen;
+        uint8_t *fbytes = slurp(tmp, &flen);
+        unlink(tmp);
+        assert_int_equal(flen, len);
+        assert_memory_equal(fbytes, orig, len);
+        free(fbytes);
+        md_tensors_free(back);
+        free(buf);
+        md_tensors_free(t);
+        free(orig);
+    }
+}
 
+/* A torch.save state_dict exported as safetensors reads back bit-identical. */
+static void test_torch_save_to_safetensors(void **state)
+{
+    (void)state;
+    md_tensors *t = read_zip_ok("bn_sd.pt");
+    md_tensors_set_meta(t, "source", "bn_sd.pt");
+    uint8_t *buf;
+    size_t len;
+    md_err err;
+    assert_int_equal(md_safetensors_write(t, &buf, &len, &err), MD_OK);
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--)
+        hlen = hlen << 8 | buf[i];
+    assert_int_equal(hlen % 8, 0);
+    md_tensors *back;
+    assert_int_equal(md_safetensors_read(buf, len, &back, &err), MD_OK);
+    assert_matches_expected(back, "bn_sd.pt");
+    assert_string_equal(md_tensors_meta_get(back, "source"), "bn_sd.pt");
+    md_tensors_free(back);
+    free(buf);
+    md_tensors_free(t);
+}
 
+/* A safetensors file from a header text and `data_len` zero data bytes. */
+static md_status st_from_header(const char *header, size_t data_len, md_tensors **t, md_err *err)
+{
+    size_t h = strlen(header), len = 8 + h + data_len;
+    uint8_t *b = calloc(1, len);
+    for (int i = 0; i < 8; i++)
+        b[i] = (uint8_t)((uint64_t)h >> (8 * i));
+    memcpy(b + 8, header, h);
+    md_err_clear(err);
+    md_status st = md_safetensors_read(b, len, t, err);
+    free(b);
+    if (st != MD_OK)
+        assert_null(*t);
+    return st;
+}
 
+static void test_safetensors_bad_headers(void **state)
+{
+    (void)state;
+    md_tensors *t;
+    md_err err;
+    static const struct {
+        const char *header;
+        size_t data;
+        const char *want;
+    } cases[] = {
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, NULL},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 4,
+         "ends at byte 8 of the data, which holds 4"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8,
+         "has 8 bytes of data; its shape and dtype F32 need 12"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+         "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}", 12, "overlapping"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+         "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]}}", 12, "holes"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 8, "trailing bytes"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+         "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8, "unique"},
+        {"{\"a\":{\"dtype\":\"F8_E4M3\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1,
+         "dtype \"F8_E4M3\""},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}", 4, "invalid shape"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2305843009213693952,2],\"data_offsets\":[0,0]}}",
+         0, "overflows"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,0]}}", 4,
+         "invalid data_offsets"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]}}", 4,
+         "9 dimensions"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1]}}", 4, "data_offsets"},
+        {"{\"__metadata__\":{\"k\":1},\"a\":{\"dtype\":\"F32\",\"shape\":[1],"
+         "\"data_offsets\":[0,4]}}", 4, "__metadata__ entry \"k\" is not a string"},
+        {"{\"__metadata__\":{}}", 0, "no tensors"},
+        {"{\"a\":", 0, "not valid JSON"},
+        {"[1]", 0, "not a JSON object"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        md_status st = st_from_header(cases[i].header, cases[i].data, &t, &err);
+        if (!cases[i].want) {
+            assert_int_equal(st, MD_OK);
+            md_tensors_free(t);
+            continue;
+        }
+        if (st != MD_EUNPROC)
+            fail_msg("case %zu: status %d, want MD_EUNPROC", i, st);
+        assert_msg_has(err.msg, "safetensors", cases[i].want, NULL);
+    }
+    /* the length itself: past the file, past the limit, shorter than 8 */
+    uint8_t b[16] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, '{', '}'};
+    assert_int_equal(md_safetensors_read(b, 10, &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "MD_SAFETENSORS_MAX_HEADER", NULL);
+    memset(b, 0, 8);
+    b[0] = 100;
+    assert_int_equal(md_safetensors_read(b, 10, &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "claims 100 bytes", "truncated", NULL);
+    assert_int_equal(md_safetensors_read(b, 5, &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "shorter than its 8-byte header length", NULL);
+    /* the committed truncated file */
+    assert_int_equal(md_safetensors_read_file(CKPT "truncated.safetensors", &t, &err),
+                     MD_EUNPROC);
+    assert_msg_has(err.msg, "truncated or corrupt", NULL);
+}
 
 /* ---- named tensors, sniffing ---- */
 
@@ -558,6 +732,10 @@ int main(void)
         cmocka_unit_test(test_bad_torch_save_files),
         cmocka_unit_test(test_handmade_pickles),
         cmocka_unit_test(test_pickle_limits),
+        cmocka_unit_test(test_safetensors_files_read_exactly),
+        cmocka_unit_test(test_safetensors_round_trip),
+        cmocka_unit_test(test_torch_save_to_safetensors),
+        cmocka_unit_test(test_safetensors_bad_headers),
         cmocka_unit_test(test_named_tensors),
         cmocka_unit_test(test_sniff),
         cmocka_unit_test(test_zip_records),
