@@ -212,9 +212,63 @@ static const char *read_zip_fails(const char *file, md_err *err)
     return err->msg;
 }
 
+/* A float32 .npy (format 1.0, C order) into a new buffer of `*n` floats. */
+static float *read_npy(const char *path, size_t *n)
+{
+    size_t len;
+    uint8_t *b = slurp(path, &len);
+    assert_memory_equal(b, "\x93NUMPY\x01", 7);
+    size_t hlen = b[8] | (size_t)b[9] << 8;
+    assert_non_null(strstr((char *)b + 10, "'<f4'"));
+    *n = (len - 10 - hlen) / 4;
+    float *out = malloc(*n * 4);
+    memcpy(out, b + 10 + hlen, *n * 4);
+    free(b);
+    return out;
+}
 
+static md_torch_named_tensor *named(const md_tensors *t)
+{
+    md_torch_named_tensor *v = calloc(md_tensors_count(t) + 1, sizeof *v);
+    for (size_t i = 0; i < md_tensors_count(t); i++)
+        v[i] = (md_torch_named_tensor){md_tensors_name(t, i), md_tensors_dtype(t, i),
+                                       md_tensors_ndim(t, i), md_tensors_shape(t, i),
+                                       md_tensors_data(t, i)};
+    return v;
+}
 
+/* Load `arch` with `t`, run the fixture input `input_npy` of `shape`, and
+ * return the largest absolute difference from `expected_npy`. */
+static double forward_diff(const char *arch, const md_tensors *t, const char *input_npy,
+                           const int64_t *shape, int ndim, const char *expected_npy)
+{
+    md_torch_named_tensor *v = named(t);
+    md_torch_model *m = NULL;
+    md_err err;
+    md_err_clear(&err);
+    if (md_torch_load_state(arch, "cpu", MD_F32, v, md_tensors_count(t), &m, &err) != MD_OK)
+        fail_msg("loading the state into %s failed: %s", arch, err.msg);
+    free(v);
+    size_t nin, nwant;
+    float *x = read_npy(input_npy, &nin), *want = read_npy(expected_npy, &nwant);
+    float *y = NULL;
+    int64_t oshape[8];
+    int ondim = 0;
+    assert_int_equal(md_torch_forward(m, x, shape, ndim, &y, oshape, &ondim, &err), MD_OK);
+    assert_int_equal(ondim, 2);
+    assert_int_equal((size_t)(oshape[0] * oshape[1]), nwant);
+    double worst = 0;
+    for (size_t i = 0; i < nwant; i++)
+        worst = fmax(worst, fabs((double)y[i] - (double)want[i]));
+    free(x);
+    free(want);
+    free(y);
+    md_torch_free(m);
+    return worst;
+}
 
+static const int64_t mlp_in[] = {5, 4};
+static const int64_t cnn_in[] = {3, 1, 8, 8};
 
 /* ---- torch.save files PyTorch wrote ---- */
 
@@ -695,9 +749,182 @@ static void test_sniff(void **state)
 
 /* ---- into an architecture ---- */
 
+static void test_forward_equals_pytorch(void **state)
+{
+    (void)state;
+    /* the architecture's own (random) weights are far from the trained ones,
+     * so the comparisons below can fail */
+    md_torch_state *arch;
+    md_err err;
+    assert_int_equal(md_torch_state_read(CKPT "mlp_arch.pt", &arch, &err), MD_OK);
+    md_tensors *own = md_tensors_new();
+    for (size_t i = 0; i < md_torch_state_count(arch); i++) {
+        md_torch_named_tensor nt;
+        md_torch_state_get(arch, i, &nt, NULL);
+        size_t n = md_ckpt_dtype_size(nt.dtype);
+        for (int d = 0; d < nt.ndim; d++)
+            n *= (size_t)nt.shape[d];
+        assert_int_equal(md_tensors_add(own, nt.name, nt.dtype, nt.ndim, nt.shape, nt.data, n,
+                                        &err), MD_OK);
+    }
+    md_torch_state_free(arch);
+    assert_true(forward_diff(CKPT "mlp_arch.pt", own, FIX "mlp_input.npy", mlp_in, 2,
+                             FIX "mlp_expected.npy") > 1e-2);
+    md_tensors_free(own);
 
+    static const char *const same[] = {"mlp_sd.pt", "mlp_sd_plain.pt", "mlp_epoch3.pt",
+                                       "mlp_adam.pt", "mlp_sd_module.pt", "mlp_sd_f64.pt",
+                                       "mlp_sd_views.pt"};
+    for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
+        md_tensors *t = read_zip_ok(same[i]);
+        double d = forward_diff(CKPT "mlp_arch.pt", t, FIX "mlp_input.npy", mlp_in, 2,
+                                FIX "mlp_expected.npy");
+        if (d > 1e-6)
+            fail_msg("%s: forward differs from PyTorch's by %g", same[i], d);
+        md_tensors_free(t);
+    }
+    md_tensors *t = read_st_ok("mlp.safetensors");
+    assert_true(forward_diff(CKPT "mlp_arch.pt", t, FIX "mlp_input.npy", mlp_in, 2,
+                             FIX "mlp_expected.npy") <= 1e-6);
+    md_tensors_free(t);
+    t = read_zip_ok("mlp_sd_f16.pt");
+    assert_true(forward_diff(CKPT "mlp_arch.pt", t, FIX "mlp_input.npy", mlp_in, 2,
+                             CKPT "mlp_f16_expected.npy") <= 1e-6);
+    md_tensors_free(t);
+    static const char *const bn[] = {"bn_sd.pt", "bn.safetensors"};
+    for (size_t i = 0; i < 2; i++) {
+        t = i ? read_st_ok(bn[i]) : read_zip_ok(bn[i]);
+        double d = forward_diff(CKPT "bn_arch.pt", t, FIX "cnn_input.npy", cnn_in, 4,
+                                CKPT "bn_expected.npy");
+        if (d > 1e-5)
+            fail_msg("%s: forward differs from PyTorch's by %g", bn[i], d);
+        md_tensors_free(t);
+    }
+}
 
+static md_status load_into(const char *arch, const md_tensors *t, md_err *err)
+{
+    md_torch_named_tensor *v = named(t);
+    md_torch_model *m = (md_torch_model *)(intptr_t)1;
+    md_err_clear(err);
+    md_status st = md_torch_load_state(arch, "cpu", MD_F32, v, md_tensors_count(t), &m, err);
+    free(v);
+    if (st == MD_OK)
+        md_torch_free(m);
+    else
+        assert_null(m);
+    return st;
+}
 
+static void test_strict_mismatches_reported_together(void **state)
+{
+    (void)state;
+    md_tensors *sd = read_zip_ok("mlp_sd.pt");
+    md_err err;
+    /* drop fc2.bias, rename fc1.bias, give fc2.weight a wrong shape */
+    md_tensors *t = md_tensors_new();
+    for (size_t i = 0; i < md_tensors_count(sd); i++) {
+        const char *n = md_tensors_name(sd, i);
+        if (strcmp(n, "fc2.bias") == 0)
+            continue;
+        int64_t shape[2] = {md_tensors_shape(sd, i)[0], md_tensors_shape(sd, i)[1]};
+        int ndim = md_tensors_ndim(sd, i);
+        if (strcmp(n, "fc2.weight") == 0) {
+            shape[0] = 4;
+            shape[1] = 6;
+        }
+        assert_int_equal(md_tensors_add(t, strcmp(n, "fc1.bias") == 0 ? "fc1.bais" : n,
+                                        md_tensors_dtype(sd, i), ndim, shape,
+                                        md_tensors_data(sd, i), md_tensors_nbytes(sd, i), &err),
+                         MD_OK);
+    }
+    assert_int_equal(load_into(CKPT "mlp_arch.pt", t, &err), MD_EUNPROC);
+    assert_string_equal(md_err_code(&err), "state_dict_mismatch");
+    assert_msg_has(err.msg, "2 missing keys (fc1.bias, fc2.bias)", "1 unexpected key (fc1.bais)",
+                   "1 mismatched tensor (fc2.weight: checkpoint [4,6], architecture [3,8])",
+                   NULL);
+    md_tensors_free(t);
+    /* an MLP state_dict into the BatchNorm net: many of each, counted */
+    assert_int_equal(load_into(CKPT "bn_arch.pt", sd, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "9 missing keys (conv.weight, conv.bias, bn.weight, bn.bias, ...)",
+                   "4 unexpected keys (fc1.weight", NULL);
+    /* an integer tensor where a float parameter is */
+    t = md_tensors_new();
+    for (size_t i = 0; i < md_tensors_count(sd); i++) {
+        const char *n = md_tensors_name(sd, i);
+        if (strcmp(n, "fc2.bias") == 0) {
+            int64_t ints[3] = {1, 2, 3}, shape[1] = {3};
+            assert_int_equal(md_tensors_add(t, n, MD_CKPT_I64, 1, shape, ints, sizeof ints, &err),
+                             MD_OK);
+        } else {
+            assert_int_equal(md_tensors_add(t, n, md_tensors_dtype(sd, i), md_tensors_ndim(sd, i),
+                                            md_tensors_shape(sd, i), md_tensors_data(sd, i),
+                                            md_tensors_nbytes(sd, i), &err), MD_OK);
+        }
+    }
+    assert_int_equal(load_into(CKPT "mlp_arch.pt", t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "fc2.bias: checkpoint I64, architecture Float", NULL);
+    md_tensors_free(t);
+    /* module.-prefixed keys that still miss one: stripped, the one reported */
+    md_tensors *mod = read_zip_ok("mlp_sd_module.pt");
+    t = md_tensors_new();
+    for (size_t i = 0; i + 1 < md_tensors_count(mod); i++)
+        assert_int_equal(md_tensors_add(t, md_tensors_name(mod, i), md_tensors_dtype(mod, i),
+                                        md_tensors_ndim(mod, i), md_tensors_shape(mod, i),
+                                        md_tensors_data(mod, i), md_tensors_nbytes(mod, i), &err),
+                         MD_OK);
+    assert_int_equal(load_into(CKPT "mlp_arch.pt", t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "1 missing key (fc2.bias)", NULL);
+    assert_null(strstr(err.msg, "unexpected"));
+    md_tensors_free(t);
+    md_tensors_free(mod);
+    /* a missing architecture file */
+    assert_int_equal(load_into(CKPT "no_such_arch.pt", sd, &err), MD_EUNPROC);
+    md_tensors_free(sd);
+}
+
+/* The architecture's table is PyTorch's state_dict order, names, shapes and
+ * dtypes; a TorchScript file's weights read out equal its state_dict. */
+static void test_architecture_table(void **state)
+{
+    (void)state;
+    md_torch_state *s;
+    md_err err;
+    assert_int_equal(md_torch_state_read(CKPT "bn_arch.pt", &s, &err), MD_OK);
+    md_tensors *sd = read_zip_ok("bn_sd.pt");
+    assert_int_equal(md_torch_state_count(s), md_tensors_count(sd));
+    int buffers = 0;
+    for (size_t i = 0; i < md_torch_state_count(s); i++) {
+        md_torch_named_tensor nt;
+        int is_buffer = -1;
+        md_torch_state_get(s, i, &nt, &is_buffer);
+        assert_string_equal(nt.name, md_tensors_name(sd, i));
+        assert_int_equal(nt.dtype, md_tensors_dtype(sd, i));
+        assert_int_equal(nt.ndim, md_tensors_ndim(sd, i));
+        for (int d = 0; d < nt.ndim; d++)
+            assert_int_equal(nt.shape[d], md_tensors_shape(sd, i)[d]);
+        assert_int_equal(is_buffer, strstr(nt.name, "running_") ||
+                                        strstr(nt.name, "num_batches") ? 1 : 0);
+        buffers += is_buffer;
+    }
+    assert_int_equal(buffers, 3);
+    md_torch_state_free(s);
+    md_tensors_free(sd);
+    /* mlp.pt (TorchScript, trained) holds exactly the trained state_dict */
+    assert_int_equal(md_torch_state_read(FIX "mlp.pt", &s, &err), MD_OK);
+    sd = read_zip_ok("mlp_sd.pt");
+    assert_int_equal(md_torch_state_count(s), 4);
+    for (size_t i = 0; i < 4; i++) {
+        md_torch_named_tensor nt;
+        md_torch_state_get(s, i, &nt, NULL);
+        assert_memory_equal(nt.data, md_tensors_data(sd, i), md_tensors_nbytes(sd, i));
+    }
+    md_torch_state_free(s);
+    md_tensors_free(sd);
+    md_torch_state_free(NULL);
+    assert_int_equal(md_torch_state_read(CKPT "mlp_sd.pt", &s, &err), MD_EUNPROC);
+    assert_null(s);
+}
 
 static void test_zip_records(void **state)
 {
@@ -738,6 +965,9 @@ int main(void)
         cmocka_unit_test(test_safetensors_bad_headers),
         cmocka_unit_test(test_named_tensors),
         cmocka_unit_test(test_sniff),
+        cmocka_unit_test(test_forward_equals_pytorch),
+        cmocka_unit_test(test_strict_mismatches_reported_together),
+        cmocka_unit_test(test_architecture_table),
         cmocka_unit_test(test_zip_records),
     };
     return cmocka_run_group_tests(tests, load_expected, free_expected);
