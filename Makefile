@@ -176,9 +176,11 @@ clean:
 	rm -rf build build-asan build-tsan build-fuzz modeld
 
 # libFuzzer over the request decoders, the dataset readers, the configuration
-# loader and the router (clang); not part of
+# loader, the router and the checkpoint readers (clang); not part of
 # `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
+# the checkpoint readers' memory limits, small enough for libFuzzer's 2 GB
+FUZZ_CKPT_LIMITS := -DMD_CKPT_MAX_TOTAL_BYTES='(64LL << 20)' -DMD_PICKLE_MAX_ARENA='(64LL << 20)'
 fuzz:
 	@mkdir -p build-fuzz
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
@@ -193,16 +195,28 @@ fuzz:
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_router tests/fuzz_router.c \
 	  server/router.c config/md_err.c -ljansson -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined $(FUZZ_CKPT_LIMITS) -o build-fuzz/fuzz_pickle \
+	  tests/fuzz_pickle.c checkpoint/pickle.c checkpoint/named_tensors.c config/md_err.c -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined $(FUZZ_CKPT_LIMITS) -o build-fuzz/fuzz_safetensors \
+	  tests/fuzz_safetensors.c checkpoint/safetensors.c checkpoint/named_tensors.c \
+	  config/md_err.c -ljansson -lm
 	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers build-fuzz/corpus_config \
-	  build-fuzz/corpus_router
+	  build-fuzz/corpus_router build-fuzz/corpus_pickle build-fuzz/corpus_safetensors
 	cp tests/fuzz_corpus/* build-fuzz/corpus/
 	cp tests/fuzz_corpus_readers/* build-fuzz/corpus_readers/
 	cp tests/fuzz_corpus_config/* build-fuzz/corpus_config/
 	cp tests/fuzz_corpus_router/* build-fuzz/corpus_router/
+	cp tests/fuzz_corpus_pickle/* build-fuzz/corpus_pickle/
+	cp tests/fuzz_corpus_safetensors/* build-fuzz/corpus_safetensors/
 	build-fuzz/fuzz_tensor -max_total_time=$(FUZZ_SECONDS) -max_len=4096 build-fuzz/corpus
 	build-fuzz/fuzz_readers -max_total_time=$(FUZZ_SECONDS) -max_len=4096 build-fuzz/corpus_readers
 	build-fuzz/fuzz_config -max_total_time=$(FUZZ_SECONDS) -max_len=2048 build-fuzz/corpus_config
 	build-fuzz/fuzz_router -max_total_time=$(FUZZ_SECONDS) -max_len=1024 build-fuzz/corpus_router
+	build-fuzz/fuzz_pickle -max_total_time=$(FUZZ_SECONDS) -max_len=16384 build-fuzz/corpus_pickle
+	build-fuzz/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS) -max_len=4096 \
+	  build-fuzz/corpus_safetensors
 
 # The CUDA path of the backend must keep compiling even where no CUDA libtorch
 # exists to link it: compile it against Debian's libtorch headers and the CUDA
