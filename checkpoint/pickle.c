@@ -31,6 +31,7 @@
  * Every size that comes from the file is bounded: data.pkl, strings, the
  * stack, MARK nesting, memo slots, arena bytes, tensor count and bytes.
  */
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -925,6 +926,45 @@ static md_status materialize(unpickler *u, const char *name, value *t, md_tensor
     return st;
 }
 
+/* The value of a one-element tensor (`"loss": loss.detach()` is common). */
+static double tensor_number(value *t)
+{
+    value *s = t->u.tensor.storage;
+    const uint8_t *p = s->u.storage.data +
+                       (size_t)t->u.tensor.offset * md_ckpt_dtype_size(s->u.storage.dtype);
+    union {
+        float f;
+        double d;
+        int64_t i64;
+        int32_t i32;
+        int16_t i16;
+        uint16_t u16;
+        uint32_t u32;
+    } v;
+    memcpy(&v, p, md_ckpt_dtype_size(s->u.storage.dtype));
+    switch (s->u.storage.dtype) {
+    case MD_CKPT_F32: return v.f;
+    case MD_CKPT_F64: return v.d;
+    case MD_CKPT_I64: return (double)v.i64;
+    case MD_CKPT_I32: return v.i32;
+    case MD_CKPT_I16: return v.i16;
+    case MD_CKPT_I8: return (int8_t)p[0];
+    case MD_CKPT_U8:
+    case MD_CKPT_BOOL: return p[0];
+    case MD_CKPT_BF16:
+        v.u32 = (uint32_t)v.u16 << 16;
+        return v.f;
+    case MD_CKPT_F16: {
+        int e = (v.u16 >> 10) & 31, m = v.u16 & 1023;
+        double x = e == 0    ? ldexp(m, -24)
+                   : e == 31 ? (m ? NAN : INFINITY)
+                             : ldexp(m | 1024, e - 25);
+        return v.u16 >> 15 ? -x : x;
+    }
+    default: return NAN;
+    }
+}
+
 static const char *const wrapper_keys[] = {"model", "state_dict", "model_state_dict"};
 
 /* The state_dict in the unpickled value, its tensors into `out`. */
@@ -947,9 +987,12 @@ static md_status extract(unpickler *u, value *root, md_tensors *out)
         for (size_t i = 0; i < root->u.seq.count; i += 2) {
             const char *k = str_key(root->u.seq.items[i]);
             value *v = root->u.seq.items[i + 1];
-            if (k && strlen(k) == root->u.seq.items[i]->u.str.len &&
-                (v->kind == V_INT || v->kind == V_BOOL || v->kind == V_FLOAT))
+            if (!k || strlen(k) != root->u.seq.items[i]->u.str.len)
+                continue;
+            if (v->kind == V_INT || v->kind == V_BOOL || v->kind == V_FLOAT)
                 md_tensors_set_scalar(out, k, v->kind == V_FLOAT ? v->u.f : (double)v->u.i);
+            else if (v->kind == V_TENSOR && v->u.tensor.ndim == 0) /* in bounds: checked */
+                md_tensors_set_scalar(out, k, tensor_number(v));
         }
     } else {
         sd = root;

@@ -278,7 +278,7 @@ static void test_torch_save_files_read_exactly(void **state)
     static const char *const files[] = {"mlp_sd.pt",     "mlp_sd_plain.pt", "mlp_epoch3.pt",
                                         "mlp_adam.pt",   "mlp_sd_module.pt", "mlp_sd_f16.pt",
                                         "mlp_sd_f64.pt", "mlp_sd_views.pt", "bn_sd.pt",
-                                        "good_strided.pt"};
+                                        "good_strided.pt", "deflated.pt"};
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
         md_tensors *t = read_zip_ok(files[i]);
         assert_matches_expected(t, files[i]);
@@ -376,6 +376,7 @@ static void test_bad_torch_save_files(void **state)
         {"oob_missing_record.pt", "data/7", "does not hold"},
         {"bad_storage_type.pt", "torch.QInt8Storage", "not supported"},
         {"truncated.pt", "zip", NULL},
+        {"zip_bomb.pt", "compressed record that would inflate past 16 MiB", "torch.save"},
         {"mlp_arch.pt", "TorchScript archive", NULL},
         {"../not_a_model.pt", "not a zip archive", NULL},
     };
