@@ -432,6 +432,11 @@ static value *persistent_load(unpickler *u, value *pid)
     md_ckpt_dtype dtype = it[1]->u.global.dtype;
     const uint8_t *data = NULL;
     size_t size = 0;
+    if (!u->record) {
+        fail(u, "the pickle names storage data/%s, but no storage records were given",
+             it[2]->u.str.s);
+        return NULL;
+    }
     md_status st = u->record(u->ctx, it[2]->u.str.s, &data, &size, u->err);
     if (st != MD_OK)
         return NULL;
@@ -1032,6 +1037,7 @@ md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn rec
     md_err local;
     if (!err)
         err = &local;
+    md_err_clear(err);
     unpickler u = {.p = pkl, .len = len, .what = what ? what : "the checkpoint",
                    .record = record, .ctx = ctx, .err = err};
     value *root = NULL;

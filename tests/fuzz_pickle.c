@@ -28,7 +28,8 @@ static md_status record(void *ctx, const char *key, const uint8_t **data, size_t
 {
     records *r = ctx;
     size_t n = strlen(key);
-    if (n < 1 || n > 2 || key[0] < '0' || key[0] > '9' || (n == 2 && (key[1] < '0' || key[1] > '9')))
+    if (n < 1 || n > 2 || key[0] < '0' || key[0] > '9' ||
+        (n == 2 && (key[1] < '0' || key[1] > '9')))
         return md_err_set(err, MD_EUNPROC, "no record data/%s", key);
     *data = r->data;
     *size = r->size;

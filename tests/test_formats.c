@@ -348,6 +348,13 @@ static void test_whole_model_pickle_refused(void **state)
     assert_msg_has(msg, "__main__.MLP", "model.state_dict()", NULL);
 }
 
+#define PKL(s) s, sizeof(s) - 1
+/* {'w': tensor of data/0, 4 floats, size (4,), stride (1,)} */
+#define TENSOR_W                                                                          \
+    "X\x01\x00\x00\x00w" "ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage" \
+    "ctorch\nFloatStorage\nX\x01\x00\x00\x00" "0X\x03\x00\x00\x00" "cpuK\x04tQK\x00K\x04" \
+    "\x85K\x01\x85\x89}t" "R"
+
 static void test_legacy_format_refused(void **state)
 {
     (void)state;
@@ -362,6 +369,11 @@ static void test_legacy_format_refused(void **state)
     assert_int_equal(md_ckpt_unpickle(b, len, NULL, NULL, "legacy.pt", &t, &err), MD_EUNPROC);
     assert_msg_has(err.msg, "legacy.pt", "_use_new_zipfile_serialization=True", NULL);
     free(b);
+    /* a storage with no record source at all */
+    assert_int_equal(md_ckpt_unpickle((const uint8_t *)"\x80\x02}(" TENSOR_W "u.",
+                                      sizeof("\x80\x02}(" TENSOR_W "u.") - 1, NULL, NULL, "x.pt",
+                                      &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "data/0", "no storage records", NULL);
 }
 
 static void test_bad_torch_save_files(void **state)
@@ -413,13 +425,6 @@ static md_status unpickle(const char *pkl, size_t len, md_tensors **t, md_err *e
         assert_null(*t);
     return st;
 }
-
-#define PKL(s) s, sizeof(s) - 1
-/* {'w': tensor of data/0, 4 floats, size (4,), stride (1,)} */
-#define TENSOR_W                                                                          \
-    "X\x01\x00\x00\x00w" "ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage" \
-    "ctorch\nFloatStorage\nX\x01\x00\x00\x00" "0X\x03\x00\x00\x00" "cpuK\x04tQK\x00K\x04" \
-    "\x85K\x01\x85\x89}t" "R"
 
 static void test_handmade_pickles(void **state)
 {
