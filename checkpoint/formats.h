@@ -119,7 +119,7 @@ size_t md_tensors_nbytes(const md_tensors *t, size_t i);
 void *md_tensors_data_mut(md_tensors *t, size_t i);
 
 /* Top-level numbers of a checkpoint dict (`epoch`, `step`, `loss`; bools as
- * 0/1), in file order. Names borrowed. */
+ * 0/1; one-element 0-dim tensors by value), in file order. Names borrowed. */
 size_t md_tensors_scalar_count(const md_tensors *t);
 const char *md_tensors_scalar_name(const md_tensors *t, size_t i);
 double md_tensors_scalar_value(const md_tensors *t, size_t i);
