@@ -64,7 +64,8 @@ BUILD := build$(if $(SAN_FLAGS),-asan,)
 
 # every C module but main.c; the binary and the unit tests link these
 LIB_C   := config/md_err.c config/config.c server/router.c server/http.c checkpoint/store.c \
-	checkpoint/download.c predictor/model_config.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
+	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c \
+	checkpoint/safetensors.c predictor/model_config.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
 	predictor/readers.c predictor/jobs.c handlers/app.c handlers/jobs.c \
 	handlers/models.c handlers/predict.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
@@ -72,7 +73,7 @@ LIB_CXX := predictor/torch_backend.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
 
-UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_batcher
+UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_batcher test_formats
 # the batcher is tested over a fake backend: the linker seam replaces libtorch calls
 LDFLAGS_test_batcher := -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free
 UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
@@ -202,9 +203,11 @@ clean:
 	rm -rf build build-asan build-tsan build-fuzz modeld
 
 # libFuzzer over the request decoders, the dataset readers, the configuration
-# loader and the router (clang); not part of
+# loader, the router and the checkpoint readers (clang); not part of
 # `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
+# the checkpoint readers' memory limits, small enough for libFuzzer's 2 GB
+FUZZ_CKPT_LIMITS := -DMD_CKPT_MAX_TOTAL_BYTES='(64LL << 20)' -DMD_PICKLE_MAX_ARENA='(64LL << 20)'
 fuzz:
 	@mkdir -p build-fuzz
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
@@ -219,16 +222,28 @@ fuzz:
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_router tests/fuzz_router.c \
 	  server/router.c config/md_err.c -ljansson -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined $(FUZZ_CKPT_LIMITS) -o build-fuzz/fuzz_pickle \
+	  tests/fuzz_pickle.c checkpoint/pickle.c checkpoint/named_tensors.c config/md_err.c -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined $(FUZZ_CKPT_LIMITS) -o build-fuzz/fuzz_safetensors \
+	  tests/fuzz_safetensors.c checkpoint/safetensors.c checkpoint/named_tensors.c \
+	  config/md_err.c -ljansson -lm
 	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers build-fuzz/corpus_config \
-	  build-fuzz/corpus_router
+	  build-fuzz/corpus_router build-fuzz/corpus_pickle build-fuzz/corpus_safetensors
 	cp tests/fuzz_corpus/* build-fuzz/corpus/
 	cp tests/fuzz_corpus_readers/* build-fuzz/corpus_readers/
 	cp tests/fuzz_corpus_config/* build-fuzz/corpus_config/
 	cp tests/fuzz_corpus_router/* build-fuzz/corpus_router/
+	cp tests/fuzz_corpus_pickle/* build-fuzz/corpus_pickle/
+	cp tests/fuzz_corpus_safetensors/* build-fuzz/corpus_safetensors/
 	build-fuzz/fuzz_tensor -max_total_time=$(FUZZ_SECONDS) -max_len=4096 build-fuzz/corpus
 	build-fuzz/fuzz_readers -max_total_time=$(FUZZ_SECONDS) -max_len=4096 build-fuzz/corpus_readers
 	build-fuzz/fuzz_config -max_total_time=$(FUZZ_SECONDS) -max_len=2048 build-fuzz/corpus_config
 	build-fuzz/fuzz_router -max_total_time=$(FUZZ_SECONDS) -max_len=1024 build-fuzz/corpus_router
+	build-fuzz/fuzz_pickle -max_total_time=$(FUZZ_SECONDS) -max_len=16384 build-fuzz/corpus_pickle
+	build-fuzz/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS) -max_len=4096 \
+	  build-fuzz/corpus_safetensors
 
 # The CUDA path of the backend must keep compiling even where no CUDA libtorch
 # exists to link it: compile it against Debian's libtorch headers and the CUDA

@@ -331,3 +331,297 @@ extern "C" md_status md_torch_forward(md_torch_model *m, const float *input, con
 }
 
 extern "C" void md_torch_free(md_torch_model *m) { delete m; }
+
+/* ---- training checkpoints (issue 12): zip records, architectures ---- */
+
+#include <map>
+#include <memory>
+
+struct md_torch_zip {
+    std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+    std::map<std::string, std::pair<at::DataPtr, size_t>> records;
+};
+
+extern "C" md_status md_torch_zip_open(const char *path, md_torch_zip **out, md_err *err)
+{
+    *out = nullptr;
+    try {
+        auto reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+        md_torch_zip *z = new (std::nothrow) md_torch_zip;
+        if (!z)
+            return md_err_set(err, MD_ENOMEM, "out of memory opening a zip archive");
+        z->reader = std::move(reader);
+        *out = z;
+        return MD_OK;
+    } catch (const std::exception &e) {
+        set_torch_err(err, MD_EUNPROC, "the file is not a readable zip archive", error_text(e));
+        return MD_EUNPROC;
+    } catch (...) {
+        return md_err_set(err, MD_EUNPROC, "the file is not a readable zip archive");
+    }
+}
+
+extern "C" int md_torch_zip_has_record(md_torch_zip *z, const char *name)
+{
+    try {
+        return z->reader->hasRecord(name) ? 1 : 0;
+    } catch (...) {
+        return 0;
+    }
+}
+
+extern "C" md_status md_torch_zip_record(md_torch_zip *z, const char *name, const uint8_t **data,
+                                         size_t *size, md_err *err)
+{
+    *data = nullptr;
+    *size = 0;
+    try {
+        auto it = z->records.find(name);
+        if (it == z->records.end()) {
+            if (!z->reader->hasRecord(name))
+                return md_err_set(err, MD_ENOTFOUND, "the archive has no record \"%.200s\"",
+                                  name);
+            auto rec = z->reader->getRecord(name);
+            it = z->records.emplace(name, std::make_pair(std::move(std::get<0>(rec)),
+                                                         std::get<1>(rec))).first;
+        }
+        *data = static_cast<const uint8_t *>(it->second.first.get());
+        *size = it->second.second;
+        return MD_OK;
+    } catch (const std::bad_alloc &) {
+        return md_err_set(err, MD_ENOMEM, "out of memory reading record \"%.200s\"", name);
+    } catch (const std::exception &e) {
+        set_torch_err(err, MD_EUNPROC, "a zip record could not be read", error_text(e));
+        return MD_EUNPROC;
+    } catch (...) {
+        return md_err_set(err, MD_EUNPROC, "zip record \"%.200s\" could not be read", name);
+    }
+}
+
+extern "C" void md_torch_zip_close(md_torch_zip *z) { delete z; }
+
+static bool ckpt_scalar_type(md_ckpt_dtype d, torch::ScalarType *out)
+{
+    switch (d) {
+    case MD_CKPT_F32: *out = torch::kFloat32; return true;
+    case MD_CKPT_F16: *out = torch::kFloat16; return true;
+    case MD_CKPT_BF16: *out = torch::kBFloat16; return true;
+    case MD_CKPT_F64: *out = torch::kFloat64; return true;
+    case MD_CKPT_I64: *out = torch::kInt64; return true;
+    case MD_CKPT_I32: *out = torch::kInt32; return true;
+    case MD_CKPT_I16: *out = torch::kInt16; return true;
+    case MD_CKPT_I8: *out = torch::kInt8; return true;
+    case MD_CKPT_U8: *out = torch::kUInt8; return true;
+    case MD_CKPT_BOOL: *out = torch::kBool; return true;
+    default: return false;
+    }
+}
+
+static bool ckpt_dtype_of(torch::ScalarType t, md_ckpt_dtype *out)
+{
+    for (int d = 0; d < MD_CKPT_DTYPE_COUNT; d++) {
+        torch::ScalarType s;
+        if (ckpt_scalar_type((md_ckpt_dtype)d, &s) && s == t) {
+            *out = (md_ckpt_dtype)d;
+            return true;
+        }
+    }
+    return false;
+}
+
+/* A module's parameters and buffers by dotted name, in state_dict order: each
+ * module's own parameters, then its own buffers, then its children's. */
+struct named_slot {
+    std::string name;
+    torch::Tensor tensor;
+    bool is_buffer;
+};
+
+static std::vector<named_slot> state_slots(const torch::jit::script::Module &root)
+{
+    std::vector<named_slot> slots;
+    for (const auto &m : root.named_modules()) {
+        std::string prefix = m.name.empty() ? "" : m.name + ".";
+        for (const auto &p : m.value.named_parameters(false))
+            slots.push_back({prefix + p.name, p.value, false});
+        for (const auto &b : m.value.named_buffers(false))
+            slots.push_back({prefix + b.name, b.value, true});
+    }
+    return slots;
+}
+
+static std::string shape_str(c10::IntArrayRef s)
+{
+    std::string o = "[";
+    for (size_t i = 0; i < s.size(); i++)
+        o += (i ? "," : "") + std::to_string(s[i]);
+    return o + "]";
+}
+
+/* "N missing keys (a, b, ...)" with at most `show` names, each shortened. */
+static std::string listing(const std::vector<std::string> &items, const char *what, size_t show)
+{
+    std::string o = std::to_string(items.size()) + " " + what + (items.size() == 1 ? "" : "s") +
+                    " (";
+    for (size_t i = 0; i < items.size() && i < show; i++)
+        o += (i ? ", " : "") + (items[i].size() > 80 ? items[i].substr(0, 77) + "..." : items[i]);
+    if (items.size() > show)
+        o += ", ...";
+    return o + ")";
+}
+
+extern "C" md_status md_torch_load_state(const char *arch_path, const char *device,
+                                         md_dtype input_dtype,
+                                         const md_torch_named_tensor *tensors, size_t count,
+                                         md_torch_model **out, md_err *err)
+{
+    *out = nullptr;
+    md_torch_model *m = nullptr;
+    md_status st = md_torch_load(arch_path, device, input_dtype, &m, err);
+    if (st != MD_OK)
+        return st;
+    try {
+        std::vector<named_slot> slots = state_slots(m->module);
+        std::map<std::string, size_t> by_name;
+        for (size_t i = 0; i < slots.size(); i++)
+            by_name[slots[i].name] = i;
+        /* the file's names as-is, or all without "module." if that matches */
+        auto name_of = [&](size_t i, bool strip) {
+            const char *n = tensors[i].name;
+            return std::string(strip ? md_ckpt_strip_module(n) : n);
+        };
+        /* DDP's "module." prefix: stripped when every name has it and the
+         * stripped names match more of the architecture than the raw ones
+         * (an architecture may itself have a submodule named "module") */
+        bool all_prefixed = count > 0;
+        size_t raw_hits = 0, stripped_hits = 0;
+        for (size_t i = 0; i < count; i++) {
+            all_prefixed = all_prefixed && strncmp(tensors[i].name, "module.", 7) == 0;
+            raw_hits += by_name.count(name_of(i, false));
+            stripped_hits += by_name.count(name_of(i, true));
+        }
+        bool strip = all_prefixed && stripped_hits > raw_hits;
+        std::vector<std::string> missing, unexpected, mismatched;
+        std::vector<long> source(slots.size(), -1);
+        for (size_t i = 0; i < count; i++) {
+            std::string n = name_of(i, strip);
+            auto it = by_name.find(n);
+            if (it == by_name.end()) {
+                unexpected.push_back(tensors[i].name);
+                continue;
+            }
+            const torch::Tensor &dst = slots[it->second].tensor;
+            std::vector<int64_t> shape(tensors[i].shape, tensors[i].shape + tensors[i].ndim);
+            bool src_float = md_ckpt_dtype_is_float(tensors[i].dtype) != 0;
+            if (dst.sizes() != c10::IntArrayRef(shape))
+                mismatched.push_back(n + ": checkpoint " + shape_str(shape) + ", architecture " +
+                                     shape_str(dst.sizes()));
+            else if (src_float != dst.is_floating_point())
+                mismatched.push_back(n + ": checkpoint " + md_ckpt_dtype_name(tensors[i].dtype) +
+                                     ", architecture " + c10::toString(dst.scalar_type()));
+            source[it->second] = (long)i;
+        }
+        for (size_t s = 0; s < slots.size(); s++)
+            if (source[s] < 0)
+                missing.push_back(slots[s].name);
+        if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
+            std::string msg = "the checkpoint does not match the architecture (strict loading):";
+            const char *sep = " ";
+            if (!missing.empty()) {
+                msg += sep + listing(missing, "missing key", 4);
+                sep = "; ";
+            }
+            if (!unexpected.empty()) {
+                msg += sep + listing(unexpected, "unexpected key", 4);
+                sep = "; ";
+            }
+            if (!mismatched.empty())
+                msg += sep + listing(mismatched, "mismatched tensor", 3);
+            md_torch_free(m);
+            return md_err_setc(err, MD_EUNPROC, "state_dict_mismatch", "%s", msg.c_str());
+        }
+        torch::NoGradGuard no_grad;
+        for (size_t s = 0; s < slots.size(); s++) {
+            const md_torch_named_tensor &src = tensors[source[s]];
+            torch::ScalarType type;
+            if (!ckpt_scalar_type(src.dtype, &type)) {
+                md_torch_free(m);
+                return md_err_set(err, MD_EINVAL, "tensor \"%.200s\" has an unknown dtype",
+                                  src.name);
+            }
+            std::vector<int64_t> shape(src.shape, src.shape + src.ndim);
+            torch::Tensor t = torch::from_blob(const_cast<void *>(src.data), shape, type);
+            slots[s].tensor.copy_(t); /* converts dtype, moves to the model's device */
+        }
+        *out = m;
+        return MD_OK;
+    } catch (const std::exception &e) {
+        md_torch_free(m);
+        set_torch_err(err, MD_EUNPROC, "the checkpoint's tensors could not be loaded",
+                      error_text(e));
+        return MD_EUNPROC;
+    } catch (...) {
+        md_torch_free(m);
+        return md_err_set(err, MD_EUNPROC, "the checkpoint's tensors could not be loaded");
+    }
+}
+
+struct md_torch_state {
+    std::vector<named_slot> slots; /* contiguous CPU copies */
+    std::vector<md_ckpt_dtype> dtypes;
+};
+
+extern "C" md_status md_torch_state_read(const char *path, md_torch_state **out, md_err *err)
+{
+    *out = nullptr;
+    try {
+        torch::jit::script::Module module = torch::jit::load(path, torch::kCPU);
+        std::vector<named_slot> slots = state_slots(module);
+        std::vector<md_ckpt_dtype> dtypes;
+        for (auto &s : slots) {
+            md_ckpt_dtype d;
+            if (!ckpt_dtype_of(s.tensor.scalar_type(), &d))
+                return md_err_set(err, MD_EUNPROC, "%s \"%.200s\" has dtype %s, which checkpoint "
+                                  "files cannot hold; use float, integer or bool tensors",
+                                  s.is_buffer ? "buffer" : "parameter", s.name.c_str(),
+                                  c10::toString(s.tensor.scalar_type()));
+            s.tensor = s.tensor.detach().to(torch::kCPU).contiguous().clone();
+            dtypes.push_back(d);
+        }
+        md_torch_state *st = new (std::nothrow) md_torch_state{std::move(slots),
+                                                               std::move(dtypes)};
+        if (!st)
+            return md_err_set(err, MD_ENOMEM, "out of memory reading an architecture");
+        *out = st;
+        return MD_OK;
+    } catch (const std::exception &e) {
+        set_torch_err(err, MD_EUNPROC, "libtorch could not load the architecture", error_text(e));
+        return MD_EUNPROC;
+    } catch (...) {
+        return md_err_set(err, MD_EUNPROC, "libtorch could not load the architecture");
+    }
+}
+
+extern "C" size_t md_torch_state_count(const md_torch_state *s) { return s->slots.size(); }
+
+extern "C" void md_torch_state_get(const md_torch_state *s, size_t i, md_torch_named_tensor *out,
+                                   int *is_buffer)
+{
+    const named_slot &slot = s->slots[i];
+    out->name = slot.name.c_str();
+    out->dtype = s->dtypes[i];
+    try {
+        /* cannot throw: the tensors are defined, contiguous CPU copies */
+        out->ndim = (int)slot.tensor.dim();
+        out->shape = slot.tensor.sizes().data();
+        out->data = slot.tensor.data_ptr();
+    } catch (...) {
+        out->ndim = 0;
+        out->shape = nullptr;
+        out->data = nullptr;
+    }
+    if (is_buffer)
+        *is_buffer = slot.is_buffer ? 1 : 0;
+}
+
+extern "C" void md_torch_state_free(md_torch_state *s) { delete s; }

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "../config/md_err.h"
+#include "../checkpoint/formats.h" /* md_ckpt_dtype (a type only; no link dependency) */
 
 #ifdef __cplusplus
 extern "C" {
@@ -63,6 +64,68 @@ void md_torch_set_thread_background(int background);
 
 /* Free a model. Accepts NULL. */
 void md_torch_free(md_torch_model *m);
+
+/* ---- training checkpoints (issue 12): zip records, architectures ---- */
+
+/* A zip archive as libtorch reads it (caffe2::serialize::PyTorchStreamReader):
+ * torch.save and TorchScript files. Records are named relative to the
+ * archive's top folder ("data.pkl", "data/0", "version"). One thread at a
+ * time per handle. */
+typedef struct md_torch_zip md_torch_zip;
+
+/* Open the zip at `path`. MD_EUNPROC with the reason when it is not one. */
+md_status md_torch_zip_open(const char *path, md_torch_zip **out, md_err *err);
+/* 1 when record `name` exists, else 0. */
+int md_torch_zip_has_record(md_torch_zip *z, const char *name);
+/* The bytes of record `name`, read once and cached: borrowed, valid until
+ * md_torch_zip_close. MD_ENOTFOUND naming the record when absent. */
+md_status md_torch_zip_record(md_torch_zip *z, const char *name, const uint8_t **data,
+                              size_t *size, md_err *err);
+/* Close the archive and free every record read. Accepts NULL. */
+void md_torch_zip_close(md_torch_zip *z);
+
+/* One named tensor: contiguous C-order data. Pointers borrowed. */
+typedef struct md_torch_named_tensor {
+    const char *name;
+    md_ckpt_dtype dtype;
+    int ndim;
+    const int64_t *shape;
+    const void *data;
+} md_torch_named_tensor;
+
+/*
+ * Load the TorchScript architecture at `arch_path` as md_torch_load does
+ * (device, input dtype) and set its parameters and buffers from `tensors`,
+ * strictly, as PyTorch's load_state_dict(strict=True): keys the architecture
+ * has and the tensors lack (missing), keys it does not have (unexpected),
+ * and shape or kind (float vs integer) mismatches fail together with
+ * MD_EUNPROC listing the first few of each and the counts. When every name
+ * carries DistributedDataParallel's "module." prefix and stripping it makes
+ * the keys match, it is stripped. F16/BF16/F64 become the parameter's dtype;
+ * integer buffers (BatchNorm's num_batches_tracked) are copied as int64.
+ * `tensors` are copied; on success `*out` is a new model for md_torch_forward.
+ * Thread-safe (each call loads its own copy of the architecture).
+ */
+md_status md_torch_load_state(const char *arch_path, const char *device, md_dtype input_dtype,
+                              const md_torch_named_tensor *tensors, size_t count,
+                              md_torch_model **out, md_err *err);
+
+/* A TorchScript module's parameters and buffers, in state_dict order, with
+ * their values copied to the CPU: the architecture's table (name, shape,
+ * dtype) and a TorchScript version's weights for export or averaging. */
+typedef struct md_torch_state md_torch_state;
+
+/* Read the parameters and buffers of the TorchScript archive at `path`.
+ * MD_EUNPROC when it does not load or holds a dtype the checkpoint formats
+ * cannot express (complex, quantized). */
+md_status md_torch_state_read(const char *path, md_torch_state **out, md_err *err);
+size_t md_torch_state_count(const md_torch_state *s);
+/* Entry `i` (< count): pointers borrowed until md_torch_state_free;
+ * `*is_buffer` (may be NULL) is 1 for a buffer, 0 for a parameter. */
+void md_torch_state_get(const md_torch_state *s, size_t i, md_torch_named_tensor *out,
+                        int *is_buffer);
+/* Accepts NULL. */
+void md_torch_state_free(md_torch_state *s);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,980 @@
+/*
+ * test_formats.c - unit tests of the checkpoint readers (checkpoint/pickle.c,
+ * torch_zip.c, safetensors.c, named_tensors.c) and of loading named tensors
+ * into a TorchScript architecture (predictor/torch_backend.cpp).
+ *
+ * The good files were written by real PyTorch 1.13 (torch.save) or by a few
+ * lines of Python (safetensors) in tests/fixtures/make_ckpt_fixtures.py,
+ * which records every tensor's name, dtype, shape and exact values in
+ * tests/fixtures/ckpt/expected.json: each good file must read back as exactly
+ * that. Forwards through the architecture loaded with the trained weights
+ * must equal PyTorch's outputs (mlp_expected.npy, bn_expected.npy). Every bad
+ * file must fail with a message naming the problem; the malicious pickles
+ * must fail naming their global, and the file they would create must not
+ * exist afterwards. Hand-made pickles and safetensors headers cover the
+ * limits and corruptions one at a time.
+ *
+ * Fixtures are read relative to the repository root (make runs tests there).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <fcntl.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../checkpoint/formats.h"
+#include "../predictor/torch_backend.h"
+
+#define CKPT "tests/fixtures/ckpt/"
+#define FIX "tests/fixtures/"
+
+/* ---- helpers ---- */
+
+static json_t *expected;
+
+static int load_expected(void **state)
+{
+    (void)state;
+    json_error_t jerr;
+    expected = json_load_file(CKPT "expected.json", 0, &jerr);
+    if (!expected)
+        fprintf(stderr, "cannot read " CKPT "expected.json: %s\n", jerr.text);
+    md_torch_init(1);
+    return expected ? 0 : -1;
+}
+
+static int free_expected(void **state)
+{
+    (void)state;
+    json_decref(expected);
+    return 0;
+}
+
+static void assert_msg_has(const char *msg, ...)
+{
+    va_list ap;
+    va_start(ap, msg);
+    for (const char *want = va_arg(ap, const char *); want; want = va_arg(ap, const char *)) {
+        if (!strstr(msg, want)) {
+            va_end(ap);
+            fail_msg("message \"%s\" lacks \"%s\"", msg, want);
+        }
+    }
+    va_end(ap);
+}
+
+static uint8_t *slurp(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        fail_msg("cannot open %s", path);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *buf = malloc((size_t)n + 1);
+    assert_non_null(buf);
+    assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
+    fclose(f);
+    *len = (size_t)n;
+    return buf;
+}
+
+static float half_to_float(uint16_t h)
+{
+    int sign = h >> 15, exp = (h >> 10) & 31, mant = h & 1023;
+    float v;
+    if (exp == 0)
+        v = ldexpf((float)mant, -24);
+    else if (exp == 31)
+        v = mant ? NAN : INFINITY;
+    else
+        v = ldexpf((float)(mant | 1024), exp - 25);
+    return sign ? -v : v;
+}
+
+static double element(const md_tensors *t, size_t i, size_t k)
+{
+    const void *d = md_tensors_data(t, i);
+    switch (md_tensors_dtype(t, i)) {
+    case MD_CKPT_F32:
+        return ((const float *)d)[k];
+    case MD_CKPT_F64:
+        return ((const double *)d)[k];
+    case MD_CKPT_F16:
+        return half_to_float(((const uint16_t *)d)[k]);
+    case MD_CKPT_BF16: {
+        uint32_t bits = (uint32_t)((const uint16_t *)d)[k] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    case MD_CKPT_I64:
+        return (double)((const int64_t *)d)[k];
+    default:
+        fail_msg("unexpected dtype %s", md_ckpt_dtype_name(md_tensors_dtype(t, i)));
+    }
+    return 0;
+}
+
+static md_ckpt_dtype dtype_of(const char *torch_name)
+{
+    static const struct {
+        const char *name;
+        md_ckpt_dtype dtype;
+    } map[] = {{"float32", MD_CKPT_F32}, {"float16", MD_CKPT_F16}, {"bfloat16", MD_CKPT_BF16},
+               {"float64", MD_CKPT_F64}, {"int64", MD_CKPT_I64}};
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+        if (strcmp(map[i].name, torch_name) == 0)
+            return map[i].dtype;
+    fail_msg("unknown dtype %s in expected.json", torch_name);
+    return MD_CKPT_F32;
+}
+
+/* `t` must hold exactly the tensors (in order, bit-exact values) and scalars
+ * expected.json records for `file`. */
+static void assert_matches_expected(const md_tensors *t, const char *file)
+{
+    json_t *e = json_object_get(expected, file);
+    if (!e)
+        fail_msg("expected.json has no entry for %s", file);
+    json_t *tensors = json_object_get(e, "tensors");
+    assert_int_equal(md_tensors_count(t), json_object_size(tensors));
+    size_t i = 0;
+    const char *name;
+    json_t *want;
+    json_object_foreach(tensors, name, want)
+    {
+        assert_string_equal(md_tensors_name(t, i), name);
+        assert_int_equal(md_tensors_dtype(t, i),
+                         dtype_of(json_string_value(json_object_get(want, "dtype"))));
+        json_t *shape = json_object_get(want, "shape"), *values = json_object_get(want, "values");
+        assert_int_equal(md_tensors_ndim(t, i), json_array_size(shape));
+        size_t numel = 1;
+        for (int d = 0; d < md_tensors_ndim(t, i); d++) {
+            assert_int_equal(md_tensors_shape(t, i)[d],
+                             json_integer_value(json_array_get(shape, (size_t)d)));
+            numel *= (size_t)md_tensors_shape(t, i)[d];
+        }
+        assert_int_equal(numel, json_array_size(values));
+        assert_int_equal(md_tensors_nbytes(t, i),
+                         numel * md_ckpt_dtype_size(md_tensors_dtype(t, i)));
+        for (size_t k = 0; k < numel; k++) {
+            double w = json_number_value(json_array_get(values, k));
+            if (element(t, i, k) != w)
+                fail_msg("%s: %s[%zu] is %.9g, PyTorch wrote %.9g", file, name, k,
+                         element(t, i, k), w);
+        }
+        i++;
+    }
+    json_t *scalars = json_object_get(e, "scalars");
+    assert_int_equal(md_tensors_scalar_count(t), json_object_size(scalars));
+    i = 0;
+    json_object_foreach(scalars, name, want)
+    {
+        assert_string_equal(md_tensors_scalar_name(t, i), name);
+        assert_true(md_tensors_scalar_value(t, i) == json_number_value(want));
+        i++;
+    }
+}
+
+static md_tensors *read_zip_ok(const char *file)
+{
+    char path[256];
+    snprintf(path, sizeof path, CKPT "%s", file);
+    md_tensors *t = NULL;
+    md_err err;
+    md_err_clear(&err);
+    if (md_ckpt_read_torch_zip(path, &t, &err) != MD_OK)
+        fail_msg("reading %s failed: %s", file, err.msg);
+    return t;
+}
+
+static const char *read_zip_fails(const char *file, md_err *err)
+{
+    char path[256];
+    snprintf(path, sizeof path, CKPT "%s", file);
+    md_tensors *t = (md_tensors *)(intptr_t)1;
+    md_err_clear(err);
+    md_status st = md_ckpt_read_torch_zip(path, &t, err);
+    if (st == MD_OK)
+        fail_msg("%s was read, it must be refused", file);
+    assert_null(t);
+    assert_int_equal(err->status, st);
+    return err->msg;
+}
+
+/* A float32 .npy (format 1.0, C order) into a new buffer of `*n` floats. */
+static float *read_npy(const char *path, size_t *n)
+{
+    size_t len;
+    uint8_t *b = slurp(path, &len);
+    assert_memory_equal(b, "\x93NUMPY\x01", 7);
+    size_t hlen = b[8] | (size_t)b[9] << 8;
+    assert_non_null(strstr((char *)b + 10, "'<f4'"));
+    *n = (len - 10 - hlen) / 4;
+    float *out = malloc(*n * 4);
+    memcpy(out, b + 10 + hlen, *n * 4);
+    free(b);
+    return out;
+}
+
+static md_torch_named_tensor *named(const md_tensors *t)
+{
+    md_torch_named_tensor *v = calloc(md_tensors_count(t) + 1, sizeof *v);
+    for (size_t i = 0; i < md_tensors_count(t); i++)
+        v[i] = (md_torch_named_tensor){md_tensors_name(t, i), md_tensors_dtype(t, i),
+                                       md_tensors_ndim(t, i), md_tensors_shape(t, i),
+                                       md_tensors_data(t, i)};
+    return v;
+}
+
+/* Load `arch` with `t`, run the fixture input `input_npy` of `shape`, and
+ * return the largest absolute difference from `expected_npy`. */
+static double forward_diff(const char *arch, const md_tensors *t, const char *input_npy,
+                           const int64_t *shape, int ndim, const char *expected_npy)
+{
+    md_torch_named_tensor *v = named(t);
+    md_torch_model *m = NULL;
+    md_err err;
+    md_err_clear(&err);
+    if (md_torch_load_state(arch, "cpu", MD_F32, v, md_tensors_count(t), &m, &err) != MD_OK)
+        fail_msg("loading the state into %s failed: %s", arch, err.msg);
+    free(v);
+    size_t nin, nwant;
+    float *x = read_npy(input_npy, &nin), *want = read_npy(expected_npy, &nwant);
+    float *y = NULL;
+    int64_t oshape[8];
+    int ondim = 0;
+    assert_int_equal(md_torch_forward(m, x, shape, ndim, &y, oshape, &ondim, &err), MD_OK);
+    assert_int_equal(ondim, 2);
+    assert_int_equal((size_t)(oshape[0] * oshape[1]), nwant);
+    double worst = 0;
+    for (size_t i = 0; i < nwant; i++)
+        worst = fmax(worst, fabs((double)y[i] - (double)want[i]));
+    free(x);
+    free(want);
+    free(y);
+    md_torch_free(m);
+    return worst;
+}
+
+static const int64_t mlp_in[] = {5, 4};
+static const int64_t cnn_in[] = {3, 1, 8, 8};
+
+/* ---- torch.save files PyTorch wrote ---- */
+
+static void test_torch_save_files_read_exactly(void **state)
+{
+    (void)state;
+    static const char *const files[] = {"mlp_sd.pt",     "mlp_sd_plain.pt", "mlp_epoch3.pt",
+                                        "mlp_adam.pt",   "mlp_sd_module.pt", "mlp_sd_f16.pt",
+                                        "mlp_sd_f64.pt", "mlp_sd_views.pt", "bn_sd.pt",
+                                        "good_strided.pt", "deflated.pt"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        md_tensors *t = read_zip_ok(files[i]);
+        assert_matches_expected(t, files[i]);
+        md_tensors_free(t);
+    }
+}
+
+static void test_checkpoint_dict_scalars_and_optimizer_skipped(void **state)
+{
+    (void)state;
+    md_tensors *t = read_zip_ok("mlp_epoch3.pt");
+    /* the SGD momentum buffers (same shapes as the weights) are not tensors of
+     * the result, and the numbers are */
+    assert_int_equal(md_tensors_count(t), 4);
+    assert_int_equal(md_tensors_find(t, "fc2.bias"), 3);
+    assert_int_equal(md_tensors_find(t, "momentum_buffer"), -1);
+    assert_int_equal(md_tensors_scalar_count(t), 2);
+    assert_string_equal(md_tensors_scalar_name(t, 0), "epoch");
+    assert_true(md_tensors_scalar_value(t, 0) == 3.0);
+    assert_true(md_tensors_scalar_value(t, 1) == 0.25);
+    md_tensors_free(t);
+}
+
+static void test_bn_int64_buffer(void **state)
+{
+    (void)state;
+    md_tensors *t = read_zip_ok("bn_sd.pt");
+    long i = md_tensors_find(t, "bn.num_batches_tracked");
+    assert_true(i >= 0);
+    assert_int_equal(md_tensors_dtype(t, (size_t)i), MD_CKPT_I64);
+    assert_int_equal(md_tensors_ndim(t, (size_t)i), 0);
+    assert_int_equal(*(const int64_t *)md_tensors_data(t, (size_t)i), 3);
+    md_tensors_free(t);
+}
+
+static void test_malicious_pickles_refused_nothing_runs(void **state)
+{
+    (void)state;
+    json_t *mal = json_object_get(expected, "_malicious");
+    const char *creates = json_string_value(json_object_get(mal, "creates"));
+    assert_non_null(creates);
+    unlink(creates);
+    static const struct {
+        const char *file, *global;
+    } cases[] = {
+        {"evil_os_system.pt", "global os.system is not allowed in a checkpoint"},
+        {"evil_posix_system.pt", "global posix.system is not allowed in a checkpoint"},
+        {"evil_eval.pt", "global builtins.eval is not allowed in a checkpoint"},
+        {"evil_inside_sd.pt", "global os.system is not allowed in a checkpoint"},
+    };
+    assert_int_equal(json_array_size(json_object_get(mal, "files")), 4);
+    for (size_t i = 0; i < 4; i++) {
+        md_err err;
+        const char *msg = read_zip_fails(cases[i].file, &err);
+        assert_int_equal(err.status, MD_EUNPROC);
+        assert_msg_has(msg, cases[i].global, "state_dict", NULL);
+        assert_int_equal(access(creates, F_OK), -1);
+    }
+}
+
+static void test_whole_model_pickle_refused(void **state)
+{
+    (void)state;
+    md_err err;
+    const char *msg = read_zip_fails("whole_model.pt", &err);
+    assert_int_equal(err.status, MD_EUNPROC);
+    assert_msg_has(msg, "__main__.MLP", "model.state_dict()", NULL);
+}
+
+#define PKL(s) s, sizeof(s) - 1
+/* {'w': tensor of data/0, 4 floats, size (4,), stride (1,)} */
+#define TENSOR_W                                                                          \
+    "X\x01\x00\x00\x00w" "ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage" \
+    "ctorch\nFloatStorage\nX\x01\x00\x00\x00" "0X\x03\x00\x00\x00" "cpuK\x04tQK\x00K\x04" \
+    "\x85K\x01\x85\x89}t" "R"
+
+static void test_legacy_format_refused(void **state)
+{
+    (void)state;
+    md_err err;
+    const char *msg = read_zip_fails("legacy.pt", &err);
+    assert_int_equal(err.status, MD_EUNPROC);
+    assert_msg_has(msg, "legacy", "_use_new_zipfile_serialization=True", NULL);
+    /* the unpickler itself recognises it too (a data.pkl-like stream) */
+    size_t len;
+    uint8_t *b = slurp(CKPT "legacy.pt", &len);
+    md_tensors *t;
+    assert_int_equal(md_ckpt_unpickle(b, len, NULL, NULL, "legacy.pt", &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "legacy.pt", "_use_new_zipfile_serialization=True", NULL);
+    free(b);
+    /* a storage with no record source at all */
+    assert_int_equal(md_ckpt_unpickle((const uint8_t *)"\x80\x02}(" TENSOR_W "u.",
+                                      sizeof("\x80\x02}(" TENSOR_W "u.") - 1, NULL, NULL, "x.pt",
+                                      &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "data/0", "no storage records", NULL);
+}
+
+static void test_bad_torch_save_files(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *file, *a, *b;
+    } cases[] = {
+        {"oob_numel.pt", "storage data/0 claims 1000 elements", "holds 16 bytes"},
+        {"oob_offset.pt", "offset 2", "past the end of storage data/0, which holds 4"},
+        {"oob_stride.pt", "past the end of storage data/0", "holds 4 elements"},
+        {"oob_missing_record.pt", "data/7", "does not hold"},
+        {"bad_storage_type.pt", "torch.QInt8Storage", "not supported"},
+        {"truncated.pt", "zip", NULL},
+        {"zip_bomb.pt", "compressed record that would inflate past 16 MiB", "torch.save"},
+        {"mlp_arch.pt", "TorchScript archive", NULL},
+        {"../not_a_model.pt", "not a zip archive", NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        md_err err;
+        const char *msg = read_zip_fails(cases[i].file, &err);
+        assert_int_equal(err.status, MD_EUNPROC);
+        assert_msg_has(msg, cases[i].a, cases[i].b, NULL);
+    }
+}
+
+/* ---- hand-made pickles: one corruption or limit at a time ---- */
+
+static const uint8_t four_floats[16] = {0, 0, 0x80, 0x3f, 0, 0, 0, 0x40,
+                                        0, 0, 0x40, 0x40, 0, 0, 0x80, 0x40};
+
+static md_status one_record(void *ctx, const char *key, const uint8_t **data, size_t *size,
+                            md_err *err)
+{
+    (void)ctx;
+    if (strcmp(key, "0") != 0)
+        return md_err_set(err, MD_EUNPROC, "no record data/%s", key);
+    *data = four_floats;
+    *size = sizeof four_floats;
+    return MD_OK;
+}
+
+static md_status unpickle(const char *pkl, size_t len, md_tensors **t, md_err *err)
+{
+    md_err_clear(err);
+    md_status st = md_ckpt_unpickle((const uint8_t *)pkl, len, one_record, NULL, "test.pt", t,
+                                    err);
+    if (st != MD_OK)
+        assert_null(*t);
+    return st;
+}
+
+static void test_handmade_pickles(void **state)
+{
+    (void)state;
+    md_tensors *t;
+    md_err err;
+    /* the reference: a good one, with protocol-4 opcodes too */
+    assert_int_equal(unpickle(PKL("\x80\x02}(" TENSOR_W "u."), &t, &err), MD_OK);
+    assert_int_equal(md_tensors_count(t), 1);
+    assert_true(((const float *)md_tensors_data(t, 0))[3] == 4.0f);
+    md_tensors_free(t);
+    assert_int_equal(unpickle(PKL("\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00}\x94(" TENSOR_W
+                                  "u."), &t, &err), MD_OK);
+    md_tensors_free(t);
+
+    static const struct {
+        const char *pkl;
+        size_t len;
+        md_status st;
+        const char *want;
+    } cases[] = {
+        {PKL("\x80\x02}(" TENSOR_W "u"), MD_EUNPROC, "truncated"},
+        {PKL("\x80\x02h\x05."), MD_EUNPROC, "memo slot 5 is read before"},
+        {PKL("\x80\x02}r\xff\xff\xff\x7f."), MD_EUNPROC, "memo index 2147483647"},
+        {PKL("\x80\x02."), MD_EUNPROC, "empty stack"},
+        {PKL("\x80\x02u."), MD_EUNPROC, "never opened"},
+        {PKL("\x80\x02]}s."), MD_EUNPROC, "fewer than 3"},
+        {PKL("\x80\x02]K\x01K\x02s."), MD_EUNPROC, "SETITEM on a list"},
+        {PKL("\x80\x02}K\x01" "a."), MD_EUNPROC, "APPEND to a dict"},
+        {PKL("\x80\x02]]b."), MD_EUNPROC, "BUILD sets the state of a list"},
+        {PKL("\x80\x02K\x01)R."), MD_EUNPROC, "REDUCE calls a int"},
+        {PKL("\x80\x02X\x02\x00\x00\x00osX\x06\x00\x00\x00system\x93."), MD_EUNPROC,
+         "global os.system"},
+        {PKL("\x80\x02" "cos\nsystem"), MD_EUNPROC, "unterminated"},
+        {PKL("\x80\x02X\xff\xff\xff\x7f"), MD_EUNPROC, "MD_PICKLE_MAX_STRING"},
+        {PKL("\x80\x02\x01."), MD_EUNPROC, "opcode 0x01"},
+        {PKL("\x80\x01}."), MD_EUNPROC, "protocol 1"},
+        {PKL("\x80\x02]."), MD_EUNPROC, "holds a list, not a state_dict"},
+        {PKL("\x80\x02}."), MD_EUNPROC, "empty dict"},
+        {PKL("\x80\x02}X\x01\x00\x00\x00wK\x01s."), MD_EUNPROC, "entry \"w\" is a int"},
+        {PKL("\x80\x02}(X\x05\x00\x00\x00model}(" TENSOR_W "uu."), MD_OK, NULL},
+        {PKL("\x80\x02" "ccollections\nOrderedDict\nK\x01\x85R."), MD_EUNPROC,
+         "called with arguments"},
+        {PKL("\x80\x02" "ctorch\nFloatStorage\n)R."), MD_EUNPROC, "never calls a storage"},
+        {PKL("\x80\x02" "ctorch._utils\n_rebuild_tensor_v2\n)R."), MD_EUNPROC,
+         "takes 6 or 7 arguments"},
+        {PKL("\x80\x02(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x03\x00\x00\x00../"
+             "X\x03\x00\x00\x00" "cpuK\x04tQ."),
+         MD_EUNPROC, "not a record name"},
+        {PKL("\x80\x02(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x00" "0"
+             "X\x03\x00\x00\x00" "cpu\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x7ftQ."),
+         MD_EUNPROC, "claims 9223372036854775807 elements"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        md_status st = unpickle(cases[i].pkl, cases[i].len, &t, &err);
+        if (st != cases[i].st)
+            fail_msg("case %zu: status %d (%s), want %d", i, st, err.msg, cases[i].st);
+        if (st == MD_OK)
+            md_tensors_free(t);
+        else
+            assert_msg_has(err.msg, "test.pt", cases[i].want, NULL);
+    }
+}
+
+static void test_pickle_limits(void **state)
+{
+    (void)state;
+    md_tensors *t;
+    md_err err;
+    /* MARKs nested past MD_PICKLE_MAX_MARKS */
+    size_t n = MD_PICKLE_MAX_MARKS + 3;
+    char *p = malloc(n + 3);
+    memcpy(p, "\x80\x02", 2);
+    memset(p + 2, '(', n);
+    assert_int_equal(unpickle(p, n + 2, &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "MD_PICKLE_MAX_MARKS", NULL);
+    free(p);
+    /* a stack past MD_PICKLE_MAX_STACK (N N N ...) */
+    n = MD_PICKLE_MAX_STACK + 10;
+    p = malloc(n + 3);
+    memcpy(p, "\x80\x02", 2);
+    memset(p + 2, 'N', n);
+    assert_int_equal(unpickle(p, n + 2, &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "MD_PICKLE_MAX_STACK", NULL);
+    free(p);
+    /* a list appended to itself (a cycle) is harmless: it is not a dict */
+    assert_int_equal(unpickle(PKL("\x80\x02]q\x00h\x00" "a."), &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "holds a list", NULL);
+    /* a dict holding itself as a value: refused, not recursed into */
+    assert_int_equal(unpickle(PKL("\x80\x02}q\x00X\x01\x00\x00\x00xh\x00s."), &t, &err),
+                     MD_EUNPROC);
+    assert_msg_has(err.msg, "entry \"x\" is a dict", NULL);
+}
+
+/* ---- safetensors ---- */
+
+static md_tensors *read_st_ok(const char *file)
+{
+    char path[256];
+    snprintf(path, sizeof path, CKPT "%s", file);
+    md_tensors *t = NULL;
+    md_err err;
+    if (md_safetensors_read_file(path, &t, &err) != MD_OK)
+        fail_msg("reading %s failed: %s", file, err.msg);
+    return t;
+}
+
+static void test_safetensors_files_read_exactly(void **state)
+{
+    (void)state;
+    static const char *const files[] = {"mlp.safetensors", "mlp_bf16.safetensors",
+                                        "bn.safetensors"};
+    for (size_t i = 0; i < 3; i++) {
+        md_tensors *t = read_st_ok(files[i]);
+        assert_matches_expected(t, files[i]);
+        md_tensors_free(t);
+    }
+    md_tensors *t = read_st_ok("mlp.safetensors");
+    assert_int_equal(md_tensors_meta_count(t), 2);
+    assert_string_equal(md_tensors_meta_get(t, "format"), "pt");
+    assert_string_equal(md_tensors_meta_get(t, "epoch"), "3");
+    assert_null(md_tensors_meta_get(t, "absent"));
+    md_tensors_free(t);
+}
+
+/* Writing what was read gives back the bytes Python wrote, and reading that
+ * gives back the same tensors bit for bit. */
+static void test_safetensors_round_trip(void **state)
+{
+    (void)state;
+    static const char *const files[] = {"mlp.safetensors", "mlp_bf16.safetensors",
+                                        "bn.safetensors"};
+    for (size_t f = 0; f < 3; f++) {
+        char path[256];
+        snprintf(path, sizeof path, CKPT "%s", files[f]);
+        size_t len;
+        uint8_t *orig = slurp(path, &len);
+        md_tensors *t = read_st_ok(files[f]);
+        uint8_t *buf;
+        size_t blen;
+        md_err err;
+        assert_int_equal(md_safetensors_write(t, &buf, &blen, &err), MD_OK);
+        assert_int_equal(blen, len);
+        assert_memory_equal(buf, orig, len);
+        md_tensors *back;
+        assert_int_equal(md_safetensors_read(buf, blen, &back, &err), MD_OK);
+        assert_int_equal(md_tensors_count(back), md_tensors_count(t));
+        for (size_t i = 0; i < md_tensors_count(t); i++) {
+            assert_string_equal(md_tensors_name(back, i), md_tensors_name(t, i));
+            assert_int_equal(md_tensors_nbytes(back, i), md_tensors_nbytes(t, i));
+            assert_memory_equal(md_tensors_data(back, i), md_tensors_data(t, i),
+                                md_tensors_nbytes(t, i));
+        }
+        /* and through a file descriptor */
+        char tmp[] = "/tmp/modeld_test_formats_XXXXXX";
+        int fd = mkstemp(tmp);
+        assert_true(fd >= 0);
+        assert_int_equal(md_safetensors_write_fd(t, fd, &err), MD_OK);
+        close(fd);
+        size_t flen;
+        uint8_t *fbytes = slurp(tmp, &flen);
+        unlink(tmp);
+        assert_int_equal(flen, len);
+        assert_memory_equal(fbytes, orig, len);
+        free(fbytes);
+        md_tensors_free(back);
+        free(buf);
+        md_tensors_free(t);
+        free(orig);
+    }
+}
+
+/* A torch.save state_dict exported as safetensors reads back bit-identical. */
+static void test_torch_save_to_safetensors(void **state)
+{
+    (void)state;
+    md_tensors *t = read_zip_ok("bn_sd.pt");
+    md_tensors_set_meta(t, "source", "bn_sd.pt");
+    uint8_t *buf;
+    size_t len;
+    md_err err;
+    assert_int_equal(md_safetensors_write(t, &buf, &len, &err), MD_OK);
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--)
+        hlen = hlen << 8 | buf[i];
+    assert_int_equal(hlen % 8, 0);
+    md_tensors *back;
+    assert_int_equal(md_safetensors_read(buf, len, &back, &err), MD_OK);
+    assert_matches_expected(back, "bn_sd.pt");
+    assert_string_equal(md_tensors_meta_get(back, "source"), "bn_sd.pt");
+    md_tensors_free(back);
+    free(buf);
+    md_tensors_free(t);
+}
+
+/* A safetensors file from a header text and `data_len` zero data bytes. */
+static md_status st_from_header(const char *header, size_t data_len, md_tensors **t, md_err *err)
+{
+    size_t h = strlen(header), len = 8 + h + data_len;
+    uint8_t *b = calloc(1, len);
+    for (int i = 0; i < 8; i++)
+        b[i] = (uint8_t)((uint64_t)h >> (8 * i));
+    memcpy(b + 8, header, h);
+    md_err_clear(err);
+    md_status st = md_safetensors_read(b, len, t, err);
+    free(b);
+    if (st != MD_OK)
+        assert_null(*t);
+    return st;
+}
+
+static void test_safetensors_bad_headers(void **state)
+{
+    (void)state;
+    md_tensors *t;
+    md_err err;
+    static const struct {
+        const char *header;
+        size_t data;
+        const char *want;
+    } cases[] = {
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, NULL},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 4,
+         "ends at byte 8 of the data, which holds 4"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8,
+         "has 8 bytes of data; its shape and dtype F32 need 12"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+         "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}", 12, "overlapping"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+         "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]}}", 12, "holes"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 8, "trailing bytes"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+         "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8, "unique"},
+        {"{\"a\":{\"dtype\":\"F8_E4M3\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1,
+         "dtype \"F8_E4M3\""},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}", 4, "invalid shape"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2305843009213693952,2],\"data_offsets\":[0,0]}}",
+         0, "overflows"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,0]}}", 4,
+         "invalid data_offsets"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]}}", 4,
+         "9 dimensions"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1]}}", 4, "data_offsets"},
+        {"{\"__metadata__\":{\"k\":1},\"a\":{\"dtype\":\"F32\",\"shape\":[1],"
+         "\"data_offsets\":[0,4]}}", 4, "__metadata__ entry \"k\" is not a string"},
+        {"{\"__metadata__\":{}}", 0, "no tensors"},
+        {"{\"a\":", 0, "not valid JSON"},
+        {"[1]", 0, "not a JSON object"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        md_status st = st_from_header(cases[i].header, cases[i].data, &t, &err);
+        if (!cases[i].want) {
+            assert_int_equal(st, MD_OK);
+            md_tensors_free(t);
+            continue;
+        }
+        if (st != MD_EUNPROC)
+            fail_msg("case %zu: status %d, want MD_EUNPROC", i, st);
+        assert_msg_has(err.msg, "safetensors", cases[i].want, NULL);
+    }
+    /* the length itself: past the file, past the limit, shorter than 8 */
+    uint8_t b[16] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, '{', '}'};
+    assert_int_equal(md_safetensors_read(b, 10, &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "MD_SAFETENSORS_MAX_HEADER", NULL);
+    memset(b, 0, 8);
+    b[0] = 100;
+    assert_int_equal(md_safetensors_read(b, 10, &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "claims 100 bytes", "truncated", NULL);
+    assert_int_equal(md_safetensors_read(b, 5, &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "shorter than its 8-byte header length", NULL);
+    /* the committed truncated file */
+    assert_int_equal(md_safetensors_read_file(CKPT "truncated.safetensors", &t, &err),
+                     MD_EUNPROC);
+    assert_msg_has(err.msg, "truncated or corrupt", NULL);
+}
+
+/* ---- named tensors, sniffing ---- */
+
+static void test_named_tensors(void **state)
+{
+    (void)state;
+    md_tensors *t = md_tensors_new();
+    md_err err;
+    float f[6] = {1, 2, 3, 4, 5, 6};
+    int64_t shape[2] = {2, 3};
+    assert_int_equal(md_tensors_add(t, "a", MD_CKPT_F32, 2, shape, f, sizeof f, &err), MD_OK);
+    assert_int_equal(md_tensors_add(t, "a", MD_CKPT_F32, 2, shape, f, sizeof f, &err),
+                     MD_ECONFLICT);
+    assert_msg_has(err.msg, "\"a\" appears twice", NULL);
+    assert_int_equal(md_tensors_add(t, "b", MD_CKPT_F32, 2, shape, f, 20, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "20 bytes", "need 24", NULL);
+    int64_t huge[2] = {INT64_MAX, 4};
+    assert_int_equal(md_tensors_add(t, "c", MD_CKPT_F32, 2, huge, f, 24, &err), MD_EINVAL);
+    /* many names: the hash keeps finding them */
+    for (int i = 0; i < 1000; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "layer%d.weight", i);
+        assert_int_equal(md_tensors_add(t, name, MD_CKPT_F32, 1, shape, f, 8, &err), MD_OK);
+    }
+    assert_int_equal(md_tensors_find(t, "layer737.weight"), 738);
+    assert_int_equal(md_tensors_find(t, "a"), 0);
+    assert_int_equal(md_tensors_find(t, "layer1000.weight"), -1);
+    md_tensors_free(t);
+    md_tensors_free(NULL);
+    assert_string_equal(md_ckpt_strip_module("module.fc1.weight"), "fc1.weight");
+    assert_string_equal(md_ckpt_strip_module("fc1.weight"), "fc1.weight");
+    assert_string_equal(md_ckpt_strip_module("modules.x"), "modules.x");
+}
+
+static void test_sniff(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *file;
+        md_ckpt_format want;
+    } cases[] = {
+        {CKPT "mlp_sd.pt", MD_CKPT_ZIP},        {CKPT "mlp_arch.pt", MD_CKPT_ZIP},
+        {CKPT "legacy.pt", MD_CKPT_LEGACY},     {CKPT "mlp.safetensors", MD_CKPT_SAFETENSORS},
+        {CKPT "bn.safetensors", MD_CKPT_SAFETENSORS}, {FIX "not_a_model.pt", MD_CKPT_UNKNOWN},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        size_t len;
+        uint8_t *b = slurp(cases[i].file, &len);
+        assert_int_equal(md_ckpt_sniff(b, len < 16 ? len : 16), cases[i].want);
+        free(b);
+    }
+}
+
+/* ---- into an architecture ---- */
+
+static void test_forward_equals_pytorch(void **state)
+{
+    (void)state;
+    /* the architecture's own (random) weights are far from the trained ones,
+     * so the comparisons below can fail */
+    md_torch_state *arch;
+    md_err err;
+    assert_int_equal(md_torch_state_read(CKPT "mlp_arch.pt", &arch, &err), MD_OK);
+    md_tensors *own = md_tensors_new();
+    for (size_t i = 0; i < md_torch_state_count(arch); i++) {
+        md_torch_named_tensor nt;
+        md_torch_state_get(arch, i, &nt, NULL);
+        size_t n = md_ckpt_dtype_size(nt.dtype);
+        for (int d = 0; d < nt.ndim; d++)
+            n *= (size_t)nt.shape[d];
+        assert_int_equal(md_tensors_add(own, nt.name, nt.dtype, nt.ndim, nt.shape, nt.data, n,
+                                        &err), MD_OK);
+    }
+    md_torch_state_free(arch);
+    assert_true(forward_diff(CKPT "mlp_arch.pt", own, FIX "mlp_input.npy", mlp_in, 2,
+                             FIX "mlp_expected.npy") > 1e-2);
+    md_tensors_free(own);
+
+    static const char *const same[] = {"mlp_sd.pt", "mlp_sd_plain.pt", "mlp_epoch3.pt",
+                                       "mlp_adam.pt", "mlp_sd_module.pt", "mlp_sd_f64.pt",
+                                       "mlp_sd_views.pt"};
+    for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
+        md_tensors *t = read_zip_ok(same[i]);
+        double d = forward_diff(CKPT "mlp_arch.pt", t, FIX "mlp_input.npy", mlp_in, 2,
+                                FIX "mlp_expected.npy");
+        if (d > 1e-6)
+            fail_msg("%s: forward differs from PyTorch's by %g", same[i], d);
+        md_tensors_free(t);
+    }
+    md_tensors *t = read_st_ok("mlp.safetensors");
+    assert_true(forward_diff(CKPT "mlp_arch.pt", t, FIX "mlp_input.npy", mlp_in, 2,
+                             FIX "mlp_expected.npy") <= 1e-6);
+    md_tensors_free(t);
+    t = read_zip_ok("mlp_sd_f16.pt");
+    assert_true(forward_diff(CKPT "mlp_arch.pt", t, FIX "mlp_input.npy", mlp_in, 2,
+                             CKPT "mlp_f16_expected.npy") <= 1e-6);
+    md_tensors_free(t);
+    static const char *const bn[] = {"bn_sd.pt", "bn.safetensors"};
+    for (size_t i = 0; i < 2; i++) {
+        t = i ? read_st_ok(bn[i]) : read_zip_ok(bn[i]);
+        double d = forward_diff(CKPT "bn_arch.pt", t, FIX "cnn_input.npy", cnn_in, 4,
+                                CKPT "bn_expected.npy");
+        if (d > 1e-5)
+            fail_msg("%s: forward differs from PyTorch's by %g", bn[i], d);
+        md_tensors_free(t);
+    }
+}
+
+static md_status load_into(const char *arch, const md_tensors *t, md_err *err)
+{
+    md_torch_named_tensor *v = named(t);
+    md_torch_model *m = (md_torch_model *)(intptr_t)1;
+    md_err_clear(err);
+    md_status st = md_torch_load_state(arch, "cpu", MD_F32, v, md_tensors_count(t), &m, err);
+    free(v);
+    if (st == MD_OK)
+        md_torch_free(m);
+    else
+        assert_null(m);
+    return st;
+}
+
+static void test_strict_mismatches_reported_together(void **state)
+{
+    (void)state;
+    md_tensors *sd = read_zip_ok("mlp_sd.pt");
+    md_err err;
+    /* drop fc2.bias, rename fc1.bias, give fc2.weight a wrong shape */
+    md_tensors *t = md_tensors_new();
+    for (size_t i = 0; i < md_tensors_count(sd); i++) {
+        const char *n = md_tensors_name(sd, i);
+        if (strcmp(n, "fc2.bias") == 0)
+            continue;
+        int64_t shape[2] = {md_tensors_shape(sd, i)[0], md_tensors_shape(sd, i)[1]};
+        int ndim = md_tensors_ndim(sd, i);
+        if (strcmp(n, "fc2.weight") == 0) {
+            shape[0] = 4;
+            shape[1] = 6;
+        }
+        assert_int_equal(md_tensors_add(t, strcmp(n, "fc1.bias") == 0 ? "fc1.bais" : n,
+                                        md_tensors_dtype(sd, i), ndim, shape,
+                                        md_tensors_data(sd, i), md_tensors_nbytes(sd, i), &err),
+                         MD_OK);
+    }
+    assert_int_equal(load_into(CKPT "mlp_arch.pt", t, &err), MD_EUNPROC);
+    assert_string_equal(md_err_code(&err), "state_dict_mismatch");
+    assert_msg_has(err.msg, "2 missing keys (fc1.bias, fc2.bias)", "1 unexpected key (fc1.bais)",
+                   "1 mismatched tensor (fc2.weight: checkpoint [4,6], architecture [3,8])",
+                   NULL);
+    md_tensors_free(t);
+    /* an MLP state_dict into the BatchNorm net: many of each, counted */
+    assert_int_equal(load_into(CKPT "bn_arch.pt", sd, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "9 missing keys (conv.weight, conv.bias, bn.weight, bn.bias, ...)",
+                   "4 unexpected keys (fc1.weight", NULL);
+    /* an integer tensor where a float parameter is */
+    t = md_tensors_new();
+    for (size_t i = 0; i < md_tensors_count(sd); i++) {
+        const char *n = md_tensors_name(sd, i);
+        if (strcmp(n, "fc2.bias") == 0) {
+            int64_t ints[3] = {1, 2, 3}, shape[1] = {3};
+            assert_int_equal(md_tensors_add(t, n, MD_CKPT_I64, 1, shape, ints, sizeof ints, &err),
+                             MD_OK);
+        } else {
+            assert_int_equal(md_tensors_add(t, n, md_tensors_dtype(sd, i), md_tensors_ndim(sd, i),
+                                            md_tensors_shape(sd, i), md_tensors_data(sd, i),
+                                            md_tensors_nbytes(sd, i), &err), MD_OK);
+        }
+    }
+    assert_int_equal(load_into(CKPT "mlp_arch.pt", t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "fc2.bias: checkpoint I64, architecture Float", NULL);
+    md_tensors_free(t);
+    /* module.-prefixed keys that still miss one: stripped, the one reported */
+    md_tensors *mod = read_zip_ok("mlp_sd_module.pt");
+    t = md_tensors_new();
+    for (size_t i = 0; i + 1 < md_tensors_count(mod); i++)
+        assert_int_equal(md_tensors_add(t, md_tensors_name(mod, i), md_tensors_dtype(mod, i),
+                                        md_tensors_ndim(mod, i), md_tensors_shape(mod, i),
+                                        md_tensors_data(mod, i), md_tensors_nbytes(mod, i), &err),
+                         MD_OK);
+    assert_int_equal(load_into(CKPT "mlp_arch.pt", t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "1 missing key (fc2.bias)", NULL);
+    assert_null(strstr(err.msg, "unexpected"));
+    md_tensors_free(t);
+    md_tensors_free(mod);
+    /* a missing architecture file */
+    assert_int_equal(load_into(CKPT "no_such_arch.pt", sd, &err), MD_EUNPROC);
+    md_tensors_free(sd);
+}
+
+/* The architecture's table is PyTorch's state_dict order, names, shapes and
+ * dtypes; a TorchScript file's weights read out equal its state_dict. */
+static void test_architecture_table(void **state)
+{
+    (void)state;
+    md_torch_state *s;
+    md_err err;
+    assert_int_equal(md_torch_state_read(CKPT "bn_arch.pt", &s, &err), MD_OK);
+    md_tensors *sd = read_zip_ok("bn_sd.pt");
+    assert_int_equal(md_torch_state_count(s), md_tensors_count(sd));
+    int buffers = 0;
+    for (size_t i = 0; i < md_torch_state_count(s); i++) {
+        md_torch_named_tensor nt;
+        int is_buffer = -1;
+        md_torch_state_get(s, i, &nt, &is_buffer);
+        assert_string_equal(nt.name, md_tensors_name(sd, i));
+        assert_int_equal(nt.dtype, md_tensors_dtype(sd, i));
+        assert_int_equal(nt.ndim, md_tensors_ndim(sd, i));
+        for (int d = 0; d < nt.ndim; d++)
+            assert_int_equal(nt.shape[d], md_tensors_shape(sd, i)[d]);
+        assert_int_equal(is_buffer, strstr(nt.name, "running_") ||
+                                        strstr(nt.name, "num_batches") ? 1 : 0);
+        buffers += is_buffer;
+    }
+    assert_int_equal(buffers, 3);
+    md_torch_state_free(s);
+    md_tensors_free(sd);
+    /* mlp.pt (TorchScript, trained) holds exactly the trained state_dict */
+    assert_int_equal(md_torch_state_read(FIX "mlp.pt", &s, &err), MD_OK);
+    sd = read_zip_ok("mlp_sd.pt");
+    assert_int_equal(md_torch_state_count(s), 4);
+    for (size_t i = 0; i < 4; i++) {
+        md_torch_named_tensor nt;
+        md_torch_state_get(s, i, &nt, NULL);
+        assert_memory_equal(nt.data, md_tensors_data(sd, i), md_tensors_nbytes(sd, i));
+    }
+    md_torch_state_free(s);
+    md_tensors_free(sd);
+    md_torch_state_free(NULL);
+    assert_int_equal(md_torch_state_read(CKPT "mlp_sd.pt", &s, &err), MD_EUNPROC);
+    assert_null(s);
+}
+
+static void test_zip_records(void **state)
+{
+    (void)state;
+    md_torch_zip *z;
+    md_err err;
+    assert_int_equal(md_torch_zip_open(CKPT "good_strided.pt", &z, &err), MD_OK);
+    assert_true(md_torch_zip_has_record(z, "data.pkl"));
+    assert_false(md_torch_zip_has_record(z, "constants.pkl"));
+    const uint8_t *d;
+    size_t n;
+    assert_int_equal(md_torch_zip_record(z, "data/0", &d, &n, &err), MD_OK);
+    assert_int_equal(n, 16);
+    assert_memory_equal(d, four_floats, 16);
+    assert_int_equal(md_torch_zip_record(z, "data/9", &d, &n, &err), MD_ENOTFOUND);
+    assert_msg_has(err.msg, "data/9", NULL);
+    md_torch_zip_close(z);
+    md_torch_zip_close(NULL);
+    assert_int_equal(md_torch_zip_open(FIX "not_a_model.pt", &z, &err), MD_EUNPROC);
+    assert_null(z);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_torch_save_files_read_exactly),
+        cmocka_unit_test(test_checkpoint_dict_scalars_and_optimizer_skipped),
+        cmocka_unit_test(test_bn_int64_buffer),
+        cmocka_unit_test(test_malicious_pickles_refused_nothing_runs),
+        cmocka_unit_test(test_whole_model_pickle_refused),
+        cmocka_unit_test(test_legacy_format_refused),
+        cmocka_unit_test(test_bad_torch_save_files),
+        cmocka_unit_test(test_handmade_pickles),
+        cmocka_unit_test(test_pickle_limits),
+        cmocka_unit_test(test_safetensors_files_read_exactly),
+        cmocka_unit_test(test_safetensors_round_trip),
+        cmocka_unit_test(test_torch_save_to_safetensors),
+        cmocka_unit_test(test_safetensors_bad_headers),
+        cmocka_unit_test(test_named_tensors),
+        cmocka_unit_test(test_sniff),
+        cmocka_unit_test(test_forward_equals_pytorch),
+        cmocka_unit_test(test_strict_mismatches_reported_together),
+        cmocka_unit_test(test_architecture_table),
+        cmocka_unit_test(test_zip_records),
+    };
+    return cmocka_run_group_tests(tests, load_expected, free_expected);
+}
