@@ -51,6 +51,7 @@ struct md_http {
     int access_log_owned;
     atomic_long in_flight;
     atomic_int quiesced;
+    atomic_int gate_closed;   /* md_http_close_gate: new requests answered 503 at once */
     atomic_ulong next_id;
     unsigned long id_seed;
 };
@@ -521,10 +522,16 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
     md_err_clear(&err);
 
     if (!r) {
-        r = req_new(h, conn, url, method);
+        r = req_new(h, conn, url, method); /* counted in flight before the gate is read */
         *req_cls = r;
         MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT,
                                   (unsigned)h->cfg->connection_timeout_s);
+        if (atomic_load(&h->gate_closed)) {
+            md_reply_header(r, "Retry-After", "1");
+            md_err_setc(&err, MD_EUNAVAIL, "draining",
+                        "the server is shutting down; retry, another replica will answer");
+            return reply_now_error(r, &err);
+        }
         char allow[128];
         md_status st = md_route_find(h->routes, h->n_routes, method, url, &r->match, allow,
                                      sizeof allow);
@@ -738,6 +745,12 @@ void md_http_quiesce(md_http *h)
 }
 
 long md_http_in_flight(const md_http *h) { return atomic_load(&h->in_flight); }
+
+void md_http_close_gate(md_http *h)
+{
+    if (h)
+        atomic_store(&h->gate_closed, 1);
+}
 
 int md_http_port(const md_http *h) { return h->port; }
 

@@ -122,6 +122,16 @@ void md_http_quiesce(md_http *http);
 /* Requests begun and not yet completed. Thread-safe. */
 long md_http_in_flight(const md_http *http);
 
+/*
+ * Close the gate before stopping: every request that begins after this is
+ * answered 503 "draining" with Connection: close at once, never deferred or
+ * suspended. A keep-alive connection may start a request after the in-flight
+ * count was seen at zero; with the gate closed such a request cannot suspend,
+ * so once the count is zero again nothing can be left suspended when
+ * md_http_stop runs. Thread-safe.
+ */
+void md_http_close_gate(md_http *http);
+
 /* The port actually bound (useful with port 0). */
 int md_http_port(const md_http *http);
 

@@ -510,6 +510,30 @@ def test_request_in_flight_completes_after_drain(start_server):
     assert rc == 0, s.stderr
 
 
+def test_request_after_the_last_one_drained_is_answered_not_suspended(start_server):
+    """The shutdown race: main saw no request in flight and was about to stop
+    the HTTP daemon when a keep-alive connection started another request (a
+    prediction would suspend, and be freed under the batcher). Now the gate
+    closes before the final count: such a request is answered 503 draining at
+    once, and the server still exits 0. MD_TEST_STOP_PAUSE_MS (test-only)
+    holds the window between the gate and the final count open."""
+    s = start_server(env={"MD_TEST_STOP_PAUSE_MS": str(int(4000 * TSCALE))})
+    with raw_connect(s.port, timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_http_response(sock).status == 200
+        s.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10 * TSCALE
+        while "gate closed (test pause" not in s.stderr:
+            assert time.monotonic() < deadline and s.proc.poll() is None, s.stderr
+            time.sleep(0.02)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # the same connection
+        resp = read_http_response(sock, timeout=5.0)
+    assert resp.status == 503, resp.raw
+    assert json.loads(resp.body)["error"]["code"] == "draining", resp.raw
+    assert resp.headers.get("connection", "").lower() == "close", resp.raw
+    assert s.proc.wait(15 * TSCALE) == 0, s.stderr
+
+
 def test_second_signal_exits_at_once(start_server):
     s = start_server(drain_seconds=30)
     assert s.get("/readyz").status_code == 200
