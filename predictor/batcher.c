@@ -39,8 +39,9 @@
  * output buffer) is overflow-checked and allocated with a status, so a huge
  * shape answers an error instead of aborting the process.
  * A forward of several requests that fails with the model's own error (it
- * raised) is run again one request at a time (run_pieces), so a request that
- * makes the model throw fails alone instead of taking its batch with it.
+ * raised) is run again in halves, down to single requests (run_pieces), so a
+ * request that makes the model throw fails alone instead of taking its batch
+ * with it, at about 2 log2(n) extra forwards.
  * Lifetime: the registry and each queued request hold references; the last
  * release sets `stopping`; workers finish the queue, exit, and the last one
  * to exit frees the model, so a release from a worker thread never joins
@@ -276,10 +277,11 @@ static void learn_row_shape(md_model *m, const int64_t *shape, int ndim, int64_t
 /*
  * One forward over `pieces` (n of them, `rows` rows, one row shape), then each
  * piece's rows delivered to its request. When a forward of several requests
- * fails with the model's own error (it raised, or rejected the batch), each
- * request is run again alone, so a request that makes the model throw fails
- * only itself, not the others that happened to share its batch (the cost is
- * paid only on failure). `batch`/`batch_cap` are the worker's gather buffer.
+ * fails with the model's own error (it raised, or rejected the batch), the
+ * batch is run again in halves, recursively, so a request that makes the
+ * model throw fails only itself, not the others that happened to share its
+ * batch (the cost is paid only on failure). `batch`/`batch_cap` are the
+ * worker's gather buffer.
  */
 static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **batch_p,
                        size_t *batch_cap_p)
@@ -347,14 +349,21 @@ static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **
         learn_row_shape(m, shape, ndim, row_size);
     *batch_p = batch;
     *batch_cap_p = batch_cap;
-    if (st == MD_EUNPROC && n > 1 && strcmp(md_err_code(&ferr), "bad_model_output") != 0) {
-        /* isolate: each piece alone; a piece that fails again fails its
-         * request, the others are answered (the failed batch is not counted) */
-        md_log(MD_LOG_DEBUG, "model %s: a forward of %d requests failed (%s); running each alone",
+    if (n > 1 && (st == MD_ENOMEM ||
+                  (st == MD_EUNPROC && strcmp(md_err_code(&ferr), "bad_model_output") != 0))) {
+        /* isolate by halves: a half that fails again is split again, down to
+         * single requests, so one bad request costs about 2 log2(n) extra
+         * forwards, not n, and the others are answered (the failed batch is
+         * not counted). A batch too large to gather is split the same way. */
+        md_log(MD_LOG_DEBUG, "model %s: a forward of %d requests failed (%s); splitting it",
                m->name, n, ferr.msg);
         free(out);
-        for (int i = 0; i < n; i++)
-            run_pieces(m, pieces + i, 1, pieces[i].rows, batch_p, batch_cap_p);
+        int half = n / 2;
+        int64_t first_rows = 0;
+        for (int i = 0; i < half; i++)
+            first_rows += pieces[i].rows;
+        run_pieces(m, pieces, half, first_rows, batch_p, batch_cap_p);
+        run_pieces(m, pieces + half, n - half, rows - first_rows, batch_p, batch_cap_p);
         return;
     }
     atomic_fetch_add(&m->n_batches, 1);
@@ -608,9 +617,13 @@ md_status md_model_load(const char *name, int version, const char *path, json_t 
         return st;
     }
     if (m->row_ndim > 0) {
-        /* the test forward: one zero row of the declared shape */
-        float *zeros = md_calloc_checked((size_t)m->row_size, sizeof(float),
-                                         "the test forward's zero row", err);
+        /* the test forwards: one zero row, then two, of the declared shape.
+         * Requests of different clients share forwards, so a row's answer
+         * must not depend on the batch: an output whose rows change shape
+         * with the batch (x @ x.t()) would hand one client values computed
+         * from another's input. */
+        float *zeros = md_calloc_checked((size_t)m->row_size, 2 * sizeof(float),
+                                         "the test forward's zero rows", err);
         if (!zeros) {
             model_free(m);
             return MD_ENOMEM;
@@ -618,12 +631,36 @@ md_status md_model_load(const char *name, int version, const char *path, json_t 
         int64_t s[MD_MAX_DIMS + 1] = {1};
         memcpy(s + 1, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
         float *o = NULL;
-        int64_t os[MD_MAX_DIMS];
-        int on = 0;
+        int64_t os[MD_MAX_DIMS], os2[MD_MAX_DIMS];
+        int on = 0, on2 = 0;
         md_err ferr;
         st = md_torch_forward(m->torch, zeros, s, m->row_ndim + 1, &o, os, &on, &ferr);
-        free(zeros);
         free(o);
+        o = NULL;
+        if (st == MD_OK) {
+            s[0] = 2;
+            st = md_torch_forward(m->torch, zeros, s, m->row_ndim + 1, &o, os2, &on2, &ferr);
+            free(o);
+        }
+        free(zeros);
+        if (st == MD_OK) {
+            int same = on == on2 && on >= 1 && os[0] == 1 && os2[0] == 2;
+            for (int d = 1; same && d < on; d++)
+                same = os[d] == os2[d];
+            if (!same) {
+                char a[96], b[96];
+                fmt_dims(a, sizeof a, os, on);
+                fmt_dims(b, sizeof b, os2, on2);
+                md_err_setc(err, MD_EUNPROC, "batch_dependent_output",
+                            "model %s answers a batch of 1 row with shape %s and a batch of 2 "
+                            "with %s; modeld batches the rows of different requests together, "
+                            "so the output must have one row per input row, each computed from "
+                            "that row alone",
+                            name, a, b);
+                model_free(m);
+                return MD_EUNPROC;
+            }
+        }
         if (st != MD_OK) {
             md_err_setc(err, MD_EUNPROC, "model_test_failed",
                         "the test forward on the declared input shape failed: %s; check "

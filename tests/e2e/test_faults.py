@@ -25,7 +25,7 @@ FIXTURES = REPO / "tests" / "fixtures"
 MODELS = [  # (file, config) pairs a deploy cycles through: different bytes, same store
     (FIXTURES / "mlp.pt", {"input": {"shape": [4]}}),
     (FIXTURES / "cnn.pt", {"input": {"shape": [1, 8, 8]}}),
-    (FIXTURES / "gram.pt", {"input": {"shape": [3]}}),
+    (FIXTURES / "throws.pt", {"input": {"shape": [4]}}),
 ]
 
 

@@ -104,8 +104,15 @@ def test_v2_infer_with_huge_shape_answers_413(server):
 
 
 def test_split_request_with_batch_dependent_output_answers_500(server):
-    deployed(server, "gram", GRAM_PT,
-             {"input": {"shape": [3]}, "batching": {"max_batch_size": 4}, "workers": 2})
+    # with a declared input shape the deploy's test forwards (1 row, 2 rows)
+    # see the output depend on the batch: refused, nothing stored
+    r = deploy(server, "gram", GRAM_PT,
+               {"input": {"shape": [3]}, "batching": {"max_batch_size": 4}, "workers": 2})
+    msg = error(r, 422, "batch_dependent_output")
+    assert "[1, 1]" in msg and "[2, 2]" in msg and "each computed from that row alone" in msg, msg
+    assert server.get("/models/gram").status_code == 404
+    # config-less, nothing tests it at deploy: the split check still holds
+    deployed(server, "gram", GRAM_PT, {"batching": {"max_batch_size": 4}, "workers": 2})
     rows = [[float(r), 1.0, 2.0] for r in range(5)]
     # 5 rows over max_batch_size 4: forwards of 4 and 1 rows answer rows of 4
     # and 1 values; whichever finishes first, the request fails, once, clearly
