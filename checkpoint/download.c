@@ -73,6 +73,12 @@ int md_addr_is_internal(const struct sockaddr *sa)
         return 1; /* ::, ::1 and the deprecated IPv4-compatible ::a.b.c.d */
     if (b[0] == 0x00 && b[1] == 0x64 && b[2] == 0xff && b[3] == 0x9b && memcmp(b + 4, zero, 8) == 0)
         return v4_internal(v4); /* 64:ff9b::/96 NAT64 */
+    if (b[0] == 0x00 && b[1] == 0x64 && b[2] == 0xff && b[3] == 0x9b && b[4] == 0x00 && b[5] == 0x01)
+        return 1; /* 64:ff9b:1::/48 local-use NAT64 (RFC 8215): a private translator */
+    if (memcmp(b, zero, 8) == 0 && b[8] == 0xff && b[9] == 0xff && b[10] == 0 && b[11] == 0)
+        return v4_internal(v4); /* ::ffff:0:a.b.c.d, IPv4-translated (RFC 2765) */
+    if (b[0] == 0x20 && b[1] == 0x01 && b[2] == 0x00 && b[3] == 0x00)
+        return 1; /* 2001::/32 Teredo: a tunnel whose client address is obfuscated inside */
     if (b[0] == 0x20 && b[1] == 0x02) /* 2002::/16 6to4: the IPv4 address in bits 16..47 */
         return v4_internal((uint32_t)b[2] << 24 | (uint32_t)b[3] << 16 | (uint32_t)b[4] << 8 | b[5]);
     return (b[0] & 0xfe) == 0xfc ||             /* fc00::/7 unique local */

@@ -410,13 +410,13 @@ typedef struct outfmt {
     int header_written;
 } outfmt;
 
+/* The top class, ranked as top_k ranks (md_top_k: NaN last, ties to the
+ * lower index), so a row's prediction and its top_k always agree. */
 static int argmax(const float *x, int64_t n)
 {
-    int best = 0;
-    for (int64_t j = 1; j < n; j++)
-        if (x[j] > x[best])
-            best = (int)j;
-    return best;
+    int64_t best = 0;
+    md_top_k(x, n, 1, &best);
+    return (int)best;
 }
 
 /* Append one output row as text to `b`. */
@@ -933,9 +933,15 @@ static void run_job(md_jobs *J, int slot, const char *id)
                                     &shape_prod);
     if (json_array_size(row_shape) > 0 &&
         (json_array_size(row_shape) >= MD_MAX_DIMS || shape_overflow || shape_prod != width)) {
-        md_err_setc(&err, MD_EINVAL, "invalid_job",
-                    "input.shape holds %lld values per row but the dataset rows have %lld",
-                    (long long)shape_prod, (long long)width);
+        if (shape_overflow || json_array_size(row_shape) >= MD_MAX_DIMS)
+            md_err_setc(&err, MD_EINVAL, "invalid_job",
+                        "input.shape has too many dimensions or values (at most %d dimensions); "
+                        "the dataset rows have %lld values",
+                        MD_MAX_DIMS - 1, (long long)width);
+        else
+            md_err_setc(&err, MD_EINVAL, "invalid_job",
+                        "input.shape holds %lld values per row but the dataset rows have %lld",
+                        (long long)shape_prod, (long long)width);
         goto failed;
     }
 

@@ -1515,7 +1515,8 @@ static void test_addr_is_internal(void **state)
             fail_msg("%s is a public address", out4[i]);
     const char *in6[] = {"::1", "::", "fc00::1", "fd12:3456::1", "fe80::1", "::ffff:127.0.0.1",
                          "::ffff:10.0.0.1", "::ffff:169.254.169.254", "64:ff9b::7f00:1",
-                         "2002:7f00:1::", "ff02::1"};
+                         "2002:7f00:1::", "ff02::1", "64:ff9b:1::a00:1", "::ffff:0:7f00:1",
+                         "2001:0:4136:e378:8000:63bf:3fff:fdd2"};
     for (size_t i = 0; i < sizeof in6 / sizeof in6[0]; i++)
         if (!internal6(in6[i]))
             fail_msg("%s must count as internal", in6[i]);
