@@ -653,7 +653,8 @@ static int copy_prefix(int from, int to, long long n)
 /* This run's partial file, positioned at `out_bytes` (see above). `fresh`:
  * nothing is committed yet. `in_fd` (or -1) is the input, which must not be
  * the output. Returns the descriptor, or -1 with `err` set. */
-static int out_open_partial(outfile *of, int fresh, long long out_bytes, int in_fd, md_err *err)
+static int out_open_partial(outfile *of, int fresh, long long out_bytes, int in_fd,
+                            const atomic_int *lost, md_err *err)
 {
     struct stat sb, in_sb;
     if (fresh && fstatat(of->dirfd, of->leaf, &sb, AT_SYMLINK_NOFOLLOW) == 0) {
@@ -706,6 +707,13 @@ static int out_open_partial(outfile *of, int fresh, long long out_bytes, int in_
         goto fail;
     }
 renamed:
+    /* the lease keeper ran through the copy; a lease lost meanwhile means
+     * another replica owns <leaf>.partial now: leave it alone */
+    if (lost && atomic_load(lost)) {
+        md_err_setc(err, MD_ECONFLICT, "job_taken_over",
+                    "another replica took the job over while its output was being copied");
+        goto fail;
+    }
     if (renameat(of->dirfd, tmp, of->dirfd, of->partial) != 0) {
         md_err_set(err, MD_EIO, "cannot rename the job output to %s.partial: %s", of->path,
                    strerror(errno));
@@ -914,7 +922,6 @@ static void run_job(md_jobs *J, int slot, const char *id)
         if (st == MD_EIO)
             goto reader_failed;
     }
-    keeper_stop(&kp); /* from here the pipeline renews the lease as it goes */
     outfmt o = {0};
     const char *ofmt = json_string_value(json_object_get(output, "format"));
     o.kind = !ofmt || !strcmp(ofmt, "jsonl") ? 0 : !strcmp(ofmt, "csv") ? 1 : 2;
@@ -951,7 +958,10 @@ static void run_job(md_jobs *J, int slot, const char *id)
     if (out_open_dir(J, output, out_path, &of, &err) != MD_OK)
         goto failed;
     int fresh = rows_done == 0 && out_bytes == 0;
-    fd = out_open_partial(&of, fresh, out_bytes, in_fd, &err);
+    /* the keeper renews the lease through the copy of a resumed job's
+     * committed output (gigabytes on a slow disk outlast a lease) */
+    fd = out_open_partial(&of, fresh, out_bytes, in_fd, &J->lost[slot], &err);
+    keeper_stop(&kp); /* from here the pipeline renews the lease as it goes */
     if (fd < 0)
         goto failed;
     if (fresh) {
