@@ -186,7 +186,9 @@ fixtures:
 fixtures-check:
 	$(PYTHON) tests/fixtures/make_fixtures.py --check
 
-$(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $(BUILD)/config/md_err.o
+# the backend reads checkpoint tensors too (md_torch_load_state): it needs their helpers
+$(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $(BUILD)/config/md_err.o \
+	$(BUILD)/checkpoint/named_tensors.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LIBS)
 
