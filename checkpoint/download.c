@@ -35,6 +35,7 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "checkpoint.h"
@@ -512,11 +513,12 @@ static md_status fetch_path(const char *url, const md_fetch_opts *o, sink *s, md
 
 /* One request of a transfer: `url` (a hop), nothing followed. On success
  * `*http` is the status and `*location` a new string (or NULL). */
-static md_status fetch_hop(const char *url, const char *shown, const md_fetch_opts *o, sink *s,
-                           long *http, char **location, md_err *err)
+static md_status fetch_hop(const char *url, const char *shown, const md_fetch_opts *o,
+                           long timeout_s, sink *s, long *http, char **location, md_err *err)
 {
     *location = NULL;
     *http = 0;
+    s->refused_address = 0; /* per hop: an earlier hop's refusal says nothing of this one */
     CURL *c = curl_easy_init();
     if (!c)
         return md_err_set(err, MD_EINTERNAL, "cannot start libcurl");
@@ -526,7 +528,7 @@ static md_status fetch_hop(const char *url, const char *shown, const md_fetch_op
     SETOPT(c, CURLOPT_PROTOCOLS_STR, "http,https");
     SETOPT(c, CURLOPT_FOLLOWLOCATION, 0L); /* followed in fetch(), each hop checked */
     SETOPT(c, CURLOPT_CONNECTTIMEOUT, (long)o->connect_timeout_s);
-    SETOPT(c, CURLOPT_TIMEOUT, (long)o->timeout_s);
+    SETOPT(c, CURLOPT_TIMEOUT, timeout_s); /* what is left of the whole download's */
     SETOPT(c, CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)o->max_bytes);
     SETOPT(c, CURLOPT_FAILONERROR, 1L);
     SETOPT(c, CURLOPT_NOSIGNAL, 1L);
@@ -551,7 +553,7 @@ static md_status fetch_hop(const char *url, const char *shown, const md_fetch_op
             *location = md_xstrdup(loc);
     } else if (s->failed) {
         st = err->status;
-    } else if (s->refused_address) {
+    } else if (s->refused_address && rc == CURLE_COULDNT_CONNECT) {
         st = md_err_setc(err, MD_EINVAL, "source_not_allowed",
                          "source %.200s leads to a loopback, private or link-local address; set "
                          "allow_private_urls=1 if the server may download from internal hosts",
@@ -591,10 +593,23 @@ static md_status fetch(const char *url, const md_fetch_opts *o, sink *s, md_err 
     s->o = o;
     s->allow_private = o->allow_private;
     char *cur = md_xstrdup(url);
+    /* download_timeout_s bounds the whole download, every redirect included */
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int hop = 0;; hop++) {
         long http = 0;
         char *next = NULL;
-        st = fetch_hop(cur, url, o, s, &http, &next, err);
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long left = (long)o->timeout_s - (long)(now.tv_sec - t0.tv_sec);
+        if (o->timeout_s > 0 && left < 1) {
+            st = md_err_setc(err, MD_EUNPROC, "download_failed",
+                             "downloading %.200s timed out after %d redirects; check the URL or "
+                             "raise download_timeout_s",
+                             url, hop);
+            break;
+        }
+        st = fetch_hop(cur, url, o, o->timeout_s > 0 ? left : 0, s, &http, &next, err);
         free(cur);
         cur = next;
         if (st != MD_OK)

@@ -424,3 +424,22 @@ def test_dataset_bytes_are_escaped_in_the_log(start_server, fmnist, tmp_path):
     line = next(ln for ln in srv.stderr.splitlines() if f"job {jid} failed" in ln)
     assert "\x1b" not in srv.stderr and "\x07" not in srv.stderr, repr(line)
     assert "\\x1b[2J\\x07FAKE" in line, repr(line)
+
+
+def test_download_timeout_bounds_every_redirect_together(start_server, service):
+    """download_timeout_s is the whole download's: each hop used to get the
+    full timeout again, so N redirects could take N+1 times as long. Two
+    redirects whose bodies trickle for 2 s each, under a 3 s timeout: the
+    second hop runs out of the time the first left (each alone would fit)."""
+    mlp = (Path(__file__).resolve().parents[1] / "fixtures" / "mlp.pt").read_bytes()
+    service.serve("/model.pt", mlp)
+    service.serve("/hop2", b"x" * 2000, status=302,
+                  headers={"Location": service.url("/model.pt")}, trickle_s=2.0)
+    service.serve("/hop1", b"x" * 2000, status=302,
+                  headers={"Location": service.url("/hop2")}, trickle_s=2.0)
+    srv = start_server(*ALLOW_LOOPBACK, "--download-timeout-s", "3")
+    r = srv.request("POST", "/models", json={"name": "m", "source": service.url("/hop1")},
+                    timeout=60 * TSCALE)
+    assert r.status_code == 422, r.text
+    assert "timed out" in r.json()["error"]["message"], r.text
+    assert service.gets("/model.pt") == 0
