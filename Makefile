@@ -208,6 +208,9 @@ clean:
 # loader, the router and the checkpoint readers (clang); not part of
 # `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
+# FUZZ_RUNS=1000000 runs each target that many executions instead of FUZZ_SECONDS
+FUZZ_RUNS ?=
+FUZZ_LIMIT = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS))
 # the checkpoint readers' memory limits, small enough for libFuzzer's 2 GB
 FUZZ_CKPT_LIMITS := -DMD_CKPT_MAX_TOTAL_BYTES='(64LL << 20)' -DMD_PICKLE_MAX_ARENA='(64LL << 20)'
 fuzz:
@@ -239,12 +242,12 @@ fuzz:
 	cp tests/fuzz_corpus_router/* build-fuzz/corpus_router/
 	cp tests/fuzz_corpus_pickle/* build-fuzz/corpus_pickle/
 	cp tests/fuzz_corpus_safetensors/* build-fuzz/corpus_safetensors/
-	build-fuzz/fuzz_tensor -max_total_time=$(FUZZ_SECONDS) -max_len=4096 build-fuzz/corpus
-	build-fuzz/fuzz_readers -max_total_time=$(FUZZ_SECONDS) -max_len=4096 build-fuzz/corpus_readers
-	build-fuzz/fuzz_config -max_total_time=$(FUZZ_SECONDS) -max_len=2048 build-fuzz/corpus_config
-	build-fuzz/fuzz_router -max_total_time=$(FUZZ_SECONDS) -max_len=1024 build-fuzz/corpus_router
-	build-fuzz/fuzz_pickle -max_total_time=$(FUZZ_SECONDS) -max_len=16384 build-fuzz/corpus_pickle
-	build-fuzz/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS) -max_len=4096 \
+	build-fuzz/fuzz_tensor $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus
+	build-fuzz/fuzz_readers $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_readers
+	build-fuzz/fuzz_config $(FUZZ_LIMIT) -max_len=2048 build-fuzz/corpus_config
+	build-fuzz/fuzz_router $(FUZZ_LIMIT) -max_len=1024 build-fuzz/corpus_router
+	build-fuzz/fuzz_pickle $(FUZZ_LIMIT) -max_len=16384 build-fuzz/corpus_pickle
+	build-fuzz/fuzz_safetensors $(FUZZ_LIMIT) -max_len=4096 \
 	  build-fuzz/corpus_safetensors
 
 # The CUDA path of the backend must keep compiling even where no CUDA libtorch
