@@ -790,6 +790,23 @@ static void test_pause(md_jobs *J, int slot)
 
 /* ---- running one job ---- */
 
+/* The output as written so far becomes the job's file (finished or
+ * cancelled alike): an NPY gets its final header, the data is made durable,
+ * then published under its name; *fd is closed on success. */
+static md_status out_finish(outfile *of, int *fd, int npy, long long out_bytes, int64_t rows,
+                            const char *partial, md_err *err)
+{
+    if (npy && finish_npy(*fd, out_bytes, rows, partial, err) != MD_OK)
+        return err->status;
+    if (fsync(*fd) != 0)
+        return md_err_set(err, MD_EIO, "fsync of %s failed: %s", partial, strerror(errno));
+    if (out_publish(of, *fd, err) != MD_OK)
+        return err->status;
+    close(*fd);
+    *fd = -1;
+    return MD_OK;
+}
+
 static void run_job(md_jobs *J, int slot, const char *id)
 {
     md_err err;
@@ -1164,17 +1181,9 @@ static void run_job(md_jobs *J, int slot, const char *id)
             goto failed;
         if (atomic_load(&J->cancel[slot]) && inflight == 0) {
             /* keep what is written, as a valid file marked partial */
-            if (o.kind == 2 &&
-                finish_npy(fd, out_bytes, written_end - written_skipped, partial, &err) != MD_OK)
+            if (out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped,
+                           partial, &err) != MD_OK)
                 goto failed;
-            if (fsync(fd) != 0) {
-                md_err_set(&err, MD_EIO, "fsync of %s failed: %s", partial, strerror(errno));
-                goto failed;
-            }
-            if (out_publish(&of, fd, &err) != MD_OK)
-                goto failed;
-            close(fd);
-            fd = -1;
             now_iso(now);
             f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
             jupdate(J, slot, id, f, NULL);
@@ -1194,17 +1203,9 @@ static void run_job(md_jobs *J, int slot, const char *id)
         if (eof && inflight == 0)
             break;
     }
-    if (o.kind == 2 &&
-        finish_npy(fd, out_bytes, written_end - written_skipped, partial, &err) != MD_OK)
+    if (out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped, partial,
+                   &err) != MD_OK)
         goto failed;
-    if (fsync(fd) != 0) {
-        md_err_set(&err, MD_EIO, "fsync of %s failed: %s", partial, strerror(errno));
-        goto failed;
-    }
-    if (out_publish(&of, fd, &err) != MD_OK)
-        goto failed;
-    close(fd);
-    fd = -1;
     now_iso(now);
     f = json_pack("{s:s,s:s,s:I}", "status", "succeeded", "finished_at", now, "rows_total",
                   (json_int_t)md_reader_position(r));
