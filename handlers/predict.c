@@ -409,96 +409,6 @@ void md_handle_predict_version(md_req *req)
 
 /* ---- Open Inference Protocol V2 ---- */
 
-static md_status v2_decode(json_t *in, md_tensor *t, size_t max_vals, md_err *err)
-{
-    const char *dt = json_string_value(json_object_get(in, "datatype"));
-    json_t *shape = json_object_get(in, "shape"), *data = json_object_get(in, "data");
-    static const char *ok[] = {"FP32", "FP64", "INT64", "INT32", "UINT8", "BOOL", NULL};
-    int known = 0;
-    for (int i = 0; dt && ok[i]; i++)
-        known |= strcmp(dt, ok[i]) == 0;
-    if (!known)
-        return md_err_set(err, MD_EINVAL,
-                          "input datatype %s is not supported; use FP32, FP64, INT64, INT32, "
-                          "UINT8 or BOOL",
-                          dt ? dt : "(missing)");
-    if (!json_is_array(shape) || json_array_size(shape) == 0 ||
-        json_array_size(shape) > MD_MAX_DIMS)
-        return md_err_set(err, MD_EINVAL, "input shape must be an array of 1 to 8 integers");
-    int64_t values = 1;
-    int overflow = 0;
-    memset(t, 0, sizeof *t);
-    for (size_t i = 0; i < json_array_size(shape); i++) {
-        json_t *d = json_array_get(shape, i);
-        if (!json_is_integer(d) || json_integer_value(d) < 1)
-            return md_err_set(err, MD_EINVAL, "input shape[%zu] must be a positive integer", i);
-        t->shape[t->ndim++] = json_integer_value(d);
-        overflow |= md_mul_i64(values, json_integer_value(d), &values);
-    }
-    /* the shape sizes the buffer: bound it before allocating, by the same
-     * limit as every other body (the data cannot hold more values anyway) */
-    if (overflow || (uint64_t)values > (uint64_t)max_vals)
-        return md_err_setc(err, MD_ETOOBIG, "too_many_values",
-                           "input shape holds %s%lld values, more than the limit of %zu; send "
-                           "fewer rows per request",
-                           overflow ? "more than " : "", overflow ? (long long)INT64_MAX
-                                                                  : (long long)values,
-                           max_vals);
-    size_t count = (size_t)values;
-    if (!json_is_array(data))
-        return md_err_set(err, MD_EINVAL, "input data must be an array (flat or nested)");
-    float *buf = md_mallocarray_checked(count, sizeof(float), "the input", err);
-    if (!buf)
-        return MD_ENOMEM;
-    /* flatten nested data depth-first */
-    json_t *stack[MD_MAX_DIMS + 1];
-    size_t pos[MD_MAX_DIMS + 1];
-    int depth = 0;
-    size_t n = 0;
-    stack[0] = data;
-    pos[0] = 0;
-    while (depth >= 0) {
-        if (pos[depth] >= json_array_size(stack[depth])) {
-            depth--;
-            if (depth >= 0)
-                pos[depth]++;
-            continue;
-        }
-        json_t *v = json_array_get(stack[depth], pos[depth]);
-        if (json_is_array(v)) {
-            if (depth + 1 > MD_MAX_DIMS) {
-                free(buf);
-                return md_err_set(err, MD_EINVAL, "input data is nested too deeply");
-            }
-            stack[++depth] = v;
-            pos[depth] = 0;
-            continue;
-        }
-        if (n >= count) {
-            free(buf);
-            return md_err_set(err, MD_EINVAL, "input data has more values than its shape (%zu)",
-                              count);
-        }
-        if (json_is_number(v))
-            buf[n++] = (float)json_number_value(v);
-        else if (json_is_boolean(v))
-            buf[n++] = json_is_true(v) ? 1.0f : 0.0f;
-        else {
-            free(buf);
-            return md_err_set(err, MD_EINVAL, "input data value %zu is not a number", n);
-        }
-        pos[depth]++;
-    }
-    if (n != count) {
-        free(buf);
-        return md_err_set(err, MD_EINVAL, "input data has %zu values but its shape needs %zu", n,
-                          count);
-    }
-    t->data = buf;
-    t->count = count;
-    return MD_OK;
-}
-
 static void v2_infer(md_req *req, int version)
 {
     md_err err;
@@ -518,7 +428,7 @@ static void v2_infer(md_req *req, int version)
         return;
     }
     md_tensor t;
-    if (v2_decode(json_array_get(inputs, 0), &t, max_values(req), &err) != MD_OK) {
+    if (md_v2_decode(json_array_get(inputs, 0), max_values(req), &t, &err) != MD_OK) {
         json_decref(root);
         md_reply_error(req, &err);
         return;

@@ -234,6 +234,16 @@ void md_tensor_free(md_tensor *t);
 md_status md_tensor_decode(const char *body, size_t len, const char *content_type,
                            size_t max_values, md_tensor *out, md_err *err);
 
+/*
+ * Decode one Open Inference Protocol V2 input object ({"name", "shape",
+ * "datatype", "data"}; data flat or nested, numbers or booleans) into a
+ * float32 tensor of its shape. The shape's product is overflow-checked and
+ * bounded by `max_values` before anything is allocated (MD_ETOOBIG); a value
+ * outside float32's range, a wrong count or a non-number is MD_EINVAL naming
+ * it. `in` is borrowed. Thread-safe.
+ */
+md_status md_v2_decode(json_t *in, size_t max_values, md_tensor *out, md_err *err);
+
 /* Decode an NPY file (float32/64, int64/32, uint8, bool; C order) into float32. */
 md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tensor *out,
                         md_err *err);

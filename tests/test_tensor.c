@@ -1111,6 +1111,51 @@ static void test_checked_sizes(void **state)
     free(ok);
 }
 
+/* ---- Open Inference Protocol V2 inputs ---- */
+
+static md_status v2(const char *json, md_tensor *t, md_err *err)
+{
+    json_error_t jerr;
+    json_t *in = json_loads(json, 0, &jerr);
+    assert_non_null(in);
+    md_status st = md_v2_decode(in, 1 << 20, t, err);
+    json_decref(in);
+    return st;
+}
+
+static void test_v2_decode(void **state)
+{
+    (void)state;
+    md_tensor t;
+    md_err err;
+    assert_int_equal(v2("{\"name\":\"x\",\"shape\":[2,2],\"datatype\":\"FP32\","
+                        "\"data\":[[1,2],[3,4.5]]}", &t, &err), MD_OK);
+    assert_int_equal(t.ndim, 2);
+    assert_int_equal(t.count, 4);
+    assert_true(t.data[3] == 4.5f);
+    md_tensor_free(&t);
+    assert_int_equal(v2("{\"shape\":[3],\"datatype\":\"BOOL\",\"data\":[true,false,true]}",
+                        &t, &err), MD_OK);
+    assert_true(t.data[0] == 1.0f && t.data[1] == 0.0f);
+    md_tensor_free(&t);
+    /* found by fuzz_v2: past float32's range the cast was undefined (inf) */
+    assert_int_equal(v2("{\"shape\":[2],\"datatype\":\"FP64\",\"data\":[1e39,0]}", &t, &err),
+                     MD_EINVAL);
+    assert_non_null(strstr(err.msg, "outside float32's range"));
+    /* the shape sizes the buffer: bounded before allocating, overflow caught */
+    assert_int_equal(v2("{\"shape\":[4294967296,4294967296,4294967296],\"datatype\":\"FP32\","
+                        "\"data\":[1]}", &t, &err), MD_ETOOBIG);
+    assert_string_equal(err.code, "too_many_values");
+    assert_int_equal(v2("{\"shape\":[3],\"datatype\":\"FP32\",\"data\":[1,2]}", &t, &err),
+                     MD_EINVAL);
+    assert_int_equal(v2("{\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1,2]}", &t, &err),
+                     MD_EINVAL);
+    assert_int_equal(v2("{\"shape\":[1],\"datatype\":\"BYTES\",\"data\":[\"a\"]}", &t, &err),
+                     MD_EINVAL);
+    assert_int_equal(v2("{\"shape\":[1],\"datatype\":\"FP32\",\"data\":[\"a\"]}", &t, &err),
+                     MD_EINVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1153,6 +1198,7 @@ int main(void)
         cmocka_unit_test(test_top_k_matches_reference),
         cmocka_unit_test(test_top_k_large),
         cmocka_unit_test(test_checked_sizes),
+        cmocka_unit_test(test_v2_decode),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
