@@ -225,6 +225,9 @@ fuzz:
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \
 	  predictor/tensor.c config/md_err.c -ljansson -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_model_config \
+	  tests/fuzz_model_config.c predictor/model_config.c config/md_err.c -ljansson -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_config tests/fuzz_config.c \
 	  config/config.c config/md_err.c -ljansson -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
@@ -243,12 +246,15 @@ fuzz:
 	cp tests/fuzz_corpus_readers/* build-fuzz/corpus_readers/
 	cp tests/fuzz_corpus_config/* build-fuzz/corpus_config/
 	mkdir -p build-fuzz/corpus_v2 && cp tests/fuzz_corpus_v2/* build-fuzz/corpus_v2/
+	mkdir -p build-fuzz/corpus_model_config && \
+	  cp tests/fuzz_corpus_model_config/* build-fuzz/corpus_model_config/
 	cp tests/fuzz_corpus_router/* build-fuzz/corpus_router/
 	cp tests/fuzz_corpus_pickle/* build-fuzz/corpus_pickle/
 	cp tests/fuzz_corpus_safetensors/* build-fuzz/corpus_safetensors/
 	build-fuzz/fuzz_tensor $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus
 	build-fuzz/fuzz_readers $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_readers
 	build-fuzz/fuzz_v2 $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_v2
+	build-fuzz/fuzz_model_config $(FUZZ_LIMIT) -max_len=2048 build-fuzz/corpus_model_config
 	build-fuzz/fuzz_config $(FUZZ_LIMIT) -max_len=2048 build-fuzz/corpus_config
 	build-fuzz/fuzz_router $(FUZZ_LIMIT) -max_len=1024 build-fuzz/corpus_router
 	build-fuzz/fuzz_pickle $(FUZZ_LIMIT) -max_len=16384 build-fuzz/corpus_pickle
