@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from conftest import REPO, TSCALE
+from test_jobs import fmnist  # noqa: F401 (the session fixture: FashionMNIST converted once)
 
 FIXTURES = REPO / "tests" / "fixtures"
 MODELS = [  # (file, config) pairs a deploy cycles through: different bytes, same store
@@ -184,3 +185,31 @@ def test_model_that_throws_fails_only_those_requests(start_server):
     stats = srv.get("/models/t").json()
     assert srv.proc.poll() is None, srv.stderr
     print("batches:", json.dumps(stats.get("loaded", stats))[:300])
+
+
+def test_kill9_at_random_moments_of_a_job(start_server, fmnist, tmp_path):
+    """SIGKILL at five random moments (seeded) of one job over the 10k
+    FashionMNIST test set, restarting each time: the job ends with every row
+    exactly once, in order, and PyTorch's accuracy, wherever the kills landed
+    (before it started, mid-chunk, between chunks, after it finished)."""
+    from test_jobs import (assert_accuracy, assert_done, assert_full_jsonl, create_job,
+                           deploy_fashion, idx_input, jsonl_rows, output, server_args, wait_job)
+    rng = random.Random(11)
+    args = server_args(fmnist, tmp_path)
+    srv = start_server(*args)
+    deploy_fashion(srv)
+    jid = create_job(srv, {"model": "fashion", "input": idx_input(), "batch_size": 16,
+                           "output": {"format": "jsonl"}})
+    for _ in range(5):
+        time.sleep(rng.uniform(0, 0.3) * TSCALE)
+        srv.proc.kill()
+        srv.proc.wait(10)
+        srv.kill()
+        srv = start_server(*args)  # the same store: the job resumes
+    job = wait_job(srv, jid)
+    assert_done(job)
+    assert_accuracy(job, fmnist)
+    rows = jsonl_rows(output(srv, jid))
+    idx = [row["index"] for row in rows]
+    assert len(idx) == len(set(idx)), f"rows written twice: {len(idx) - len(set(idx))}"
+    assert_full_jsonl(rows, fmnist)
