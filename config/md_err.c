@@ -37,6 +37,24 @@ void md_err_clear(md_err *err)
     err->msg[0] = '\0';
 }
 
+/* The length of the well-formed UTF-8 sequence at `c` (1..4), or 0 when the
+ * bytes there are not one (a stray continuation byte, an overlong form, a
+ * surrogate, past U+10FFFF, or a sequence cut short). */
+static size_t utf8_len(const unsigned char *c)
+{
+    if (c[0] < 0x80)
+        return 1;
+    size_t n = c[0] >= 0xc2 && c[0] <= 0xdf ? 2 : c[0] >= 0xe0 && c[0] <= 0xef ? 3
+             : c[0] >= 0xf0 && c[0] <= 0xf4 ? 4 : 0;
+    for (size_t i = 1; i < n; i++)
+        if ((c[i] & 0xc0) != 0x80)
+            return 0; /* also stops at the terminating NUL */
+    if ((c[0] == 0xe0 && c[1] < 0xa0) || (c[0] == 0xed && c[1] >= 0xa0) ||
+        (c[0] == 0xf0 && c[1] < 0x90) || (c[0] == 0xf4 && c[1] >= 0x90))
+        return 0;
+    return n;
+}
+
 static md_status err_vset(md_err *err, md_status status, const char *code, const char *fmt,
                           va_list ap)
 {
@@ -46,18 +64,26 @@ static md_status err_vset(md_err *err, md_status status, const char *code, const
     snprintf(err->code, sizeof err->code, "%s", code ? code : "");
     char raw[MD_ERR_MSG_MAX];
     vsnprintf(raw, sizeof raw, fmt, ap);
-    /* a message quotes what the client sent: keep it one line of printable
-     * text (control characters written as \xNN, as C writes them), so it can
-     * neither break a log line nor forge another, and still shows the bytes */
+    /* a message quotes what the client sent: keep it one line of printable,
+     * valid UTF-8 text (control characters and bytes that are not UTF-8
+     * written as \xNN, as C writes them), so it can neither break a log line
+     * nor forge another, nor make the JSON error body unencodable (jansson
+     * refuses invalid UTF-8: a 400 would become a 500), and still shows the
+     * bytes */
     size_t o = 0;
-    for (const unsigned char *c = (const unsigned char *)raw; *c && o + 1 < sizeof err->msg;
-         c++) {
-        if (*c < 0x20 || *c == 0x7f) {
+    for (const unsigned char *c = (const unsigned char *)raw; *c && o + 1 < sizeof err->msg;) {
+        size_t n = utf8_len(c);
+        if (n == 0 || *c < 0x20 || *c == 0x7f) {
             if (o + 5 > sizeof err->msg)
                 break;
             o += (size_t)snprintf(err->msg + o, sizeof err->msg - o, "\\x%02x", *c);
+            c++;
         } else {
-            err->msg[o++] = (char)*c;
+            if (o + n + 1 > sizeof err->msg)
+                break;
+            memcpy(err->msg + o, c, n);
+            o += n;
+            c += n;
         }
     }
     err->msg[o] = '\0';

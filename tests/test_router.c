@@ -519,6 +519,16 @@ static void test_err_message_one_line(void **state)
     assert_null(strchr(err.msg, '\x1b'));
     assert_null(strchr(err.msg, '\x7f'));
     assert_string_equal(err.msg, "config file a\\x0ab\\x0d\\x1b[31mc\\x7f: not found");
+    /* the message becomes a JSON string: bytes that are not UTF-8 are written
+     * as \xNN too (jansson refuses them, which turned a 400 into a 500);
+     * well-formed UTF-8 passes */
+    md_err_set(&err, MD_EINVAL, "model %s / %s / %s", "\xff\xfe", "caf\xc3\xa9",
+               "cut \xe2\x82");
+    assert_string_equal(err.msg, "model \\xff\\xfe / caf\xc3\xa9 / cut \\xe2\\x82");
+    md_err_set(&err, MD_EINVAL, "%s", "\xc0\xaf \xed\xa0\x80 \xf4\x90\x80\x80"); /* overlong, surrogate, past U+10FFFF */
+    assert_null(strchr(err.msg, '\xc0'));
+    assert_null(strchr(err.msg, '\xed'));
+    assert_null(strchr(err.msg, '\xf4'));
 }
 
 /* ---- query parameters and "did you mean" ---- */

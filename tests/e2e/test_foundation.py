@@ -345,6 +345,11 @@ def test_unknown_query_parameter_is_400(shared_server):
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert '"limt"' in msg and "did you mean limit?" in msg, msg
+    # a parameter name that is not UTF-8 is still a 400 with a JSON body, not a 500
+    r = shared_server.get("/models?%ff=1")
+    assert r.status_code == 400 and "\\xff" in r.json()["error"]["message"], r.text
+    r = shared_server.get("/%ff")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "route_not_found", r.text
     r = shared_server.get("/healthz?verbose=1")
     assert r.status_code == 400 and "takes no query parameters" in r.json()["error"]["message"]
     # the parameters a route does take still work
