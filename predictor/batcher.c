@@ -41,7 +41,8 @@
  * A forward of several requests that fails with the model's own error (it
  * raised) is run again in halves, down to single requests (run_pieces), so a
  * request that makes the model throw fails alone instead of taking its batch
- * with it, at about 2 log2(n) extra forwards.
+ * with it: about 2 log2(n) extra forwards for one bad request among n, 2n - 1
+ * at most when every request fails.
  * Lifetime: the registry and each queued request hold references; the last
  * release sets `stopping`; workers finish the queue, exit, and the last one
  * to exit frees the model, so a release from a worker thread never joins
@@ -353,8 +354,9 @@ static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **
                   (st == MD_EUNPROC && strcmp(md_err_code(&ferr), "bad_model_output") != 0))) {
         /* isolate by halves: a half that fails again is split again, down to
          * single requests, so one bad request costs about 2 log2(n) extra
-         * forwards, not n, and the others are answered (the failed batch is
-         * not counted). A batch too large to gather is split the same way. */
+         * forwards (2n - 1 at most, when all fail), and the others are
+         * answered (the failed batch is not counted). A batch too large to
+         * gather is split the same way. */
         md_log(MD_LOG_DEBUG, "model %s: a forward of %d requests failed (%s); splitting it",
                m->name, n, ferr.msg);
         free(out);
@@ -660,6 +662,11 @@ md_status md_model_load(const char *name, int version, const char *path, json_t 
                 model_free(m);
                 return MD_EUNPROC;
             }
+        }
+        if (st == MD_ENOMEM) { /* short of memory now: not the model's fault */
+            *err = ferr;
+            model_free(m);
+            return MD_ENOMEM;
         }
         if (st != MD_OK) {
             md_err_setc(err, MD_EUNPROC, "model_test_failed",

@@ -243,6 +243,13 @@ extern "C" md_status md_torch_load(const char *path, const char *device, md_dtyp
             return md_err_set(err, MD_ENOMEM, "out of memory loading the model");
         *out = m;
         return MD_OK;
+    } catch (const c10::OutOfMemoryError &e) {
+        /* memory (a GPU's too) runs short for a while: not the checkpoint's
+         * fault, so not remembered as a bad version */
+        set_torch_err(err, MD_ENOMEM, "out of memory loading the model", error_text(e));
+        return MD_ENOMEM;
+    } catch (const std::bad_alloc &) {
+        return md_err_set(err, MD_ENOMEM, "out of memory loading the model; retry later");
     } catch (const std::exception &e) {
         if (is_torch_save_zip(path))
             return md_err_setc(err, MD_EUNPROC, "not_torchscript",
@@ -322,6 +329,11 @@ extern "C" md_status md_torch_forward(md_torch_model *m, const float *input, con
             out_shape[i] = y.size(i);
         *out = buf;
         return MD_OK;
+    } catch (const c10::OutOfMemoryError &e) {
+        set_torch_err(err, MD_ENOMEM, "out of memory in the model's forward", error_text(e));
+        return MD_ENOMEM;
+    } catch (const std::bad_alloc &) {
+        return md_err_set(err, MD_ENOMEM, "out of memory in the model's forward; retry later");
     } catch (const std::exception &e) {
         set_torch_err(err, MD_EUNPROC, "the model's forward failed", error_text(e));
         return MD_EUNPROC;
