@@ -291,11 +291,36 @@ static md_model *load_once(md_app *app, json_t *v, unsigned long seen_epoch, con
         md_err lerr;
         md_err_clear(&lerr);
         m = md_app_load_version(app, v, &lerr);
-        if (m) {
+        /* The registry gets it only while the row is still the one loaded: a
+         * delete (or a delete and a new upload of the same number) during
+         * the load must not find the old model back in the registry. When
+         * anything was forgotten since the row was read, the row is read
+         * again; deletes forget before they remove, and the put below holds
+         * load_mu with the epoch the row was checked at, so a delete either
+         * sees the model in the registry and removes it, or is seen here. */
+        unsigned long checked = seen_epoch;
+        int keep = m != NULL;
+        pthread_mutex_lock(&load_mu);
+        while (keep && epoch != checked) {
+            checked = epoch;
+            pthread_mutex_unlock(&load_mu);
+            json_t *now = NULL;
+            md_err gerr;
+            char now_id[160] = "";
+            if (md_store_get_version(app->store, name, version, &now, &gerr) == MD_OK)
+                row_identity(now, now_id, sizeof now_id);
+            json_decref(now);
+            pthread_mutex_lock(&load_mu);
+            if (strcmp(now_id, identity) != 0) {
+                md_log(MD_LOG_INFO, "model %s version %d changed while it loaded; not kept",
+                       name, version);
+                keep = 0;
+            }
+        }
+        if (keep) {
             md_model_retain(m); /* the registry's reference */
             md_registry_put(app->registry, m, 0);
         }
-        pthread_mutex_lock(&load_mu);
         s->done = 1;
         s->model = m;
         s->err = lerr;
@@ -333,9 +358,12 @@ static void remember_missing(const char *name, int version, const md_err *err,
     pthread_mutex_unlock(&load_mu);
 }
 
-md_model *md_app_load_row(md_app *app, json_t *v, const char *why, md_err *err)
+unsigned long md_app_epoch(void) { return current_epoch(); }
+
+md_model *md_app_load_row(md_app *app, json_t *v, unsigned long seen_epoch, const char *why,
+                          md_err *err)
 {
-    return load_once(app, v, current_epoch(), why, err);
+    return load_once(app, v, seen_epoch, why, err);
 }
 
 md_model *md_app_load_stored(md_app *app, const char *name, int version, int make_default,

@@ -103,11 +103,16 @@ md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err);
  * default. Returns a new reference or NULL with `err`. May block; thread-safe. */
 md_model *md_app_load_stored(md_app *app, const char *name, int version, int make_default,
                              md_err *err);
-/* Load the stored row `v` (borrowed; its JSON from the store) through the
- * same once-only slots; `why` words the log line ("at start"). The model is
- * in the registry, not as the default. New reference or NULL with `err`.
- * May block; thread-safe. */
-md_model *md_app_load_row(md_app *app, json_t *v, const char *why, md_err *err);
+/* What md_app_forget has changed so far; read it BEFORE reading rows from
+ * the store, and pass it to md_app_load_row. Thread-safe. */
+unsigned long md_app_epoch(void);
+/* Load the stored row `v` (borrowed; its JSON from the store, read after
+ * `seen_epoch` was taken) through the same once-only slots; `why` words the
+ * log line ("at start"). The model is in the registry, not as the default,
+ * unless something was forgotten since `seen_epoch` (then the caller alone
+ * gets it). New reference or NULL with `err`. May block; thread-safe. */
+md_model *md_app_load_row(md_app *app, json_t *v, unsigned long seen_epoch, const char *why,
+                          md_err *err);
 /* Forget what is remembered about `name` (failed loads, "not found"):
  * version 0 every version of it, NULL every name. Call after changing the
  * store (an add, a delete, retention) or noticing a replica did. Thread-safe. */

@@ -238,6 +238,7 @@ void md_app_load_defaults(md_app *app, int (*stop)(void))
 {
     md_err err;
     json_t *defaults = NULL;
+    unsigned long seen = md_app_epoch(); /* before the rows are read */
     if (md_store_defaults(app->store, &defaults, &err) != MD_OK) {
         md_log(MD_LOG_ERROR, "cannot list the deployed models: %s", err.msg);
         return;
@@ -254,7 +255,7 @@ void md_app_load_defaults(md_app *app, int (*stop)(void))
         if (strcmp(state, "failed") == 0)
             continue;
         /* through the load slots: a request may already be loading it */
-        md_model *m = md_app_load_row(app, v, "at start", &err);
+        md_model *m = md_app_load_row(app, v, seen, "at start", &err);
         if (m) {
             md_registry_set_default(app->registry, md_model_name(m), md_model_version(m));
             md_log(MD_LOG_INFO, "model %s version %d loaded", md_model_name(m),
@@ -292,6 +293,7 @@ void md_app_sync(md_app *app)
     md_err err;
     md_err_clear(&err);
     json_t *defaults = NULL;
+    unsigned long seen = md_app_epoch(); /* after the forget, before the rows are read */
     if (md_store_defaults(app->store, &defaults, &err) != MD_OK) {
         md_log(MD_LOG_WARN, "store sync: %s", err.msg);
         return;
@@ -310,7 +312,7 @@ void md_app_sync(md_app *app)
             continue;
         if (md_registry_set_default(app->registry, name, version) == 0) {
             /* through the load slots: a request may be loading it already */
-            md_model *m = md_app_load_row(app, v, "for the store sync", &err);
+            md_model *m = md_app_load_row(app, v, seen, "for the store sync", &err);
             if (!m) {
                 md_log(MD_LOG_WARN, "store sync: model %s version %d: %s", name, version, err.msg);
                 again |= err.status == MD_ETIMEOUT;
@@ -1077,8 +1079,10 @@ static void version_delete_deferred(md_req *req)
     const char *name = md_req_param(req, "name");
     md_status st = md_store_delete_version(app->store, name, version, force, &err);
     if (st == MD_OK) {
-        md_registry_remove(app->registry, name, version);
+        /* forget first: a load of this version still running then keeps its
+         * model out of the registry (app.c load_once) */
         md_app_forget(app, name, version); /* the number may be uploaded again */
+        md_registry_remove(app->registry, name, version);
         /* a forced delete of the default moved it: follow in the registry */
         json_t *info = NULL;
         if (md_store_get_model(app->store, name, &info, NULL) == MD_OK) {
@@ -1125,8 +1129,8 @@ void md_handle_model_delete(md_req *req)
     const char *name = md_req_param(req, "name");
     md_status st = md_store_delete_model(app->store, name, &err);
     if (st == MD_OK) {
+        md_app_forget(app, name, 0); /* first: see the version delete */
         md_registry_remove(app->registry, name, 0);
-        md_app_forget(app, name, 0);
     }
     reply_result(req, st, st == MD_OK ? json_pack("{s:{s:s}}", "deleted", "model", name) : NULL,
                  &err);

@@ -487,3 +487,32 @@ def test_store_sync_joins_a_load_in_progress_instead_of_loading_again(start_serv
     assert first[0].status_code == 200, first[0].text
     wait_for(lambda: predict(b, "m")["version"] == 2, "b to serve version 2 as the default")
     assert b.stderr.count("model m version 2: loading") == 1, b.stderr[-3000:]
+
+
+def test_a_version_deleted_while_it_loads_is_not_kept(start_server):
+    """Review: an on-demand load that finished after DELETE of its version put
+    the deleted model back in memory, served until a restart. The load is held
+    by the test hook while the version is deleted; once it ends, the version
+    is not loaded and answers 404."""
+    s = start_server(env={"MD_TEST_LOAD_HOLD": "2", "MD_TEST_LOAD_HOLD_VERSION": "2",
+                          "MD_TEST_LOAD_HOLD_S": str(int(5 * TSCALE))})
+    created(upload(s, "m", fields=[("config", json.dumps(LABELED))]))
+    assert created(upload(s, "m", fields=[("deploy", "false")]))["version"] == 2
+    first = []
+    t = threading.Thread(target=lambda: first.append(
+        s.request("POST", "/models/m/versions/2/predict", json=MLP_INPUT[:2],
+                  timeout=60 * TSCALE)))
+    t.start()
+    deadline = time.monotonic() + 30 * TSCALE
+    while "model m version 2: load held for the test" not in s.stderr:
+        assert time.monotonic() < deadline, s.stderr
+        time.sleep(0.02)
+    r = s.request("DELETE", "/models/m/versions/2", timeout=30 * TSCALE)
+    assert r.status_code == 200, r.text
+    t.join(60 * TSCALE)
+    assert first and first[0].status_code in (200, 404), first  # asked before the delete
+    loaded = [x for x in s.get("/models/m").json()["loaded"] if x["version"] == 2]
+    assert loaded == [], loaded
+    r = s.request("POST", "/models/m/versions/2/predict", json=MLP_INPUT[:2], timeout=30 * TSCALE)
+    assert r.status_code == 404, r.text
+    assert "model m version 2 changed while it loaded; not kept" in s.stderr, s.stderr[-2000:]
