@@ -366,9 +366,12 @@ def git_status():
 
 
 def substitute(text, port, tmp):
-    text = re.sub(r"(?<![\w/.])\./modeld(?![\w.-])", modeld_bin(), text)  # the binary under test
+    # /tmp/ first, on the README's own text only: the binary under test may
+    # itself live under /tmp (a clone there), and must keep its path
+    text = text.replace("/tmp/", f"{tmp}/")
+    text = re.sub(r"(?<![\w/.])\./modeld(?![\w.-])", lambda m: modeld_bin(), text)
     text = text.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
-    return text.replace("localhost:8080", f"localhost:{port}").replace("/tmp/", f"{tmp}/")
+    return text.replace("localhost:8080", f"localhost:{port}")
 
 
 def test_serve_sh_deploys_once_and_stops_on_sigint(tmp_path):
