@@ -548,6 +548,14 @@ static void *job_main(void *arg)
 md_status md_model_load(const char *name, int version, const char *path, json_t *config,
                         const md_model_defaults *def, md_model **out, md_err *err)
 {
+    return md_model_load_weights(name, version, path, NULL, NULL, config, def, out, err);
+}
+
+md_status md_model_load_weights(const char *name, int version, const char *path,
+                                const char *weights_path, const char *weights_format,
+                                json_t *config, const md_model_defaults *def, md_model **out,
+                                md_err *err)
+{
     *out = NULL;
     md_status st = md_model_config_check(config, err);
     if (st != MD_OK)
@@ -611,9 +619,12 @@ md_status md_model_load(const char *name, int version, const char *path, json_t 
     m->job_nice = def->job_nice;
     const char *device = json_string_value(json_object_get(config, "device"));
 
-    st = md_torch_load(path, device ? device : "cpu",
-                       parse_dtype(json_string_value(json_object_get(input, "dtype"))), &m->torch,
-                       err);
+    md_dtype in_dtype = parse_dtype(json_string_value(json_object_get(input, "dtype")));
+    if (weights_path)
+        st = md_weights_load(path, weights_path, weights_format, device ? device : "cpu",
+                             in_dtype, &m->torch, err);
+    else
+        st = md_torch_load(path, device ? device : "cpu", in_dtype, &m->torch, err);
     if (st != MD_OK) {
         model_free(m);
         return st;

@@ -19,6 +19,7 @@
 
 #include "../checkpoint/checkpoint.h"
 #include "../config/md_err.h"
+#include "torch_backend.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -65,6 +66,16 @@ typedef struct md_model_defaults {
  */
 md_status md_model_load(const char *name, int version, const char *path, json_t *config,
                         const md_model_defaults *defaults, md_model **out, md_err *err);
+
+/* As md_model_load, for a state_dict version: `path` is the model's
+ * architecture (TorchScript) and `weights_path` a torch.save state_dict or a
+ * safetensors file (`weights_format` "torch_save" or "safetensors", as
+ * md_weights_format tells), loaded into it strictly (md_weights_load). With
+ * weights_path NULL it is md_model_load. */
+md_status md_model_load_weights(const char *name, int version, const char *path,
+                                const char *weights_path, const char *weights_format,
+                                json_t *config, const md_model_defaults *defaults, md_model **out,
+                                md_err *err);
 
 /* Reference counting; the last release stops the workers (after the queue is
  * empty) and frees the model. Thread-safe; release accepts NULL. */
@@ -113,6 +124,61 @@ typedef int (*md_alive_fn)(void *ctx);
  * takes it is not computed: `cb` gets MD_EUNAVAIL with code "client_closed". */
 md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md_predict_cb cb,
                                 md_alive_fn alive, void *ctx, md_err *err);
+
+/* ---- training checkpoints: weights apart from the architecture (weights.c) ---- */
+
+/*
+ * A version is either a TorchScript archive (structure and weights in one
+ * file) or weights alone (a torch.save state_dict or a safetensors file)
+ * loaded into its model's architecture, a TorchScript archive whose own
+ * weights do not matter. The format is told by content, never by name.
+ */
+#define MD_FORMAT_TORCHSCRIPT "torchscript"
+#define MD_FORMAT_TORCH_SAVE "torch_save"
+#define MD_FORMAT_SAFETENSORS "safetensors"
+
+/* The format of the file at `path`: one of the MD_FORMAT_* strings (static).
+ * MD_EUNPROC (code invalid_checkpoint) for the legacy pre-1.6 torch.save
+ * format (saying how to re-save it) and for anything else. Thread-safe. */
+md_status md_weights_format(const char *path, const char **format, md_err *err);
+
+/* The named tensors of a torch.save or safetensors file (`format` from
+ * md_weights_format), read without running code from the file. New list the
+ * caller frees. Thread-safe. */
+md_status md_weights_read(const char *path, const char *format, md_tensors **out, md_err *err);
+
+/* Load the architecture at `arch_path` and set its parameters and buffers
+ * from the file `weights_path` strictly (md_torch_load_state): 422-worthy
+ * MD_EUNPROC listing missing, unexpected and mismatched keys. Thread-safe. */
+md_status md_weights_load(const char *arch_path, const char *weights_path, const char *format,
+                          const char *device, md_dtype input_dtype, md_torch_model **out,
+                          md_err *err);
+
+/* The architecture's parameter table: {"parameters": [{"name", "shape",
+ * "dtype", "kind": "parameter"|"buffer"}], "count", "numel"}. MD_EUNPROC
+ * when it is not a loadable TorchScript archive. New reference. Thread-safe. */
+md_status md_weights_table(const char *arch_path, json_t **out, md_err *err);
+
+/*
+ * A version's weights as its model uses them: the architecture's names, in
+ * its order, with its dtypes. `path` is the version's file of `format`; for a
+ * torch.save or safetensors file `arch_path` is the architecture it loads
+ * into ("module." stripped when that makes the keys match, float16/bfloat16/
+ * float64 converted), for a TorchScript archive its own parameters and
+ * buffers (arch_path unused). New list the caller frees. Thread-safe.
+ */
+md_status md_weights_effective(const char *path, const char *format, const char *arch_path,
+                               md_tensors **out, md_err *err);
+
+/*
+ * The weighted mean of `n` (>= 1) weight sets with the same names, shapes and
+ * dtypes in the same order: floating tensors sum(w[i] * src[i]) (computed in
+ * double), integer and bool tensors from the last source. `labels[i]` names
+ * source i in messages ("version 3"). MD_EINVAL naming the first difference.
+ * New list the caller frees. Thread-safe.
+ */
+md_status md_weights_average(md_tensors *const *srcs, const double *w, const char *const *labels,
+                             size_t n, md_tensors **out, md_err *err);
 
 /* ---- the registry of loaded versions (registry.c) ---- */
 

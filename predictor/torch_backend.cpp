@@ -637,3 +637,26 @@ extern "C" void md_torch_state_get(const md_torch_state *s, size_t i, md_torch_n
 }
 
 extern "C" void md_torch_state_free(md_torch_state *s) { delete s; }
+
+extern "C" md_status md_torch_cast(const void *src, md_ckpt_dtype from, void *dst,
+                                   md_ckpt_dtype to, size_t count, md_err *err)
+{
+    torch::ScalarType a, b;
+    if (!ckpt_scalar_type(from, &a) || !ckpt_scalar_type(to, &b))
+        return md_err_set(err, MD_EINVAL, "a tensor has an unknown dtype");
+    if (count == 0)
+        return MD_OK;
+    try {
+        torch::Tensor in = torch::from_blob(const_cast<void *>(src), {(int64_t)count}, a);
+        torch::Tensor out = torch::from_blob(dst, {(int64_t)count}, b);
+        out.copy_(in);
+        return MD_OK;
+    } catch (const std::bad_alloc &) {
+        return md_err_set(err, MD_ENOMEM, "out of memory converting a tensor");
+    } catch (const std::exception &e) {
+        set_torch_err(err, MD_EUNPROC, "a tensor could not be converted", error_text(e));
+        return MD_EUNPROC;
+    } catch (...) {
+        return md_err_set(err, MD_EUNPROC, "a tensor could not be converted");
+    }
+}

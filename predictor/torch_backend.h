@@ -127,6 +127,13 @@ void md_torch_state_get(const md_torch_state *s, size_t i, md_torch_named_tensor
 /* Accepts NULL. */
 void md_torch_state_free(md_torch_state *s);
 
+/* Convert `count` elements at `src` of dtype `from` into `dst` (room for
+ * `count` elements of `to`), rounding as PyTorch's Tensor.to(dtype) does
+ * (float16/bfloat16/float64 weights into a float32 architecture). MD_EINVAL
+ * for an unknown dtype. Thread-safe. */
+md_status md_torch_cast(const void *src, md_ckpt_dtype from, void *dst, md_ckpt_dtype to,
+                        size_t count, md_err *err);
+
 #ifdef __cplusplus
 }
 #endif

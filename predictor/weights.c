@@ -1,0 +1,350 @@
+/*
+ * weights.c - a version's weights apart from its architecture: telling a
+ * file's format by content, reading a state_dict or safetensors file without
+ * running code from it (checkpoint/formats.h), loading it strictly into an
+ * architecture, the architecture's parameter table, a version's weights as
+ * its model uses them (for export and averaging), and weighted averaging.
+ *
+ * Names and dtypes: a file may carry DistributedDataParallel's "module."
+ * prefix and float16/bfloat16/float64 tensors. Loading leaves that to
+ * md_torch_load_state; the "effective" weights resolve it the same way (strip
+ * only when every name has the prefix and stripping matches more names), so
+ * an export or an average is in the architecture's own names and dtypes and
+ * loads back with load_state_dict(strict=True).
+ */
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../checkpoint/formats.h"
+#include "predictor.h"
+#include "torch_backend.h"
+
+md_status md_weights_format(const char *path, const char **format, md_err *err)
+{
+    *format = NULL;
+    uint8_t head[16];
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return md_err_set(err, MD_EIO, "cannot open the checkpoint file");
+    ssize_t n = read(fd, head, sizeof head);
+    close(fd);
+    md_ckpt_format f = md_ckpt_sniff(head, n > 0 ? (size_t)n : 0);
+    if (f == MD_CKPT_SAFETENSORS) {
+        *format = MD_FORMAT_SAFETENSORS;
+        return MD_OK;
+    }
+    if (f == MD_CKPT_LEGACY)
+        return md_err_setc(err, MD_EUNPROC, "legacy_checkpoint",
+                           "the checkpoint is in the legacy (pre-1.6) torch.save format; re-save "
+                           "it with torch.save(..., _use_new_zipfile_serialization=True)");
+    if (f != MD_CKPT_ZIP)
+        return md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                           "the checkpoint is neither a TorchScript archive (torch.jit.save), a "
+                           "torch.save file (PyTorch >= 1.6) nor a safetensors file");
+    md_torch_zip *z = NULL;
+    md_status st = md_torch_zip_open(path, &z, err);
+    if (st != MD_OK)
+        return md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                           "the checkpoint is a damaged zip archive: %.300s", err->msg);
+    if (md_torch_zip_has_record(z, "constants.pkl") || md_torch_zip_has_record(z, "code/"))
+        *format = MD_FORMAT_TORCHSCRIPT;
+    else if (md_torch_zip_has_record(z, "data.pkl"))
+        *format = MD_FORMAT_TORCH_SAVE;
+    else
+        st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                         "the checkpoint is a zip archive without data.pkl: neither a TorchScript "
+                         "archive nor a torch.save file");
+    md_torch_zip_close(z);
+    return st;
+}
+
+md_status md_weights_read(const char *path, const char *format, md_tensors **out, md_err *err)
+{
+    *out = NULL;
+    md_status st;
+    if (strcmp(format, MD_FORMAT_SAFETENSORS) == 0)
+        st = md_safetensors_read_file(path, out, err);
+    else if (strcmp(format, MD_FORMAT_TORCH_SAVE) == 0)
+        st = md_ckpt_read_torch_zip(path, out, err);
+    else
+        return md_err_set(err, MD_EINVAL, "checkpoint format %s holds no state_dict", format);
+    if (st != MD_OK && err->code[0] == '\0' && st == MD_EUNPROC)
+        md_err_setc(err, st, "invalid_checkpoint", "%s", err->msg);
+    return st;
+}
+
+/* Borrowed views of `t`'s tensors for the backend; NULL (with err) on OOM. */
+static md_torch_named_tensor *views_of(const md_tensors *t, md_err *err)
+{
+    size_t n = md_tensors_count(t);
+    md_torch_named_tensor *v = md_calloc_checked(n ? n : 1, sizeof *v, "tensor list", err);
+    for (size_t i = 0; v && i < n; i++) {
+        v[i].name = md_tensors_name(t, i);
+        v[i].dtype = md_tensors_dtype(t, i);
+        v[i].ndim = md_tensors_ndim(t, i);
+        v[i].shape = md_tensors_shape(t, i);
+        v[i].data = md_tensors_data(t, i);
+    }
+    return v;
+}
+
+md_status md_weights_load(const char *arch_path, const char *weights_path, const char *format,
+                          const char *device, md_dtype input_dtype, md_torch_model **out,
+                          md_err *err)
+{
+    *out = NULL;
+    md_tensors *t = NULL;
+    md_status st = md_weights_read(weights_path, format, &t, err);
+    if (st != MD_OK)
+        return st;
+    md_torch_named_tensor *v = views_of(t, err);
+    if (!v) {
+        md_tensors_free(t);
+        return MD_ENOMEM;
+    }
+    st = md_torch_load_state(arch_path, device, input_dtype, v, md_tensors_count(t), out, err);
+    free(v);
+    md_tensors_free(t);
+    return st;
+}
+
+md_status md_weights_table(const char *arch_path, json_t **out, md_err *err)
+{
+    *out = NULL;
+    md_torch_state *s = NULL;
+    md_status st = md_torch_state_read(arch_path, &s, err);
+    if (st != MD_OK)
+        return st;
+    json_t *params = json_array();
+    long long numel_total = 0;
+    for (size_t i = 0; i < md_torch_state_count(s); i++) {
+        md_torch_named_tensor t;
+        int is_buffer = 0;
+        md_torch_state_get(s, i, &t, &is_buffer);
+        json_t *shape = json_array();
+        long long numel = 1;
+        for (int d = 0; d < t.ndim; d++) {
+            json_array_append_new(shape, json_integer(t.shape[d]));
+            numel *= t.shape[d];
+        }
+        numel_total += numel;
+        json_array_append_new(params, json_pack("{s:s,s:o,s:s,s:s}", "name", t.name, "shape",
+                                                shape, "dtype", md_ckpt_dtype_name(t.dtype),
+                                                "kind", is_buffer ? "buffer" : "parameter"));
+    }
+    md_torch_state_free(s);
+    *out = json_pack("{s:o,s:I,s:I}", "parameters", params, "count",
+                     (json_int_t)json_array_size(params), "numel", (json_int_t)numel_total);
+    return MD_OK;
+}
+
+/* Copy a TorchScript state into a new md_tensors. */
+static md_status state_to_tensors(md_torch_state *s, md_tensors **out, md_err *err)
+{
+    md_tensors *t = md_tensors_new();
+    for (size_t i = 0; i < md_torch_state_count(s); i++) {
+        md_torch_named_tensor v;
+        md_torch_state_get(s, i, &v, NULL);
+        int64_t numel = 1;
+        if (md_shape_product(v.shape, v.ndim, &numel) != 0) {
+            md_tensors_free(t);
+            return md_err_set(err, MD_EINVAL, "tensor \"%.200s\" has a bad shape", v.name);
+        }
+        size_t nbytes = (size_t)numel * md_ckpt_dtype_size(v.dtype);
+        md_status st = md_tensors_add(t, v.name, v.dtype, v.ndim, v.shape, v.data, nbytes, err);
+        if (st != MD_OK) {
+            md_tensors_free(t);
+            return st;
+        }
+    }
+    *out = t;
+    return MD_OK;
+}
+
+md_status md_weights_effective(const char *path, const char *format, const char *arch_path,
+                               md_tensors **out, md_err *err)
+{
+    *out = NULL;
+    md_torch_state *s = NULL;
+    md_status st;
+    if (strcmp(format, MD_FORMAT_TORCHSCRIPT) == 0) {
+        if ((st = md_torch_state_read(path, &s, err)) != MD_OK)
+            return st;
+        st = state_to_tensors(s, out, err);
+        md_torch_state_free(s);
+        return st;
+    }
+    if (!arch_path)
+        return md_err_setc(err, MD_EUNPROC, "no_architecture",
+                           "the version is a state_dict and its architecture is unknown");
+    md_tensors *file = NULL;
+    if ((st = md_weights_read(path, format, &file, err)) != MD_OK)
+        return st;
+    if ((st = md_torch_state_read(arch_path, &s, err)) != MD_OK) {
+        md_tensors_free(file);
+        return st;
+    }
+    /* the strip rule of md_torch_load_state */
+    size_t n = md_tensors_count(file), raw_hits = 0, stripped_hits = 0;
+    int all_prefixed = n > 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *name = md_tensors_name(file, i);
+        all_prefixed = all_prefixed && strncmp(name, "module.", 7) == 0;
+        for (size_t j = 0; j < md_torch_state_count(s); j++) {
+            md_torch_named_tensor a;
+            md_torch_state_get(s, j, &a, NULL);
+            raw_hits += strcmp(a.name, name) == 0;
+            stripped_hits += strcmp(a.name, md_ckpt_strip_module(name)) == 0;
+        }
+    }
+    int strip = all_prefixed && stripped_hits > raw_hits;
+    md_tensors *t = md_tensors_new();
+    for (size_t j = 0; j < md_torch_state_count(s) && st == MD_OK; j++) {
+        md_torch_named_tensor a;
+        md_torch_state_get(s, j, &a, NULL);
+        long k = -1;
+        for (size_t i = 0; i < n && k < 0; i++) {
+            const char *name = md_tensors_name(file, i);
+            if (strcmp(strip ? md_ckpt_strip_module(name) : name, a.name) == 0)
+                k = (long)i;
+        }
+        int64_t numel = 0;
+        if (k < 0 || md_tensors_ndim(file, (size_t)k) != a.ndim ||
+            memcmp(md_tensors_shape(file, (size_t)k), a.shape, sizeof(int64_t) * (size_t)a.ndim) !=
+                0 ||
+            md_shape_product(a.shape, a.ndim, &numel) != 0) {
+            st = md_err_setc(err, MD_EUNPROC, "state_dict_mismatch",
+                             "the checkpoint does not match the architecture at \"%.200s\"",
+                             a.name);
+            break;
+        }
+        size_t nbytes = (size_t)numel * md_ckpt_dtype_size(a.dtype);
+        void *data = md_malloc_checked(nbytes ? nbytes : 1, "converted tensor", err);
+        if (!data) {
+            st = MD_ENOMEM;
+            break;
+        }
+        st = md_torch_cast(md_tensors_data(file, (size_t)k), md_tensors_dtype(file, (size_t)k),
+                           data, a.dtype, (size_t)numel, err);
+        if (st != MD_OK) {
+            free(data);
+            break;
+        }
+        st = md_tensors_adopt(t, a.name, a.dtype, a.ndim, a.shape, data, nbytes, err);
+    }
+    md_torch_state_free(s);
+    md_tensors_free(file);
+    if (st != MD_OK) {
+        md_tensors_free(t);
+        return st;
+    }
+    *out = t;
+    return MD_OK;
+}
+
+static void fmt_shape(char *buf, size_t size, const int64_t *shape, int ndim)
+{
+    size_t used = (size_t)snprintf(buf, size, "[");
+    for (int d = 0; d < ndim && used < size; d++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%lld", d ? "," : "",
+                                 (long long)shape[d]);
+    if (used < size)
+        snprintf(buf + used, size - used, "]");
+}
+
+md_status md_weights_average(md_tensors *const *srcs, const double *w, const char *const *labels,
+                             size_t n, md_tensors **out, md_err *err)
+{
+    *out = NULL;
+    if (n == 0)
+        return md_err_set(err, MD_EINVAL, "averaging needs at least one source");
+    const md_tensors *first = srcs[0];
+    size_t count = md_tensors_count(first);
+    for (size_t s = 1; s < n; s++) {
+        const md_tensors *o = srcs[s];
+        for (size_t i = 0; i < count; i++) {
+            const char *name = md_tensors_name(first, i);
+            long k = md_tensors_find(o, name);
+            if (k < 0)
+                return md_err_setc(err, MD_EINVAL, "average_mismatch",
+                                   "%s has tensor \"%.200s\" but %s does not; average versions of "
+                                   "one architecture",
+                                   labels[0], name, labels[s]);
+            int nd = md_tensors_ndim(first, i);
+            if (md_tensors_ndim(o, (size_t)k) != nd ||
+                memcmp(md_tensors_shape(o, (size_t)k), md_tensors_shape(first, i),
+                       sizeof(int64_t) * (size_t)nd) != 0) {
+                char a[96], b[96];
+                fmt_shape(a, sizeof a, md_tensors_shape(first, i), nd);
+                fmt_shape(b, sizeof b, md_tensors_shape(o, (size_t)k),
+                          md_tensors_ndim(o, (size_t)k));
+                return md_err_setc(err, MD_EINVAL, "average_mismatch",
+                                   "tensor \"%.200s\" has shape %s in %s but %s in %s", name, a,
+                                   labels[0], b, labels[s]);
+            }
+            if (md_tensors_dtype(o, (size_t)k) != md_tensors_dtype(first, i))
+                return md_err_setc(err, MD_EINVAL, "average_mismatch",
+                                   "tensor \"%.200s\" is %s in %s but %s in %s", name,
+                                   md_ckpt_dtype_name(md_tensors_dtype(first, i)), labels[0],
+                                   md_ckpt_dtype_name(md_tensors_dtype(o, (size_t)k)), labels[s]);
+        }
+        if (md_tensors_count(o) != count) {
+            for (size_t i = 0; i < md_tensors_count(o); i++)
+                if (md_tensors_find(first, md_tensors_name(o, i)) < 0)
+                    return md_err_setc(err, MD_EINVAL, "average_mismatch",
+                                       "%s has tensor \"%.200s\" but %s does not; average "
+                                       "versions of one architecture",
+                                       labels[s], md_tensors_name(o, i), labels[0]);
+        }
+    }
+    md_tensors *t = md_tensors_new();
+    md_status st = MD_OK;
+    for (size_t i = 0; i < count && st == MD_OK; i++) {
+        const char *name = md_tensors_name(first, i);
+        md_ckpt_dtype dt = md_tensors_dtype(first, i);
+        int nd = md_tensors_ndim(first, i);
+        size_t nbytes = md_tensors_nbytes(first, i);
+        size_t numel = nbytes / md_ckpt_dtype_size(dt);
+        if (!md_ckpt_dtype_is_float(dt)) {
+            /* integer buffers (BatchNorm's num_batches_tracked): the last source's */
+            const md_tensors *last = srcs[n - 1];
+            st = md_tensors_add(t, name, dt, nd, md_tensors_shape(first, i),
+                                md_tensors_data(last, (size_t)md_tensors_find(last, name)), nbytes,
+                                err);
+            continue;
+        }
+        double *acc = md_calloc_checked(numel ? numel : 1, sizeof(double), "average", err);
+        double *tmp = md_calloc_checked(numel ? numel : 1, sizeof(double), "average", err);
+        void *res = md_malloc_checked(nbytes ? nbytes : 1, "average", err);
+        if (!acc || !tmp || !res) {
+            free(acc);
+            free(tmp);
+            free(res);
+            st = MD_ENOMEM;
+            break;
+        }
+        for (size_t s = 0; s < n && st == MD_OK; s++) {
+            const md_tensors *o = srcs[s];
+            long k = md_tensors_find(o, name);
+            st = md_torch_cast(md_tensors_data(o, (size_t)k), dt, tmp, MD_CKPT_F64, numel, err);
+            for (size_t e = 0; st == MD_OK && e < numel; e++)
+                acc[e] += w[s] * tmp[e];
+        }
+        if (st == MD_OK)
+            st = md_torch_cast(acc, MD_CKPT_F64, res, dt, numel, err);
+        free(acc);
+        free(tmp);
+        if (st == MD_OK)
+            st = md_tensors_adopt(t, name, dt, nd, md_tensors_shape(first, i), res, nbytes, err);
+        else
+            free(res);
+    }
+    if (st != MD_OK) {
+        md_tensors_free(t);
+        return st;
+    }
+    *out = t;
+    return MD_OK;
+}
