@@ -70,7 +70,7 @@ LIB_C   := config/md_err.c config/config.c server/router.c server/http.c checkpo
 	handlers/models.c handlers/predict.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
 # training checkpoints: weights apart from their architecture (issue 12)
-LIB_C   += predictor/weights.c
+LIB_C   += predictor/weights.c handlers/training.c
 LIB_CXX := predictor/torch_backend.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)

@@ -173,6 +173,11 @@ typedef struct md_version_spec {
     json_t *metrics;         /* borrowed; NULL = {} */
     int make_default;
     const char *state;       /* "stored" (default) or "ready" */
+    const char *format;      /* "torchscript" (NULL), "torch_save" or "safetensors" */
+    const char *arch_sha256; /* the architecture a state_dict loads into; NULL for TorchScript */
+    int promote;             /* 1: the model's promotion policy, when it has one, decides the
+                              * default instead of make_default; the answer then carries
+                              * "promotion": {"promoted", "reason"} */
 } md_version_spec;
 
 /* Move the finished upload `blob` (takes ownership, even on failure; NULL
@@ -217,6 +222,31 @@ md_status md_store_blob_path(md_store *store, const char *name, int version, cha
                              size_t path_size, char sha256[MD_SHA256_HEX], md_err *err);
 /* Every model's default version: [{"model", "version", "config", "path"}]. */
 md_status md_store_defaults(md_store *store, json_t **out, md_err *err);
+
+/* ---- training checkpoints (issue 12) ---- */
+
+/* Make the finished upload `blob` (takes ownership, even on failure) the
+ * architecture of model `name` (created when new): moved to blobs/<sha256>
+ * and recorded in one transaction. Versions keep the architecture they were
+ * loaded with; the previous architecture's blob goes when nothing uses it.
+ * GET /models/NAME shows it as "architecture": {"sha256"}. */
+md_status md_store_set_architecture(md_store *store, const char *name, md_blob_writer *blob,
+                                    md_err *err);
+/* The sha256 of the model's architecture into `sha256`. MD_ENOTFOUND with
+ * code model_not_found, or no_architecture saying how to PUT one. */
+md_status md_store_architecture(md_store *store, const char *name, char sha256[MD_SHA256_HEX],
+                                md_err *err);
+/* Validate a promotion policy {"metric": K, "order": "desc"|"asc"} (null
+ * clears) without storing it. */
+md_status md_promote_check(json_t *policy, md_err *err);
+/* Set (or with JSON null clear) the model's promotion policy: a version added
+ * with spec.promote becomes the default only when it beats the current
+ * default on metrics.K (a version without K never replaces one with it).
+ * GET /models/NAME shows it as "promote". */
+md_status md_store_set_promote(md_store *store, const char *name, json_t *policy, md_err *err);
+/* Set metrics.`metric` of a version to `value` (a job's accuracy). */
+md_status md_store_record_metric(md_store *store, const char *name, int version,
+                                 const char *metric, double value, md_err *err);
 
 /* ---- batch jobs ---- */
 

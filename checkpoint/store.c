@@ -31,6 +31,7 @@
  */
 #define _GNU_SOURCE
 #include "checkpoint.h"
+#include "formats.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -142,6 +143,10 @@ static const char *const migrations[] = {
     "ALTER TABLE jobs ADD COLUMN owner TEXT;"
     "ALTER TABLE jobs ADD COLUMN lease_until REAL;"
     "ALTER TABLE jobs ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0;",
+    /* 5: training checkpoints (issue 12): a model's architecture (a TorchScript
+     * blob) and, per version, the architecture its state_dict was loaded into */
+    "ALTER TABLE models ADD COLUMN arch_sha256 TEXT;"
+    "ALTER TABLE versions ADD COLUMN arch_sha256 TEXT;",
 };
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof migrations[0]))
 
@@ -281,7 +286,10 @@ static void sweep_tmp(md_store *s)
 
 static int sha_referenced(md_store *s, const char *sha)
 {
-    sqlite3_stmt *st = prep(s, "SELECT 1 FROM versions WHERE sha256 = ? LIMIT 1", NULL);
+    sqlite3_stmt *st = prep(s,
+                            "SELECT 1 FROM versions WHERE sha256 = ?1 OR arch_sha256 = ?1 "
+                            "UNION ALL SELECT 1 FROM models WHERE arch_sha256 = ?1 LIMIT 1",
+                            NULL);
     if (!st)
         return 1; /* when unsure, keep the file */
     sqlite3_bind_text(st, 1, sha, -1, SQLITE_STATIC);
@@ -550,6 +558,8 @@ md_status md_blob_link(const md_blob_writer *w, md_blob_writer **out, md_err *er
     return MD_OK;
 }
 
+static md_status blob_format_check(const char *path, md_err *err);
+
 md_status md_blob_finish(md_blob_writer *w, const char *expect, char sha256[MD_SHA256_HEX],
                          long long *size, md_err *err)
 {
@@ -581,7 +591,7 @@ md_status md_blob_finish(md_blob_writer *w, const char *expect, char sha256[MD_S
                         w->store->dir, strerror(errno));
         goto fail;
     }
-    if ((st = md_archive_check(w->tmp_path, err)) != MD_OK)
+    if ((st = blob_format_check(w->tmp_path, err)) != MD_OK)
         goto fail;
     close(w->fd);
     w->fd = -1;
@@ -605,8 +615,8 @@ static unsigned long rd32(const unsigned char *p)
 
 md_status md_archive_check(const char *path, md_err *err)
 {
-    static const char *fix = "save the model with torch.jit.save (TorchScript), not torch.save "
-                             "of a state_dict";
+    static const char *fix = "send a TorchScript archive (torch.jit.save), a torch.save "
+                             "state_dict or a safetensors file";
     FILE *f = fopen(path, "rb");
     if (!f)
         return md_err_set(err, MD_EIO, "cannot read %s: %s", path, strerror(errno));
@@ -701,6 +711,26 @@ out:
     return st;
 }
 
+/* What a checkpoint blob may hold (issue 12): a safetensors file (its
+ * reader checks it in full when it is loaded), a zip (TorchScript or
+ * torch.save: md_archive_check), and not the legacy torch.save format. */
+static md_status blob_format_check(const char *path, md_err *err)
+{
+    uint8_t head[16];
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    ssize_t n = fd >= 0 ? read(fd, head, sizeof head) : -1;
+    if (fd >= 0)
+        close(fd);
+    md_ckpt_format f = md_ckpt_sniff(head, n > 0 ? (size_t)n : 0);
+    if (f == MD_CKPT_SAFETENSORS)
+        return MD_OK;
+    if (f == MD_CKPT_LEGACY)
+        return md_err_setc(err, MD_EUNPROC, "legacy_checkpoint",
+                           "the checkpoint is in the legacy (pre-1.6) torch.save format; re-save "
+                           "it with torch.save(..., _use_new_zipfile_serialization=True)");
+    return md_archive_check(path, err);
+}
+
 /* ---- rows ---- */
 
 int md_model_name_ok(const char *name)
@@ -726,7 +756,8 @@ static json_t *json_col(sqlite3_stmt *st, int col)
 
 #define VERSION_COLS                                                                          \
     "v.model, v.version, v.sha256, v.size, v.format, v.source, v.config, v.metadata, "        \
-    "v.metrics, v.state, v.state_reason, v.created_at, (m.default_version = v.version) "
+    "v.metrics, v.state, v.state_reason, v.created_at, (m.default_version = v.version), "   \
+    "v.arch_sha256 "
 
 static json_t *version_json(sqlite3_stmt *st)
 {
@@ -740,6 +771,9 @@ static json_t *version_json(sqlite3_stmt *st)
                           sqlite3_column_text(st, 11), "default", sqlite3_column_int(st, 12));
     if (sqlite3_column_type(st, 10) != SQLITE_NULL)
         json_object_set_new(v, "state_reason", json_string((const char *)sqlite3_column_text(st, 10)));
+    if (sqlite3_column_type(st, 13) != SQLITE_NULL)
+        json_object_set_new(v, "arch_sha256",
+                            json_string((const char *)sqlite3_column_text(st, 13)));
     return v;
 }
 
@@ -996,6 +1030,296 @@ static md_status json_text(json_t *v, char **out)
     return MD_OK;
 }
 
+/* ---- training checkpoints (issue 12): architecture, promotion, recorded metrics ----
+ *
+ * A model's architecture is a blob like any checkpoint (models.arch_sha256);
+ * each state_dict version records the architecture it was loaded into
+ * (versions.arch_sha256), so replacing the architecture leaves existing
+ * versions loading as they were. A blob is referenced by either column, so
+ * garbage collection and the orphan sweep keep it while any row names it.
+ * The promotion policy lives in models.settings next to retention.
+ */
+
+md_status md_promote_check(json_t *p, md_err *err)
+{
+    if (json_is_null(p))
+        return MD_OK;
+    static const char *example = "{\"metric\": \"val_accuracy\", \"order\": \"desc\"}";
+    if (!json_is_object(p))
+        return md_err_setc(err, MD_EINVAL, "invalid_promote",
+                           "promote must be an object such as %s, or null to clear it", example);
+    const char *k;
+    json_t *v;
+    json_object_foreach(p, k, v)
+    {
+        if (strcmp(k, "metric") != 0 && strcmp(k, "order") != 0)
+            return md_err_setc(err, MD_EINVAL, "invalid_promote",
+                               "promote.%.40s is unknown; promote takes metric and order, e.g. %s",
+                               k, example);
+    }
+    json_t *m = json_object_get(p, "metric"), *o = json_object_get(p, "order");
+    if (!json_is_string(m) || !json_string_length(m) || json_string_length(m) > 128)
+        return md_err_setc(err, MD_EINVAL, "invalid_promote",
+                           "promote.metric must name a metric (1 to 128 bytes), e.g. %s", example);
+    if (o && (!json_is_string(o) || (strcmp(json_string_value(o), "asc") != 0 &&
+                                     strcmp(json_string_value(o), "desc") != 0)))
+        return md_err_setc(err, MD_EINVAL, "invalid_promote",
+                           "promote.order must be \"desc\" (higher is better, the default) or "
+                           "\"asc\" (lower is better)");
+    return MD_OK;
+}
+
+/* Within add_version's transaction: whether the new version (spec) becomes
+ * the default under the model's promotion policy, and why (`reason`, "" when
+ * the model has none: then spec->make_default decides). */
+static md_status promotion_decide(md_store *s, const md_version_spec *spec, int *make_default,
+                                  char *reason, size_t size, md_err *err)
+{
+    sqlite3_stmt *st = prep(s, "SELECT settings, default_version FROM models WHERE name = ?", err);
+    if (!st)
+        return MD_EIO;
+    sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
+    json_t *settings = NULL;
+    int dv = 0;
+    if (sqlite3_step(st) == SQLITE_ROW) {
+        settings = json_col(st, 0);
+        dv = sqlite3_column_type(st, 1) == SQLITE_NULL ? 0 : sqlite3_column_int(st, 1);
+    }
+    sqlite3_finalize(st);
+    json_t *p = json_object_get(settings, "promote");
+    if (!json_is_object(p)) {
+        json_decref(settings);
+        return MD_OK;
+    }
+    const char *metric = json_string_value(json_object_get(p, "metric"));
+    const char *order = json_string_value(json_object_get(p, "order"));
+    int desc = !order || strcmp(order, "desc") == 0;
+    json_t *mine = json_object_get(spec->metrics, metric);
+    json_t *cur_metrics = NULL;
+    if (dv > 0 && (st = prep(s, "SELECT metrics FROM versions WHERE model = ? AND version = ?",
+                             err)) != NULL) {
+        sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
+        sqlite3_bind_int(st, 2, dv);
+        if (sqlite3_step(st) == SQLITE_ROW)
+            cur_metrics = json_col(st, 0);
+        sqlite3_finalize(st);
+    }
+    json_t *theirs = json_object_get(cur_metrics, metric);
+    if (dv <= 0) {
+        *make_default = 1;
+        snprintf(reason, size, "the model had no default version");
+    } else if (!json_is_number(mine)) {
+        *make_default = 0;
+        snprintf(reason, size,
+                 json_is_number(theirs)
+                     ? "the upload has no metrics.%.128s and default version %d has it"
+                     : "the upload has no metrics.%.128s (neither has default version %d)",
+                 metric, dv);
+    } else if (!json_is_number(theirs)) {
+        *make_default = 1;
+        snprintf(reason, size, "default version %d had no metrics.%.128s", dv, metric);
+    } else {
+        double a = json_number_value(mine), b = json_number_value(theirs);
+        int better = desc ? a > b : a < b;
+        *make_default = better;
+        snprintf(reason, size, "metrics.%.128s %.15g %s %.15g of default version %d (%s is better)",
+                 metric, a, better ? (desc ? ">" : "<") : "does not beat", b, dv,
+                 desc ? "higher" : "lower");
+    }
+    json_decref(cur_metrics);
+    json_decref(settings);
+    return MD_OK;
+}
+
+md_status md_store_set_promote(md_store *s, const char *name, json_t *policy, md_err *err)
+{
+    md_status rc = md_promote_check(policy, err);
+    if (rc != MD_OK)
+        return rc;
+    pthread_mutex_lock(&s->mu);
+    if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
+        goto out;
+    if (!model_exists(s, name)) {
+        rc = model_missing(name, err);
+        exec(s, "ROLLBACK", NULL);
+        goto out;
+    }
+    char *text = json_dumps(policy, JSON_COMPACT | JSON_ENCODE_ANY);
+    sqlite3_stmt *st = prep(s,
+                            json_is_null(policy)
+                                ? "UPDATE models SET settings = json_remove(settings, "
+                                  "'$.promote') WHERE name = ?2 AND ?1 IS NOT NULL"
+                                : "UPDATE models SET settings = json_set(settings, '$.promote', "
+                                  "json(?1)) WHERE name = ?2",
+                            err);
+    if (st) {
+        sqlite3_bind_text(st, 1, text, -1, SQLITE_TRANSIENT);
+        sqlite3_bind_text(st, 2, name, -1, SQLITE_STATIC);
+        if (sqlite3_step(st) != SQLITE_DONE)
+            rc = db_fail(s, err, "set the promotion policy");
+        sqlite3_finalize(st);
+    } else {
+        rc = MD_EIO;
+    }
+    free(text);
+    if (rc == MD_OK)
+        rc = bump_generation(s, err);
+    if (rc == MD_OK)
+        rc = exec(s, "COMMIT", err);
+    if (rc != MD_OK)
+        exec(s, "ROLLBACK", NULL);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return with_hint(s, rc, name, err);
+}
+
+md_status md_store_set_architecture(md_store *s, const char *name, md_blob_writer *blob,
+                                    md_err *err)
+{
+    char path[4096];
+    char sha[MD_SHA256_HEX];
+    md_assert(blob && blob->finished);
+    snprintf(sha, sizeof sha, "%s", blob->sha256);
+    blob_path(s, sha, path, sizeof path);
+    sha_list released = {0};
+    int moved = 0;
+    md_status rc;
+    pthread_mutex_lock(&s->mu);
+    if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
+        goto unlock;
+    struct stat sb;
+    if (stat(path, &sb) == 0) {
+        unlink(blob->tmp_path); /* the same bytes are already stored */
+    } else if (rename(blob->tmp_path, path) != 0) {
+        rc = md_err_set(err, MD_EIO, "store %s: cannot move the architecture into blobs/: %s",
+                        s->dir, strerror(errno));
+        goto rollback;
+    } else {
+        moved = 1;
+    }
+    blob->tmp_path[0] = '\0';
+    if ((rc = sync_blobs_dir(s, err)) != MD_OK)
+        goto rollback;
+    char now[32];
+    now_iso(now);
+    sqlite3_stmt *st = prep(s, "SELECT arch_sha256 FROM models WHERE name = ?", err);
+    if (!st) {
+        rc = MD_EIO;
+        goto rollback;
+    }
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    if (sqlite3_step(st) == SQLITE_ROW && sqlite3_column_type(st, 0) != SQLITE_NULL &&
+        strcmp((const char *)sqlite3_column_text(st, 0), sha) != 0)
+        sha_list_add(&released, (const char *)sqlite3_column_text(st, 0));
+    sqlite3_finalize(st);
+    st = prep(s,
+              "INSERT INTO models (name, created_at, updated_at, arch_sha256) VALUES (?1, ?2, ?2, "
+              "?3) ON CONFLICT(name) DO UPDATE SET updated_at = ?2, arch_sha256 = ?3",
+              err);
+    if (!st) {
+        rc = MD_EIO;
+        goto rollback;
+    }
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, now, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 3, sha, -1, SQLITE_STATIC);
+    int ok = sqlite3_step(st) == SQLITE_DONE;
+    sqlite3_finalize(st);
+    if (!ok) {
+        rc = db_fail(s, err, "set the architecture");
+        goto rollback;
+    }
+    if ((rc = bump_generation(s, err)) != MD_OK || (rc = exec(s, "COMMIT", err)) != MD_OK)
+        goto rollback;
+    release_all(s, &released); /* the old architecture, unless a version still uses it */
+    goto unlock;
+rollback:
+    exec(s, "ROLLBACK", NULL);
+    free(released.items);
+    released.items = NULL;
+    released.count = 0;
+    if (moved) {
+        sha_list_add(&released, sha);
+        release_all(s, &released);
+    }
+unlock:
+    pthread_mutex_unlock(&s->mu);
+    md_blob_abort(blob);
+    return rc;
+}
+
+md_status md_store_architecture(md_store *s, const char *name, char sha256[MD_SHA256_HEX],
+                                md_err *err)
+{
+    sha256[0] = '\0';
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s, "SELECT arch_sha256 FROM models WHERE name = ?", err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    int step = sqlite3_step(st);
+    if (step != SQLITE_ROW)
+        rc = model_missing(name, err);
+    else if (sqlite3_column_type(st, 0) == SQLITE_NULL)
+        rc = md_err_setc(err, MD_ENOTFOUND, "no_architecture",
+                         "model %s has no architecture; PUT /models/%s/architecture with the "
+                         "network as TorchScript (torch.jit.script(model).save(\"arch.pt\"))",
+                         name, name);
+    else
+        snprintf(sha256, MD_SHA256_HEX, "%s", (const char *)sqlite3_column_text(st, 0));
+    sqlite3_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc == MD_ENOTFOUND && strcmp(md_err_code(err), "model_not_found") == 0
+               ? with_hint(s, rc, name, err)
+               : rc;
+}
+
+md_status md_store_record_metric(md_store *s, const char *name, int version, const char *metric,
+                                 double value, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = exec(s, "BEGIN IMMEDIATE", err);
+    if (rc != MD_OK)
+        goto out;
+    char path[300];
+    json_t *key = json_string(metric);
+    char *quoted = json_dumps(key, JSON_ENCODE_ANY);
+    json_decref(key);
+    snprintf(path, sizeof path, "$.%s", quoted ? quoted : "\"\"");
+    free(quoted);
+    sqlite3_stmt *st = prep(s,
+                            "UPDATE versions SET metrics = json_set(metrics, ?1, ?2) WHERE model = "
+                            "?3 AND version = ?4",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+    } else {
+        sqlite3_bind_text(st, 1, path, -1, SQLITE_TRANSIENT);
+        sqlite3_bind_double(st, 2, value);
+        sqlite3_bind_text(st, 3, name, -1, SQLITE_STATIC);
+        sqlite3_bind_int(st, 4, version);
+        if (sqlite3_step(st) != SQLITE_DONE)
+            rc = db_fail(s, err, "record a metric");
+        else if (sqlite3_changes(s->db) == 0)
+            rc = md_err_setc(err, MD_ENOTFOUND, "version_not_found",
+                             "model %s has no version %d", name, version);
+        sqlite3_finalize(st);
+    }
+    if (rc == MD_OK)
+        rc = bump_generation(s, err);
+    if (rc == MD_OK)
+        rc = exec(s, "COMMIT", err);
+    if (rc != MD_OK)
+        exec(s, "ROLLBACK", NULL);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
 md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob_writer *blob,
                                json_t **out, md_err *err)
 {
@@ -1073,7 +1397,7 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
     }
     st = prep(s,
               "INSERT INTO versions (model, version, sha256, size, source, config, metadata, "
-              "metrics, state, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+              "metrics, state, created_at, format, arch_sha256) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
               err);
     if (!st) {
         rc = MD_EIO;
@@ -1089,6 +1413,11 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
     sqlite3_bind_text(st, 8, metrics, -1, SQLITE_STATIC);
     sqlite3_bind_text(st, 9, spec->state ? spec->state : "stored", -1, SQLITE_STATIC);
     sqlite3_bind_text(st, 10, now, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 11, spec->format ? spec->format : "torchscript", -1, SQLITE_STATIC);
+    if (spec->arch_sha256 && spec->arch_sha256[0])
+        sqlite3_bind_text(st, 12, spec->arch_sha256, -1, SQLITE_STATIC);
+    else
+        sqlite3_bind_null(st, 12);
     int step = sqlite3_step(st);
     sqlite3_finalize(st);
     if (step == SQLITE_CONSTRAINT) {
@@ -1114,7 +1443,13 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
         rc = db_fail(s, err, "record the version number");
         goto rollback;
     }
-    /* The first version of a model is its default whatever make_default says. */
+    /* The first version of a model is its default whatever make_default says;
+     * a promotion policy (issue 12) may decide instead. */
+    char promotion[320] = "";
+    int make_default = spec->make_default;
+    if (spec->promote && (rc = promotion_decide(s, spec, &make_default, promotion,
+                                                sizeof promotion, err)) != MD_OK)
+        goto rollback;
     st = prep(s,
               "UPDATE models SET default_version = ?2 WHERE name = ?1 AND (?3 OR default_version "
               "IS NULL)",
@@ -1125,7 +1460,7 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
     }
     sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
     sqlite3_bind_int(st, 2, version);
-    sqlite3_bind_int(st, 3, spec->make_default);
+    sqlite3_bind_int(st, 3, make_default);
     ok = sqlite3_step(st) == SQLITE_DONE;
     sqlite3_finalize(st);
     if (!ok) {
@@ -1135,6 +1470,11 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
     /* the answer describes the new row even if retention removes it at once */
     json_t *added = NULL;
     get_version_locked(s, spec->model, version, &added, NULL);
+    if (added && promotion[0])
+        json_object_set_new(added, "promotion",
+                            json_pack("{s:b,s:s}", "promoted",
+                                      json_is_true(json_object_get(added, "default")), "reason",
+                                      promotion));
     if ((rc = apply_retention(s, spec->model, &released, err)) != MD_OK ||
         (rc = bump_generation(s, err)) != MD_OK) {
         json_decref(added);
@@ -1260,8 +1600,8 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
     sqlite3_stmt *st = prep(s,
-                            "SELECT name, default_version, settings, created_at, updated_at FROM "
-                            "models WHERE name = ?",
+                            "SELECT name, default_version, settings, created_at, updated_at, "
+                            "arch_sha256 FROM models WHERE name = ?",
                             err);
     if (!st) {
         rc = MD_EIO;
@@ -1285,6 +1625,13 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
                                                                  : json_null(),
                           "created_at", sqlite3_column_text(st, 3), "updated_at",
                           sqlite3_column_text(st, 4));
+    json_object_set_new(m, "architecture",
+                        sqlite3_column_type(st, 5) == SQLITE_NULL
+                            ? json_null()
+                            : json_pack("{s:s}", "sha256", sqlite3_column_text(st, 5)));
+    json_object_set(m, "promote",
+                    json_object_get(settings, "promote") ? json_object_get(settings, "promote")
+                                                         : json_null());
     json_decref(settings);
     sqlite3_finalize(st);
     json_t *versions = NULL;
@@ -1514,7 +1861,12 @@ md_status md_store_delete_model(md_store *s, const char *name, md_err *err)
         exec(s, "ROLLBACK", NULL);
         goto out;
     }
-    sqlite3_stmt *st = prep(s, "SELECT sha256 FROM versions WHERE model = ?", err);
+    sqlite3_stmt *st = prep(s,
+                            "SELECT sha256 FROM versions WHERE model = ?1 UNION SELECT "
+                            "arch_sha256 FROM versions WHERE model = ?1 AND arch_sha256 IS NOT "
+                            "NULL UNION SELECT arch_sha256 FROM models WHERE name = ?1 AND "
+                            "arch_sha256 IS NOT NULL",
+                            err);
     int step = SQLITE_ERROR;
     if (st) {
         sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);

@@ -123,6 +123,12 @@ void md_handle_jobs_list(md_req *req);
 void md_handle_job_get(md_req *req);
 void md_handle_job_cancel(md_req *req);
 void md_handle_job_output(md_req *req);
+/* training.c (issue 12) */
+md_status md_architecture_body(md_req *req, const char *data, size_t len, md_err *err);
+void md_handle_architecture_put(md_req *req);
+void md_handle_architecture_get(md_req *req);
+/* Answer version `version` of the route's model as safetensors (deferred). */
+void md_version_export_safetensors(md_req *req, int version);
 /* openapi.c */
 void md_handle_openapi(md_req *req);
 

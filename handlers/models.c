@@ -34,6 +34,8 @@ typedef struct deploy_req {
     char sha256[MD_SHA256_HEX];
     char *source;     /* owned; NULL for uploads */
     json_t *config, *metadata, *metrics, *retention; /* owned; NULL = not given */
+    char arch_sha[MD_SHA256_HEX]; /* a state_dict's architecture when not the model's (an
+                                   * average of versions loads into theirs) */
     unsigned given;   /* bit i: field_names[i] was given (a second one is refused) */
 } deploy_req;
 
@@ -207,6 +209,34 @@ static md_fetch_opts fetch_opts(const md_cfg *cfg)
     return o;
 }
 
+/* Load version `v` whose file is at `path`: a TorchScript archive alone, or
+ * a state_dict into the architecture the version recorded (arch_sha256), so
+ * a replaced architecture never changes what an existing version serves. */
+static md_status load_stored_weights(md_app *app, json_t *v, const char *path, md_model **m,
+                                     md_err *err)
+{
+    const char *name = json_string_value(json_object_get(v, "model"));
+    int version = (int)json_integer_value(json_object_get(v, "version"));
+    const char *format = json_string_value(json_object_get(v, "format"));
+    json_t *config = json_object_get(v, "config");
+    if (!format || strcmp(format, MD_FORMAT_TORCHSCRIPT) == 0)
+        return md_model_load(name, version, path, config, &app->model_defaults, m, err);
+    const char *arch = json_string_value(json_object_get(v, "arch_sha256"));
+    if (!arch)
+        return md_err_setc(err, MD_EUNPROC, "no_architecture",
+                           "model %s version %d is a %s state_dict with no recorded architecture",
+                           name, version, format);
+    char arch_path[4096];
+    md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
+    if (access(arch_path, R_OK) != 0)
+        return md_err_setc(err, MD_EIO, "checkpoint_missing",
+                           "model %s version %d: its architecture file is missing from the store "
+                           "(sha256 %.64s)",
+                           name, version, arch);
+    return md_model_load_weights(name, version, arch_path, path, format, config,
+                                 &app->model_defaults, m, err);
+}
+
 md_model *md_app_load_version(md_app *app, json_t *v, md_err *err)
 {
     const char *name = json_string_value(json_object_get(v, "model"));
@@ -225,8 +255,7 @@ md_model *md_app_load_version(md_app *app, json_t *v, md_err *err)
                          "(sha256 %.64s); retry, or upload the version again",
                          name, version, json_string_value(json_object_get(v, "sha256")));
     else
-        st = md_model_load(name, version, path, json_object_get(v, "config"),
-                           &app->model_defaults, &m, err);
+        st = load_stored_weights(app, v, path, &m, err);
     md_store_set_state(app->store, name, version, st == MD_OK ? "ready" : "failed",
                        st == MD_OK ? NULL : err->msg, NULL);
     if (st != MD_OK)
@@ -371,6 +400,58 @@ static void inherited_config(md_app *app, const char *name, json_t **config, int
     json_decref(v);
 }
 
+static unsigned given_bit(const char *field)
+{
+    for (unsigned i = 0; field_names[i]; i++)
+        if (strcmp(field, field_names[i]) == 0)
+            return 1u << i;
+    return 0;
+}
+
+/* Before loading an upload at `path`: its format by content, and for a
+ * state_dict (torch.save or safetensors) the model's architecture (sha256
+ * into `arch_sha`, "" for TorchScript) and, when the upload gave no metrics,
+ * the file's top-level numbers (epoch, loss, ...) as its metrics. Reading the
+ * file here also refuses a malicious pickle before anything is stored. */
+static md_status weights_prepare(md_app *app, deploy_req *d, const char *path,
+                                 const char **format, char arch_sha[MD_SHA256_HEX], md_err *err)
+{
+    arch_sha[0] = '\0';
+    md_status st = md_weights_format(path, format, err);
+    if (st != MD_OK || strcmp(*format, MD_FORMAT_TORCHSCRIPT) == 0)
+        return st;
+    md_err aerr;
+    if (d->arch_sha[0])
+        snprintf(arch_sha, MD_SHA256_HEX, "%s", d->arch_sha);
+    else if (md_store_architecture(app->store, d->name, arch_sha, &aerr) != MD_OK) {
+        if (aerr.status != MD_ENOTFOUND)
+            return *err = aerr, aerr.status;
+        return md_err_setc(err, MD_EUNPROC, "no_architecture",
+                           "the checkpoint is a %s state_dict (weights only, as torch.save() or "
+                           "safetensors writes them) and model %s has no architecture to load "
+                           "it into; first PUT /models/%s/architecture with the network as "
+                           "TorchScript (torch.jit.script(model).save(\"arch.pt\"); its weights "
+                           "do not matter), or upload a TorchScript archive",
+                           strcmp(*format, MD_FORMAT_SAFETENSORS) == 0 ? "safetensors" : "torch.save",
+                           d->name, d->name);
+    }
+    md_tensors *t = NULL;
+    if ((st = md_weights_read(path, *format, &t, err)) != MD_OK)
+        return st;
+    if (!d->metrics && md_tensors_scalar_count(t) > 0) {
+        d->metrics = json_object();
+        for (size_t i = 0; i < md_tensors_scalar_count(t); i++) {
+            double x = md_tensors_scalar_value(t, i);
+            json_object_set_new(d->metrics, md_tensors_scalar_name(t, i),
+                                x == (double)(long long)x && x > -1e15 && x < 1e15
+                                    ? json_integer((json_int_t)x)
+                                    : json_real(x));
+        }
+    }
+    md_tensors_free(t);
+    return MD_OK;
+}
+
 /* Load the checkpoint (the real validation), add the version row, put the
  * model in the registry when deploying, and answer 201. Takes ownership of
  * `blob`. A checkpoint that does not load stores nothing (422). A version
@@ -392,8 +473,24 @@ static md_status commit_and_reply(md_req *req, deploy_req *d, const char *sha, l
     if (!d->config)
         inherited_config(app, d->name, &d->config, &config_from);
     md_model *model = NULL;
-    if (md_model_load(d->name, d->version, path, d->config, &app->model_defaults, &model, &err) !=
-        MD_OK) {
+    const char *format = NULL;
+    char arch_sha[MD_SHA256_HEX] = "";
+    if (weights_prepare(app, d, path, &format, arch_sha, &err) != MD_OK) {
+        md_blob_abort(blob);
+        md_reply_error(req, &err);
+        return err.status;
+    }
+    md_status lst;
+    if (arch_sha[0]) {
+        char arch_path[4096];
+        md_store_sha_path(app->store, arch_sha, arch_path, sizeof arch_path);
+        lst = md_model_load_weights(d->name, d->version, arch_path, path, format, d->config,
+                                    &app->model_defaults, &model, &err);
+    } else {
+        lst = md_model_load(d->name, d->version, path, d->config, &app->model_defaults, &model,
+                            &err);
+    }
+    if (lst != MD_OK) {
         md_blob_abort(blob);
         if (config_from) {
             md_err inner = err;
@@ -416,6 +513,10 @@ static md_status commit_and_reply(md_req *req, deploy_req *d, const char *sha, l
         .metrics = d->metrics,
         .make_default = d->deploy && d->make_default,
         .state = d->deploy ? "ready" : "stored",
+        .format = format,
+        .arch_sha256 = arch_sha[0] ? arch_sha : NULL,
+        /* make_default given says what the client wants; else the policy */
+        .promote = d->deploy && !(d->given & given_bit("make_default")),
     };
     json_t *version = NULL;
     md_status st = md_store_add_version(app->store, &spec, blob, &version, &err);
@@ -452,6 +553,7 @@ typedef struct upload {
     deploy_req d;
     md_blob_writer *blob;
     int multipart;
+    int json;         /* a JSON body: {"average": ...} (issue 12), buffered in `text` */
     int saw_file;
     char field[32];   /* the text field being accumulated */
     md_body text;     /* its bytes so far */
@@ -517,13 +619,23 @@ static upload *upload_start(md_req *req, md_err *err)
         return NULL;
     const char *ct = md_req_header(req, "Content-Type");
     int multipart = ct && strncasecmp(ct, "multipart/form-data", 19) == 0;
-    if (!multipart && !(ct && strncasecmp(ct, "application/octet-stream", 24) == 0)) {
+    int json = ct && strncasecmp(ct, "application/json", 16) == 0;
+    if (!multipart && !json && !(ct && strncasecmp(ct, "application/octet-stream", 24) == 0)) {
         md_err_setc(err, MD_EMEDIA, "unsupported_media_type",
                     "Content-Type %s is not accepted here; send the checkpoint as multipart "
                     "(curl -F checkpoint=@model.pt) or raw bytes with Content-Type: "
-                    "application/octet-stream",
+                    "application/octet-stream, or a JSON {\"average\": ...} body",
                     ct ? ct : "(none)");
         return NULL;
+    }
+    if (json) {
+        upload *u = md_xcalloc(1, sizeof *u);
+        snprintf(u->d.name, sizeof u->d.name, "%s", name);
+        u->d.make_default = u->d.deploy = 1;
+        u->json = 1;
+        u->text.limit = FIELD_MAX;
+        md_req_set_state(req, u, upload_free);
+        return u;
     }
     const char *cl = md_req_header(req, "Content-Length");
     if (cl && strtoll(cl, NULL, 10) > app->cfg->max_checkpoint_bytes) {
@@ -553,6 +665,8 @@ md_status md_upload_body(md_req *req, const char *data, size_t len, md_err *err)
         return err->status;
     if (!data)
         return MD_OK; /* headers only: checked by upload_start */
+    if (u->json)
+        return md_body_append(&u->text, data, len, err);
     if (u->multipart)
         return md_req_form_feed(req, on_form_field, data, len, err);
     return md_blob_write(u->blob, data, len, err);
@@ -574,6 +688,195 @@ static void upload_commit(md_req *req)
     commit_and_reply(req, &u->d, sha, size, blob);
 }
 
+/* ---- POST /models/{name}/versions {"average": ...}: weight averaging ---- */
+
+#define AVERAGE_MAX_SOURCES 64
+
+static md_status average_parse(upload *u, json_t *body, json_t **versions, json_t **weights,
+                               md_err *err)
+{
+    static const char *example = "{\"average\": {\"versions\": [3, 4, 5], \"weights\": [0.2, "
+                                 "0.3, 0.5]}, \"metrics\": {}, \"make_default\": false}";
+    const char *key;
+    json_t *v;
+    md_status st;
+    json_object_foreach(body, key, v)
+    {
+        if (strcmp(key, "average") == 0)
+            continue;
+        if (strcmp(key, "make_default") == 0 || strcmp(key, "deploy") == 0) {
+            if (!json_is_boolean(v))
+                return md_err_set(err, MD_EINVAL, "%s must be true or false", key);
+            if (mark_given(&u->d, key, err) != MD_OK)
+                return MD_EINVAL;
+            *(strcmp(key, "deploy") == 0 ? &u->d.deploy : &u->d.make_default) = json_is_true(v);
+        } else if (strcmp(key, "config") == 0 || strcmp(key, "metadata") == 0 ||
+                   strcmp(key, "metrics") == 0) {
+            if (mark_given(&u->d, key, err) != MD_OK ||
+                (st = set_json_field(&u->d, key, v, err)) != MD_OK)
+                return MD_EINVAL;
+        } else {
+            return md_err_setc(err, MD_EINVAL, "unknown_field",
+                               "unknown key \"%.40s\"; a JSON body to /models/NAME/versions "
+                               "averages versions: %s (also config, metadata, deploy)",
+                               key, example);
+        }
+    }
+    json_t *a = json_object_get(body, "average");
+    if (!json_is_object(a))
+        return md_err_setc(err, MD_EINVAL, "invalid_average", "the body needs \"average\": %s",
+                           example);
+    json_object_foreach(a, key, v)
+    {
+        if (strcmp(key, "versions") != 0 && strcmp(key, "weights") != 0)
+            return md_err_setc(err, MD_EINVAL, "invalid_average",
+                               "average.%.40s is unknown; average takes versions and weights",
+                               key);
+    }
+    *versions = json_object_get(a, "versions");
+    *weights = json_object_get(a, "weights");
+    size_t n = json_array_size(*versions);
+    if (!json_is_array(*versions) || n < 1 || n > AVERAGE_MAX_SOURCES)
+        return md_err_setc(err, MD_EINVAL, "invalid_average",
+                           "average.versions must list 1 to %d version numbers, e.g. [3, 4, 5]",
+                           AVERAGE_MAX_SOURCES);
+    size_t i;
+    json_array_foreach(*versions, i, v)
+    {
+        if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > 1000000000)
+            return md_err_setc(err, MD_EINVAL, "invalid_average",
+                               "average.versions[%zu] is not a version number", i);
+    }
+    if (*weights) {
+        double sum = 0;
+        if (!json_is_array(*weights) || json_array_size(*weights) != n)
+            return md_err_setc(err, MD_EINVAL, "invalid_average",
+                               "average.weights must have one number per version (%zu)", n);
+        json_array_foreach(*weights, i, v)
+        {
+            if (!json_is_number(v) || json_number_value(v) < 0 ||
+                json_number_value(v) != json_number_value(v))
+                return md_err_setc(err, MD_EINVAL, "invalid_average",
+                                   "average.weights[%zu] must be a number >= 0", i);
+            sum += json_number_value(v);
+        }
+        if (!(sum > 0))
+            return md_err_setc(err, MD_EINVAL, "invalid_average",
+                               "average.weights sum to 0; give at least one positive weight");
+    }
+    return MD_OK;
+}
+
+/* The weights of stored version `version` as its model uses them, and the
+ * architecture they load into ("" for a TorchScript version). */
+static md_status version_weights(md_app *app, const char *name, int version, md_tensors **out,
+                                 char arch_sha[MD_SHA256_HEX], md_err *err)
+{
+    json_t *v = NULL;
+    md_status st = md_store_get_version(app->store, name, version, &v, err);
+    if (st != MD_OK)
+        return st;
+    const char *format = json_string_value(json_object_get(v, "format"));
+    const char *arch = json_string_value(json_object_get(v, "arch_sha256"));
+    char path[4096], arch_path[4096];
+    md_store_sha_path(app->store, json_string_value(json_object_get(v, "sha256")), path,
+                      sizeof path);
+    if (arch)
+        md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
+    snprintf(arch_sha, MD_SHA256_HEX, "%s", arch ? arch : "");
+    st = md_weights_effective(path, format ? format : MD_FORMAT_TORCHSCRIPT,
+                              arch ? arch_path : NULL, out, err);
+    if (st != MD_OK) {
+        md_err inner = *err;
+        md_err_setc(err, st == MD_EIO ? MD_EIO : MD_EUNPROC, md_err_code(&inner),
+                    "model %s version %d: %.400s", name, version, inner.msg);
+        st = err->status;
+    }
+    json_decref(v);
+    return st;
+}
+
+static void average_commit(md_req *req)
+{
+    upload *u = md_req_state(req);
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    json_error_t jerr;
+    json_t *body = json_loadb(u->text.data ? u->text.data : "", u->text.len, 0, &jerr);
+    json_t *versions = NULL, *weights = NULL;
+    md_status st = MD_OK;
+    if (!json_is_object(body))
+        st = md_err_setc(&err, MD_EINVAL, "invalid_json",
+                         "the body is not a JSON object (line %d: %s)", jerr.line,
+                         body ? "not an object" : jerr.text);
+    else
+        st = average_parse(u, body, &versions, &weights, &err);
+    size_t n = json_array_size(versions);
+    md_tensors *srcs[AVERAGE_MAX_SOURCES] = {0};
+    double w[AVERAGE_MAX_SOURCES];
+    char labels[AVERAGE_MAX_SOURCES][32];
+    const char *label_ptrs[AVERAGE_MAX_SOURCES];
+    char arch[MD_SHA256_HEX] = "";
+    double sum = 0;
+    for (size_t i = 0; st == MD_OK && i < n; i++) {
+        int version = (int)json_integer_value(json_array_get(versions, i));
+        snprintf(labels[i], sizeof labels[i], "version %d", version);
+        label_ptrs[i] = labels[i];
+        w[i] = weights ? json_number_value(json_array_get(weights, i)) : 1.0;
+        sum += w[i];
+        char a[MD_SHA256_HEX];
+        st = version_weights(app, u->d.name, version, &srcs[i], a, &err);
+        if (st == MD_ENOTFOUND) /* in a body: the request is wrong, the route is fine */
+            st = err.status = MD_EUNPROC;
+        if (st == MD_OK && a[0])
+            snprintf(arch, sizeof arch, "%s", a); /* the last state_dict source's */
+    }
+    for (size_t i = 0; st == MD_OK && i < n; i++)
+        w[i] /= sum;
+    md_tensors *avg = NULL;
+    if (st == MD_OK)
+        st = md_weights_average(srcs, w, label_ptrs, n, &avg, &err);
+    if (st == MD_EINVAL)
+        err.status = st = MD_EUNPROC; /* the sources do not fit together: 422 */
+    for (size_t i = 0; i < n; i++)
+        md_tensors_free(srcs[i]);
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    if (st == MD_OK)
+        st = md_safetensors_write(avg, &buf, &len, &err);
+    md_tensors_free(avg);
+    md_blob_writer *blob = NULL;
+    char sha[MD_SHA256_HEX];
+    long long size = 0;
+    if (st == MD_OK)
+        st = md_blob_begin(app->store, app->cfg->max_checkpoint_bytes, &blob, &err);
+    if (st == MD_OK && (st = md_blob_write(blob, buf, len, &err)) != MD_OK) {
+        md_blob_abort(blob);
+        blob = NULL;
+    }
+    free(buf);
+    if (st == MD_OK && (st = md_blob_finish(blob, NULL, sha, &size, &err)) != MD_OK)
+        blob = NULL; /* md_blob_finish dropped it */
+    if (st != MD_OK) {
+        json_decref(body);
+        md_reply_error(req, &err);
+        return;
+    }
+    /* the metadata records where the weights came from */
+    if (!u->d.metadata)
+        u->d.metadata = json_object();
+    json_t *wl = json_array();
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(wl, json_real(w[i]));
+    json_object_set_new(u->d.metadata, "average",
+                        json_pack("{s:O,s:o}", "versions", versions, "weights", wl));
+    json_decref(body);
+    snprintf(u->d.arch_sha, sizeof u->d.arch_sha, "%s", arch);
+    u->d.source = md_xstrdup("average");
+    commit_and_reply(req, &u->d, sha, size, blob);
+}
+
 void md_handle_version_upload(md_req *req)
 {
     md_err err;
@@ -586,6 +889,10 @@ void md_handle_version_upload(md_req *req)
                         "the request has no checkpoint; send curl -F checkpoint=@model.pt or "
                         "--data-binary @model.pt with Content-Type: application/octet-stream");
         md_reply_error(req, &err);
+        return;
+    }
+    if (u->json) {
+        md_req_defer(req, average_commit);
         return;
     }
     if (flush_text_field(u, &err) != MD_OK) {
@@ -974,6 +1281,18 @@ void md_handle_version_checkpoint(md_req *req)
     int version;
     if (!md_req_version_param(req, &version))
         return;
+    const char *format = md_req_query(req, "format");
+    if (format && strcmp(format, "safetensors") == 0) {
+        md_version_export_safetensors(req, version);
+        return;
+    }
+    if (format && strcmp(format, "original") != 0) {
+        md_err_setc(&err, MD_EINVAL, "invalid_format",
+                    "format=%.40s: use safetensors (the weights) or original (the stored file)",
+                    format);
+        md_reply_error(req, &err);
+        return;
+    }
     char path[4096], sha[MD_SHA256_HEX];
     md_status st = md_store_blob_path(app->store, md_req_param(req, "name"), version, path,
                                       sizeof path, sha, &err);
@@ -1025,22 +1344,27 @@ static void model_patch_deferred(md_req *req)
     json_t *v;
     json_object_foreach(body, key, v)
     {
-        if (strcmp(key, "default_version") != 0 && strcmp(key, "retention") != 0) {
+        if (strcmp(key, "default_version") != 0 && strcmp(key, "retention") != 0 &&
+            strcmp(key, "promote") != 0) {
             st = md_err_setc(&err, MD_EINVAL, "unknown_field",
-                             "unknown key \"%.40s\"; allowed: default_version, retention", key);
+                             "unknown key \"%.40s\"; allowed: default_version, retention, promote",
+                             key);
             break;
         }
     }
     json_t *dv = json_object_get(body, "default_version");
     json_t *ret = json_object_get(body, "retention");
+    json_t *promote = json_object_get(body, "promote");
     if (st == MD_OK && dv && (!json_is_integer(dv) || json_integer_value(dv) < 1))
         st = md_err_setc(&err, MD_EINVAL, "invalid_version",
                          "default_version must be a positive integer");
     if (st == MD_OK && ret)
         st = md_retention_check(ret, &err);
-    if (st == MD_OK && !dv && !ret)
+    if (st == MD_OK && promote)
+        st = md_promote_check(promote, &err);
+    if (st == MD_OK && !dv && !ret && !promote)
         st = md_err_setc(&err, MD_EINVAL, "empty_patch",
-                         "nothing to change; give default_version and/or retention");
+                         "nothing to change; give default_version, retention and/or promote");
     if (st == MD_OK && dv)
         st = md_store_set_default(app->store, name, (int)json_integer_value(dv), &err);
     if (st == MD_OK && dv &&
@@ -1052,6 +1376,8 @@ static void model_patch_deferred(md_req *req)
         else
             st = err.status;
     }
+    if (st == MD_OK && promote)
+        st = md_store_set_promote(app->store, name, promote, &err);
     if (st == MD_OK && ret) {
         st = md_store_set_retention(app->store, name, ret, &err);
         md_app_forget(app, name, 0); /* retention may have deleted versions */

@@ -762,7 +762,7 @@ def test_state_dict_upload_says_what_it_is(server):
     says what the file is and how to export one, not "PytorchStreamReader
     failed locating file constants.pkl"."""
     err = expect_error(deploy(server, "sd", path=FIXTURES / "mlp_state_dict.pt"), 422,
-                       "not_torchscript")
+                       "no_architecture")
     assert "torch.save()" in err["message"] and "torch.jit.script(model).save" in err["message"], err
     assert "constants.pkl" not in err["message"], err
     assert requests.get(server.url + "/models/sd", timeout=10 * TSCALE).status_code == 404
