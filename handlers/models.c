@@ -835,9 +835,7 @@ static void average_commit(md_req *req)
     for (size_t i = 0; st == MD_OK && i < n; i++)
         w[i] /= sum;
     md_tensors *avg = NULL;
-    if (st == MD_OK)
-        st = md_weights_average(srcs, w, label_ptrs, n, &avg, &err);
-    if (st == MD_EINVAL)
+    if (st == MD_OK && (st = md_weights_average(srcs, w, label_ptrs, n, &avg, &err)) == MD_EINVAL)
         err.status = st = MD_EUNPROC; /* the sources do not fit together: 422 */
     for (size_t i = 0; i < n; i++)
         md_tensors_free(srcs[i]);
