@@ -11,6 +11,7 @@
 
 #include "../checkpoint/checkpoint.h"
 #include "../config/config.h"
+#include "../jobs/jobs.h"
 #include "../predictor/predictor.h"
 #include "../server/server.h"
 

@@ -42,6 +42,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../jobs/jobs.h"
 #include "predictor.h"
 
 /* Chunks in flight: enough queued work to keep the workers busy through an

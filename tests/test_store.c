@@ -40,6 +40,7 @@
 #include <unistd.h>
 
 #include "../checkpoint/checkpoint.h"
+#include "../jobs/jobs.h"
 
 #define FIXTURES "tests/fixtures"
 

@@ -1,0 +1,379 @@
+/*
+ * blobs.c - the store's checkpoint files: the upload writer (temp file,
+ * SHA-256 as bytes stream in, fsync), blob paths, and their garbage
+ * collection (temp files of dead processes and unreferenced blobs swept at
+ * open, blobs released when their last row is deleted). Why each step is
+ * ordered as it is, and how replicas sharing the store stay safe: DESIGN in
+ * store.c.
+ */
+#define _GNU_SOURCE
+#include "store_internal.h"
+#include "formats.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define ORPHAN_GRACE_S 600
+
+static int fsync_dir(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    int rc = fsync(fd);
+    close(fd);
+    return rc;
+}
+
+/* fsync blobs/, so a rename or unlink there survives a power loss. */
+md_status md_blobs_sync_dir(md_store *s, md_err *err)
+{
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/blobs", s->dir);
+    if (fsync_dir(dir) != 0)
+        return md_err_set(err, MD_EIO, "store %s: fsync of blobs/ failed: %s; check the disk",
+                          s->dir, strerror(errno));
+    return MD_OK;
+}
+
+/* Temp files of processes that are gone: tmp/upload-<pid>-XXXXXX. */
+void md_blobs_sweep_tmp(md_store *s)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tmp", s->dir);
+    DIR *d = opendir(path);
+    if (!d)
+        return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        long pid = 0;
+        int owned = sscanf(e->d_name, "upload-%ld-", &pid) == 1 && pid > 0;
+        if (owned && pid != (long)getpid() && (kill((pid_t)pid, 0) == 0 || errno == EPERM))
+            continue; /* a live replica is still writing it */
+        char full[4352];
+        snprintf(full, sizeof full, "%s/%s", path, e->d_name);
+        if (unlink(full) == 0)
+            md_log(MD_LOG_INFO, "store: removed stale temp file %s", full);
+    }
+    closedir(d);
+}
+
+static int sha_referenced(md_store *s, const char *sha)
+{
+    sqlite3_stmt *st = prep(s,
+                            "SELECT 1 FROM versions WHERE sha256 = ?1 OR arch_sha256 = ?1 "
+                            "UNION ALL SELECT 1 FROM models WHERE arch_sha256 = ?1 LIMIT 1",
+                            NULL);
+    if (!st)
+        return 1; /* when unsure, keep the file */
+    sqlite3_bind_text(st, 1, sha, -1, SQLITE_STATIC);
+    int rc = sqlite3_step(st);
+    sqlite3_finalize(st);
+    return rc != SQLITE_DONE;
+}
+
+/* Blobs no row references (a crash between rename and commit), decided and
+ * unlinked inside a write transaction (see DESIGN). */
+void md_blobs_sweep_orphans(md_store *s)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/blobs", s->dir);
+    DIR *d = opendir(path);
+    if (!d)
+        return;
+    md_err err;
+    if (exec(s, "BEGIN IMMEDIATE", &err) != MD_OK) {
+        md_log(MD_LOG_WARN, "store: orphan sweep skipped: %s", err.msg);
+        closedir(d);
+        return;
+    }
+    hook(s, "sweep_locked");
+    struct dirent *e;
+    time_t now = time(NULL);
+    while ((e = readdir(d))) {
+        if (strlen(e->d_name) != 64)
+            continue;
+        char full[4352];
+        snprintf(full, sizeof full, "%s/%s", path, e->d_name);
+        struct stat sb;
+        if (stat(full, &sb) != 0 || now - sb.st_mtime < ORPHAN_GRACE_S)
+            continue;
+        if (!sha_referenced(s, e->d_name) && unlink(full) == 0)
+            md_log(MD_LOG_INFO, "store: removed unreferenced blob %s", full);
+    }
+    closedir(d);
+    if (md_blobs_sync_dir(s, &err) != MD_OK)
+        md_log(MD_LOG_WARN, "%s", err.msg);
+    /* nothing written: ends the transaction. A failed COMMIT would leave the
+     * connection inside it, holding the write lock every replica shares. */
+    if (exec(s, "COMMIT", &err) != MD_OK) {
+        md_log(MD_LOG_WARN, "store: orphan sweep: %s", err.msg);
+        exec(s, "ROLLBACK", NULL);
+    }
+}
+
+/* Rows whose blob is missing are marked failed with the reason. */
+md_status md_blobs_check(md_store *s, md_err *err)
+{
+    sqlite3_stmt *st = prep(s, "SELECT model, version, sha256 FROM versions WHERE state != "
+                               "'failed' OR state_reason NOT LIKE 'checkpoint file %'", err);
+    if (!st)
+        return MD_EIO;
+    sqlite3_stmt *up = prep(s, "UPDATE versions SET state = 'failed', state_reason = ? WHERE "
+                               "model = ? AND version = ?", err);
+    if (!up) {
+        sqlite3_finalize(st);
+        return MD_EIO;
+    }
+    while (sqlite3_step(st) == SQLITE_ROW) {
+        const char *sha = (const char *)sqlite3_column_text(st, 2);
+        char path[4096];
+        blob_path(s, sha, path, sizeof path);
+        if (access(path, R_OK) == 0)
+            continue;
+        char reason[4200];
+        snprintf(reason, sizeof reason, "checkpoint file %s is missing; upload the version again",
+                 path);
+        sqlite3_bind_text(up, 1, reason, -1, SQLITE_TRANSIENT);
+        sqlite3_bind_text(up, 2, (const char *)sqlite3_column_text(st, 0), -1, SQLITE_TRANSIENT);
+        sqlite3_bind_int(up, 3, sqlite3_column_int(st, 1));
+        int urc = sqlite3_step(up);
+        sqlite3_reset(up);
+        if (urc != SQLITE_DONE) {
+            sqlite3_finalize(up);
+            sqlite3_finalize(st);
+            return db_fail(s, err, "mark a version with a missing blob failed");
+        }
+        md_log(MD_LOG_WARN, "model %s version %d: %s", sqlite3_column_text(st, 0),
+               sqlite3_column_int(st, 1), reason);
+    }
+    sqlite3_finalize(up);
+    sqlite3_finalize(st);
+    return MD_OK;
+}
+
+/* ---- blobs ---- */
+
+md_status md_blob_begin(md_store *s, long long max_bytes, md_blob_writer **out, md_err *err)
+{
+    *out = NULL;
+    md_blob_writer *w = md_xcalloc(1, sizeof *w);
+    w->store = s;
+    w->max_bytes = max_bytes;
+    snprintf(w->tmp_path, sizeof w->tmp_path, "%s/tmp/upload-%ld-XXXXXX", s->dir, (long)getpid());
+    w->fd = mkostemp(w->tmp_path, O_CLOEXEC);
+    if (w->fd < 0) {
+        md_err_set(err, MD_EIO, "store %s: cannot create a temp file in tmp/: %s", s->dir,
+                   strerror(errno));
+        free(w);
+        return MD_EIO;
+    }
+    w->sha = EVP_MD_CTX_new();
+    if (!w->sha || EVP_DigestInit_ex(w->sha, EVP_sha256(), NULL) != 1) {
+        md_blob_abort(w);
+        return md_err_set(err, MD_EINTERNAL, "cannot start SHA-256");
+    }
+    *out = w;
+    return MD_OK;
+}
+
+md_status md_blob_write(md_blob_writer *w, const void *data, size_t len, md_err *err)
+{
+    if ((long long)len > w->max_bytes - w->size)
+        return md_err_setc(err, MD_ETOOBIG, "checkpoint_too_large",
+                           "checkpoint is larger than the limit of %lld bytes; raise "
+                           "max_checkpoint_bytes to accept it",
+                           w->max_bytes);
+    const char *p = data;
+    size_t left = len;
+    while (left) {
+        ssize_t n = write(w->fd, p, left);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == ENOSPC || errno == EDQUOT)
+                return md_err_set(err, MD_ENOSPC,
+                                  "store %s: no space left for the checkpoint (%lld bytes "
+                                  "written); free space on the store's filesystem, or delete "
+                                  "old versions",
+                                  w->store->dir, w->size + (long long)(len - left));
+            return md_err_set(err, MD_EIO, "store %s: writing the checkpoint failed: %s",
+                              w->store->dir, strerror(errno));
+        }
+        p += n;
+        left -= (size_t)n;
+    }
+    EVP_DigestUpdate(w->sha, data, len);
+    w->size += (long long)len;
+    return MD_OK;
+}
+
+long long md_blob_size(const md_blob_writer *w) { return w->size; }
+
+const char *md_blob_path(const md_blob_writer *w) { return w->tmp_path; }
+
+const char *md_blob_sha256(const md_blob_writer *w) { return w->finished ? w->sha256 : ""; }
+
+void md_store_sha_path(const md_store *s, const char *sha, char *out, size_t size)
+{
+    blob_path(s, sha, out, size);
+}
+
+void md_blob_abort(md_blob_writer *w)
+{
+    if (!w)
+        return;
+    if (w->fd >= 0)
+        close(w->fd);
+    if (w->tmp_path[0])
+        unlink(w->tmp_path);
+    EVP_MD_CTX_free(w->sha);
+    free(w);
+}
+
+md_status md_blob_link(const md_blob_writer *w, md_blob_writer **out, md_err *err)
+{
+    static atomic_ulong seq;
+    *out = NULL;
+    md_assert(w->finished);
+    md_blob_writer *c = md_xcalloc(1, sizeof *c);
+    c->store = w->store;
+    c->fd = -1;
+    c->size = w->size;
+    c->max_bytes = w->max_bytes;
+    c->finished = 1;
+    memcpy(c->sha256, w->sha256, sizeof c->sha256);
+    /* upload-<pid>-: swept like any temp file of this process once it is gone */
+    snprintf(c->tmp_path, sizeof c->tmp_path, "%s/tmp/upload-%ld-link%lu", w->store->dir,
+             (long)getpid(), atomic_fetch_add(&seq, 1));
+    if (link(w->tmp_path, c->tmp_path) != 0) {
+        md_err_set(err, MD_EIO, "store %s: cannot link the downloaded checkpoint %s: %s",
+                   w->store->dir, w->tmp_path, strerror(errno));
+        free(c);
+        return MD_EIO;
+    }
+    *out = c;
+    return MD_OK;
+}
+
+/* What a checkpoint blob may hold (issue 12): a safetensors file (its
+ * reader checks it in full when it is loaded), a zip (TorchScript or
+ * torch.save: md_archive_check), and not the legacy torch.save format. */
+static md_status blob_format_check(const char *path, md_err *err)
+{
+    uint8_t head[16];
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    ssize_t n = fd >= 0 ? read(fd, head, sizeof head) : -1;
+    if (fd >= 0)
+        close(fd);
+    md_ckpt_format f = md_ckpt_sniff(head, n > 0 ? (size_t)n : 0);
+    if (f == MD_CKPT_SAFETENSORS)
+        return MD_OK;
+    if (f == MD_CKPT_LEGACY)
+        return md_err_setc(err, MD_EUNPROC, "legacy_checkpoint",
+                           "the checkpoint is in the legacy (pre-1.6) torch.save format; re-save "
+                           "it with torch.save(..., _use_new_zipfile_serialization=True)");
+    return md_archive_check(path, err);
+}
+
+md_status md_blob_finish(md_blob_writer *w, const char *expect, char sha256[MD_SHA256_HEX],
+                         long long *size, md_err *err)
+{
+    md_status st = MD_OK;
+    unsigned char digest[32];
+    unsigned int dlen = 0;
+    if (w->size == 0) {
+        st = md_err_setc(err, MD_EINVAL, "empty_checkpoint",
+                         "the checkpoint is empty; send the bytes of a TorchScript file "
+                         "(torch.jit.save)");
+        goto fail;
+    }
+    if (EVP_DigestFinal_ex(w->sha, digest, &dlen) != 1 || dlen != 32) {
+        st = md_err_set(err, MD_EINTERNAL, "store %s: computing the checkpoint's SHA-256 failed",
+                        w->store->dir);
+        goto fail;
+    }
+    for (unsigned i = 0; i < 32; i++)
+        snprintf(w->sha256 + 2 * i, 3, "%02x", digest[i]);
+    if (expect && *expect && strcasecmp(expect, w->sha256) != 0) {
+        st = md_err_setc(err, MD_EINVAL, "sha256_mismatch",
+                         "the checkpoint's sha256 is %s but %s was expected; check the file or the "
+                         "sha256 given",
+                         w->sha256, expect);
+        goto fail;
+    }
+    if (fsync(w->fd) != 0) {
+        st = md_err_set(err, MD_EIO, "store %s: fsync of the checkpoint failed: %s",
+                        w->store->dir, strerror(errno));
+        goto fail;
+    }
+    if ((st = blob_format_check(w->tmp_path, err)) != MD_OK)
+        goto fail;
+    close(w->fd);
+    w->fd = -1;
+    w->finished = 1;
+    memcpy(sha256, w->sha256, MD_SHA256_HEX);
+    *size = w->size;
+    return MD_OK;
+fail:
+    md_blob_abort(w);
+    return st;
+}
+
+/* ---- garbage collection ---- */
+
+/* Unlink the blob if no row references it any more. Caller holds the mutex
+ * and a write transaction, so no replica adds a row for it meanwhile. */
+static void release_blob(md_store *s, const char *sha)
+{
+    if (sha_referenced(s, sha))
+        return;
+    char path[4096];
+    blob_path(s, sha, path, sizeof path);
+    if (unlink(path) == 0)
+        md_log(MD_LOG_DEBUG, "store: removed blob %s", path);
+}
+
+void md_sha_list_add(sha_list *l, const char *sha)
+{
+    l->items = realloc(l->items, sizeof *l->items * (size_t)(l->count + 1));
+    md_assert(l->items != NULL);
+    snprintf(l->items[l->count++], MD_SHA256_HEX, "%s", sha);
+}
+
+/* Garbage-collect the blobs of rows just deleted (committed), in a write
+ * transaction of its own: a replica's add of the same bytes either committed
+ * its row before (the blob stays) or checks for the file after (and puts it
+ * back). Caller holds the mutex, not a transaction. A failure only leaves an
+ * unreferenced blob, which the sweep at open removes. */
+void md_blobs_release_all(md_store *s, sha_list *l)
+{
+    md_err err;
+    if (l->count && exec(s, "BEGIN IMMEDIATE", &err) == MD_OK) {
+        hook(s, "gc_locked");
+        for (int i = 0; i < l->count; i++)
+            release_blob(s, l->items[i]);
+        if (md_blobs_sync_dir(s, &err) != MD_OK)
+            md_log(MD_LOG_WARN, "%s", err.msg);
+        /* never left inside the transaction (it holds the shared write lock) */
+        if (exec(s, "COMMIT", &err) != MD_OK) {
+            md_log(MD_LOG_WARN, "store: blob collection: %s", err.msg);
+            exec(s, "ROLLBACK", NULL);
+        }
+    } else if (l->count) {
+        md_log(MD_LOG_WARN, "store: unreferenced blobs kept for the next sweep: %s", err.msg);
+    }
+    free(l->items);
+    l->items = NULL;
+    l->count = 0;
+}

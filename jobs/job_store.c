@@ -1,0 +1,362 @@
+/*
+ * job_store.c - the job table's queries: batch-predict jobs, their committed
+ * progress, and the leases by which replicas sharing a store run each job
+ * once. The table lives in the store's SQLite index (its migrations are with
+ * the others in checkpoint/store.c), so this file uses the store's private
+ * header; nothing else outside checkpoint/ may.
+ */
+#include "jobs.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "../checkpoint/store_internal.h"
+
+#define JOB_COLS                                                                              \
+    "id, model, version, spec, status, rows_done, rows_total, rows_skipped, output_path, "   \
+    "output_bytes, correct, labeled, confusion, rows_per_s, partial, error, created_at, "    \
+    "started_at, finished_at, updated_at, owner "
+
+static json_t *col_or_null(sqlite3_stmt *st, int i)
+{
+    switch (sqlite3_column_type(st, i)) {
+    case SQLITE_NULL:
+        return json_null();
+    case SQLITE_INTEGER:
+        return json_integer(sqlite3_column_int64(st, i));
+    case SQLITE_FLOAT:
+        return json_real(sqlite3_column_double(st, i));
+    default:
+        return json_string((const char *)sqlite3_column_text(st, i));
+    }
+}
+
+static json_t *job_json(sqlite3_stmt *st)
+{
+    static const char *names[] = {"id", "model", "version", "spec", "status", "rows_done",
+                                  "rows_total", "rows_skipped", "output_path", "output_bytes",
+                                  "correct", "labeled", "confusion", "rows_per_s", "partial",
+                                  "error", "created_at", "started_at", "finished_at",
+                                  "updated_at", "owner"};
+    json_t *j = json_object();
+    for (int i = 0; i < 21; i++) {
+        if (i == 3 || i == 12) {
+            json_object_set_new(j, names[i], sqlite3_column_type(st, i) == SQLITE_NULL
+                                                 ? json_null()
+                                                 : json_col(st, i));
+        } else if (i == 14) {
+            json_object_set_new(j, names[i], json_boolean(sqlite3_column_int(st, i)));
+        } else {
+            json_object_set_new(j, names[i], col_or_null(st, i));
+        }
+    }
+    return j;
+}
+
+md_status md_store_job_create(md_store *s, const char *id, const char *model, int version,
+                              json_t *spec, const char *output_path, md_err *err)
+{
+    char *text = json_dumps(spec, JSON_COMPACT);
+    char now[32];
+    now_iso(now);
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s,
+                            "INSERT INTO jobs (id, model, version, spec, status, output_path, "
+                            "created_at, updated_at) VALUES (?,?,?,?, 'queued', ?, ?, ?)",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, model, -1, SQLITE_STATIC);
+    if (version)
+        sqlite3_bind_int(st, 3, version);
+    else
+        sqlite3_bind_null(st, 3);
+    sqlite3_bind_text(st, 4, text, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 5, output_path, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 6, now, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 7, now, -1, SQLITE_STATIC);
+    if (sqlite3_step(st) != SQLITE_DONE)
+        rc = db_fail(s, err, "insert job");
+    sqlite3_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    free(text);
+    return rc;
+}
+
+md_status md_store_job_get(md_store *s, const char *id, json_t **out, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s, "SELECT " JOB_COLS "FROM jobs WHERE id = ?", err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    if (sqlite3_step(st) == SQLITE_ROW)
+        *out = job_json(st);
+    else
+        rc = md_err_setc(err, MD_ENOTFOUND, "job_not_found",
+                         "job %s does not exist; GET /jobs lists the jobs", id);
+    sqlite3_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_job_list(md_store *s, const char *status, const char *model,
+                            const char *before, int limit, json_t **out, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s,
+                            "SELECT " JOB_COLS "FROM jobs WHERE (?1 IS NULL OR status = ?1) AND "
+                            "(?2 IS NULL OR model = ?2) AND (?3 IS NULL OR id < ?3) "
+                            "ORDER BY id DESC LIMIT ?4",
+                            err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    if (status)
+        sqlite3_bind_text(st, 1, status, -1, SQLITE_STATIC);
+    if (model)
+        sqlite3_bind_text(st, 2, model, -1, SQLITE_STATIC);
+    if (before)
+        sqlite3_bind_text(st, 3, before, -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 4, limit + 1);
+    json_t *jobs = json_array();
+    json_t *next = json_null();
+    int n = 0;
+    while (sqlite3_step(st) == SQLITE_ROW) {
+        if (n++ == limit) {
+            next = json_incref(json_object_get(json_array_get(jobs, (size_t)limit - 1), "id"));
+            break;
+        }
+        json_array_append_new(jobs, job_json(st));
+    }
+    sqlite3_finalize(st);
+    *out = json_pack("{s:o,s:o}", "jobs", jobs, "next", next);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+static double wall_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* UPDATE the columns named by `fields`; with `owner`, only while that owner
+ * holds the job, extending its lease to now + lease_s (0 rows: ECONFLICT). */
+static md_status job_update(md_store *s, const char *id, const char *owner, double lease_s,
+                            json_t *fields, int *cancel_requested, md_err *err)
+{
+    static const char *allowed[] = {"status", "rows_done", "rows_total", "rows_skipped",
+                                    "output_bytes", "correct", "labeled", "confusion",
+                                    "rows_per_s", "partial", "error", "started_at",
+                                    "finished_at", "version", "spec", NULL};
+    char sql[1200];
+    size_t n = (size_t)snprintf(sql, sizeof sql, "UPDATE jobs SET updated_at = ?1");
+    const char *key;
+    json_t *v;
+    int idx = 2;
+    json_object_foreach(fields, key, v)
+    {
+        int ok = 0;
+        for (int i = 0; allowed[i]; i++)
+            ok |= strcmp(key, allowed[i]) == 0;
+        md_assert(ok);
+        n += (size_t)snprintf(sql + n, sizeof sql - n, ", %s = ?%d", key, idx++);
+    }
+    int id_idx = idx++;
+    if (owner) {
+        n += (size_t)snprintf(sql + n, sizeof sql - n, ", lease_until = ?%d WHERE id = ?%d AND "
+                              "owner = ?%d RETURNING cancel_requested", idx, id_idx, idx + 1);
+    } else {
+        snprintf(sql + n, sizeof sql - n, " WHERE id = ?%d", id_idx);
+    }
+    char now[32];
+    now_iso(now);
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    sqlite3_stmt *st = prep(s, sql, err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(st, 1, now, -1, SQLITE_TRANSIENT);
+    idx = 2;
+    json_object_foreach(fields, key, v)
+    {
+        if (json_is_integer(v))
+            sqlite3_bind_int64(st, idx, json_integer_value(v));
+        else if (json_is_real(v))
+            sqlite3_bind_double(st, idx, json_real_value(v));
+        else if (json_is_string(v))
+            sqlite3_bind_text(st, idx, json_string_value(v), -1, SQLITE_TRANSIENT);
+        else if (json_is_boolean(v))
+            sqlite3_bind_int(st, idx, json_is_true(v));
+        else if (json_is_null(v))
+            sqlite3_bind_null(st, idx);
+        else {
+            char *t = json_dumps(v, JSON_COMPACT);
+            sqlite3_bind_text(st, idx, t, -1, SQLITE_TRANSIENT);
+            free(t);
+        }
+        idx++;
+    }
+    sqlite3_bind_text(st, id_idx, id, -1, SQLITE_TRANSIENT);
+    if (owner) {
+        sqlite3_bind_double(st, id_idx + 1, wall_now() + lease_s);
+        sqlite3_bind_text(st, id_idx + 2, owner, -1, SQLITE_TRANSIENT);
+        int r = sqlite3_step(st);
+        if (r == SQLITE_ROW) {
+            if (cancel_requested)
+                *cancel_requested = sqlite3_column_int(st, 0);
+            r = sqlite3_step(st);
+        } else if (r == SQLITE_DONE) {
+            rc = md_err_setc(err, MD_ECONFLICT, "job_lease_lost",
+                             "job %s is no longer held by this process (%s)", id, owner);
+        }
+        if (rc == MD_OK && r != SQLITE_DONE)
+            rc = db_fail(s, err, "update job");
+    } else if (sqlite3_step(st) != SQLITE_DONE) {
+        rc = db_fail(s, err, "update job");
+    }
+    sqlite3_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_job_update(md_store *s, const char *id, json_t *fields, md_err *err)
+{
+    return job_update(s, id, NULL, 0, fields, NULL, err);
+}
+
+md_status md_store_job_update_owned(md_store *s, const char *id, const char *owner,
+                                    double lease_s, json_t *fields, int *cancel_requested,
+                                    md_err *err)
+{
+    json_t *empty = fields ? NULL : json_object();
+    md_status rc = job_update(s, id, owner, lease_s, fields ? fields : empty, cancel_requested,
+                              err);
+    json_decref(empty);
+    return rc;
+}
+
+md_status md_store_job_claim_next(md_store *s, const char *owner, double lease_s,
+                                  int (*owner_dead)(const char *owner, void *ctx), void *ctx,
+                                  char id[64], md_err *err)
+{
+    id[0] = '\0';
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    double now = wall_now();
+    sqlite3_stmt *sel = prep(s,
+                             "SELECT id, owner, lease_until FROM jobs WHERE status IN "
+                             "('queued','running') AND (owner IS NULL OR owner != ?1) "
+                             "ORDER BY created_at, id",
+                             err);
+    sqlite3_stmt *upd = prep(s,
+                             "UPDATE jobs SET owner = ?1, lease_until = ?2 WHERE id = ?3 AND "
+                             "status IN ('queued','running') AND owner IS ?4",
+                             err);
+    if (!sel || !upd) {
+        rc = MD_EIO;
+        goto out;
+    }
+    sqlite3_bind_text(sel, 1, owner, -1, SQLITE_STATIC);
+    int r;
+    while ((r = sqlite3_step(sel)) == SQLITE_ROW) {
+        const char *cand = (const char *)sqlite3_column_text(sel, 0);
+        const char *held = (const char *)sqlite3_column_text(sel, 1);
+        double until = sqlite3_column_double(sel, 2);
+        if (held && until >= now && !(owner_dead && owner_dead(held, ctx)))
+            continue; /* a live lease */
+        sqlite3_reset(upd);
+        sqlite3_bind_text(upd, 1, owner, -1, SQLITE_STATIC);
+        sqlite3_bind_double(upd, 2, now + lease_s);
+        sqlite3_bind_text(upd, 3, cand, -1, SQLITE_TRANSIENT);
+        if (held)
+            sqlite3_bind_text(upd, 4, held, -1, SQLITE_TRANSIENT);
+        else
+            sqlite3_bind_null(upd, 4);
+        if (sqlite3_step(upd) != SQLITE_DONE) {
+            rc = db_fail(s, err, "claim job");
+            break;
+        }
+        if (sqlite3_changes(s->db) == 1) { /* another process may have taken it first */
+            snprintf(id, 64, "%s", cand);
+            break;
+        }
+    }
+    if (rc == MD_OK && r != SQLITE_ROW && r != SQLITE_DONE)
+        rc = db_fail(s, err, "list claimable jobs");
+out:
+    sqlite3_finalize(sel);
+    sqlite3_finalize(upd);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+/* Run `sql` with text parameters ?1 and ?2, the lock held; *changes (may be
+ * NULL) gets the number of rows it changed. */
+static md_status exec2(md_store *s, const char *sql, const char *p1, const char *p2,
+                       const char *what, int *changes, md_err *err)
+{
+    sqlite3_stmt *st = prep(s, sql, err);
+    if (!st)
+        return MD_EIO;
+    sqlite3_bind_text(st, 1, p1, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, p2, -1, SQLITE_STATIC);
+    md_status rc = MD_OK;
+    if (sqlite3_step(st) != SQLITE_DONE)
+        rc = db_fail(s, err, what);
+    else if (changes)
+        *changes = sqlite3_changes(s->db);
+    sqlite3_finalize(st);
+    return rc;
+}
+
+md_status md_store_job_release(md_store *s, const char *id, const char *owner, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = exec2(s,
+                         "UPDATE jobs SET owner = NULL, lease_until = NULL WHERE id = ?1 AND "
+                         "owner = ?2",
+                         id, owner, "release job", NULL, err);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_job_request_cancel(md_store *s, const char *id, int *cancelled_now,
+                                      md_err *err)
+{
+    char now[32];
+    now_iso(now);
+    int changed = 0;
+    pthread_mutex_lock(&s->mu);
+    /* a queued job nobody holds is cancelled at once; any other is flagged
+     * for its holder (or whoever claims it next) */
+    md_status rc = exec2(s,
+                         "UPDATE jobs SET status = 'cancelled', finished_at = ?2, "
+                         "updated_at = ?2 WHERE id = ?1 AND status = 'queued' AND owner IS NULL",
+                         id, now, "cancel job", &changed, err);
+    if (rc == MD_OK && changed != 1)
+        rc = exec2(s,
+                   "UPDATE jobs SET cancel_requested = 1, updated_at = ?2 WHERE id = ?1 AND "
+                   "status IN ('queued','running')",
+                   id, now, "cancel job", NULL, err);
+    pthread_mutex_unlock(&s->mu);
+    *cancelled_now = rc == MD_OK && changed == 1;
+    return rc;
+}
