@@ -80,7 +80,7 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
                           size_t out_size, md_err *err)
 {
     static const char *const top[] = {"model", "version", "input", "output", "batch_size",
-                                      "top_k", "on_error", NULL};
+                                      "top_k", "on_error", "record_metric", NULL};
     static const char *const in_keys[] = {"path", "url", "format", "features", "label", "shape",
                                           NULL};
     static const char *const out_keys[] = {"path", "format", "include", NULL};
@@ -171,6 +171,15 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
                json_integer_value(tk) > MD_TOP_K_MAX))
         return md_err_setc(err, MD_EINVAL, "invalid_job",
                            "top_k must be an integer in 1..%d (the top_k limit)", MD_TOP_K_MAX);
+    json_t *rm = json_object_get(spec, "record_metric");
+    if (rm && (!json_is_string(rm) || json_string_length(rm) < 1 || json_string_length(rm) > 128))
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "record_metric must name a metric (1 to 128 bytes), e.g. "
+                           "\"test_accuracy\"");
+    if (rm && !json_object_get(json_object_get(spec, "input"), "label"))
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "record_metric records the accuracy on a labelled dataset; give "
+                           "input.label (the label column, field or IDX labels file)");
     json_t *oe = json_object_get(spec, "on_error");
     if (oe && !one_of(json_string_value(oe), (const char *const[]){"fail", "skip", NULL}))
         return md_err_setc(err, MD_EINVAL, "invalid_job", "on_error must be \"fail\" or \"skip\"");

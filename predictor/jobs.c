@@ -1207,6 +1207,14 @@ static void run_job(md_jobs *J, int slot, const char *id)
     if (out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped, partial,
                    &err) != MD_OK)
         goto failed;
+    /* record_metric (issue 12): the accuracy on the version that ran, before
+     * the job reads as succeeded, so a client that saw it succeed finds it */
+    const char *record = json_string_value(json_object_get(spec, "record_metric"));
+    if (record && labeled > 0 &&
+        md_store_record_metric(J->store, model_name, md_model_version(m), record,
+                               (double)correct / (double)labeled, &err) != MD_OK)
+        md_log(MD_LOG_WARN, "job %s: recording metrics.%s on model %s version %d failed: %s", id,
+               record, model_name, md_model_version(m), err.msg);
     now_iso(now);
     f = json_pack("{s:s,s:s,s:I}", "status", "succeeded", "finished_at", now, "rows_total",
                   (json_int_t)md_reader_position(r));

@@ -442,3 +442,39 @@ def test_promotion_policy_worse_better_and_restart(start_server):
     assert created(upload(s2, "m", data, metrics={"val_accuracy": 0.99}))["default"] is True
     expect_error(s2.request("PATCH", "/models/m", json={"promote": {"order": "desc"}}), 400,
                  "invalid_promote")
+
+
+# ---------------------------------------------------------------- evaluation
+
+def test_job_records_its_accuracy_on_the_version(start_server, tmp_path):
+    s = start_server("--allowed-paths", str(tmp_path))
+    assert put_arch(s, "m", CK / "mlp_arch.pt").status_code == 200
+    created(upload(s, "m", (CK / "mlp_sd.pt").read_bytes(), config=MLP_CONFIG))
+    v2 = created(upload(s, "m", (CK / "mlp_epoch3.pt").read_bytes(), make_default="false"))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 4)).astype(np.float32)
+    pred = eager(MLP(), file_state(CK / "mlp_sd.pt"), x).argmax(1)
+    y = pred.copy()
+    y[:10] = (y[:10] + 1) % 3  # 30 of 40 right
+    csv = tmp_path / "test.csv"
+    csv.write_text("a,b,c,d,label\n" + "".join(
+        ",".join(f"{v:.9g}" for v in row) + f",{int(c)}\n" for row, c in zip(x, y)))
+    job = {"model": "m", "version": v2["version"], "record_metric": "test_accuracy",
+           "input": {"path": str(csv), "format": "csv", "label": "label"},
+           "output": {"path": str(tmp_path / "out.jsonl")}}
+    r = requests.post(s.url + "/jobs", json=job, timeout=T)
+    assert r.status_code in (201, 202), r.text
+    jid = r.json()["id"]
+    import time
+    deadline = time.monotonic() + 120 * TSCALE
+    while time.monotonic() < deadline:
+        st = s.get(f"/jobs/{jid}").json()
+        if st["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        time.sleep(0.05)
+    assert st["status"] == "succeeded", st
+    metrics = s.get(f"/models/m/versions/{v2['version']}").json()["metrics"]
+    assert metrics == {"epoch": 3, "loss": 0.25, "test_accuracy": 0.75}, metrics
+    bad = dict(job, input={"path": str(csv), "format": "csv"},
+               output={"path": str(tmp_path / "out2.jsonl")})
+    expect_error(requests.post(s.url + "/jobs", json=bad, timeout=T), 400, "invalid_job")
