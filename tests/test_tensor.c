@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../predictor/numparse.h"
 #include "../predictor/predictor.h"
 
 #define BIG (1u << 24) /* max_values that never limits these tests */
@@ -372,6 +373,57 @@ static void test_numbers_random(void **state)
         snprintf(text, sizeof text, "%.17g", (double)f);
         check_number(text);
     }
+}
+
+/* md_parse_double (fast_float) equals strtod bit for bit as a double, not
+ * only after the cast to float the decoder makes. */
+static void check_double(const char *text)
+{
+    double want = strtod(text, NULL), got = -1.0;
+    if (md_parse_double(text, text + strlen(text), &got) != 0)
+        fail_msg("%s: md_parse_double refused a JSON number", text);
+    if (memcmp(&want, &got, sizeof want) != 0)
+        fail_msg("%s: md_parse_double gives %.17g, strtod %.17g", text, got, want);
+}
+
+static void test_parse_double_matches_strtod(void **state)
+{
+    (void)state;
+    static const char *const cases[] = {
+        "0", "-0", "0.0039215688593685627", "2.2250738585072011e-308", "2.2250738585072014e-308",
+        "4.9406564584124654e-324", "2.4703282292062327e-324", "2.4703282292062328e-324",
+        "1.7976931348623157e308", "1.7976931348623158e308", "1.7976931348623159e308", "1e309",
+        "-1e309", "1e-400", "-1e-400", "1e99999999999999999999", "9007199254740993",
+        "9007199254740992.9999999999999999999999", "7.2057594037927933e16",
+        "0.1", "0.30000000000000004", "123456789012345678901234567890e-30",
+        "1.00000000000000011102230246251565404236316680908203125",
+        "1.00000000000000011102230246251565404236316680908203124",
+        "1.00000000000000011102230246251565404236316680908203126",
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        check_double(cases[i]);
+    char text[64];
+    for (int i = 0; i < 100000; i++) {
+        uint64_t bits = rnd();
+        double d;
+        memcpy(&d, &bits, 8);
+        if (!isfinite(d))
+            continue;
+        snprintf(text, sizeof text, "%.17g", d);
+        check_double(text);
+        snprintf(text, sizeof text, "%.16e", d);
+        check_double(text);
+        /* a float32 as Python prints it: json.dumps(x.tolist()) */
+        float f = (float)d;
+        if (isfinite(f)) {
+            snprintf(text, sizeof text, "%.17g", (double)f);
+            check_double(text);
+        }
+    }
+    /* text that is not one whole number is refused */
+    double v;
+    assert_int_equal(md_parse_double("1x", (const char *)"1x" + 2, &v), -1);
+    assert_int_equal(md_parse_double("", (const char *)"", &v), -1);
 }
 
 static void test_out_of_float_range(void **state)
@@ -1193,6 +1245,7 @@ int main(void)
         cmocka_unit_test(test_npy_roundtrip),
         cmocka_unit_test(test_float_format_known),
         cmocka_unit_test(test_float_format_random),
+        cmocka_unit_test(test_parse_double_matches_strtod),
         cmocka_unit_test(test_float_format_subnormal_shortest),
         cmocka_unit_test(test_float_format_small_buffer),
         cmocka_unit_test(test_top_k_matches_reference),
