@@ -378,10 +378,10 @@ def test_v2_errors(server):
     expect_v2_error(server.get("/v2/models/nope"), 404)
     expect_v2_error(server.get("/v2/models/nope/ready"), 404)
 
-    bad_type = {"inputs": [{"name": "input0", "shape": [1, 4], "datatype": "FP16",
-                            "data": [1, 2, 3, 4]}]}
+    bad_type = {"inputs": [{"name": "input0", "shape": [1, 4], "datatype": "BYTES",
+                            "data": ["a", "b", "c", "d"]}]}
     msg = expect_v2_error(post_json(server, "/v2/models/mlp/infer", bad_type), 400)
-    assert "FP16" in msg, msg
+    assert "BYTES" in msg, msg
     bad_count = {"inputs": [{"name": "input0", "shape": [2, 4], "datatype": "FP32",
                              "data": [1, 2, 3, 4]}]}
     expect_v2_error(post_json(server, "/v2/models/mlp/infer", bad_count), 400)
