@@ -12,7 +12,8 @@ ARGS    ?=
 # Debian packages the build, the tests and the benchmarks need.
 # BUILD_PACKAGES build ./modeld (the Docker build stage installs only these).
 BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
-	libcurl4-openssl-dev libssl-dev zlib1g-dev libtorch-dev libopenblas0-pthread
+	libcurl4-openssl-dev libssl-dev zlib1g-dev libtorch-dev libopenblas0-pthread \
+	libfast-float-dev
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
 	python3-numpy python3-yaml python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist \
 	git jq
@@ -72,7 +73,7 @@ LIB_C   := config/md_err.c config/config.c server/router.c server/http.c checkpo
 	handlers/routes.c handlers/health.c handlers/openapi.c
 # training checkpoints: weights apart from their architecture (issue 12)
 LIB_C   += predictor/weights.c handlers/training.c
-LIB_CXX := predictor/torch_backend.cpp
+LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
 
@@ -195,9 +196,10 @@ $(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LIBS)
 
-$(BUILD)/bench/decode: bench/decode.c $(BUILD)/predictor/tensor.o $(BUILD)/config/md_err.o
+$(BUILD)/bench/decode: bench/decode.c $(BUILD)/predictor/tensor.o $(BUILD)/predictor/numparse.o \
+	$(BUILD)/config/md_err.o
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lm
+	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lstdc++ -lm
 
 bench: deps
 	$(MAKE) all $(BUILD)/bench/inprocess $(BUILD)/bench/decode
@@ -218,15 +220,20 @@ FUZZ_LIMIT = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS
 FUZZ_CKPT_LIMITS := -DMD_CKPT_MAX_TOTAL_BYTES='(64LL << 20)' -DMD_PICKLE_MAX_ARENA='(64LL << 20)'
 fuzz:
 	@mkdir -p build-fuzz
+	clang++ -std=c++17 -g -O1 -fsanitize=fuzzer-no-link,address,undefined \
+	  -c predictor/numparse.cpp -o build-fuzz/numparse.o
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_number tests/fuzz_number.c \
+	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_tensor tests/fuzz_tensor.c \
-	  predictor/tensor.c config/md_err.c -ljansson -lm
+	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
 	  predictor/readers.c config/md_err.c -ljansson -lz -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \
-	  predictor/tensor.c config/md_err.c -ljansson -lm
+	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_model_config \
 	  tests/fuzz_model_config.c predictor/model_config.c config/md_err.c -ljansson -lm
@@ -243,6 +250,7 @@ fuzz:
 	  -fsanitize=fuzzer,address,undefined $(FUZZ_CKPT_LIMITS) -o build-fuzz/fuzz_safetensors \
 	  tests/fuzz_safetensors.c checkpoint/safetensors.c checkpoint/named_tensors.c \
 	  config/md_err.c -ljansson -lm
+	mkdir -p build-fuzz/corpus_number && cp tests/fuzz_corpus_number/* build-fuzz/corpus_number/
 	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers build-fuzz/corpus_config \
 	  build-fuzz/corpus_router build-fuzz/corpus_pickle build-fuzz/corpus_safetensors
 	cp tests/fuzz_corpus/* build-fuzz/corpus/
@@ -254,6 +262,8 @@ fuzz:
 	cp tests/fuzz_corpus_router/* build-fuzz/corpus_router/
 	cp tests/fuzz_corpus_pickle/* build-fuzz/corpus_pickle/
 	cp tests/fuzz_corpus_safetensors/* build-fuzz/corpus_safetensors/
+	build-fuzz/fuzz_number $(FUZZ_LIMIT) -max_len=256 -dict=tests/fuzz_number.dict \
+	  build-fuzz/corpus_number
 	build-fuzz/fuzz_tensor $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus
 	build-fuzz/fuzz_readers $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_readers
 	build-fuzz/fuzz_v2 $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_v2

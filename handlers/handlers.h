@@ -75,6 +75,9 @@ void md_handle_predict_model(md_req *req);
 void md_handle_predict_version(md_req *req);
 void md_handle_v2_infer(md_req *req);
 void md_handle_v2_infer_version(md_req *req);
+/* KServe V1: POST /v1/models/{name}:predict, GET /v1/models/{name} */
+void md_handle_v1_predict(md_req *req);
+void md_handle_v1_model(md_req *req);
 void md_handle_v2_model(md_req *req);
 void md_handle_v2_model_version(md_req *req);
 void md_handle_v2_model_ready(md_req *req);

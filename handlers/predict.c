@@ -8,6 +8,7 @@
  * thread, which encodes the answer and resumes the connection. No server
  * thread waits on inference.
  */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +26,8 @@ typedef struct pctx {
     int top_k;      /* 0: none asked */
     int npy;        /* answer application/x-npy */
     int v2;         /* answer the V2 inference response */
+    int v2_binary;  /* its output as raw bytes after the JSON (binary tensor data) */
+    int v1;         /* answer KServe V1's {"predictions": ...} only */
     char v2_id[128];
     char v2_output[64];
 } pctx;
@@ -203,6 +206,22 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
             sb_str(&b, head);
             count *= (size_t)shape[d];
         }
+        if (c->v2_binary) {
+            /* binary tensor data extension: the JSON header, then the
+             * values as little-endian float32; the header's length in
+             * Inference-Header-Content-Length */
+            snprintf(head, sizeof head,
+                     "],\"datatype\":\"FP32\",\"parameters\":{\"binary_data_size\":%zu}}]}",
+                     count * sizeof(float));
+            sb_str(&b, head);
+            size_t json_len = b.len;
+            sb_add(&b, (const char *)out, count * sizeof(float));
+            snprintf(head, sizeof head, "%zu", json_len);
+            md_reply_header(c->req, "Inference-Header-Content-Length", head);
+            md_reply_bytes(c->req, 200, "application/octet-stream", b.p, b.len);
+            finish(c);
+            return;
+        }
         sb_str(&b, "],\"datatype\":\"FP32\",\"data\":[");
         for (size_t i = 0; i < count; i++) {
             if (i)
@@ -210,6 +229,10 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
             sb_float(&b, out[i]);
         }
         sb_str(&b, "]}]}\n");
+    } else if (c->v1) {
+        sb_str(&b, "{\"predictions\":");
+        sb_nested(&b, out, shape, ndim, 0);
+        sb_str(&b, "}\n");
     } else {
         sb_str(&b, "{\"model\":");
         sb_json_string(&b, md_model_name(c->model));
@@ -244,6 +267,8 @@ typedef struct pending {
     int top_k;
     int npy;
     int have_tensor;   /* V2: decoded before the lookup */
+    int v2_binary;
+    int v1;
     md_tensor t;
     char content_type[128];
     int has_content_type;
@@ -302,6 +327,8 @@ static void go_on(md_req *req, pending *pd, md_model *m)
     c->top_k = pd->top_k;
     c->npy = pd->npy;
     c->v2 = pd->v2;
+    c->v2_binary = pd->v2_binary;
+    c->v1 = pd->v1;
     memcpy(c->v2_id, pd->v2_id, sizeof c->v2_id);
     memcpy(c->v2_output, pd->v2_output, sizeof c->v2_output);
     md_tensor t = pd->t;
@@ -366,8 +393,8 @@ static int default_name(md_req *req, char *out, size_t size)
 }
 
 /* The JSON/NPY routes; `name` NULL: POST /predict. Query and headers are
- * read here, on the handler thread. */
-static void predict(md_req *req, const char *name, int version)
+ * read here, on the handler thread. `v1`: KServe V1's answer. */
+static void predict_as(md_req *req, const char *name, int version, int v1)
 {
     md_err err;
     md_err_clear(&err);
@@ -385,6 +412,7 @@ static void predict(md_req *req, const char *name, int version)
         return;
     }
     pd->version = version;
+    pd->v1 = v1;
     pd->top_k = (int)top_k;
     const char *accept = md_req_header(req, "Accept");
     pd->npy = accept && strstr(accept, "application/x-npy") != NULL;
@@ -394,6 +422,11 @@ static void predict(md_req *req, const char *name, int version)
         snprintf(pd->content_type, sizeof pd->content_type, "%s", ct);
     }
     find_and_go(req, pd);
+}
+
+static void predict(md_req *req, const char *name, int version)
+{
+    predict_as(req, name, version, 0);
 }
 
 void md_handle_predict_default(md_req *req) { predict(req, NULL, 0); }
@@ -409,15 +442,61 @@ void md_handle_predict_version(md_req *req)
 
 /* ---- Open Inference Protocol V2 ---- */
 
+/* The JSON part of a V2 request: the whole body, or with the binary tensor
+ * data extension the first Inference-Header-Content-Length bytes, the rest
+ * being the inputs' raw values (*bin, *bin_len). Returns 0 after replying. */
+static int v2_split(md_req *req, const char *body, size_t len, size_t *json_len,
+                    const char **bin, size_t *bin_len)
+{
+    md_err err;
+    const char *h = md_req_header(req, "Inference-Header-Content-Length");
+    *json_len = len;
+    *bin = NULL;
+    *bin_len = 0;
+    if (!h)
+        return 1;
+    char *end;
+    errno = 0;
+    unsigned long long n = strtoull(h, &end, 10);
+    if (errno || end == h || *end || h[0] == '-' || n == 0 || n > len) {
+        md_err_setc(&err, MD_EINVAL, "invalid_input",
+                    "Inference-Header-Content-Length is '%s'; it must be the byte length of "
+                    "the JSON part of the body (1 to %zu)",
+                    h, len);
+        md_reply_error(req, &err);
+        return 0;
+    }
+    *json_len = (size_t)n;
+    *bin = body + n;
+    *bin_len = len - (size_t)n;
+    return 1;
+}
+
+/* Whether the request asks for its output as binary data: the output's
+ * "parameters": {"binary_data": true}, or the request's
+ * "binary_data_output": true (what tritonclient sends). */
+static int v2_wants_binary(json_t *root)
+{
+    json_t *outs = json_object_get(root, "outputs");
+    json_t *p = json_object_get(json_array_get(outs, 0), "parameters");
+    json_t *b = json_object_get(p, "binary_data");
+    if (b)
+        return json_is_true(b);
+    return json_is_true(json_object_get(json_object_get(root, "parameters"),
+                                        "binary_data_output"));
+}
+
 static void v2_infer(md_req *req, int version)
 {
     md_err err;
     md_err_clear(&err);
     const char *name = md_req_param(req, "name");
-    size_t len;
-    const char *body = md_req_body(req, &len);
+    size_t len, json_len, bin_len;
+    const char *body = md_req_body(req, &len), *bin;
+    if (!v2_split(req, body, len, &json_len, &bin, &bin_len))
+        return;
     json_error_t jerr;
-    json_t *root = body ? json_loadb(body, len, 0, &jerr) : NULL;
+    json_t *root = body ? json_loadb(body, json_len, 0, &jerr) : NULL;
     json_t *inputs = json_object_get(root, "inputs");
     if (!root || !json_is_array(inputs) || json_array_size(inputs) != 1) {
         md_err_set(&err, MD_EINVAL,
@@ -427,8 +506,30 @@ static void v2_infer(md_req *req, int version)
         md_reply_error(req, &err);
         return;
     }
+    json_t *in = json_array_get(inputs, 0);
+    json_t *bsize = json_object_get(json_object_get(in, "parameters"), "binary_data_size");
     md_tensor t;
-    if (md_v2_decode(json_array_get(inputs, 0), max_values(req), &t, &err) != MD_OK) {
+    md_status st;
+    if (bsize) {
+        if (!json_is_integer(bsize) || json_integer_value(bsize) < 0 ||
+            (unsigned long long)json_integer_value(bsize) != bin_len)
+            st = md_err_set(&err, MD_EINVAL,
+                            bin ? "input binary_data_size must be the %zu bytes that follow the "
+                                  "JSON header"
+                                : "input binary_data_size needs the Inference-Header-Content-"
+                                  "Length header (%zu bytes of binary data follow no header)",
+                            bin_len);
+        else
+            st = md_v2_decode_binary(in, bin, bin_len, max_values(req), &t, &err);
+    } else if (bin_len) {
+        st = md_err_set(&err, MD_EINVAL,
+                        "%zu bytes follow the JSON header but no input has "
+                        "\"parameters\": {\"binary_data_size\": N}",
+                        bin_len);
+    } else {
+        st = md_v2_decode(in, max_values(req), &t, &err);
+    }
+    if (st != MD_OK) {
         json_decref(root);
         md_reply_error(req, &err);
         return;
@@ -437,6 +538,7 @@ static void v2_infer(md_req *req, int version)
     snprintf(pd->name, sizeof pd->name, "%s", name);
     pd->version = version;
     pd->v2 = 1;
+    pd->v2_binary = v2_wants_binary(root);
     pd->t = t;
     pd->have_tensor = 1;
     const char *id = json_string_value(json_object_get(root, "id"));
@@ -517,10 +619,11 @@ void md_handle_v2_model_version(md_req *req)
         v2_model_meta(req, v);
 }
 
-static void v2_model_ready(md_req *req, int version)
+/* {"name", "ready"}: 200 when the version is loaded here, 503 while it is
+ * not (yet); 404 when the model does not exist. */
+static void model_ready(md_req *req, const char *name, int version)
 {
     md_app *app = md_req_app(req);
-    const char *name = md_req_param(req, "name");
     md_model *m = md_registry_get(app->registry, name, version);
     md_model_release(m);
     if (!m) {
@@ -533,6 +636,11 @@ static void v2_model_ready(md_req *req, int version)
         json_decref(info);
     }
     md_reply_json(req, m ? 200 : 503, json_pack("{s:s,s:b}", "name", name, "ready", m != NULL));
+}
+
+static void v2_model_ready(md_req *req, int version)
+{
+    model_ready(req, md_req_param(req, "name"), version);
 }
 
 void md_handle_v2_model_ready(md_req *req) { v2_model_ready(req, 0); }
@@ -556,6 +664,14 @@ void md_handle_v2_ready(md_req *req)
 void md_handle_v2_server(md_req *req)
 {
     md_reply_json(req, 200,
-                  json_pack("{s:s,s:s,s:[]}", "name", "modeld", "version", MODELD_VERSION,
-                            "extensions"));
+                  json_pack("{s:s,s:s,s:[s]}", "name", "modeld", "version", MODELD_VERSION,
+                            "extensions", "binary_tensor_data"));
 }
+
+/* ---- KServe V1 (TF Serving's REST shape) ----
+ * POST /v1/models/NAME:predict {"instances": rows} answers {"predictions":
+ * rows} from the default version; GET /v1/models/NAME answers readiness. */
+
+void md_handle_v1_predict(md_req *req) { predict_as(req, md_req_param(req, "name"), 0, 1); }
+
+void md_handle_v1_model(md_req *req) { model_ready(req, md_req_param(req, "name"), 0); }

@@ -38,5 +38,7 @@ const md_route md_routes[] = {
     {"GET", "/v2/models/{name}/versions/{version}", md_handle_v2_model_version, NULL, NULL},
     {"GET", "/v2/models/{name}/versions/{version}/ready", md_handle_v2_model_version_ready, NULL, NULL},
     {"POST", "/v2/models/{name}/versions/{version}/infer", md_handle_v2_infer_version, NULL, NULL},
+    {"POST", "/v1/models/{name}:predict", md_handle_v1_predict, NULL, NULL},
+    {"GET", "/v1/models/{name}", md_handle_v1_model, NULL, NULL},
 };
 const size_t md_n_routes = sizeof md_routes / sizeof md_routes[0];

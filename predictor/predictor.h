@@ -310,6 +310,14 @@ md_status md_tensor_decode(const char *body, size_t len, const char *content_typ
  */
 md_status md_v2_decode(json_t *in, size_t max_values, md_tensor *out, md_err *err);
 
+/* The same for an input sent with the binary tensor data extension: `bytes`
+ * (`nbytes`, the input's binary_data_size) hold its values little-endian in
+ * C order, of any numeric datatype (FP16 and BF16 too); they are converted to
+ * float32. The size must be exactly the shape's; NaN, infinities and values
+ * past float32's range are refused. Thread-safe. */
+md_status md_v2_decode_binary(json_t *in, const void *bytes, size_t nbytes, size_t max_values,
+                              md_tensor *out, md_err *err);
+
 /* Decode an NPY file (float32/64, int64/32, uint8, bool; C order) into float32. */
 md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tensor *out,
                         md_err *err);

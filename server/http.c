@@ -489,7 +489,9 @@ static md_req *req_new(md_http *h, struct MHD_Connection *conn, const char *url,
     clock_gettime(CLOCK_MONOTONIC, &r->start);
     set_request_id(h, r, MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "X-Request-Id"));
     r->body.limit = (size_t)h->cfg->max_body_bytes;
-    r->v2 = strncmp(url, "/v2/", 4) == 0 || strcmp(url, "/v2") == 0;
+    /* KServe V1 errors have the same shape */
+    r->v2 = strncmp(url, "/v2/", 4) == 0 || strcmp(url, "/v2") == 0 ||
+            strncmp(url, "/v1/", 4) == 0;
     atomic_fetch_add(&h->in_flight, 1);
     return r;
 }

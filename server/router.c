@@ -58,14 +58,20 @@ static int pattern_match(const char *pattern, const char *path, md_route_match *
         const char *send = strchr(s, '/');
         size_t plen = pend ? (size_t)(pend - p) : strlen(p);
         size_t slen = send ? (size_t)(send - s) : strlen(s);
-        if (plen >= 2 && p[0] == '{' && p[plen - 1] == '}') {
-            if (slen == 0 || m->n_params >= MD_ROUTE_MAX_PARAMS)
+        const char *close = plen >= 2 && p[0] == '{' ? memchr(p, '}', plen) : NULL;
+        if (close) {
+            /* "{name}" or "{name}:verb" (KServe V1's "/v1/models/{name}:predict"):
+             * the parameter is the segment less the literal after '}' */
+            size_t suffix = plen - (size_t)(close + 1 - p);
+            if (slen <= suffix || memcmp(s + slen - suffix, close + 1, suffix) != 0 ||
+                m->n_params >= MD_ROUTE_MAX_PARAMS)
                 return 0;
             int k = m->n_params;
-            if (decode_segment(s, slen, m->params[k].value, sizeof m->params[k].value) != 0)
+            if (decode_segment(s, slen - suffix, m->params[k].value, sizeof m->params[k].value) !=
+                0)
                 return 0;
             m->params[k].name = p + 1;
-            m->params[k].name_len = plen - 2;
+            m->params[k].name_len = (size_t)(close - p) - 1;
             m->n_params++;
         } else if (plen != slen || memcmp(p, s, plen) != 0) {
             return 0;

@@ -28,6 +28,8 @@ enum {
     R_HEALTHZ_GET,
     R_LATEST_GET, /* a second GET matching /models/x/versions/latest */
     R_PREDICT_POST,
+    R_V1_PREDICT, /* a literal after the parameter: KServe V1's {name}:predict */
+    R_V1_MODEL,
     N_ROUTES
 };
 
@@ -39,6 +41,8 @@ static const md_route routes[N_ROUTES] = {
     [R_HEALTHZ_GET] = {"GET", "/healthz", NULL, NULL},
     [R_LATEST_GET] = {"GET", "/models/{name}/versions/latest", NULL, NULL},
     [R_PREDICT_POST] = {"POST", "/predict", NULL, NULL},
+    [R_V1_PREDICT] = {"POST", "/v1/models/{name}:predict", NULL, NULL},
+    [R_V1_MODEL] = {"GET", "/v1/models/{name}", NULL, NULL},
 };
 
 static md_status find(const char *method, const char *path, md_route_match *m, char *allow,
@@ -119,6 +123,29 @@ static void test_params_percent_decoded(void **state)
     /* an escape as the last characters of a segment */
     expect_route("GET", "/models/x%41/versions/1", R_VERSION_GET, &m);
     assert_param(&m, 0, "name", "xA");
+}
+
+static void test_param_with_literal_suffix(void **state)
+{
+    (void)state;
+    md_route_match m;
+    char allow[64];
+    expect_route("POST", "/v1/models/fashion:predict", R_V1_PREDICT, &m);
+    assert_int_equal(m.n_params, 1);
+    assert_param(&m, 0, "name", "fashion");
+    expect_route("POST", "/v1/models/a:b:predict", R_V1_PREDICT, &m);
+    assert_param(&m, 0, "name", "a:b");
+    expect_route("POST", "/v1/models/my%2Dmodel:predict", R_V1_PREDICT, &m);
+    assert_param(&m, 0, "name", "my-model");
+    expect_route("GET", "/v1/models/fashion", R_V1_MODEL, &m);
+    assert_param(&m, 0, "name", "fashion");
+    /* the parameter is never empty; the literal must end the segment */
+    assert_int_equal(find("POST", "/v1/models/:predict", &m, allow, sizeof allow), MD_EMETHOD);
+    assert_string_equal(allow, "GET");
+    assert_int_equal(find("POST", "/v1/models/fashion:explain", &m, allow, sizeof allow),
+                     MD_EMETHOD);
+    assert_int_equal(find("POST", "/v1/models/fashion", &m, allow, sizeof allow), MD_EMETHOD);
+    expect_not_found("POST", "/v1/models/fashion:predict/x");
 }
 
 static void test_bad_params_do_not_match(void **state)
@@ -581,6 +608,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exact_match),
         cmocka_unit_test(test_params_extracted),
+        cmocka_unit_test(test_param_with_literal_suffix),
         cmocka_unit_test(test_params_percent_decoded),
         cmocka_unit_test(test_bad_params_do_not_match),
         cmocka_unit_test(test_param_length_limit),

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../predictor/numparse.h"
 #include "../predictor/predictor.h"
 
 #define BIG (1u << 24) /* max_values that never limits these tests */
@@ -372,6 +373,57 @@ static void test_numbers_random(void **state)
         snprintf(text, sizeof text, "%.17g", (double)f);
         check_number(text);
     }
+}
+
+/* md_parse_double (fast_float) equals strtod bit for bit as a double, not
+ * only after the cast to float the decoder makes. */
+static void check_double(const char *text)
+{
+    double want = strtod(text, NULL), got = -1.0;
+    if (md_parse_double(text, text + strlen(text), &got) != 0)
+        fail_msg("%s: md_parse_double refused a JSON number", text);
+    if (memcmp(&want, &got, sizeof want) != 0)
+        fail_msg("%s: md_parse_double gives %.17g, strtod %.17g", text, got, want);
+}
+
+static void test_parse_double_matches_strtod(void **state)
+{
+    (void)state;
+    static const char *const cases[] = {
+        "0", "-0", "0.0039215688593685627", "2.2250738585072011e-308", "2.2250738585072014e-308",
+        "4.9406564584124654e-324", "2.4703282292062327e-324", "2.4703282292062328e-324",
+        "1.7976931348623157e308", "1.7976931348623158e308", "1.7976931348623159e308", "1e309",
+        "-1e309", "1e-400", "-1e-400", "1e99999999999999999999", "9007199254740993",
+        "9007199254740992.9999999999999999999999", "7.2057594037927933e16",
+        "0.1", "0.30000000000000004", "123456789012345678901234567890e-30",
+        "1.00000000000000011102230246251565404236316680908203125",
+        "1.00000000000000011102230246251565404236316680908203124",
+        "1.00000000000000011102230246251565404236316680908203126",
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        check_double(cases[i]);
+    char text[64];
+    for (int i = 0; i < 100000; i++) {
+        uint64_t bits = rnd();
+        double d;
+        memcpy(&d, &bits, 8);
+        if (!isfinite(d))
+            continue;
+        snprintf(text, sizeof text, "%.17g", d);
+        check_double(text);
+        snprintf(text, sizeof text, "%.16e", d);
+        check_double(text);
+        /* a float32 as Python prints it: json.dumps(x.tolist()) */
+        float f = (float)d;
+        if (isfinite(f)) {
+            snprintf(text, sizeof text, "%.17g", (double)f);
+            check_double(text);
+        }
+    }
+    /* text that is not one whole number is refused */
+    double v;
+    assert_int_equal(md_parse_double("1x", (const char *)"1x" + 2, &v), -1);
+    assert_int_equal(md_parse_double("", (const char *)"", &v), -1);
 }
 
 static void test_out_of_float_range(void **state)
@@ -1156,6 +1208,104 @@ static void test_v2_decode(void **state)
                      MD_EINVAL);
 }
 
+/* md_v2_decode_binary on `n` raw bytes for an input of `dt` and `shape`. */
+static md_status v2bin(const char *dt, const char *shape, const void *raw, size_t n,
+                       md_tensor *t, md_err *err)
+{
+    char json[200];
+    snprintf(json, sizeof json, "{\"shape\":%s,\"datatype\":\"%s\"}", shape, dt);
+    json_error_t jerr;
+    json_t *in = json_loads(json, 0, &jerr);
+    assert_non_null(in);
+    md_status st = md_v2_decode_binary(in, raw, n, 1 << 20, t, err);
+    json_decref(in);
+    return st;
+}
+
+static void test_v2_decode_binary(void **state)
+{
+    (void)state;
+    md_tensor t;
+    md_err err;
+    /* every FP16 bit pattern against the compiler's own conversion */
+    static uint16_t halves[65536];
+    for (uint32_t i = 0; i < 65536; i++)
+        halves[i] = (uint16_t)i;
+    size_t finite = 0;
+    for (uint32_t i = 0; i < 65536; i++) {
+        _Float16 h;
+        memcpy(&h, &halves[i], 2);
+        float want = (float)h;
+        if (!isfinite(want))
+            continue;
+        finite++;
+        assert_int_equal(v2bin("FP16", "[1]", &halves[i], 2, &t, &err), MD_OK);
+        if (memcmp(&t.data[0], &want, 4) != 0)
+            fail_msg("FP16 0x%04x: got %.9g, want %.9g", i, (double)t.data[0], (double)want);
+        md_tensor_free(&t);
+    }
+    assert_int_equal(finite, 65536 - 2 * 1024); /* inf and NaN patterns refused */
+    uint16_t inf16 = 0x7c00;
+    assert_int_equal(v2bin("FP16", "[1]", &inf16, 2, &t, &err), MD_EINVAL);
+    assert_non_null(strstr(err.msg, "value 0"));
+    /* BF16: the upper half of a float32 */
+    float f = -3.140625f;
+    uint32_t fb;
+    memcpy(&fb, &f, 4);
+    uint16_t bf = (uint16_t)(fb >> 16);
+    assert_int_equal(v2bin("BF16", "[1]", &bf, 2, &t, &err), MD_OK);
+    assert_true(t.data[0] == f);
+    md_tensor_free(&t);
+    /* integers of every width, signed and not */
+    int64_t i64[2] = {-5, 1LL << 40};
+    assert_int_equal(v2bin("INT64", "[2]", i64, 16, &t, &err), MD_OK);
+    assert_true(t.data[0] == -5.0f && t.data[1] == 1099511627776.0f);
+    md_tensor_free(&t);
+    uint64_t u64 = 18446744073709551615ULL;
+    assert_int_equal(v2bin("UINT64", "[1]", &u64, 8, &t, &err), MD_OK);
+    assert_true(t.data[0] == 18446744073709551616.0f);
+    md_tensor_free(&t);
+    int8_t i8[3] = {-128, 0, 127};
+    assert_int_equal(v2bin("INT8", "[1,3]", i8, 3, &t, &err), MD_OK);
+    assert_true(t.data[0] == -128.0f && t.data[2] == 127.0f);
+    assert_int_equal(t.ndim, 2);
+    md_tensor_free(&t);
+    int16_t i16 = -32768;
+    assert_int_equal(v2bin("INT16", "[1]", &i16, 2, &t, &err), MD_OK);
+    assert_true(t.data[0] == -32768.0f);
+    md_tensor_free(&t);
+    uint16_t u16 = 65535;
+    assert_int_equal(v2bin("UINT16", "[1]", &u16, 2, &t, &err), MD_OK);
+    assert_true(t.data[0] == 65535.0f);
+    md_tensor_free(&t);
+    uint32_t u32 = 4000000000u;
+    assert_int_equal(v2bin("UINT32", "[1]", &u32, 4, &t, &err), MD_OK);
+    assert_true(t.data[0] == 4000000000.0f);
+    md_tensor_free(&t);
+    uint8_t b[3] = {0, 2, 255};
+    assert_int_equal(v2bin("BOOL", "[3]", b, 3, &t, &err), MD_OK);
+    assert_true(t.data[0] == 0.0f && t.data[1] == 1.0f && t.data[2] == 1.0f);
+    md_tensor_free(&t);
+    assert_int_equal(v2bin("UINT8", "[3]", b, 3, &t, &err), MD_OK);
+    assert_true(t.data[2] == 255.0f);
+    md_tensor_free(&t);
+    /* FP64 past float32's range, and NaN, are refused naming the value */
+    double d[2] = {1.0, 1e39};
+    assert_int_equal(v2bin("FP64", "[2]", d, 16, &t, &err), MD_EINVAL);
+    assert_non_null(strstr(err.msg, "value 1"));
+    float nan32[1] = {NAN};
+    assert_int_equal(v2bin("FP32", "[1]", nan32, 4, &t, &err), MD_EINVAL);
+    /* the byte count must be the shape's exactly */
+    float four[4] = {1, 2, 3, 4};
+    assert_int_equal(v2bin("FP32", "[4]", four, 12, &t, &err), MD_EINVAL);
+    assert_non_null(strstr(err.msg, "binary_data_size is 12 bytes"));
+    assert_int_equal(v2bin("FP32", "[2]", four, 16, &t, &err), MD_EINVAL);
+    assert_int_equal(v2bin("FP16", "[3]", four, 5, &t, &err), MD_EINVAL);
+    /* the shape is bounded before anything is allocated */
+    assert_int_equal(v2bin("FP32", "[4294967296,4294967296]", four, 16, &t, &err), MD_ETOOBIG);
+    assert_int_equal(v2bin("BYTES", "[1]", four, 4, &t, &err), MD_EINVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1193,12 +1343,14 @@ int main(void)
         cmocka_unit_test(test_npy_roundtrip),
         cmocka_unit_test(test_float_format_known),
         cmocka_unit_test(test_float_format_random),
+        cmocka_unit_test(test_parse_double_matches_strtod),
         cmocka_unit_test(test_float_format_subnormal_shortest),
         cmocka_unit_test(test_float_format_small_buffer),
         cmocka_unit_test(test_top_k_matches_reference),
         cmocka_unit_test(test_top_k_large),
         cmocka_unit_test(test_checked_sizes),
         cmocka_unit_test(test_v2_decode),
+        cmocka_unit_test(test_v2_decode_binary),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
