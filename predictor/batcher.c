@@ -524,7 +524,8 @@ static void *online_main(void *arg)
     return NULL;
 }
 
-/* Job workers ("mj-<model>") run at the job_nice setting (default 19: a
+/* Job workers ("mj-<model>") run job_nice steps below the server's own
+ * priority (default 19, capped at nice 19: a
  * scheduler weight of 15 against 1024 for online workers and HTTP threads):
  * the kernel gives the CPU to online work first and preempts a job forward
  * in progress when an online request arrives, which no queue order can do.
@@ -537,9 +538,17 @@ static void *job_main(void *arg)
     char tname[16];
     snprintf(tname, sizeof tname, "mj-%.12s", m->name);
     pthread_setname_np(pthread_self(), tname);
-    if (m->job_nice > 0 && setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), m->job_nice) != 0)
+    /* job_nice is relative to the server's own nice value: under `nice -n
+     * 10 modeld` an absolute 7 would raise the jobs above online work */
+    errno = 0;
+    int base = getpriority(PRIO_PROCESS, 0), target;
+    if (errno)
+        base = 0;
+    target = base + m->job_nice > 19 ? 19 : base + m->job_nice;
+    if (m->job_nice > 0 && target > base &&
+        setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), target) != 0)
         md_log(MD_LOG_WARN, "model %s: cannot lower the job workers' priority (nice %d): %s",
-               m->name, m->job_nice, strerror(errno));
+               m->name, target, strerror(errno));
     md_torch_set_thread_background(1);
     worker_loop(m, 1);
     return NULL;
