@@ -1,6 +1,6 @@
 /*
  * test_readers.c - unit tests of the streaming dataset readers in
- * predictor/readers.c: every format (CSV, JSONL, NPY, IDX plain and gzip) on
+ * jobs/readers.c: every format (CSV, JSONL, NPY, IDX plain and gzip) on
  * the committed fixtures with exact values, labels, widths and totals; every
  * malformed-row class with its 0-based row number in the message and the
  * next row still read after it; the end of data; every open error; resume by
@@ -32,7 +32,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../predictor/predictor.h"
+#include "../jobs/jobs.h"
 
 #define DATASETS "tests/fixtures/datasets/"
 #define FASHION "/usr/share/datasets/fashion-mnist/"

@@ -1,6 +1,12 @@
 /*
- * jobs.c - batch-predict jobs over whole datasets, on the job workers of the
- * model version (batcher.c: their own pool, at the job_nice CPU priority).
+ * scheduler.c - batch-predict jobs over whole datasets, on the job workers of
+ * the model version (predictor/batcher.c: their own pool, at the job_nice CPU
+ * priority): the runners, leases, the chunk pipeline and the output writers.
+ *
+ * Over 800 lines on purpose: one job's run (run_job) is one sequence of
+ * lease, input, pipeline, commit and output steps that all share the
+ * runner's state; the writers (output formats, the per-run output file) are
+ * the natural next cut if it grows.
  *
  * DESIGN
  * A job streams its input through a reader in chunks of batch_size rows,
@@ -42,8 +48,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../jobs/jobs.h"
-#include "predictor.h"
+#include "jobs.h"
 
 /* Chunks in flight: enough queued work to keep the workers busy through an
  * fdatasync + commit (tens of ms on slow disks), bounded by input bytes. */
