@@ -102,9 +102,9 @@ $(BUILD)/handlers/openapi_blob.o: handlers/openapi_blob.S openapi.yaml
 	@mkdir -p $(dir $@)
 	$(CC) -c -DOPENAPI_PATH='"$(CURDIR)/openapi.yaml"' -o $@ $<
 
-$(BUILD)/tests/%: tests/%.c $(LIB_OBJ)
+$(BUILD)/tests/%: tests/%.c tests/test_util.h $(LIB_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS_$*) $(LIBS) -lcmocka
+	$(CC) $(CFLAGS) -o $@ $(filter-out %.h,$^) $(LDFLAGS_$*) $(LIBS) -lcmocka
 
 # Install the Debian packages that are missing (non-interactive).
 deps deps-build:

@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include "../jobs/jobs.h"
+#include "test_util.h"
 
 #define DATASETS "tests/fixtures/datasets/"
 #define FASHION "/usr/share/datasets/fashion-mnist/"
@@ -77,19 +78,6 @@ static void write_temp_n(char *path, const char *text, size_t len)
 static void write_temp(char *path, const char *text)
 {
     write_temp_n(path, text, strlen(text));
-}
-
-static void assert_msg_has(const char *msg, ...)
-{
-    va_list ap;
-    va_start(ap, msg);
-    for (const char *want = va_arg(ap, const char *); want; want = va_arg(ap, const char *)) {
-        if (!strstr(msg, want)) {
-            va_end(ap);
-            fail_msg("message \"%s\" lacks \"%s\"", msg, want);
-        }
-    }
-    va_end(ap);
 }
 
 /* Open with `features` given as JSON text (or NULL). */

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "../predictor/predictor.h"
+#include "test_util.h"
 
 #define BIG (1u << 24) /* max_values that never limits these tests */
 
@@ -43,19 +44,6 @@ static md_status decode_ct(const char *body, size_t len, const char *ct, size_t 
 static md_status decode(const char *body, md_tensor *t, md_err *err)
 {
     return decode_ct(body, strlen(body), "application/json", BIG, t, err);
-}
-
-static void assert_msg_has(const char *msg, ...)
-{
-    va_list ap;
-    va_start(ap, msg);
-    for (const char *want = va_arg(ap, const char *); want; want = va_arg(ap, const char *)) {
-        if (!strstr(msg, want)) {
-            va_end(ap);
-            fail_msg("message \"%s\" lacks \"%s\"", msg, want);
-        }
-    }
-    va_end(ap);
 }
 
 /* Decode `body` as JSON and expect `status` whose message has every substring given. */
