@@ -23,8 +23,6 @@
 #include "../predictor/torch_backend.h"
 #include "server.h"
 
-#define MODELD_VERSION "0.1.0"
-
 extern char **environ;
 
 static double now_s(void)
