@@ -221,7 +221,7 @@ fuzz:
 	  predictor/tensor.c config/md_err.c -ljansson -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
-	  jobs/readers.c config/md_err.c -ljansson -lz -lm
+	  jobs/readers.c predictor/tensor.c config/md_err.c -ljansson -lz -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \
 	  predictor/tensor.c config/md_err.c -ljansson -lm

@@ -182,6 +182,32 @@ md_status md_v2_decode(json_t *in, size_t max_values, md_tensor *out, md_err *er
 md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tensor *out,
                         md_err *err);
 
+typedef enum md_npy_dict_status {
+    MD_NPY_DICT_OK = 0,
+    MD_NPY_DICT_KEYS,      /* descr, fortran_order or shape is missing */
+    MD_NPY_DICT_FORTRAN,   /* fortran_order is not False */
+    MD_NPY_DICT_NO_SHAPE,  /* shape has no "(" */
+    MD_NPY_DICT_SHAPE,     /* a dim is not a number >= 0, more than MD_MAX_DIMS, no ")" */
+} md_npy_dict_status;
+
+/* What an NPY header's dict says, as md_npy_parse_dict reads it. */
+typedef struct md_npy_dict {
+    char descr[16];               /* the dtype string, e.g. "<f4"; "" when unreadable */
+    /* the shape's own status: callers check it after the dtype, so a header
+     * wrong in both is reported for its dtype, as before the parser was shared */
+    md_npy_dict_status shape_status;
+    int ndim;
+    int64_t shape[MD_MAX_DIMS];   /* each >= 0; their product is not checked here */
+} md_npy_dict;
+
+/* Parse the dict of an NPY header (the NUL-terminated text after the
+ * preamble): the one parser of it, for request bodies (md_npy_decode) and
+ * dataset files (jobs/readers.c), each wording its own message from the
+ * statuses. Returns MD_NPY_DICT_KEYS, MD_NPY_DICT_FORTRAN or MD_NPY_DICT_OK;
+ * the shape's status is out->shape_status. Which dtypes are accepted is the
+ * caller's choice. Thread-safe. */
+md_npy_dict_status md_npy_parse_dict(const char *header, md_npy_dict *out);
+
 /* Encode `count` float32 values of `shape` as an NPY (<f4) file. Returns a
  * new malloc'd buffer and its length in *len. */
 char *md_npy_encode(const float *data, const int64_t *shape, int ndim, size_t *len);
