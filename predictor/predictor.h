@@ -79,17 +79,25 @@ md_status md_model_load(const char *name, int version, const char *path, json_t 
 void md_model_retain(md_model *m);
 void md_model_release(md_model *m);
 
+/* The accessors below read fields fixed at load (name, version, max_batch,
+ * labels, logits), the input shape (published once, with release/acquire)
+ * or atomic counters: thread-safe for any caller holding a reference. */
+
+/* The model's name; borrowed, valid while a reference is held. */
 const char *md_model_name(const md_model *m);
-/* Set the version number once it is known (before the model is shared). */
+/* Set the version number once it is known. Not thread-safe: only before the
+ * model is shared (put in the registry or handed to another thread). */
 void md_model_set_version(md_model *m, int version);
 int md_model_version(const md_model *m);
 /* batching.max_batch_size of this version (its config, else the server's). */
 int md_model_max_batch(const md_model *m);
-/* The declared labels (borrowed JSON array) or NULL. */
+/* The declared labels (borrowed JSON array, never mutated; valid while a
+ * reference is held) or NULL. */
 json_t *md_model_labels(const md_model *m);
 /* 1 when the output is declared logits (softmax before scores). */
 int md_model_output_logits(const md_model *m);
-/* The declared per-row input shape (0 dims when not declared). */
+/* The declared per-row input shape into `shape` (room for MD_MAX_DIMS);
+ * returns its dims, 0 when not declared (nor learned from a first request). */
 int md_model_input_shape(const md_model *m, int64_t *shape);
 /* Counters as JSON: batches, rows, requests, queue wait, batch size histogram. New reference. */
 json_t *md_model_stats(const md_model *m);
@@ -126,18 +134,28 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
 
 typedef struct md_registry md_registry;
 
+/* Thread safety: every md_registry_* function but new and free is safe to
+ * call from any thread, the HTTP threads included: one mutex per registry,
+ * held only for the lookup or the swap, never across a load or a forward.
+ * `name` arguments are borrowed for the call. */
+
+/* A new, empty registry (aborts on OOM: made once at start). */
 md_registry *md_registry_new(void);
-/* Releases every model. Accepts NULL. */
+/* Releases every model. Accepts NULL. Not thread-safe: call once no other
+ * thread uses the registry. */
 void md_registry_free(md_registry *r);
-/* The loaded model for name and version (0 = the default), retained; or NULL. */
+/* The loaded model for name and version (0 = the default), retained (the
+ * caller releases it); or NULL. Never loads or blocks on I/O. */
 md_model *md_registry_get(md_registry *r, const char *name, int version);
 /* Add `m` (takes the caller's reference); when `make_default` it becomes the
  * default of its name atomically, and the old default is released once its
- * queue drains. Replaces an entry for the same name and version. */
+ * queue drains. Replaces an entry for the same name and version (releasing
+ * the registry's reference to the one replaced). */
 void md_registry_put(md_registry *r, md_model *m, int make_default);
 /* Make a loaded version the default; 0 when it is not loaded. */
 int md_registry_set_default(md_registry *r, const char *name, int version);
-/* Drop one version (version 0: every version of `name`). */
+/* Drop one version (version 0: every version of `name`), releasing the
+ * registry's references; requests already holding one finish. */
 void md_registry_remove(md_registry *r, const char *name, int version);
 /* Names of the models with a default, as a JSON array. New reference. */
 json_t *md_registry_names(md_registry *r);
@@ -146,7 +164,12 @@ json_t *md_registry_stats(md_registry *r);
 
 /* ---- tensors and codecs (tensor.c) ---- */
 
-/* A dense float32 tensor in C order. `data` is owned (malloc). */
+/* A dense float32 tensor in C order. `data` is owned (malloc).
+ * Not opaque, on purpose: decoders fill a caller-owned md_tensor (on the
+ * handler's stack, no allocation for the header), and the batcher, the
+ * encoders and the jobs read shape/data/count on every request and row;
+ * accessors and a heap header would cost an allocation per request on the
+ * hot path for no protection. Used by one thread at a time. */
 struct md_tensor {
     int ndim;
     int64_t shape[MD_MAX_DIMS];

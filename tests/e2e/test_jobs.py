@@ -628,7 +628,7 @@ def restart_mid_job(start_server, fmnist, tmp_path, how):
     late_stop = None
     if how == "term" and not (stored["status"] == "running" and stored["rows_done"] < N):
         # "running jobs stop after their current chunk and stay running in the
-        # store, so the next start resumes them" (predictor.h, md_jobs_stop)
+        # store, so the next start resumes them" (jobs/jobs.h, md_jobs_stop)
         late_stop = \
             f"SIGTERM at rows_done {stopped_at}: modeld took {exit_s:.2f} s to exit and left " \
             f"the job {stored['status']} at rows_done {stored['rows_done']} of {N}; a running " \
