@@ -68,7 +68,7 @@ LIB_C   := config/md_err.c config/config.c server/router.c server/http.c checkpo
 	checkpoint/versions.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c \
 	checkpoint/safetensors.c predictor/model_config.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
-	predictor/readers.c predictor/jobs.c jobs/job_store.c handlers/app.c handlers/jobs.c \
+	jobs/readers.c jobs/scheduler.c jobs/job_store.c handlers/app.c handlers/jobs.c \
 	handlers/models.c handlers/predict.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
 # training checkpoints: weights apart from their architecture (issue 12)
@@ -105,9 +105,9 @@ $(BUILD)/handlers/openapi_blob.o: handlers/openapi_blob.S openapi.yaml
 	@mkdir -p $(dir $@)
 	$(CC) -c -DOPENAPI_PATH='"$(CURDIR)/openapi.yaml"' -o $@ $<
 
-$(BUILD)/tests/%: tests/%.c $(LIB_OBJ)
+$(BUILD)/tests/%: tests/%.c tests/test_util.h $(LIB_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS_$*) $(LIBS) -lcmocka
+	$(CC) $(CFLAGS) -o $@ $(filter-out %.h,$^) $(LDFLAGS_$*) $(LIBS) -lcmocka
 
 # Install the Debian packages that are missing (non-interactive).
 deps deps-build:
@@ -230,7 +230,7 @@ fuzz:
 	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
-	  predictor/readers.c config/md_err.c -ljansson -lz -lm
+	  jobs/readers.c predictor/tensor.c config/md_err.c -ljansson -lz -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \
 	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm

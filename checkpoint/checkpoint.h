@@ -115,6 +115,12 @@ typedef struct md_fetch_opts {
     void *keep_going_ctx;
 } md_fetch_opts;
 
+/* The download settings `cfg` gives (size limit, timeouts, redirects, the
+ * allow lists, private addresses), keep_going unset: the one place a
+ * configuration becomes fetch options. The lists are borrowed from `cfg`.
+ * Thread-safe. */
+md_fetch_opts md_fetch_opts_from_cfg(const md_cfg *cfg);
+
 /* Check a source URL against the scheme and the allow lists without fetching:
  * MD_EINVAL for a malformed, unsupported or forbidden URL, naming the setting
  * that would allow it. A file:// source is opened (under allowed_paths, no

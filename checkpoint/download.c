@@ -352,6 +352,20 @@ md_status md_fsync_dir(int dirfd, const char *what, md_err *err)
     return MD_OK;
 }
 
+md_fetch_opts md_fetch_opts_from_cfg(const md_cfg *cfg)
+{
+    md_fetch_opts o = {
+        .max_bytes = cfg->max_checkpoint_bytes,
+        .connect_timeout_s = cfg->download_connect_timeout_s,
+        .timeout_s = cfg->download_timeout_s,
+        .max_redirects = cfg->download_max_redirects,
+        .allowed_paths = &cfg->allowed_paths,
+        .allowed_urls = &cfg->allowed_urls,
+        .allow_private = cfg->allow_private_urls,
+    };
+    return o;
+}
+
 md_status md_source_check(const char *url, const md_fetch_opts *o, md_err *err)
 {
     if (strncmp(url, "file://", 7) == 0) {

@@ -18,6 +18,9 @@
 
 #include "md_err.h"
 
+/* modeld's version: `modeld --version`, the start-up log line, GET /v2. */
+#define MODELD_VERSION "0.1.0"
+
 #ifdef __cplusplus
 extern "C" {
 #endif

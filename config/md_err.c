@@ -303,3 +303,13 @@ const char *md_suggest(const char *word, const char *const *candidates, size_t n
     }
     return best;
 }
+
+void md_now_iso(char out[32])
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    size_t n = strftime(out, 32, "%Y-%m-%dT%H:%M:%S", &tm);
+    snprintf(out + n, 32 - n, ".%03ldZ", ts.tv_nsec / 1000000L);
+}

@@ -134,6 +134,11 @@ void md_log_set_level(const char *name);
 
 /* Write one line "TIME LEVEL message" to stderr. Thread-safe. */
 void md_log(md_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* The wall-clock time now as UTC ISO 8601 with milliseconds,
+ * "2024-01-31T12:00:00.000Z", the form every timestamp in the store and the
+ * API takes. Thread-safe. */
+void md_now_iso(char out[32]);
 #ifdef __cplusplus
 }
 #endif

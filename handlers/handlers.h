@@ -22,7 +22,11 @@ extern "C" {
 /* Everything a handler can reach. Created by main; outlives the HTTP server.
  * `ready` is an md_ready_state, changed by main and read by /readyz; both it
  * and `stop_signal` are atomics, since HTTP threads read them while main
- * writes (a reason string there was a data race ThreadSanitizer found). */
+ * writes (a reason string there was a data race ThreadSanitizer found).
+ * Not opaque: its only users are handlers/ (which is its implementation) and
+ * server/main.c (its owner, which fills it in at start and tears it down);
+ * every one of them reads the fields. Other modules get it as a void * ctx
+ * (md_req_app, md_model_resolver). */
 typedef struct md_app {
     const md_cfg *cfg;
     md_store *store;
@@ -48,7 +52,9 @@ void md_handle_readyz(md_req *req);
 /* models.c */
 /* Load the stored version described by `v` (its JSON from the store), and
  * record its state (ready, or failed with libtorch's reason). Returns the
- * model with one reference, or NULL with `err` set. */
+ * model with one reference, or NULL with `err` set. Reads the store and
+ * blocks on the load: called only by app.c's loader (load_once), so every
+ * load goes through app.c's once-only slots, off the HTTP threads. */
 md_model *md_app_load_version(md_app *app, json_t *v, md_err *err);
 /* At start: load every model's default version into the registry, asking
  * `stop` (may be NULL) between models whether to give up (a stop signal). */

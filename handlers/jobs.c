@@ -122,9 +122,7 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
                            "input.format must be one of csv, jsonl, npy, idx");
     if (path && (st = check_input(app->cfg, "input.path", path, err)) != MD_OK)
         return st;
-    md_fetch_opts fo = {.allowed_paths = &app->cfg->allowed_paths,
-                        .allowed_urls = &app->cfg->allowed_urls,
-                        .allow_private = app->cfg->allow_private_urls};
+    md_fetch_opts fo = md_fetch_opts_from_cfg(app->cfg);
     if (url && (st = md_source_check(url, &fo, err)) != MD_OK)
         return st;
     const char *label = json_string_value(json_object_get(in, "label"));

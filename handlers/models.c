@@ -195,20 +195,6 @@ static int text_field_known(const char *f)
     return 0;
 }
 
-static md_fetch_opts fetch_opts(const md_cfg *cfg)
-{
-    md_fetch_opts o = {
-        .max_bytes = cfg->max_checkpoint_bytes,
-        .connect_timeout_s = cfg->download_connect_timeout_s,
-        .timeout_s = cfg->download_timeout_s,
-        .max_redirects = cfg->download_max_redirects,
-        .allowed_paths = &cfg->allowed_paths,
-        .allowed_urls = &cfg->allowed_urls,
-        .allow_private = cfg->allow_private_urls,
-    };
-    return o;
-}
-
 /* Load version `v` whose file is at `path`: a TorchScript archive alone, or
  * a state_dict into the architecture the version recorded (arch_sha256), so
  * a replaced architecture never changes what an existing version serves. */
@@ -984,7 +970,7 @@ static void register_commit(md_req *req)
         fetches = f;
         pthread_mutex_unlock(&fetch_mu);
 
-        md_fetch_opts opts = fetch_opts(app->cfg);
+        md_fetch_opts opts = md_fetch_opts_from_cfg(app->cfg);
         md_blob_writer *blob = NULL;
         char sha[MD_SHA256_HEX];
         long long size;
@@ -1132,7 +1118,7 @@ void md_handle_models_register(md_req *req)
         st = md_err_setc(&err, MD_EINVAL, "invalid_source",
                          "source is required: the URL of the checkpoint (https://, http:// or "
                          "file:///); to upload bytes use POST /models/NAME/versions");
-    md_fetch_opts opts = fetch_opts(app->cfg);
+    md_fetch_opts opts = md_fetch_opts_from_cfg(app->cfg);
     if (st == MD_OK)
         st = md_source_check(d->source, &opts, &err);
     if (st != MD_OK) {

@@ -18,8 +18,6 @@
 #include "../predictor/predictor.h"
 #include "handlers.h"
 
-#define MODELD_VERSION "0.1.0"
-
 typedef struct pctx {
     md_req *req;
     md_model *model;

@@ -1,26 +1,109 @@
 /*
- * jobs.h - batch-predict jobs: the job table's queries (job_store.c).
+ * jobs.h - batch-predict jobs over whole datasets: the streaming dataset
+ * readers (readers.c), the scheduler that runs jobs on the models' job
+ * workers and writes their output (scheduler.c), and the job table's queries
+ * (job_store.c).
  *
- * The job table lives in the store's SQLite index (the migrations that make
- * it are in checkpoint/store.c), so these functions take an md_store.
+ * It uses predictor.h (models, tensors, top-k) and checkpoint.h (the store,
+ * downloads, allowed paths); neither of them includes this header. The job
+ * table lives in the store's SQLite index (the migrations that make it are
+ * in checkpoint/store.c), so its functions take an md_store.
  *
- * Thread safety: every md_store_job_* function is safe to call from any
- * thread (the store's mutex serialises them). JSON results are new
- * references the caller decrefs.
+ * Thread safety: stated per section below. JSON results are new references
+ * the caller decrefs.
  */
 #ifndef MD_JOBS_H
 #define MD_JOBS_H
 
 #include <jansson.h>
 
+#include <stdint.h>
+
 #include "../checkpoint/checkpoint.h"
 #include "../config/md_err.h"
+#include "../predictor/predictor.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* ---- the job table (job_store.c) ---- */
+/* ---- dataset readers (readers.c) ---- */
+
+/*
+ * A streaming reader over one dataset file: rows come one at a time, so
+ * memory stays bounded whatever the file size. Formats:
+ *   csv   header line; numeric feature columns (all but `label`, or the
+ *         columns named in `features`); quoted fields; CRLF; `label` column
+ *   jsonl one JSON value per line: an array of numbers (nested arrays are
+ *         flattened), or an object whose field `features` (default
+ *         "features") holds them and whose field `label` holds the label
+ *   npy   float32/float64/int64/int32/uint8, C order, 2-D or N-D (rows = dim 0)
+ *   idx   the MNIST family, plain or gzip (zlib); `label` is the path of the
+ *         matching labels file (idx1), optional
+ * Not thread-safe: one reader per job.
+ */
+typedef struct md_reader md_reader;
+
+typedef struct md_reader_opts {
+    const char *path;
+    const char *format;    /* "csv", "jsonl", "npy", "idx" */
+    json_t *features;      /* csv: array of column names; jsonl: field name string; or NULL */
+    const char *label;     /* csv column, jsonl field, or idx labels file; or NULL */
+} md_reader_opts;
+
+/* Open the dataset. MD_EINVAL naming the file and the problem. */
+md_status md_reader_open(const md_reader_opts *opts, md_reader **out, md_err *err);
+/* Values per row (known after open: from the header, first line, or dims). */
+int64_t md_reader_row_width(const md_reader *r);
+/* Total rows when the format says (npy, idx), else -1. */
+int64_t md_reader_total_rows(const md_reader *r);
+/* 1 when rows carry labels. */
+int md_reader_has_labels(const md_reader *r);
+/*
+ * Read the next row into `row` (md_reader_row_width floats) and its label
+ * (when any) into `*label`. Returns MD_OK; MD_ENOTFOUND at the end; MD_EINVAL
+ * for a malformed row, with a message naming the row number (0-based data
+ * row) and the reason; the bad row is consumed, so the caller may skip it.
+ * MD_EIO on read errors.
+ */
+md_status md_reader_next(md_reader *r, float *row, int64_t *label, md_err *err);
+/* The number of data rows consumed so far (good and bad). */
+int64_t md_reader_position(const md_reader *r);
+/* Close. Accepts NULL. */
+void md_reader_close(md_reader *r);
+
+/* ---- the job scheduler (scheduler.c) ---- */
+
+typedef struct md_jobs md_jobs;
+
+/* Resolve name and version (0 = the default) to a loaded model, retained. */
+typedef md_model *(*md_model_resolver)(void *ctx, const char *name, int version, md_err *err);
+
+/*
+ * Start `max_jobs` job runners over the jobs table of `store`. Each claims
+ * the oldest job nobody alive holds, with a lease of lease_s seconds that it
+ * renews while the job runs: jobs made here or through a replica sharing the
+ * store, and jobs a stopped or dead process left (they resume from their
+ * last committed chunk). `fetch` (copied; its lists borrowed for the
+ * runners' lifetime) bounds input downloads and names allowed_paths.
+ * test_chunk_delay_ms (for tests only, else 0): commit after every chunk and
+ * pause this long after each, so a test can act in the middle of a job.
+ */
+md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_chunk_delay_ms,
+                        const md_fetch_opts *fetch, md_model_resolver resolve, void *resolve_ctx,
+                        md_jobs **out, md_err *err);
+/* Queue a job already inserted in the store. Thread-safe. */
+void md_jobs_enqueue(md_jobs *jobs, const char *id);
+/* Cancel: a queued job at once, a running one after its current chunk; the
+ * output so far is kept and marked partial. Thread-safe. */
+md_status md_jobs_cancel(md_jobs *jobs, const char *id, md_err *err);
+/* Stop the runners; running jobs stop after their current chunk and stay
+ * "running" in the store, so the next start resumes them. Accepts NULL. */
+void md_jobs_stop(md_jobs *jobs);
+
+/* ---- the job table (job_store.c) ----
+ * Every md_store_job_* function is safe to call from any thread (the store's
+ * mutex serialises them). */
 
 /* Insert a queued job row. */
 md_status md_store_job_create(md_store *store, const char *id, const char *model, int version,

@@ -1,5 +1,9 @@
 /*
- * predictor.h - what the predictor knows about a model version's settings.
+ * predictor.h - the predictor: tensors and their codecs (JSON, NPY, V2),
+ * model version configs, loaded model versions with their batching workers
+ * (batcher.c, over the libtorch backend), and the registry of loaded
+ * versions. Batch jobs, which use all of this, are jobs/jobs.h's; nothing
+ * here includes it.
  *
  * Per-version config, given at deploy:
  *   input {shape: [d...], dtype: float32|float64|int64|uint8}
@@ -8,7 +12,11 @@
  *   labels: ["class", ...]
  *   batching {max_batch_size, max_delay_us, queue_limit, timeout_ms}
  *   workers, device: cpu | cuda | cuda:N | auto
- * Thread-safe: pure functions of their arguments.
+ *
+ * Thread safety: the config check, codecs and tensor helpers are pure
+ * functions of their arguments (an md_tensor itself is used by one thread at
+ * a time); md_model_* and md_registry_* say per function what may be called
+ * concurrently.
  */
 #ifndef MD_PREDICTOR_H
 #define MD_PREDICTOR_H
@@ -82,17 +90,25 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
 void md_model_retain(md_model *m);
 void md_model_release(md_model *m);
 
+/* The accessors below read fields fixed at load (name, version, max_batch,
+ * labels, logits), the input shape (published once, with release/acquire)
+ * or atomic counters: thread-safe for any caller holding a reference. */
+
+/* The model's name; borrowed, valid while a reference is held. */
 const char *md_model_name(const md_model *m);
-/* Set the version number once it is known (before the model is shared). */
+/* Set the version number once it is known. Not thread-safe: only before the
+ * model is shared (put in the registry or handed to another thread). */
 void md_model_set_version(md_model *m, int version);
 int md_model_version(const md_model *m);
 /* batching.max_batch_size of this version (its config, else the server's). */
 int md_model_max_batch(const md_model *m);
-/* The declared labels (borrowed JSON array) or NULL. */
+/* The declared labels (borrowed JSON array, never mutated; valid while a
+ * reference is held) or NULL. */
 json_t *md_model_labels(const md_model *m);
 /* 1 when the output is declared logits (softmax before scores). */
 int md_model_output_logits(const md_model *m);
-/* The declared per-row input shape (0 dims when not declared). */
+/* The declared per-row input shape into `shape` (room for MD_MAX_DIMS);
+ * returns its dims, 0 when not declared (nor learned from a first request). */
 int md_model_input_shape(const md_model *m, int64_t *shape);
 /* Counters as JSON: batches, rows, requests, queue wait, batch size histogram. New reference. */
 json_t *md_model_stats(const md_model *m);
@@ -184,101 +200,42 @@ md_status md_weights_average(md_tensors *const *srcs, const double *w, const cha
 
 typedef struct md_registry md_registry;
 
+/* Thread safety: every md_registry_* function but new and free is safe to
+ * call from any thread, the HTTP threads included: one mutex per registry,
+ * held only for the lookup or the swap, never across a load or a forward.
+ * `name` arguments are borrowed for the call. */
+
+/* A new, empty registry (aborts on OOM: made once at start). */
 md_registry *md_registry_new(void);
-/* Releases every model. Accepts NULL. */
+/* Releases every model. Accepts NULL. Not thread-safe: call once no other
+ * thread uses the registry. */
 void md_registry_free(md_registry *r);
-/* The loaded model for name and version (0 = the default), retained; or NULL. */
+/* The loaded model for name and version (0 = the default), retained (the
+ * caller releases it); or NULL. Never loads or blocks on I/O. */
 md_model *md_registry_get(md_registry *r, const char *name, int version);
 /* Add `m` (takes the caller's reference); when `make_default` it becomes the
  * default of its name atomically, and the old default is released once its
- * queue drains. Replaces an entry for the same name and version. */
+ * queue drains. Replaces an entry for the same name and version (releasing
+ * the registry's reference to the one replaced). */
 void md_registry_put(md_registry *r, md_model *m, int make_default);
 /* Make a loaded version the default; 0 when it is not loaded. */
 int md_registry_set_default(md_registry *r, const char *name, int version);
-/* Drop one version (version 0: every version of `name`). */
+/* Drop one version (version 0: every version of `name`), releasing the
+ * registry's references; requests already holding one finish. */
 void md_registry_remove(md_registry *r, const char *name, int version);
 /* Names of the models with a default, as a JSON array. New reference. */
 json_t *md_registry_names(md_registry *r);
 /* Stats of every loaded version, as a JSON array. New reference. */
 json_t *md_registry_stats(md_registry *r);
 
-/* ---- dataset readers (readers.c) ---- */
-
-/*
- * A streaming reader over one dataset file: rows come one at a time, so
- * memory stays bounded whatever the file size. Formats:
- *   csv   header line; numeric feature columns (all but `label`, or the
- *         columns named in `features`); quoted fields; CRLF; `label` column
- *   jsonl one JSON value per line: an array of numbers (nested arrays are
- *         flattened), or an object whose field `features` (default
- *         "features") holds them and whose field `label` holds the label
- *   npy   float32/float64/int64/int32/uint8, C order, 2-D or N-D (rows = dim 0)
- *   idx   the MNIST family, plain or gzip (zlib); `label` is the path of the
- *         matching labels file (idx1), optional
- * Not thread-safe: one reader per job.
- */
-typedef struct md_reader md_reader;
-
-typedef struct md_reader_opts {
-    const char *path;
-    const char *format;    /* "csv", "jsonl", "npy", "idx" */
-    json_t *features;      /* csv: array of column names; jsonl: field name string; or NULL */
-    const char *label;     /* csv column, jsonl field, or idx labels file; or NULL */
-} md_reader_opts;
-
-/* Open the dataset. MD_EINVAL naming the file and the problem. */
-md_status md_reader_open(const md_reader_opts *opts, md_reader **out, md_err *err);
-/* Values per row (known after open: from the header, first line, or dims). */
-int64_t md_reader_row_width(const md_reader *r);
-/* Total rows when the format says (npy, idx), else -1. */
-int64_t md_reader_total_rows(const md_reader *r);
-/* 1 when rows carry labels. */
-int md_reader_has_labels(const md_reader *r);
-/*
- * Read the next row into `row` (md_reader_row_width floats) and its label
- * (when any) into `*label`. Returns MD_OK; MD_ENOTFOUND at the end; MD_EINVAL
- * for a malformed row, with a message naming the row number (0-based data
- * row) and the reason; the bad row is consumed, so the caller may skip it.
- * MD_EIO on read errors.
- */
-md_status md_reader_next(md_reader *r, float *row, int64_t *label, md_err *err);
-/* The number of data rows consumed so far (good and bad). */
-int64_t md_reader_position(const md_reader *r);
-/* Close. Accepts NULL. */
-void md_reader_close(md_reader *r);
-
-/* ---- batch-predict jobs (jobs.c) ---- */
-
-typedef struct md_jobs md_jobs;
-
-/* Resolve name and version (0 = the default) to a loaded model, retained. */
-typedef md_model *(*md_model_resolver)(void *ctx, const char *name, int version, md_err *err);
-
-/*
- * Start `max_jobs` job runners over the jobs table of `store`. Each claims
- * the oldest job nobody alive holds, with a lease of lease_s seconds that it
- * renews while the job runs: jobs made here or through a replica sharing the
- * store, and jobs a stopped or dead process left (they resume from their
- * last committed chunk). `fetch` (copied; its lists borrowed for the
- * runners' lifetime) bounds input downloads and names allowed_paths.
- * test_chunk_delay_ms (for tests only, else 0): commit after every chunk and
- * pause this long after each, so a test can act in the middle of a job.
- */
-md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_chunk_delay_ms,
-                        const md_fetch_opts *fetch, md_model_resolver resolve, void *resolve_ctx,
-                        md_jobs **out, md_err *err);
-/* Queue a job already inserted in the store. Thread-safe. */
-void md_jobs_enqueue(md_jobs *jobs, const char *id);
-/* Cancel: a queued job at once, a running one after its current chunk; the
- * output so far is kept and marked partial. Thread-safe. */
-md_status md_jobs_cancel(md_jobs *jobs, const char *id, md_err *err);
-/* Stop the runners; running jobs stop after their current chunk and stay
- * "running" in the store, so the next start resumes them. Accepts NULL. */
-void md_jobs_stop(md_jobs *jobs);
-
 /* ---- tensors and codecs (tensor.c) ---- */
 
-/* A dense float32 tensor in C order. `data` is owned (malloc). */
+/* A dense float32 tensor in C order. `data` is owned (malloc).
+ * Not opaque, on purpose: decoders fill a caller-owned md_tensor (on the
+ * handler's stack, no allocation for the header), and the batcher, the
+ * encoders and the jobs read shape/data/count on every request and row;
+ * accessors and a heap header would cost an allocation per request on the
+ * hot path for no protection. Used by one thread at a time. */
 struct md_tensor {
     int ndim;
     int64_t shape[MD_MAX_DIMS];
@@ -321,6 +278,32 @@ md_status md_v2_decode_binary(json_t *in, const void *bytes, size_t nbytes, size
 /* Decode an NPY file (float32/64, int64/32, uint8, bool; C order) into float32. */
 md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tensor *out,
                         md_err *err);
+
+typedef enum md_npy_dict_status {
+    MD_NPY_DICT_OK = 0,
+    MD_NPY_DICT_KEYS,      /* descr, fortran_order or shape is missing */
+    MD_NPY_DICT_FORTRAN,   /* fortran_order is not False */
+    MD_NPY_DICT_NO_SHAPE,  /* shape has no "(" */
+    MD_NPY_DICT_SHAPE,     /* a dim is not a number >= 0, more than MD_MAX_DIMS, no ")" */
+} md_npy_dict_status;
+
+/* What an NPY header's dict says, as md_npy_parse_dict reads it. */
+typedef struct md_npy_dict {
+    char descr[16];               /* the dtype string, e.g. "<f4"; "" when unreadable */
+    /* the shape's own status: callers check it after the dtype, so a header
+     * wrong in both is reported for its dtype, as before the parser was shared */
+    md_npy_dict_status shape_status;
+    int ndim;
+    int64_t shape[MD_MAX_DIMS];   /* each >= 0; their product is not checked here */
+} md_npy_dict;
+
+/* Parse the dict of an NPY header (the NUL-terminated text after the
+ * preamble): the one parser of it, for request bodies (md_npy_decode) and
+ * dataset files (jobs/readers.c), each wording its own message from the
+ * statuses. Returns MD_NPY_DICT_KEYS, MD_NPY_DICT_FORTRAN or MD_NPY_DICT_OK;
+ * the shape's status is out->shape_status. Which dtypes are accepted is the
+ * caller's choice. Thread-safe. */
+md_npy_dict_status md_npy_parse_dict(const char *header, md_npy_dict *out);
 
 /* Encode `count` float32 values of `shape` as an NPY (<f4) file. Returns a
  * new malloc'd buffer and its length in *len. */

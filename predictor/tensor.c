@@ -425,6 +425,50 @@ md_status md_tensor_decode(const char *body, size_t len, const char *content_typ
 
 /* ---- NPY ---- */
 
+static int npy_blank(char c) { return c == ' ' || c == '\t'; }
+
+md_npy_dict_status md_npy_parse_dict(const char *header, md_npy_dict *out)
+{
+    memset(out, 0, sizeof *out);
+    const char *descr = strstr(header, "'descr'");
+    const char *fortran = strstr(header, "'fortran_order'");
+    const char *shape = strstr(header, "'shape'");
+    if (!descr || !fortran || !shape)
+        return MD_NPY_DICT_KEYS;
+    const char *q = strchr(descr + 7, '\'');
+    if (q)
+        sscanf(q + 1, "%15[^']", out->descr);
+    const char *fv = fortran + 15;
+    while (npy_blank(*fv) || *fv == ':')
+        fv++;
+    if (strncmp(fv, "False", 5) != 0)
+        return MD_NPY_DICT_FORTRAN;
+    out->shape_status = MD_NPY_DICT_OK;
+    const char *p = strchr(shape, '(');
+    if (!p) {
+        out->shape_status = MD_NPY_DICT_NO_SHAPE;
+        return MD_NPY_DICT_OK;
+    }
+    p++;
+    while (*p && *p != ')') {
+        while (npy_blank(*p) || *p == ',')
+            p++;
+        if (*p == ')')
+            break;
+        char *end;
+        long long d = strtoll(p, &end, 10);
+        if (end == p || d < 0 || out->ndim >= MD_MAX_DIMS) {
+            out->shape_status = MD_NPY_DICT_SHAPE;
+            return MD_NPY_DICT_OK;
+        }
+        out->shape[out->ndim++] = d;
+        p = end;
+    }
+    if (*p != ')')
+        out->shape_status = MD_NPY_DICT_SHAPE;
+    return MD_NPY_DICT_OK;
+}
+
 md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tensor *out,
                         md_err *err)
 {
@@ -448,22 +492,15 @@ md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tens
     char header[65537];
     memcpy(header, data + off, hlen);
     header[hlen] = '\0';
-    const char *descr = strstr(header, "'descr'");
-    const char *fortran = strstr(header, "'fortran_order'");
-    const char *shape = strstr(header, "'shape'");
-    if (!descr || !fortran || !shape)
+    md_npy_dict dict;
+    md_npy_dict_status ds = md_npy_parse_dict(header, &dict);
+    if (ds == MD_NPY_DICT_KEYS)
         return md_err_setc(err, MD_EINVAL, "invalid_npy", "the NPY header lacks descr, fortran_order or shape");
-    char type[16] = "";
-    const char *q = strchr(descr + 7, '\'');
-    if (q)
-        sscanf(q + 1, "%15[^']", type);
-    const char *fv = fortran + 15;
-    while (*fv == ' ' || *fv == ':')
-        fv++;
-    if (strncmp(fv, "False", 5) != 0)
+    if (ds == MD_NPY_DICT_FORTRAN)
         return md_err_setc(err, MD_EINVAL, "invalid_npy",
                            "the NPY array is in Fortran order; save a C-order array "
                            "(numpy.ascontiguousarray)");
+    const char *type = dict.descr;
     int esize;
     int kind; /* 0 f4, 1 f8, 2 i8, 3 i4, 4 u1, 5 bool */
     if (!strcmp(type, "<f4") || !strcmp(type, "|f4"))
@@ -483,26 +520,17 @@ md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tens
                            "NPY dtype %s is not supported; use float32, float64, int64, int32, "
                            "uint8 or bool (little-endian)",
                            type);
-    const char *sp = strchr(shape, '(');
-    if (!sp)
+    if (dict.shape_status == MD_NPY_DICT_NO_SHAPE)
         return md_err_setc(err, MD_EINVAL, "invalid_npy", "the NPY shape is malformed");
-    sp++;
+    if (dict.shape_status != MD_NPY_DICT_OK)
+        return md_err_setc(err, MD_EINVAL, "invalid_npy", "the NPY shape is malformed or has more than 8 dims");
     size_t count = 1;
-    while (*sp && *sp != ')') {
-        while (*sp == ' ' || *sp == ',')
-            sp++;
-        if (*sp == ')')
-            break;
-        char *end;
-        long long d = strtoll(sp, &end, 10);
-        if (end == sp || d < 0 || out->ndim >= MD_MAX_DIMS)
-            return md_err_setc(err, MD_EINVAL, "invalid_npy", "the NPY shape is malformed or has more than 8 dims");
-        out->shape[out->ndim++] = d;
-        if (md_mul_size(count, (size_t)d, &count))
+    for (int d = 0; d < dict.ndim; d++) {
+        out->shape[out->ndim++] = dict.shape[d];
+        if (md_mul_size(count, (size_t)dict.shape[d], &count))
             return md_err_setc(err, MD_ETOOBIG, "too_many_values",
                                "the NPY shape holds more values than fit in memory; the limit "
                                "is %zu", max_values);
-        sp = end;
     }
     if (out->ndim == 0)
         return md_err_setc(err, MD_EINVAL, "invalid_input", "the NPY array is a scalar; send rows");

@@ -19,7 +19,7 @@
  * libmicrohttpd; the predictor enforces its own deadline on them.
  */
 #define _GNU_SOURCE
-#include "server.h"
+#include "router.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

@@ -23,8 +23,6 @@
 #include "../predictor/torch_backend.h"
 #include "server.h"
 
-#define MODELD_VERSION "0.1.0"
-
 extern char **environ;
 
 static double now_s(void)
@@ -153,15 +151,7 @@ int main(int argc, char **argv)
     atomic_store(&app.ready, MD_LOADING);
     app.synced_generation = md_store_generation(app.store);
     md_app_load_defaults(&app, stop_pending);
-    md_fetch_opts job_fetch = {
-        .max_bytes = cfg.max_checkpoint_bytes,
-        .connect_timeout_s = cfg.download_connect_timeout_s,
-        .timeout_s = cfg.download_timeout_s,
-        .max_redirects = cfg.download_max_redirects,
-        .allowed_paths = &cfg.allowed_paths,
-        .allowed_urls = &cfg.allowed_urls,
-        .allow_private = cfg.allow_private_urls,
-    };
+    md_fetch_opts job_fetch = md_fetch_opts_from_cfg(&cfg);
     if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, cfg.test_job_chunk_delay_ms, &job_fetch, md_app_resolve, &app, &app.jobs, &err) !=
         MD_OK)
         md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);

@@ -3,7 +3,7 @@
  * the bounded body accumulator and the JSON error body. No libmicrohttpd
  * here, so each piece is unit-tested alone.
  */
-#include "server.h"
+#include "router.h"
 
 #include <stdlib.h>
 #include <string.h>

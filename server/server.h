@@ -50,26 +50,9 @@ typedef struct md_route {
     const char *query;  /* the query parameters it takes, space-separated; NULL: none */
 } md_route;
 
-/* ---- routing (pure functions, unit-tested) ---- */
-
-typedef struct md_route_match {
-    const md_route *route;
-    int n_params;
-    struct {
-        const char *name; /* borrowed from the pattern; not NUL-terminated at name_len */
-        size_t name_len;
-        char value[256];  /* percent-decoded segment */
-    } params[MD_ROUTE_MAX_PARAMS];
-} md_route_match;
-
-/*
- * Find the route for `method` and `path` (no query string). Returns MD_OK and
- * fills `match`; MD_ENOTFOUND when no pattern matches the path; MD_EMETHOD
- * when patterns match with other methods, listing them in `allow` (e.g.
- * "GET, DELETE"). Thread-safe (reads only).
- */
-md_status md_route_find(const md_route *routes, size_t n_routes, const char *method,
-                        const char *path, md_route_match *match, char *allow, size_t allow_size);
+/* ---- routing (pure functions, unit-tested) ----
+ * md_route_find and its md_route_match are the HTTP layer's own
+ * (server/router.h); handlers read parameters with md_req_param. */
 
 /*
  * Check one query parameter name against what `route` takes: MD_OK, or
@@ -80,7 +63,10 @@ md_status md_route_find(const md_route *routes, size_t n_routes, const char *met
  */
 md_status md_route_check_query(const md_route *route, const char *key, md_err *err);
 
-/* ---- request body accumulator (unit-tested) ---- */
+/* ---- request body accumulator (unit-tested) ----
+ * A value type, on purpose: handlers embed one in their per-request state
+ * (handlers/models.c) and read data/len directly; md_body_free releases the
+ * buffer. Used by one thread at a time. */
 
 typedef struct md_body {
     char *data;       /* owned; NUL-terminated for convenience */
@@ -138,32 +124,53 @@ int md_http_port(const md_http *http);
 /* Stop every thread and close every connection. Accepts NULL. */
 void md_http_stop(md_http *http);
 
-/* ---- the request, for handlers ---- */
+/* ---- the request, for handlers ----
+ *
+ * Threads: a request belongs to one thread at a time: the libmicrohttpd
+ * thread running its handler, then (md_req_defer) the deferred thread
+ * running `fn`, or (md_req_suspend) the one thread that will reply and
+ * resume it. Calls that read or change the request are made from the
+ * thread it belongs to, unless they say otherwise; calls that need the
+ * connection (query arguments, headers) only from the handler itself.
+ */
 
+/* The `app` given to md_http_start. Any thread. */
 void *md_req_app(md_req *req);
+/* The method, the path (no query string) and the request id: borrowed,
+ * fixed before the handler runs, valid until the request completes; any
+ * thread holding the request. */
 const char *md_req_method(md_req *req);
 const char *md_req_path(md_req *req);
 const char *md_req_id(md_req *req);
-/* The route parameter `name` (decoded), or NULL. Borrowed, valid for the request. */
+/* The route parameter `name` (decoded), or NULL. Borrowed, valid for the
+ * request; fixed at routing, so readable from a deferred or worker thread. */
 const char *md_req_param(md_req *req, const char *name);
 /* The query argument `key`, or NULL. Borrowed. Call only from a handler thread. */
 const char *md_req_query(md_req *req, const char *key);
 /* The request header `name`, or NULL. Borrowed. Call only from a handler thread. */
 const char *md_req_header(md_req *req, const char *name);
 /* The integer query argument `key` in min..max into *out (`def` when absent).
- * MD_EINVAL with code `code` naming the argument and the range otherwise. */
+ * MD_EINVAL with code `code` naming the argument and the range otherwise.
+ * Call only from a handler thread (it reads the connection). */
 md_status md_req_query_int(md_req *req, const char *key, long min, long max, long def,
                            const char *code, long *out, md_err *err);
 /* The route parameter {version} as a positive integer; on failure it replies
- * 400 invalid_version and returns 0. */
+ * 400 invalid_version and returns 0. From the thread the request belongs to. */
 int md_req_version_param(md_req *req, int *version);
-/* The buffered body (NUL-terminated) and its length; NULL when empty or streamed. */
+/* The buffered body (NUL-terminated) and its length; NULL when empty or
+ * streamed. Borrowed, unchanged once the handler runs, valid until the
+ * request completes. */
 const char *md_req_body(md_req *req, size_t *len);
-/* Per-request state for streaming routes; `free_fn` runs when the request completes. */
+/* Per-request state; `state` is owned by the request from here and
+ * `free_fn(state)` runs when the request completes (on a libmicrohttpd
+ * thread). Set and read from the thread the request belongs to. */
 void md_req_set_state(md_req *req, void *state, void (*free_fn)(void *));
 void *md_req_state(md_req *req);
 
-/* ---- replies: exactly one per request ---- */
+/* ---- replies: exactly one per request ----
+ * From the thread the request belongs to (see above): the handler, the
+ * deferred `fn`, or the one thread that replies to a suspended request
+ * before calling md_req_resume. */
 
 /* Add a header to the reply being built (copied). */
 void md_reply_header(md_req *req, const char *name, const char *value);

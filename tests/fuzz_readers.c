@@ -18,7 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../predictor/predictor.h"
+#include "../jobs/jobs.h"
 
 #define MAX_WIDTH (1 << 20) /* rows wider than this are not read (the harness's buffer) */
 

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../server/server.h"
+#include "../server/router.h"
 
 static void h(md_req *r) { (void)r; }
 

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "../config/config.h"
+#include "test_util.h"
 
 /* ---- helpers ---- */
 
@@ -73,20 +74,6 @@ static md_status load(md_cfg *cfg, char **argv, char **envp, md_cfg_action *acti
     md_err_clear(err);
     *action = (md_cfg_action)-1;
     return md_cfg_load(cfg, argc, argv, envp, action, err);
-}
-
-/* Assert that `msg` contains every one of the NULL-terminated substrings. */
-static void assert_msg_has(const char *msg, ...)
-{
-    va_list ap;
-    va_start(ap, msg);
-    for (const char *want = va_arg(ap, const char *); want; want = va_arg(ap, const char *)) {
-        if (!strstr(msg, want)) {
-            va_end(ap);
-            fail_msg("message \"%s\" lacks \"%s\"", msg, want);
-        }
-    }
-    va_end(ap);
 }
 
 /* Load and expect MD_EINVAL whose message has every substring given. */

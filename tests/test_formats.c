@@ -33,6 +33,7 @@
 
 #include "../checkpoint/formats.h"
 #include "../predictor/torch_backend.h"
+#include "test_util.h"
 
 #define CKPT "tests/fixtures/ckpt/"
 #define FIX "tests/fixtures/"
@@ -57,19 +58,6 @@ static int free_expected(void **state)
     (void)state;
     json_decref(expected);
     return 0;
-}
-
-static void assert_msg_has(const char *msg, ...)
-{
-    va_list ap;
-    va_start(ap, msg);
-    for (const char *want = va_arg(ap, const char *); want; want = va_arg(ap, const char *)) {
-        if (!strstr(msg, want)) {
-            va_end(ap);
-            fail_msg("message \"%s\" lacks \"%s\"", msg, want);
-        }
-    }
-    va_end(ap);
 }
 
 static uint8_t *slurp(const char *path, size_t *len)

@@ -1,6 +1,6 @@
 /*
  * test_readers.c - unit tests of the streaming dataset readers in
- * predictor/readers.c: every format (CSV, JSONL, NPY, IDX plain and gzip) on
+ * jobs/readers.c: every format (CSV, JSONL, NPY, IDX plain and gzip) on
  * the committed fixtures with exact values, labels, widths and totals; every
  * malformed-row class with its 0-based row number in the message and the
  * next row still read after it; the end of data; every open error; resume by
@@ -32,7 +32,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../predictor/predictor.h"
+#include "../jobs/jobs.h"
+#include "test_util.h"
 
 #define DATASETS "tests/fixtures/datasets/"
 #define FASHION "/usr/share/datasets/fashion-mnist/"
@@ -77,19 +78,6 @@ static void write_temp_n(char *path, const char *text, size_t len)
 static void write_temp(char *path, const char *text)
 {
     write_temp_n(path, text, strlen(text));
-}
-
-static void assert_msg_has(const char *msg, ...)
-{
-    va_list ap;
-    va_start(ap, msg);
-    for (const char *want = va_arg(ap, const char *); want; want = va_arg(ap, const char *)) {
-        if (!strstr(msg, want)) {
-            va_end(ap);
-            fail_msg("message \"%s\" lacks \"%s\"", msg, want);
-        }
-    }
-    va_end(ap);
 }
 
 /* Open with `features` given as JSON text (or NULL). */

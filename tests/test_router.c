@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "../config/md_err.h"
-#include "../server/server.h"
+#include "../server/router.h"
 
 /* ---- routing ---- */
 

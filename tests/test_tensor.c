@@ -22,6 +22,7 @@
 
 #include "../predictor/numparse.h"
 #include "../predictor/predictor.h"
+#include "test_util.h"
 
 #define BIG (1u << 24) /* max_values that never limits these tests */
 
@@ -44,19 +45,6 @@ static md_status decode_ct(const char *body, size_t len, const char *ct, size_t 
 static md_status decode(const char *body, md_tensor *t, md_err *err)
 {
     return decode_ct(body, strlen(body), "application/json", BIG, t, err);
-}
-
-static void assert_msg_has(const char *msg, ...)
-{
-    va_list ap;
-    va_start(ap, msg);
-    for (const char *want = va_arg(ap, const char *); want; want = va_arg(ap, const char *)) {
-        if (!strstr(msg, want)) {
-            va_end(ap);
-            fail_msg("message \"%s\" lacks \"%s\"", msg, want);
-        }
-    }
-    va_end(ap);
 }
 
 /* Decode `body` as JSON and expect `status` whose message has every substring given. */
@@ -770,6 +758,40 @@ static void test_npy_dtypes(void **state)
     free(b);
 }
 
+/* The one NPY dict parser, shared with the dataset readers: what each field
+ * gives, and each way a dict is refused. */
+static void test_npy_parse_dict(void **state)
+{
+    (void)state;
+    md_npy_dict d;
+    assert_int_equal(md_npy_parse_dict("{'descr': '<f8', 'fortran_order': False, "
+                                       "'shape': (3, 4, 5), }", &d), MD_NPY_DICT_OK);
+    assert_string_equal(d.descr, "<f8");
+    assert_int_equal(d.shape_status, MD_NPY_DICT_OK);
+    assert_int_equal(d.ndim, 3);
+    assert_int_equal(d.shape[0], 3);
+    assert_int_equal(d.shape[2], 5);
+    /* a scalar: no dims, not an error here (callers refuse it) */
+    assert_int_equal(md_npy_parse_dict("{'descr': '<f4', 'fortran_order':\tFalse, 'shape': (), }",
+                                       &d), MD_NPY_DICT_OK);
+    assert_int_equal(d.shape_status, MD_NPY_DICT_OK);
+    assert_int_equal(d.ndim, 0);
+    assert_int_equal(md_npy_parse_dict("{'descr': '<f4', 'shape': (2,), }", &d), MD_NPY_DICT_KEYS);
+    assert_int_equal(md_npy_parse_dict("{'descr': '<f4', 'fortran_order': True, 'shape': (2,), }",
+                                       &d), MD_NPY_DICT_FORTRAN);
+    assert_int_equal(md_npy_parse_dict("{'descr': '<f4', 'fortran_order': False, 'shape': 2, }",
+                                       &d), MD_NPY_DICT_OK);
+    assert_int_equal(d.shape_status, MD_NPY_DICT_NO_SHAPE);
+    const char *bad[] = {"(2, -1)", "(2, x)", "(1, 1, 1, 1, 1, 1, 1, 1, 1)", "(2, 3"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char h[128];
+        snprintf(h, sizeof h, "{'descr': '<f4', 'fortran_order': False, 'shape': %s", bad[i]);
+        assert_int_equal(md_npy_parse_dict(h, &d), MD_NPY_DICT_OK);
+        if (d.shape_status != MD_NPY_DICT_SHAPE)
+            fail_msg("shape %s: status %d, want MD_NPY_DICT_SHAPE", bad[i], (int)d.shape_status);
+    }
+}
+
 static void test_npy_refused(void **state)
 {
     (void)state;
@@ -1337,6 +1359,7 @@ int main(void)
         cmocka_unit_test(test_too_deep),
         cmocka_unit_test(test_max_values),
         cmocka_unit_test(test_npy_dtypes),
+        cmocka_unit_test(test_npy_parse_dict),
         cmocka_unit_test(test_npy_refused),
         cmocka_unit_test(test_npy_bad_magic),
         cmocka_unit_test(test_npy_every_truncation),

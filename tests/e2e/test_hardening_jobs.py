@@ -11,11 +11,8 @@ deterministic with the test-only --test-job-chunk-delay-ms (the middle of a
 job is a state that lasts) and with a download that trickles for many lease
 periods; nothing depends on the machine's speed.
 """
-import functools
-import http.server
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -23,73 +20,47 @@ import numpy as np
 import pytest
 
 from conftest import TSCALE
+from loopback import ALLOW_LOOPBACK, LoopbackServer
 from test_jobs import (N, PACED, create_job, deploy_fashion, err_code, fmnist,  # noqa: F401
                        get_job, idx_input, job_count, jsonl_rows, output, post_job, server_args,
                        wait_job, wait_rows, write_small_csv)
 
-ALLOW_LOOPBACK = ("--allow-private-urls", "1")
 SECRET = "SECRET_TOKEN=hunter2-3f9a"
 
 
-class Service:
+class Service(LoopbackServer):
     """A fake internal service on 127.0.0.1: fixed bodies per path, redirects,
     an optional trickled body; counts GETs per path."""
 
     def __init__(self):
         self.routes = {}  # path -> (status, headers, body, trickle_s)
-        self.counts = {}
-        self.lock = threading.Lock()
-        svc = self
+        super().__init__(self._respond)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):  # noqa: N802 (http.server's naming)
-                with svc.lock:
-                    svc.counts[self.path] = svc.counts.get(self.path, 0) + 1
-                status, headers, body, trickle_s = svc.routes.get(
-                    self.path, (404, {}, b"not here\n", 0))
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                try:
-                    if not trickle_s:
-                        self.wfile.write(body)
-                        return
-                    # the body in 20 pieces spread over trickle_s seconds
-                    step = max(1, len(body) // 20)
-                    for i in range(0, len(body), step):
-                        self.wfile.write(body[i:i + step])
-                        self.wfile.flush()
-                        time.sleep(trickle_s / 20)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def url(self, path):
-        return f"http://127.0.0.1:{self.port}{path}"
+    def _respond(self, h):
+        status, headers, body, trickle_s = self.routes.get(h.path, (404, {}, b"not here\n", 0))
+        h.send_response(status)
+        for k, v in headers.items():
+            h.send_header(k, v)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        try:
+            if not trickle_s:
+                h.wfile.write(body)
+                return
+            # the body in 20 pieces spread over trickle_s seconds
+            step = max(1, len(body) // 20)
+            for i in range(0, len(body), step):
+                h.wfile.write(body[i:i + step])
+                h.wfile.flush()
+                time.sleep(trickle_s / 20)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
     def serve(self, path, body, status=200, headers=None, trickle_s=0):
         self.routes[path] = (status, headers or {}, body, trickle_s)
 
     def redirect(self, path, location):
         self.routes[path] = (302, {"Location": location}, b"moved\n", 0)
-
-    def gets(self, path):
-        with self.lock:
-            return self.counts.get(path, 0)
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture

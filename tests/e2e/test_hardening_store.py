@@ -14,7 +14,6 @@ found wrong, against the real binary:
   so the interleaving does not depend on the machine's speed.
 """
 import hashlib
-import http.server
 import json
 import os
 import threading
@@ -24,6 +23,7 @@ import pytest
 import requests
 
 from conftest import REPO, TSCALE
+from loopback import LoopbackServer, send_file
 
 FIXTURES = REPO / "tests" / "fixtures"
 MLP = (FIXTURES / "mlp.pt").read_bytes()
@@ -87,42 +87,27 @@ def stop_clean(srv):
 # ------------------------------------------------------- a gated file server
 
 
-class _Gated(http.server.BaseHTTPRequestHandler):
-    """Serves tests/fixtures; counts GETs; sends each body only once `gate` is set."""
+class GatedServer(LoopbackServer):
+    """Serves tests/fixtures; counts GETs; sends each body only once `gate`
+    is set; `arrived` is set by the first GET."""
 
-    def do_GET(self):  # noqa: N802
-        with self.lock:
-            self.counts[self.path] = self.counts.get(self.path, 0) + 1
+    def __init__(self):
+        self.gate = threading.Event()
+        self.arrived = threading.Event()
+        super().__init__(self._respond)
+
+    def _respond(self, h):
         self.arrived.set()
-        f = FIXTURES / self.path.lstrip("/")
-        if "/" in self.path.lstrip("/") or not f.is_file():
-            self.send_error(404)
-            return
-        data = f.read_bytes()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
         # bounded: a test that forgets to open the gate still ends
-        self.gate.wait(60 * TSCALE)
-        self.wfile.write(data)
-
-    def log_message(self, fmt, *args):
-        pass
+        send_file(h, FIXTURES, h.path, lambda: self.gate.wait(60 * TSCALE))
 
 
 @pytest.fixture
 def gated():
-    handler = type("G", (_Gated,), {"counts": {}, "lock": threading.Lock(),
-                                    "gate": threading.Event(), "arrived": threading.Event()})
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    handler.url = lambda path: f"http://127.0.0.1:{httpd.server_address[1]}{path}"
-    yield handler
-    handler.gate.set()
-    httpd.shutdown()
-    httpd.server_close()
+    g = GatedServer()
+    yield g
+    g.gate.set()
+    g.close()
 
 
 def wait_for(cond, what, timeout=30.0):

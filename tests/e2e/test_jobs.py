@@ -18,16 +18,13 @@ The dataset conversion (IDX.gz -> CSV, NPY, N-D float32 NPY, JSONL) is
 `convert_fashion_mnist` below, run once per session by the `fmnist` fixture.
 """
 import csv
-import functools
 import gzip
-import http.server
 import io
 import json
 import os
 import signal
 import sqlite3
 import struct
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +35,7 @@ import pytest
 import requests
 
 from conftest import REPO, TSCALE
+from loopback import LoopbackServer, send_file
 
 EXAMPLE = REPO / "examples" / "fashion_mnist"
 FASHION_PT = EXAMPLE / "model.pt"
@@ -361,27 +359,18 @@ def test_jsonl_job(fashion, fmnist):
     assert_full_jsonl(jsonl_rows(output(fashion, jid)), fmnist)
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
 def test_url_input(start_server, fmnist, tmp_path):
     # the file server is on 127.0.0.1, which downloads refuse unless allowed
     fashion = start_server(*server_args(fmnist, tmp_path), "--allow-private-urls", "1")
     deploy_fashion(fashion)
-    handler = functools.partial(_QuietHandler, directory=str(fmnist.dir))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
-    t.start()
+    files = LoopbackServer(lambda h: send_file(h, fmnist.dir, h.path))
     try:
-        url = f"http://127.0.0.1:{httpd.server_address[1]}/test.csv"
+        url = files.url("/test.csv")
         jid = create_job(fashion, {"model": "fashion",
                                    "input": {"url": url, "format": "csv", "label": "label"}})
         job = wait_job(fashion, jid)
     finally:
-        httpd.shutdown()
-        httpd.server_close()
+        files.close()
     assert_done(job)
     assert_accuracy(job, fmnist)
     assert_full_jsonl(jsonl_rows(output(fashion, jid)), fmnist)
@@ -639,7 +628,7 @@ def restart_mid_job(start_server, fmnist, tmp_path, how):
     late_stop = None
     if how == "term" and not (stored["status"] == "running" and stored["rows_done"] < N):
         # "running jobs stop after their current chunk and stay running in the
-        # store, so the next start resumes them" (predictor.h, md_jobs_stop)
+        # store, so the next start resumes them" (jobs/jobs.h, md_jobs_stop)
         late_stop = \
             f"SIGTERM at rows_done {stopped_at}: modeld took {exit_s:.2f} s to exit and left " \
             f"the job {stored['status']} at rows_done {stored['rows_done']} of {N}; a running " \

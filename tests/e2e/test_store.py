@@ -6,7 +6,6 @@ reading, rolling the default, deleting, retention, restarts, a missing blob,
 kill -9 in the middle of an upload, and an upload that outlives SIGTERM.
 """
 import hashlib
-import http.server
 import json
 import os
 import signal
@@ -17,6 +16,7 @@ import pytest
 import requests
 
 from conftest import REPO, TSCALE, raw_connect, read_http_response
+from loopback import ALLOW_LOOPBACK, LoopbackServer, send_file
 
 FIXTURES = REPO / "tests" / "fixtures"
 MLP = (FIXTURES / "mlp.pt").read_bytes()
@@ -116,60 +116,23 @@ def model(srv, name):
 # ---------------------------------------------------------------- a file server
 
 
-class _Files(http.server.BaseHTTPRequestHandler):
+class FileServer(LoopbackServer):
     """Serves tests/fixtures (and the same files under /ok/); counts GETs per
     path; sleeps `delay` seconds between the headers and the body."""
 
-    counts = None
-    lock = None
-    delay = 0.0
+    def __init__(self):
+        self.delay = 0.0
+        super().__init__(self._respond)
 
-    def do_GET(self):  # noqa: N802 (http.server's naming)
-        with self.lock:
-            self.counts[self.path] = self.counts.get(self.path, 0) + 1
-        rel = self.path.split("?", 1)[0]
+    def _respond(self, h):
+        rel = h.path.split("?", 1)[0]
         if rel.startswith("/ok/"):
             rel = rel[3:]
-        f = FIXTURES / rel.lstrip("/")
-        if "/" in rel.lstrip("/") or not f.is_file():
-            self.send_error(404)
-            return
-        data = f.read_bytes()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.delay:
-            time.sleep(self.delay)
-        self.wfile.write(data)
-
-    def log_message(self, fmt, *args):
-        pass
-
-
-class FileServer:
-    def __init__(self):
-        handler = type("Files", (_Files,), {"counts": {}, "lock": threading.Lock(), "delay": 0.0})
-        self.handler = handler
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def url(self, path):
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def gets(self, path):
-        with self.handler.lock:
-            return self.handler.counts.get(path, 0)
+        delay = self.delay
+        send_file(h, FIXTURES, rel, (lambda: time.sleep(delay)) if delay else None)
 
     def set_delay(self, seconds):
-        self.handler.delay = seconds
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.delay = seconds
 
 
 @pytest.fixture
@@ -179,8 +142,8 @@ def files():
     fs.close()
 
 
-# FileServer listens on 127.0.0.1, which downloads refuse unless allowed
-ALLOW_LOOPBACK = ("--allow-private-urls", "1")
+# FileServer listens on 127.0.0.1, which downloads refuse unless allowed:
+# ALLOW_LOOPBACK (loopback.py)
 
 
 @pytest.fixture

@@ -1,6 +1,12 @@
 /*
- * jobs.c - batch-predict jobs over whole datasets, on the job workers of the
- * model version (batcher.c: their own pool, at the job_nice CPU priority).
+ * scheduler.c - batch-predict jobs over whole datasets, on the job workers of
+ * the model version (predictor/batcher.c: their own pool, at the job_nice CPU
+ * priority): the runners, leases, the chunk pipeline and the output writers.
+ *
+ * Over 800 lines on purpose: one job's run (run_job) is one sequence of
+ * lease, input, pipeline, commit and output steps that all share the
+ * runner's state; the writers (output formats, the per-run output file) are
+ * the natural next cut if it grows.
  *
  * DESIGN
  * A job streams its input through a reader in chunks of batch_size rows,
@@ -42,8 +48,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../jobs/jobs.h"
-#include "predictor.h"
+#include "jobs.h"
 
 /* Chunks in flight: enough queued work to keep the workers busy through an
  * fdatasync + commit (tens of ms on slow disks), bounded by input bytes. */
@@ -166,16 +171,6 @@ static void chunk_reset(chunk *c)
 
 /* ---- helpers ---- */
 
-static void now_iso(char out[32])
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    struct tm tm;
-    gmtime_r(&ts.tv_sec, &tm);
-    size_t n = strftime(out, 32, "%Y-%m-%dT%H:%M:%S", &tm);
-    snprintf(out + n, 32 - n, ".%03ldZ", ts.tv_nsec / 1000000L);
-}
-
 static double mono(void)
 {
     struct timespec ts;
@@ -240,7 +235,7 @@ static void fail_job(md_jobs *J, int slot, const char *id, const md_err *err)
     if (atomic_load(&J->lost[slot]))
         return;
     char now[32];
-    now_iso(now);
+    md_now_iso(now);
     json_t *f = json_pack("{s:s,s:s,s:s}", "status", "failed", "error", err->msg, "finished_at",
                           now);
     jupdate(J, slot, id, f, NULL);
@@ -858,7 +853,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     size_t text_cap = 0;
 
     char now[32];
-    now_iso(now);
+    md_now_iso(now);
     json_t *f = json_pack("{s:s}", "status", "running");
     if (json_is_null(json_object_get(job, "started_at")))
         json_object_set_new(f, "started_at", json_string(now));
@@ -1185,7 +1180,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
             if (out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped,
                            partial, &err) != MD_OK)
                 goto failed;
-            now_iso(now);
+            md_now_iso(now);
             f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
             jupdate(J, slot, id, f, NULL);
             json_decref(f);
@@ -1215,7 +1210,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
                                (double)correct / (double)labeled, &err) != MD_OK)
         md_log(MD_LOG_WARN, "job %s: recording metrics.%s on model %s version %d failed: %s", id,
                record, model_name, md_model_version(m), err.msg);
-    now_iso(now);
+    md_now_iso(now);
     f = json_pack("{s:s,s:s,s:I}", "status", "succeeded", "finished_at", now, "rows_total",
                   (json_int_t)md_reader_position(r));
     jupdate(J, slot, id, f, NULL);
@@ -1234,7 +1229,7 @@ stopped_early:
         md_store_job_release(J->store, id, J->owner, NULL);
         goto out;
     }
-    now_iso(now);
+    md_now_iso(now);
     f = json_pack("{s:s,s:s}", "status", "cancelled", "finished_at", now);
     jupdate(J, slot, id, f, NULL);
     json_decref(f);
