@@ -478,6 +478,22 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
         goto rollback;
     }
     hook(s, "add_blob_decided");
+    /* The architecture the upload was loaded with was read before this
+     * transaction; a PUT of another architecture in between released and
+     * unlinked it (no row named it yet). Checked here, under s->mu and the
+     * write transaction, so no release can come between this check and the
+     * row that keeps the blob alive. */
+    if (spec->arch_sha256 && spec->arch_sha256[0]) {
+        char arch_path[4096];
+        struct stat ab;
+        blob_path(s, spec->arch_sha256, arch_path, sizeof arch_path);
+        if (stat(arch_path, &ab) != 0) {
+            rc = md_err_setc(err, MD_ECONFLICT, "architecture_replaced",
+                             "model %s: the architecture was replaced during the upload; retry",
+                             spec->model);
+            goto rollback;
+        }
+    }
     char now[32];
     now_iso(now);
     sqlite3_stmt *st = prep(s,
