@@ -1807,6 +1807,42 @@ static void test_add_version_refuses_released_architecture(void **state)
     free(sd.data);
 }
 
+/* record_metric builds a JSON path from the name; SQLite does not unescape
+ * a quoted label, so a name with a quote or backslash set another key or
+ * none. Such names are refused; the allowed ones land under their own key. */
+static void test_record_metric_names(void **state)
+{
+    fx *f = *state;
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_err err;
+    md_err_clear(&err);
+    bytes mlp = fixture("mlp.pt");
+    char sha[MD_SHA256_HEX];
+    long long size = 0;
+    md_blob_writer *w = write_blob(s, &mlp, 4096);
+    assert_int_equal(md_blob_finish(w, NULL, sha, &size, &err), MD_OK);
+    md_version_spec spec = {.model = "m", .sha256 = sha, .size = size};
+    assert_int_equal(md_store_add_version(s, &spec, w, NULL, &err), MD_OK);
+    const char *bad[] = {"a\"b", "a\\b", "a b", "", "$.x", "0123456789012345678901234567890123456789012345678901234567890123X"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        md_err_clear(&err);
+        if (md_store_record_metric(s, "m", 1, bad[i], 0.5, &err) != MD_EINVAL)
+            fail_msg("metric name \"%s\" was accepted", bad[i]);
+        assert_non_null(strstr(err.msg, "A-Z a-z 0-9 _ . -"));
+    }
+    assert_int_equal(md_store_record_metric(s, "m", 1, "top-1.acc_v2", 0.75, &err), MD_OK);
+    assert_int_equal(md_store_record_metric(s, "m", 2, "acc", 0.75, &err), MD_ENOTFOUND);
+    json_t *v = NULL;
+    assert_int_equal(md_store_get_version(s, "m", 1, &v, &err), MD_OK);
+    json_t *metrics = json_object_get(v, "metrics");
+    assert_int_equal(json_object_size(metrics), 1);
+    assert_true(json_number_value(json_object_get(metrics, "top-1.acc_v2")) == 0.75);
+    json_decref(v);
+    md_store_close(s);
+    free(mlp.data);
+}
+
 static void test_model_name_ok(void **state)
 {
     (void)state;
@@ -1858,6 +1894,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_job_leases, setup, teardown),
         cmocka_unit_test_setup_teardown(test_add_version_refuses_released_architecture, setup,
                                         teardown),
+        cmocka_unit_test_setup_teardown(test_record_metric_names, setup, teardown),
         cmocka_unit_test(test_model_name_ok),
         cmocka_unit_test(test_addr_is_internal),
         cmocka_unit_test(test_allowed_urls_compare_parsed_urls),

@@ -478,3 +478,42 @@ def test_job_records_its_accuracy_on_the_version(start_server, tmp_path):
     bad = dict(job, input={"path": str(csv), "format": "csv"},
                output={"path": str(tmp_path / "out2.jsonl")})
     expect_error(requests.post(s.url + "/jobs", json=bad, timeout=T), 400, "invalid_job")
+
+
+# ---------------------------------------------------------------- review fixes (issue 12)
+
+def test_metric_names_are_restricted(start_server, tmp_path):
+    s = start_server("--allowed-paths", str(tmp_path))
+    assert put_arch(s, "m", CK / "mlp_arch.pt").status_code == 200
+    created(upload(s, "m", (CK / "mlp_sd.pt").read_bytes(), config=MLP_CONFIG))
+    for bad in ('acc"uracy', "acc\\uracy", "a b", "x" * 65, ""):
+        expect_error(s.request("PATCH", "/models/m", json={"promote": {"metric": bad}}), 400,
+                     "invalid_promote")
+    r = s.request("PATCH", "/models/m", json={"promote": {"metric": "top-1.acc_v2"}})
+    assert r.status_code == 200, r.text
+    csv = tmp_path / "test.csv"
+    x = np.random.default_rng(1).normal(size=(6, 4)).astype(np.float32)
+    csv.write_text("a,b,c,d,label\n" + "".join(
+        ",".join(f"{v:.9g}" for v in row) + ",0\n" for row in x))
+    job = {"model": "m", "version": 1, "input": {"path": str(csv), "format": "csv",
+                                                 "label": "label"}}
+    for i, bad in enumerate(('test"acc', "test\\acc", "x" * 65)):
+        err = expect_error(requests.post(s.url + "/jobs", json=dict(
+            job, record_metric=bad, output={"path": str(tmp_path / f"bad{i}.jsonl")}),
+            timeout=T), 400, "invalid_job")
+        assert "A-Z a-z 0-9" in err["message"], err
+    r = requests.post(s.url + "/jobs", json=dict(
+        job, record_metric="top-1.acc_v2", output={"path": str(tmp_path / "ok.jsonl")}),
+        timeout=T)
+    assert r.status_code in (201, 202), r.text
+    import time
+    jid = r.json()["id"]
+    deadline = time.monotonic() + 120 * TSCALE
+    while time.monotonic() < deadline:
+        st = s.get(f"/jobs/{jid}").json()
+        if st["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        time.sleep(0.05)
+    assert st["status"] == "succeeded", st
+    metrics = s.get("/models/m/versions/1").json()["metrics"]
+    assert set(metrics) == {"top-1.acc_v2"} and 0 <= metrics["top-1.acc_v2"] <= 1, metrics
