@@ -11,6 +11,7 @@
  * connection suspended, so no server thread waits on disk or network.
  */
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -746,6 +747,14 @@ static md_status average_parse(upload *u, json_t *body, json_t **versions, json_
         if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > 1000000000)
             return md_err_setc(err, MD_EINVAL, "invalid_average",
                                "average.versions[%zu] is not a version number", i);
+        /* a version twice is a weight in disguise, and costs a second read:
+         * say it with weights */
+        for (size_t j = 0; j < i; j++)
+            if (json_integer_value(json_array_get(*versions, j)) == json_integer_value(v))
+                return md_err_setc(err, MD_EINVAL, "invalid_average",
+                                   "average.versions lists version %lld twice (at %zu and %zu); "
+                                   "list each version once and give it a larger weight",
+                                   (long long)json_integer_value(v), j, i);
     }
     if (*weights) {
         double sum = 0;
@@ -813,32 +822,55 @@ static void average_commit(md_req *req)
     else
         st = average_parse(u, body, &versions, &weights, &err);
     size_t n = json_array_size(versions);
-    md_tensors *srcs[AVERAGE_MAX_SOURCES] = {0};
     double w[AVERAGE_MAX_SOURCES];
-    char labels[AVERAGE_MAX_SOURCES][32];
-    const char *label_ptrs[AVERAGE_MAX_SOURCES];
     char arch[MD_SHA256_HEX] = "";
     double sum = 0;
+    /* the sources' stored sizes against max_average_bytes, before reading any */
+    long long total = 0;
     for (size_t i = 0; st == MD_OK && i < n; i++) {
         int version = (int)json_integer_value(json_array_get(versions, i));
-        snprintf(labels[i], sizeof labels[i], "version %d", version);
-        label_ptrs[i] = labels[i];
+        json_t *row = NULL;
+        if ((st = md_store_get_version(app->store, u->d.name, version, &row, &err)) ==
+            MD_ENOTFOUND)
+            st = err.status = MD_EUNPROC; /* in a body: the request is wrong, the route is fine */
+        long long size = (long long)json_integer_value(json_object_get(row, "size"));
+        json_decref(row);
+        if (st == MD_OK && __builtin_add_overflow(total, size, &total))
+            total = LLONG_MAX;
+    }
+    if (st == MD_OK && total > app->cfg->max_average_bytes)
+        st = md_err_setc(&err, MD_ETOOBIG, "average_too_large",
+                         "averaging these %zu versions reads %lld bytes of checkpoints, more than "
+                         "max_average_bytes (%lld); average fewer versions or raise the setting",
+                         n, total, app->cfg->max_average_bytes);
+    for (size_t i = 0; st == MD_OK && i < n; i++) {
         w[i] = weights ? json_number_value(json_array_get(weights, i)) : 1.0;
         sum += w[i];
-        char a[MD_SHA256_HEX];
-        st = version_weights(app, u->d.name, version, &srcs[i], a, &err);
-        if (st == MD_ENOTFOUND) /* in a body: the request is wrong, the route is fine */
-            st = err.status = MD_EUNPROC;
-        if (st == MD_OK && a[0])
-            snprintf(arch, sizeof arch, "%s", a); /* the last state_dict source's */
     }
     for (size_t i = 0; st == MD_OK && i < n; i++)
         w[i] /= sum;
+    /* one source at a time: read, add with its weight, free */
+    md_weights_avg *acc = md_weights_avg_new();
+    for (size_t i = 0; st == MD_OK && i < n; i++) {
+        int version = (int)json_integer_value(json_array_get(versions, i));
+        char label[32];
+        snprintf(label, sizeof label, "version %d", version);
+        char a[MD_SHA256_HEX];
+        md_tensors *src = NULL;
+        st = version_weights(app, u->d.name, version, &src, a, &err);
+        if (st == MD_ENOTFOUND) /* deleted since the size check */
+            st = err.status = MD_EUNPROC;
+        if (st == MD_OK && a[0])
+            snprintf(arch, sizeof arch, "%s", a); /* the last state_dict source's */
+        if (st == MD_OK &&
+            (st = md_weights_avg_add(acc, src, w[i], label, &err)) == MD_EINVAL)
+            err.status = st = MD_EUNPROC; /* the sources do not fit together: 422 */
+        md_tensors_free(src);
+    }
     md_tensors *avg = NULL;
-    if (st == MD_OK && (st = md_weights_average(srcs, w, label_ptrs, n, &avg, &err)) == MD_EINVAL)
-        err.status = st = MD_EUNPROC; /* the sources do not fit together: 422 */
-    for (size_t i = 0; i < n; i++)
-        md_tensors_free(srcs[i]);
+    if (st == MD_OK)
+        st = md_weights_avg_finish(acc, &avg, &err);
+    md_weights_avg_free(acc);
     uint8_t *buf = NULL;
     size_t len = 0;
     if (st == MD_OK)

@@ -482,6 +482,23 @@ def test_job_records_its_accuracy_on_the_version(start_server, tmp_path):
 
 # ---------------------------------------------------------------- review fixes (issue 12)
 
+def test_average_past_max_average_bytes_is_413(start_server):
+    a, b = (CK / "mlp_sd.pt").read_bytes(), (CK / "mlp_epoch3.pt").read_bytes()
+    s = start_server("--max-average-bytes", str(len(a) + len(b) - 1))
+    assert put_arch(s, "m", CK / "mlp_arch.pt").status_code == 200
+    created(upload(s, "m", a, config=MLP_CONFIG))
+    created(upload(s, "m", b))
+    before = blobs(s)
+    err = expect_error(requests.post(s.url + "/models/m/versions",
+                                     json={"average": {"versions": [1, 2]}}, timeout=T), 413,
+                       "average_too_large")
+    assert "max_average_bytes" in err["message"], err
+    assert blobs(s) == before and versions(s, "m") == [1, 2]
+    # one version is within the budget
+    created(requests.post(s.url + "/models/m/versions",
+                          json={"average": {"versions": [1]}}, timeout=T))
+
+
 def test_metric_names_are_restricted(start_server, tmp_path):
     s = start_server("--allowed-paths", str(tmp_path))
     assert put_arch(s, "m", CK / "mlp_arch.pt").status_code == 200
