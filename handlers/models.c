@@ -776,10 +776,12 @@ static md_status average_parse(upload *u, json_t *body, json_t **versions, json_
     return MD_OK;
 }
 
-/* The weights of stored version `version` as its model uses them, and the
- * architecture they load into ("" for a TorchScript version). */
+/* The weights of stored version `version` as its model uses them, the
+ * architecture they load into (`arch_sha`, "" for a TorchScript version) and
+ * the version's own blob (`sha`). */
 static md_status version_weights(md_app *app, const char *name, int version, md_tensors **out,
-                                 char arch_sha[MD_SHA256_HEX], md_err *err)
+                                 char arch_sha[MD_SHA256_HEX], char sha[MD_SHA256_HEX],
+                                 md_err *err)
 {
     json_t *v = NULL;
     md_status st = md_store_get_version(app->store, name, version, &v, err);
@@ -793,6 +795,7 @@ static md_status version_weights(md_app *app, const char *name, int version, md_
     if (arch)
         md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
     snprintf(arch_sha, MD_SHA256_HEX, "%s", arch ? arch : "");
+    snprintf(sha, MD_SHA256_HEX, "%s", json_string_value(json_object_get(v, "sha256")));
     st = md_weights_effective(path, format ? format : MD_FORMAT_TORCHSCRIPT,
                               arch ? arch_path : NULL, out, err);
     if (st != MD_OK) {
@@ -823,7 +826,7 @@ static void average_commit(md_req *req)
         st = average_parse(u, body, &versions, &weights, &err);
     size_t n = json_array_size(versions);
     double w[AVERAGE_MAX_SOURCES];
-    char arch[MD_SHA256_HEX] = "";
+    char arch[MD_SHA256_HEX] = "", first_ts[MD_SHA256_HEX] = "";
     double sum = 0;
     /* the sources' stored sizes against max_average_bytes, before reading any */
     long long total = 0;
@@ -855,18 +858,25 @@ static void average_commit(md_req *req)
         int version = (int)json_integer_value(json_array_get(versions, i));
         char label[32];
         snprintf(label, sizeof label, "version %d", version);
-        char a[MD_SHA256_HEX];
+        char a[MD_SHA256_HEX], sha[MD_SHA256_HEX];
         md_tensors *src = NULL;
-        st = version_weights(app, u->d.name, version, &src, a, &err);
+        st = version_weights(app, u->d.name, version, &src, a, sha, &err);
         if (st == MD_ENOTFOUND) /* deleted since the size check */
             st = err.status = MD_EUNPROC;
         if (st == MD_OK && a[0])
             snprintf(arch, sizeof arch, "%s", a); /* the last state_dict source's */
+        else if (st == MD_OK && !first_ts[0])
+            snprintf(first_ts, sizeof first_ts, "%s", sha);
         if (st == MD_OK &&
             (st = md_weights_avg_add(acc, src, w[i], label, &err)) == MD_EINVAL)
             err.status = st = MD_EUNPROC; /* the sources do not fit together: 422 */
         md_tensors_free(src);
     }
+    /* only TorchScript sources: the first one's archive is the architecture
+     * the averaged weights load into (its own weights do not matter), not
+     * the model's current architecture, which may be another network or none */
+    if (!arch[0])
+        snprintf(arch, sizeof arch, "%s", first_ts);
     md_tensors *avg = NULL;
     if (st == MD_OK)
         st = md_weights_avg_finish(acc, &avg, &err);

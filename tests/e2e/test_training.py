@@ -482,6 +482,26 @@ def test_job_records_its_accuracy_on_the_version(start_server, tmp_path):
 
 # ---------------------------------------------------------------- review fixes (issue 12)
 
+def test_average_of_torchscript_versions_needs_no_architecture(server, tmp_path):
+    # no PUT /models/t/architecture: the first TorchScript source is the network
+    nets = []
+    for seed in (4, 5):
+        torch.manual_seed(seed)
+        net = torch.jit.script(MLP())
+        net.save(str(tmp_path / f"ts{seed}.pt"))
+        nets.append(net.state_dict())
+        created(upload(server, "t", (tmp_path / f"ts{seed}.pt").read_bytes(),
+                       config=MLP_CONFIG))
+    assert server.get("/models/t/architecture").status_code == 404
+    w = [0.25, 0.75]
+    v = created(requests.post(server.url + "/models/t/versions", json={
+        "average": {"versions": [1, 2], "weights": w}}, timeout=T))
+    assert v["format"] == "safetensors"
+    avg = {k: w[0] * nets[0][k] + w[1] * nets[1][k] for k in nets[0]}
+    assert np.abs(predict(server, "t", v["version"], MLP_INPUT) -
+                  eager(MLP(), avg, MLP_INPUT)).max() <= 1e-5
+
+
 def test_average_past_max_average_bytes_is_413(start_server):
     a, b = (CK / "mlp_sd.pt").read_bytes(), (CK / "mlp_epoch3.pt").read_bytes()
     s = start_server("--max-average-bytes", str(len(a) + len(b) - 1))
