@@ -12,6 +12,7 @@
  */
 #include <fcntl.h>
 #include <limits.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -763,12 +764,18 @@ static md_status average_parse(upload *u, json_t *body, json_t **versions, json_
                                "average.weights must have one number per version (%zu)", n);
         json_array_foreach(*weights, i, v)
         {
-            if (!json_is_number(v) || json_number_value(v) < 0 ||
-                json_number_value(v) != json_number_value(v))
+            if (!json_is_number(v) || !isfinite(json_number_value(v)) ||
+                json_number_value(v) < 0)
                 return md_err_setc(err, MD_EINVAL, "invalid_average",
-                                   "average.weights[%zu] must be a number >= 0", i);
+                                   "average.weights[%zu] must be a finite number >= 0", i);
             sum += json_number_value(v);
         }
+        /* each weight is divided by the sum: an infinite sum would make every
+         * weight 0 and the average an all-zero model */
+        if (!isfinite(sum))
+            return md_err_setc(err, MD_EINVAL, "invalid_average",
+                               "average.weights sum to more than a double holds; scale them down "
+                               "(only their ratios matter)");
         if (!(sum > 0))
             return md_err_setc(err, MD_EINVAL, "invalid_average",
                                "average.weights sum to 0; give at least one positive weight");

@@ -502,6 +502,32 @@ def test_average_of_torchscript_versions_needs_no_architecture(server, tmp_path)
                   eager(MLP(), avg, MLP_INPUT)).max() <= 1e-5
 
 
+def test_average_weights_must_be_finite_with_a_finite_positive_sum(server):
+    assert put_arch(server, "m", CK / "mlp_arch.pt").status_code == 200
+    data = (CK / "mlp_sd.pt").read_bytes()
+    created(upload(server, "m", data, config=MLP_CONFIG))
+    created(upload(server, "m", data))
+    before = blobs(server)
+
+    def average(body):
+        return requests.post(server.url + "/models/m/versions", json={"average": body},
+                             timeout=T)
+    # each weight finite, but the sum overflows: every weight would normalise to 0
+    err = expect_error(average({"versions": [1, 2], "weights": [1e308, 1e308]}), 400,
+                       "invalid_average")
+    assert "weights sum" in err["message"], err
+    err = expect_error(average({"versions": [1, 2], "weights": [0, 0]}), 400, "invalid_average")
+    assert "sum to 0" in err["message"], err
+    err = expect_error(average({"versions": [1, 2], "weights": [-1, 2]}), 400, "invalid_average")
+    assert "weights[0]" in err["message"], err
+    # a version listed twice is a weight in disguise
+    err = expect_error(average({"versions": [1, 2, 1]}), 400, "invalid_average")
+    assert "version 1 twice" in err["message"], err
+    assert blobs(server) == before and versions(server, "m") == [1, 2]
+    # scaled down, the same ratios are fine
+    created(average({"versions": [1, 2], "weights": [1e300, 1e300]}))
+
+
 def test_average_past_max_average_bytes_is_413(start_server):
     a, b = (CK / "mlp_sd.pt").read_bytes(), (CK / "mlp_epoch3.pt").read_bytes()
     s = start_server("--max-average-bytes", str(len(a) + len(b) - 1))
