@@ -444,10 +444,12 @@ static md_status weights_prepare(md_app *app, deploy_req *d, const char *path,
         d->metrics = json_object();
         for (size_t i = 0; i < md_tensors_scalar_count(t); i++) {
             double x = md_tensors_scalar_value(t, i);
+            if (!isfinite(x))
+                continue; /* NaN and inf are no JSON numbers: not a metric */
+            /* the range first: casting NaN or 1e300 to an integer is undefined */
             json_object_set_new(d->metrics, md_tensors_scalar_name(t, i),
-                                x == (double)(long long)x && x > -1e15 && x < 1e15
-                                    ? json_integer((json_int_t)x)
-                                    : json_real(x));
+                                fabs(x) < 1e15 && x == trunc(x) ? json_integer((json_int_t)x)
+                                                                : json_real(x));
         }
     }
     md_tensors_free(t);

@@ -580,3 +580,16 @@ def test_metric_names_are_restricted(start_server, tmp_path):
     assert st["status"] == "succeeded", st
     metrics = s.get("/models/m/versions/1").json()["metrics"]
     assert set(metrics) == {"top-1.acc_v2"} and 0 <= metrics["top-1.acc_v2"] <= 1, metrics
+
+
+def test_non_finite_and_huge_top_level_numbers(server, tmp_path):
+    assert put_arch(server, "m", CK / "mlp_arch.pt").status_code == 200
+    torch.manual_seed(0)
+    p = save(tmp_path, "odd.pt", {"epoch": 3, "loss": float("nan"), "inf": float("inf"),
+                                  "big": 1e300, "step": 2.0 ** 60, "model": MLP().state_dict()})
+    v = created(upload(server, "m", p.read_bytes(), config=MLP_CONFIG))
+    # NaN and inf are no JSON numbers: skipped; 1e300 and 2**60 stay reals
+    m = v["metrics"]
+    assert set(m) == {"epoch", "big", "step"} and m["epoch"] == 3 and \
+        isinstance(m["epoch"], int), m
+    assert m["big"] == pytest.approx(1e300) and m["step"] == pytest.approx(2.0 ** 60), m
