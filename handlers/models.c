@@ -809,7 +809,9 @@ static md_status version_weights(md_app *app, const char *name, int version, md_
                               arch ? arch_path : NULL, out, err);
     if (st != MD_OK) {
         md_err inner = *err;
-        md_err_setc(err, st == MD_EIO ? MD_EIO : MD_EUNPROC, md_err_code(&inner),
+        /* out of memory (503) and too large (413) are not the version's fault */
+        md_status keep = st == MD_EIO || st == MD_ENOMEM || st == MD_ETOOBIG ? st : MD_EUNPROC;
+        md_err_setc(err, keep, md_err_code(&inner),
                     "model %s version %d: %.400s", name, version, inner.msg);
         st = err->status;
     }

@@ -124,12 +124,18 @@ md_status md_weights_table(const char *arch_path, json_t **out, md_err *err)
         int is_buffer = 0;
         md_torch_state_get(s, i, &t, &is_buffer);
         json_t *shape = json_array();
-        long long numel = 1;
-        for (int d = 0; d < t.ndim; d++) {
+        for (int d = 0; d < t.ndim; d++)
             json_array_append_new(shape, json_integer(t.shape[d]));
-            numel *= t.shape[d];
+        int64_t numel = 0;
+        if (md_shape_product(t.shape, t.ndim, &numel) != 0 ||
+            __builtin_add_overflow(numel_total, (long long)numel, &numel_total)) {
+            json_decref(shape);
+            json_decref(params);
+            md_torch_state_free(s);
+            return md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                               "the architecture's tensor \"%.200s\" has an invalid shape",
+                               t.name);
         }
-        numel_total += numel;
         json_array_append_new(params, json_pack("{s:s,s:o,s:s,s:s}", "name", t.name, "shape",
                                                 shape, "dtype", md_ckpt_dtype_name(t.dtype),
                                                 "kind", is_buffer ? "buffer" : "parameter"));
@@ -163,6 +169,19 @@ static md_status state_to_tensors(md_torch_state *s, md_tensors **out, md_err *e
     return MD_OK;
 }
 
+/* Index in `file` of the architecture's tensor `name`, looked up as
+ * "module.NAME" when `prefixed`; -1 when absent. */
+static long find_name(const md_tensors *file, const char *name, int prefixed)
+{
+    if (!prefixed)
+        return md_tensors_find(file, name);
+    char buf[MD_CKPT_MAX_NAME + 1];
+    if (strlen(name) + 7 > MD_CKPT_MAX_NAME)
+        return -1; /* no file name is that long */
+    snprintf(buf, sizeof buf, "module.%s", name);
+    return md_tensors_find(file, buf);
+}
+
 md_status md_weights_effective(const char *path, const char *format, const char *arch_path,
                                md_tensors **out, md_err *err)
 {
@@ -186,30 +205,25 @@ md_status md_weights_effective(const char *path, const char *format, const char 
         md_tensors_free(file);
         return st;
     }
-    /* the strip rule of md_torch_load_state */
+    /* the strip rule of md_torch_load_state; names are unique on both sides,
+     * so counting architecture names found in the file (hashed lookups) is
+     * counting matches */
     size_t n = md_tensors_count(file), raw_hits = 0, stripped_hits = 0;
     int all_prefixed = n > 0;
-    for (size_t i = 0; i < n; i++) {
-        const char *name = md_tensors_name(file, i);
-        all_prefixed = all_prefixed && strncmp(name, "module.", 7) == 0;
-        for (size_t j = 0; j < md_torch_state_count(s); j++) {
-            md_torch_named_tensor a;
-            md_torch_state_get(s, j, &a, NULL);
-            raw_hits += strcmp(a.name, name) == 0;
-            stripped_hits += strcmp(a.name, md_ckpt_strip_module(name)) == 0;
-        }
+    for (size_t i = 0; i < n && all_prefixed; i++)
+        all_prefixed = strncmp(md_tensors_name(file, i), "module.", 7) == 0;
+    for (size_t j = 0; j < md_torch_state_count(s); j++) {
+        md_torch_named_tensor a;
+        md_torch_state_get(s, j, &a, NULL);
+        raw_hits += find_name(file, a.name, 0) >= 0;
+        stripped_hits += all_prefixed && find_name(file, a.name, 1) >= 0;
     }
     int strip = all_prefixed && stripped_hits > raw_hits;
     md_tensors *t = md_tensors_new();
     for (size_t j = 0; j < md_torch_state_count(s) && st == MD_OK; j++) {
         md_torch_named_tensor a;
         md_torch_state_get(s, j, &a, NULL);
-        long k = -1;
-        for (size_t i = 0; i < n && k < 0; i++) {
-            const char *name = md_tensors_name(file, i);
-            if (strcmp(strip ? md_ckpt_strip_module(name) : name, a.name) == 0)
-                k = (long)i;
-        }
+        long k = find_name(file, a.name, strip);
         int64_t numel = 0;
         if (k < 0 || md_tensors_ndim(file, (size_t)k) != a.ndim ||
             memcmp(md_tensors_shape(file, (size_t)k), a.shape, sizeof(int64_t) * (size_t)a.ndim) !=
