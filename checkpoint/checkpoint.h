@@ -256,7 +256,15 @@ md_status md_promote_check(json_t *policy, md_err *err);
  * default on metrics.K (a version without K never replaces one with it).
  * GET /models/NAME shows it as "promote". */
 md_status md_store_set_promote(md_store *store, const char *name, json_t *policy, md_err *err);
-/* Set metrics.`metric` of a version to `value` (a job's accuracy). */
+/* A metric name a request may name (record_metric, promote.metric): 1 to
+ * MD_METRIC_NAME_MAX bytes of [A-Za-z0-9_.-], so it is one JSON path label
+ * SQLite reads as written. MD_EINVAL (code `code`) naming `what` and the rule
+ * otherwise. Thread-safe. */
+#define MD_METRIC_NAME_MAX 64
+md_status md_metric_name_check(const char *name, const char *what, const char *code,
+                               md_err *err);
+/* Set metrics.`metric` of a version to `value` (a job's accuracy). MD_EINVAL
+ * when md_metric_name_check refuses the name. */
 md_status md_store_record_metric(md_store *store, const char *name, int version,
                                  const char *metric, double value, md_err *err);
 

@@ -155,6 +155,24 @@ static md_status json_text(json_t *v, char **out)
  * The promotion policy lives in models.settings next to retention.
  */
 
+md_status md_metric_name_check(const char *name, const char *what, const char *code,
+                               md_err *err)
+{
+    size_t len = name ? strlen(name) : 0;
+    int ok = len >= 1 && len <= MD_METRIC_NAME_MAX;
+    for (size_t i = 0; ok && i < len; i++) {
+        unsigned char c = (unsigned char)name[i];
+        ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+             c == '_' || c == '.' || c == '-';
+    }
+    if (ok)
+        return MD_OK;
+    return md_err_setc(err, MD_EINVAL, code,
+                       "%s must be a metric name of 1 to %d characters from A-Z a-z 0-9 _ . - "
+                       "(e.g. \"test_accuracy\")",
+                       what, MD_METRIC_NAME_MAX);
+}
+
 md_status md_promote_check(json_t *p, md_err *err)
 {
     if (json_is_null(p))
@@ -173,9 +191,13 @@ md_status md_promote_check(json_t *p, md_err *err)
                                k, example);
     }
     json_t *m = json_object_get(p, "metric"), *o = json_object_get(p, "order");
-    if (!json_is_string(m) || !json_string_length(m) || json_string_length(m) > 128)
+    if (!json_is_string(m))
         return md_err_setc(err, MD_EINVAL, "invalid_promote",
-                           "promote.metric must name a metric (1 to 128 bytes), e.g. %s", example);
+                           "promote.metric must name a metric, e.g. %s", example);
+    md_status rc = md_metric_name_check(json_string_value(m), "promote.metric", "invalid_promote",
+                                        err);
+    if (rc != MD_OK)
+        return rc;
     if (o && (!json_is_string(o) || (strcmp(json_string_value(o), "asc") != 0 &&
                                      strcmp(json_string_value(o), "desc") != 0)))
         return md_err_setc(err, MD_EINVAL, "invalid_promote",
@@ -396,16 +418,17 @@ out:
 md_status md_store_record_metric(md_store *s, const char *name, int version, const char *metric,
                                  double value, md_err *err)
 {
-    pthread_mutex_lock(&s->mu);
-    md_status rc = exec(s, "BEGIN IMMEDIATE", err);
+    /* SQLite does not unescape a quoted JSON path label: a name with a quote
+     * or a backslash would set another key or none, so such names are
+     * refused and the rest need no quoting */
+    md_status rc = md_metric_name_check(metric, "record_metric", "invalid_metric", err);
     if (rc != MD_OK)
+        return rc;
+    pthread_mutex_lock(&s->mu);
+    if ((rc = exec(s, "BEGIN IMMEDIATE", err)) != MD_OK)
         goto out;
-    char path[300];
-    json_t *key = json_string(metric);
-    char *quoted = json_dumps(key, JSON_ENCODE_ANY);
-    json_decref(key);
-    snprintf(path, sizeof path, "$.%s", quoted ? quoted : "\"\"");
-    free(quoted);
+    char path[MD_METRIC_NAME_MAX + 8];
+    snprintf(path, sizeof path, "$.\"%s\"", metric);
     sqlite3_stmt *st = prep(s,
                             "UPDATE versions SET metrics = json_set(metrics, ?1, ?2) WHERE model = "
                             "?3 AND version = ?4",
@@ -478,6 +501,22 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
         goto rollback;
     }
     hook(s, "add_blob_decided");
+    /* The architecture the upload was loaded with was read before this
+     * transaction; a PUT of another architecture in between released and
+     * unlinked it (no row named it yet). Checked here, under s->mu and the
+     * write transaction, so no release can come between this check and the
+     * row that keeps the blob alive. */
+    if (spec->arch_sha256 && spec->arch_sha256[0]) {
+        char arch_path[4096];
+        struct stat ab;
+        blob_path(s, spec->arch_sha256, arch_path, sizeof arch_path);
+        if (stat(arch_path, &ab) != 0) {
+            rc = md_err_setc(err, MD_ECONFLICT, "architecture_replaced",
+                             "model %s: the architecture was replaced during the upload; retry",
+                             spec->model);
+            goto rollback;
+        }
+    }
     char now[32];
     now_iso(now);
     sqlite3_stmt *st = prep(s,

@@ -54,6 +54,9 @@ static const setting settings[] = {
      "store directory: index.sqlite and checkpoint blobs"},
     {"max_checkpoint_bytes", T_SIZE, OFF(max_checkpoint_bytes), 1, 1024 * GiB, "4294967296", NULL,
      "largest checkpoint accepted by upload or download"},
+    {"max_average_bytes", T_SIZE, OFF(max_average_bytes), 1, 1024 * GiB, "17179869184", NULL,
+     "most bytes of stored versions one weight average reads (their sizes summed; 413 past "
+     "it): the sources are read one at a time, this bounds the work of one request"},
     {"allowed_paths", T_LIST, OFF(allowed_paths), 0, 0, "", NULL,
      "directories file:// sources and job inputs may come from (comma-separated)"},
     {"allowed_urls", T_LIST, OFF(allowed_urls), 0, 0, "", NULL,

@@ -45,6 +45,7 @@ typedef struct md_cfg {
     /* store */
     char *store;                /* store directory (index.sqlite, blobs/) */
     long long max_checkpoint_bytes; /* largest checkpoint upload or download */
+    long long max_average_bytes;    /* most stored bytes one weight average reads */
     md_strlist allowed_paths;   /* file:// sources and job inputs must be under one */
     md_strlist allowed_urls;    /* when non-empty, URL sources must match one (scheme, host, port, path) */
     int allow_private_urls;     /* 1: downloads may reach loopback/private/link-local addresses */

@@ -170,10 +170,13 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
         return md_err_setc(err, MD_EINVAL, "invalid_job",
                            "top_k must be an integer in 1..%d (the top_k limit)", MD_TOP_K_MAX);
     json_t *rm = json_object_get(spec, "record_metric");
-    if (rm && (!json_is_string(rm) || json_string_length(rm) < 1 || json_string_length(rm) > 128))
+    if (rm && !json_is_string(rm))
         return md_err_setc(err, MD_EINVAL, "invalid_job",
-                           "record_metric must name a metric (1 to 128 bytes), e.g. "
-                           "\"test_accuracy\"");
+                           "record_metric must name a metric, e.g. \"test_accuracy\"");
+    md_status rst;
+    if (rm && (rst = md_metric_name_check(json_string_value(rm), "record_metric", "invalid_job",
+                                          err)) != MD_OK)
+        return rst;
     if (rm && !json_object_get(json_object_get(spec, "input"), "label"))
         return md_err_setc(err, MD_EINVAL, "invalid_job",
                            "record_metric records the accuracy on a labelled dataset; give "

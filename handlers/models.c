@@ -11,6 +11,8 @@
  * connection suspended, so no server thread waits on disk or network.
  */
 #include <fcntl.h>
+#include <limits.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -428,10 +430,12 @@ static md_status weights_prepare(md_app *app, deploy_req *d, const char *path,
         d->metrics = json_object();
         for (size_t i = 0; i < md_tensors_scalar_count(t); i++) {
             double x = md_tensors_scalar_value(t, i);
+            if (!isfinite(x))
+                continue; /* NaN and inf are no JSON numbers: not a metric */
+            /* the range first: casting NaN or 1e300 to an integer is undefined */
             json_object_set_new(d->metrics, md_tensors_scalar_name(t, i),
-                                x == (double)(long long)x && x > -1e15 && x < 1e15
-                                    ? json_integer((json_int_t)x)
-                                    : json_real(x));
+                                fabs(x) < 1e15 && x == trunc(x) ? json_integer((json_int_t)x)
+                                                                : json_real(x));
         }
     }
     md_tensors_free(t);
@@ -732,6 +736,14 @@ static md_status average_parse(upload *u, json_t *body, json_t **versions, json_
         if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > 1000000000)
             return md_err_setc(err, MD_EINVAL, "invalid_average",
                                "average.versions[%zu] is not a version number", i);
+        /* a version twice is a weight in disguise, and costs a second read:
+         * say it with weights */
+        for (size_t j = 0; j < i; j++)
+            if (json_integer_value(json_array_get(*versions, j)) == json_integer_value(v))
+                return md_err_setc(err, MD_EINVAL, "invalid_average",
+                                   "average.versions lists version %lld twice (at %zu and %zu); "
+                                   "list each version once and give it a larger weight",
+                                   (long long)json_integer_value(v), j, i);
     }
     if (*weights) {
         double sum = 0;
@@ -740,12 +752,18 @@ static md_status average_parse(upload *u, json_t *body, json_t **versions, json_
                                "average.weights must have one number per version (%zu)", n);
         json_array_foreach(*weights, i, v)
         {
-            if (!json_is_number(v) || json_number_value(v) < 0 ||
-                json_number_value(v) != json_number_value(v))
+            if (!json_is_number(v) || !isfinite(json_number_value(v)) ||
+                json_number_value(v) < 0)
                 return md_err_setc(err, MD_EINVAL, "invalid_average",
-                                   "average.weights[%zu] must be a number >= 0", i);
+                                   "average.weights[%zu] must be a finite number >= 0", i);
             sum += json_number_value(v);
         }
+        /* each weight is divided by the sum: an infinite sum would make every
+         * weight 0 and the average an all-zero model */
+        if (!isfinite(sum))
+            return md_err_setc(err, MD_EINVAL, "invalid_average",
+                               "average.weights sum to more than a double holds; scale them down "
+                               "(only their ratios matter)");
         if (!(sum > 0))
             return md_err_setc(err, MD_EINVAL, "invalid_average",
                                "average.weights sum to 0; give at least one positive weight");
@@ -753,10 +771,12 @@ static md_status average_parse(upload *u, json_t *body, json_t **versions, json_
     return MD_OK;
 }
 
-/* The weights of stored version `version` as its model uses them, and the
- * architecture they load into ("" for a TorchScript version). */
+/* The weights of stored version `version` as its model uses them, the
+ * architecture they load into (`arch_sha`, "" for a TorchScript version) and
+ * the version's own blob (`sha`). */
 static md_status version_weights(md_app *app, const char *name, int version, md_tensors **out,
-                                 char arch_sha[MD_SHA256_HEX], md_err *err)
+                                 char arch_sha[MD_SHA256_HEX], char sha[MD_SHA256_HEX],
+                                 md_err *err)
 {
     json_t *v = NULL;
     md_status st = md_store_get_version(app->store, name, version, &v, err);
@@ -770,11 +790,14 @@ static md_status version_weights(md_app *app, const char *name, int version, md_
     if (arch)
         md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
     snprintf(arch_sha, MD_SHA256_HEX, "%s", arch ? arch : "");
+    snprintf(sha, MD_SHA256_HEX, "%s", json_string_value(json_object_get(v, "sha256")));
     st = md_weights_effective(path, format ? format : MD_FORMAT_TORCHSCRIPT,
                               arch ? arch_path : NULL, out, err);
     if (st != MD_OK) {
         md_err inner = *err;
-        md_err_setc(err, st == MD_EIO ? MD_EIO : MD_EUNPROC, md_err_code(&inner),
+        /* out of memory (503) and too large (413) are not the version's fault */
+        md_status keep = st == MD_EIO || st == MD_ENOMEM || st == MD_ETOOBIG ? st : MD_EUNPROC;
+        md_err_setc(err, keep, md_err_code(&inner),
                     "model %s version %d: %.400s", name, version, inner.msg);
         st = err->status;
     }
@@ -799,32 +822,62 @@ static void average_commit(md_req *req)
     else
         st = average_parse(u, body, &versions, &weights, &err);
     size_t n = json_array_size(versions);
-    md_tensors *srcs[AVERAGE_MAX_SOURCES] = {0};
     double w[AVERAGE_MAX_SOURCES];
-    char labels[AVERAGE_MAX_SOURCES][32];
-    const char *label_ptrs[AVERAGE_MAX_SOURCES];
-    char arch[MD_SHA256_HEX] = "";
+    char arch[MD_SHA256_HEX] = "", first_ts[MD_SHA256_HEX] = "";
     double sum = 0;
+    /* the sources' stored sizes against max_average_bytes, before reading any */
+    long long total = 0;
     for (size_t i = 0; st == MD_OK && i < n; i++) {
         int version = (int)json_integer_value(json_array_get(versions, i));
-        snprintf(labels[i], sizeof labels[i], "version %d", version);
-        label_ptrs[i] = labels[i];
+        json_t *row = NULL;
+        if ((st = md_store_get_version(app->store, u->d.name, version, &row, &err)) ==
+            MD_ENOTFOUND)
+            st = err.status = MD_EUNPROC; /* in a body: the request is wrong, the route is fine */
+        long long size = (long long)json_integer_value(json_object_get(row, "size"));
+        json_decref(row);
+        if (st == MD_OK && __builtin_add_overflow(total, size, &total))
+            total = LLONG_MAX;
+    }
+    if (st == MD_OK && total > app->cfg->max_average_bytes)
+        st = md_err_setc(&err, MD_ETOOBIG, "average_too_large",
+                         "averaging these %zu versions reads %lld bytes of checkpoints, more than "
+                         "max_average_bytes (%lld); average fewer versions or raise the setting",
+                         n, total, app->cfg->max_average_bytes);
+    for (size_t i = 0; st == MD_OK && i < n; i++) {
         w[i] = weights ? json_number_value(json_array_get(weights, i)) : 1.0;
         sum += w[i];
-        char a[MD_SHA256_HEX];
-        st = version_weights(app, u->d.name, version, &srcs[i], a, &err);
-        if (st == MD_ENOTFOUND) /* in a body: the request is wrong, the route is fine */
-            st = err.status = MD_EUNPROC;
-        if (st == MD_OK && a[0])
-            snprintf(arch, sizeof arch, "%s", a); /* the last state_dict source's */
     }
     for (size_t i = 0; st == MD_OK && i < n; i++)
         w[i] /= sum;
+    /* one source at a time: read, add with its weight, free */
+    md_weights_avg *acc = md_weights_avg_new();
+    for (size_t i = 0; st == MD_OK && i < n; i++) {
+        int version = (int)json_integer_value(json_array_get(versions, i));
+        char label[32];
+        snprintf(label, sizeof label, "version %d", version);
+        char a[MD_SHA256_HEX], sha[MD_SHA256_HEX];
+        md_tensors *src = NULL;
+        st = version_weights(app, u->d.name, version, &src, a, sha, &err);
+        if (st == MD_ENOTFOUND) /* deleted since the size check */
+            st = err.status = MD_EUNPROC;
+        if (st == MD_OK && a[0])
+            snprintf(arch, sizeof arch, "%s", a); /* the last state_dict source's */
+        else if (st == MD_OK && !first_ts[0])
+            snprintf(first_ts, sizeof first_ts, "%s", sha);
+        if (st == MD_OK &&
+            (st = md_weights_avg_add(acc, src, w[i], label, &err)) == MD_EINVAL)
+            err.status = st = MD_EUNPROC; /* the sources do not fit together: 422 */
+        md_tensors_free(src);
+    }
+    /* only TorchScript sources: the first one's archive is the architecture
+     * the averaged weights load into (its own weights do not matter), not
+     * the model's current architecture, which may be another network or none */
+    if (!arch[0])
+        snprintf(arch, sizeof arch, "%s", first_ts);
     md_tensors *avg = NULL;
-    if (st == MD_OK && (st = md_weights_average(srcs, w, label_ptrs, n, &avg, &err)) == MD_EINVAL)
-        err.status = st = MD_EUNPROC; /* the sources do not fit together: 422 */
-    for (size_t i = 0; i < n; i++)
-        md_tensors_free(srcs[i]);
+    if (st == MD_OK)
+        st = md_weights_avg_finish(acc, &avg, &err);
+    md_weights_avg_free(acc);
     uint8_t *buf = NULL;
     size_t len = 0;
     if (st == MD_OK)

@@ -187,14 +187,26 @@ md_status md_weights_effective(const char *path, const char *format, const char 
                                md_tensors **out, md_err *err);
 
 /*
- * The weighted mean of `n` (>= 1) weight sets with the same names, shapes and
- * dtypes in the same order: floating tensors sum(w[i] * src[i]) (computed in
- * double), integer and bool tensors from the last source. `labels[i]` names
- * source i in messages ("version 3"). MD_EINVAL naming the first difference.
- * New list the caller frees. Thread-safe.
+ * A weighted mean built one source at a time, so that averaging n versions
+ * holds one source's weights plus the sums (a double per floating element),
+ * never all n: md_weights_avg_add each source with its weight `w` (used as
+ * given; the caller normalises), then md_weights_avg_finish. The first source
+ * sets the names, shapes and dtypes; a later one that differs is MD_EINVAL
+ * naming the first difference (`label` names the source in messages, "version
+ * 3") and leaves the sums as they were. Floating tensors are sum(w[i] *
+ * src[i]) computed in double, integer and bool tensors the last source's.
+ * MD_ENOMEM / MD_ETOOBIG when the sums cannot be held. The sources stay the
+ * caller's (free each after its add). One request's object: not thread-safe.
  */
-md_status md_weights_average(md_tensors *const *srcs, const double *w, const char *const *labels,
-                             size_t n, md_tensors **out, md_err *err);
+typedef struct md_weights_avg md_weights_avg;
+/* A new, empty average. Never fails (small allocation). */
+md_weights_avg *md_weights_avg_new(void);
+/* Accepts NULL. */
+void md_weights_avg_free(md_weights_avg *a);
+md_status md_weights_avg_add(md_weights_avg *a, const md_tensors *src, double w,
+                             const char *label, md_err *err);
+/* The mean as a new list the caller frees (MD_EINVAL when nothing was added). */
+md_status md_weights_avg_finish(md_weights_avg *a, md_tensors **out, md_err *err);
 
 /* ---- the registry of loaded versions (registry.c) ---- */
 

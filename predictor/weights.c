@@ -124,12 +124,18 @@ md_status md_weights_table(const char *arch_path, json_t **out, md_err *err)
         int is_buffer = 0;
         md_torch_state_get(s, i, &t, &is_buffer);
         json_t *shape = json_array();
-        long long numel = 1;
-        for (int d = 0; d < t.ndim; d++) {
+        for (int d = 0; d < t.ndim; d++)
             json_array_append_new(shape, json_integer(t.shape[d]));
-            numel *= t.shape[d];
+        int64_t numel = 0;
+        if (md_shape_product(t.shape, t.ndim, &numel) != 0 ||
+            __builtin_add_overflow(numel_total, (long long)numel, &numel_total)) {
+            json_decref(shape);
+            json_decref(params);
+            md_torch_state_free(s);
+            return md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                               "the architecture's tensor \"%.200s\" has an invalid shape",
+                               t.name);
         }
-        numel_total += numel;
         json_array_append_new(params, json_pack("{s:s,s:o,s:s,s:s}", "name", t.name, "shape",
                                                 shape, "dtype", md_ckpt_dtype_name(t.dtype),
                                                 "kind", is_buffer ? "buffer" : "parameter"));
@@ -163,6 +169,19 @@ static md_status state_to_tensors(md_torch_state *s, md_tensors **out, md_err *e
     return MD_OK;
 }
 
+/* Index in `file` of the architecture's tensor `name`, looked up as
+ * "module.NAME" when `prefixed`; -1 when absent. */
+static long find_name(const md_tensors *file, const char *name, int prefixed)
+{
+    if (!prefixed)
+        return md_tensors_find(file, name);
+    char buf[MD_CKPT_MAX_NAME + 1];
+    if (strlen(name) + 7 > MD_CKPT_MAX_NAME)
+        return -1; /* no file name is that long */
+    snprintf(buf, sizeof buf, "module.%s", name);
+    return md_tensors_find(file, buf);
+}
+
 md_status md_weights_effective(const char *path, const char *format, const char *arch_path,
                                md_tensors **out, md_err *err)
 {
@@ -186,30 +205,25 @@ md_status md_weights_effective(const char *path, const char *format, const char 
         md_tensors_free(file);
         return st;
     }
-    /* the strip rule of md_torch_load_state */
+    /* the strip rule of md_torch_load_state; names are unique on both sides,
+     * so counting architecture names found in the file (hashed lookups) is
+     * counting matches */
     size_t n = md_tensors_count(file), raw_hits = 0, stripped_hits = 0;
     int all_prefixed = n > 0;
-    for (size_t i = 0; i < n; i++) {
-        const char *name = md_tensors_name(file, i);
-        all_prefixed = all_prefixed && strncmp(name, "module.", 7) == 0;
-        for (size_t j = 0; j < md_torch_state_count(s); j++) {
-            md_torch_named_tensor a;
-            md_torch_state_get(s, j, &a, NULL);
-            raw_hits += strcmp(a.name, name) == 0;
-            stripped_hits += strcmp(a.name, md_ckpt_strip_module(name)) == 0;
-        }
+    for (size_t i = 0; i < n && all_prefixed; i++)
+        all_prefixed = strncmp(md_tensors_name(file, i), "module.", 7) == 0;
+    for (size_t j = 0; j < md_torch_state_count(s); j++) {
+        md_torch_named_tensor a;
+        md_torch_state_get(s, j, &a, NULL);
+        raw_hits += find_name(file, a.name, 0) >= 0;
+        stripped_hits += all_prefixed && find_name(file, a.name, 1) >= 0;
     }
     int strip = all_prefixed && stripped_hits > raw_hits;
     md_tensors *t = md_tensors_new();
     for (size_t j = 0; j < md_torch_state_count(s) && st == MD_OK; j++) {
         md_torch_named_tensor a;
         md_torch_state_get(s, j, &a, NULL);
-        long k = -1;
-        for (size_t i = 0; i < n && k < 0; i++) {
-            const char *name = md_tensors_name(file, i);
-            if (strcmp(strip ? md_ckpt_strip_module(name) : name, a.name) == 0)
-                k = (long)i;
-        }
+        long k = find_name(file, a.name, strip);
         int64_t numel = 0;
         if (k < 0 || md_tensors_ndim(file, (size_t)k) != a.ndim ||
             memcmp(md_tensors_shape(file, (size_t)k), a.shape, sizeof(int64_t) * (size_t)a.ndim) !=
@@ -254,90 +268,170 @@ static void fmt_shape(char *buf, size_t size, const int64_t *shape, int ndim)
         snprintf(buf + used, size - used, "]");
 }
 
-md_status md_weights_average(md_tensors *const *srcs, const double *w, const char *const *labels,
-                             size_t n, md_tensors **out, md_err *err)
+/*
+ * Averaging, one source at a time: the accumulator is itself a named-tensor
+ * list (hashed names, the first source's shapes) whose floating tensors are
+ * float64 running sums and whose integer and bool tensors hold the last
+ * source's bytes. Each source is checked against it, added with its weight and
+ * can be freed before the next is read, so n sources cost one source plus the
+ * accumulator, never n models.
+ */
+struct md_weights_avg {
+    md_tensors *acc;
+    md_ckpt_dtype *dtype; /* each tensor's own dtype (acc holds floats as F64) */
+    size_t sources;
+    char first[64]; /* label of the first source, for messages */
+};
+
+md_weights_avg *md_weights_avg_new(void)
 {
-    *out = NULL;
-    if (n == 0)
-        return md_err_set(err, MD_EINVAL, "averaging needs at least one source");
-    const md_tensors *first = srcs[0];
-    size_t count = md_tensors_count(first);
-    for (size_t s = 1; s < n; s++) {
-        const md_tensors *o = srcs[s];
-        for (size_t i = 0; i < count; i++) {
-            const char *name = md_tensors_name(first, i);
-            long k = md_tensors_find(o, name);
-            if (k < 0)
-                return md_err_setc(err, MD_EINVAL, "average_mismatch",
-                                   "%s has tensor \"%.200s\" but %s does not; average versions of "
-                                   "one architecture",
-                                   labels[0], name, labels[s]);
-            int nd = md_tensors_ndim(first, i);
-            if (md_tensors_ndim(o, (size_t)k) != nd ||
-                memcmp(md_tensors_shape(o, (size_t)k), md_tensors_shape(first, i),
-                       sizeof(int64_t) * (size_t)nd) != 0) {
-                char a[96], b[96];
-                fmt_shape(a, sizeof a, md_tensors_shape(first, i), nd);
-                fmt_shape(b, sizeof b, md_tensors_shape(o, (size_t)k),
-                          md_tensors_ndim(o, (size_t)k));
-                return md_err_setc(err, MD_EINVAL, "average_mismatch",
-                                   "tensor \"%.200s\" has shape %s in %s but %s in %s", name, a,
-                                   labels[0], b, labels[s]);
-            }
-            if (md_tensors_dtype(o, (size_t)k) != md_tensors_dtype(first, i))
-                return md_err_setc(err, MD_EINVAL, "average_mismatch",
-                                   "tensor \"%.200s\" is %s in %s but %s in %s", name,
-                                   md_ckpt_dtype_name(md_tensors_dtype(first, i)), labels[0],
-                                   md_ckpt_dtype_name(md_tensors_dtype(o, (size_t)k)), labels[s]);
-        }
-        if (md_tensors_count(o) != count) {
-            for (size_t i = 0; i < md_tensors_count(o); i++)
-                if (md_tensors_find(first, md_tensors_name(o, i)) < 0)
-                    return md_err_setc(err, MD_EINVAL, "average_mismatch",
-                                       "%s has tensor \"%.200s\" but %s does not; average "
-                                       "versions of one architecture",
-                                       labels[s], md_tensors_name(o, i), labels[0]);
-        }
-    }
-    md_tensors *t = md_tensors_new();
+    md_weights_avg *a = md_xcalloc(1, sizeof *a);
+    a->acc = md_tensors_new();
+    return a;
+}
+
+void md_weights_avg_free(md_weights_avg *a)
+{
+    if (!a)
+        return;
+    md_tensors_free(a->acc);
+    free(a->dtype);
+    free(a);
+}
+
+/* The first source: the layout every later source must have. */
+static md_status avg_first(md_weights_avg *a, const md_tensors *src, double w, md_err *err)
+{
+    size_t count = md_tensors_count(src);
+    a->dtype = md_calloc_checked(count ? count : 1, sizeof *a->dtype, "average", err);
+    if (!a->dtype)
+        return MD_ENOMEM;
     md_status st = MD_OK;
     for (size_t i = 0; i < count && st == MD_OK; i++) {
-        const char *name = md_tensors_name(first, i);
-        md_ckpt_dtype dt = md_tensors_dtype(first, i);
-        int nd = md_tensors_ndim(first, i);
-        size_t nbytes = md_tensors_nbytes(first, i);
-        size_t numel = nbytes / md_ckpt_dtype_size(dt);
+        md_ckpt_dtype dt = md_tensors_dtype(src, i);
+        size_t nbytes = md_tensors_nbytes(src, i);
+        a->dtype[i] = dt;
         if (!md_ckpt_dtype_is_float(dt)) {
-            /* integer buffers (BatchNorm's num_batches_tracked): the last source's */
-            const md_tensors *last = srcs[n - 1];
-            st = md_tensors_add(t, name, dt, nd, md_tensors_shape(first, i),
-                                md_tensors_data(last, (size_t)md_tensors_find(last, name)), nbytes,
-                                err);
+            st = md_tensors_add(a->acc, md_tensors_name(src, i), dt, md_tensors_ndim(src, i),
+                                md_tensors_shape(src, i), md_tensors_data(src, i), nbytes, err);
             continue;
         }
-        double *acc = md_calloc_checked(numel ? numel : 1, sizeof(double), "average", err);
-        double *tmp = md_calloc_checked(numel ? numel : 1, sizeof(double), "average", err);
+        size_t numel = nbytes / md_ckpt_dtype_size(dt), bytes;
+        if (__builtin_mul_overflow(numel, sizeof(double), &bytes))
+            return md_err_set(err, MD_ETOOBIG, "tensor \"%.200s\" is too large to average",
+                              md_tensors_name(src, i));
+        double *sum = md_malloc_checked(bytes ? bytes : 1, "average", err);
+        if (!sum)
+            return MD_ENOMEM;
+        st = md_torch_cast(md_tensors_data(src, i), dt, sum, MD_CKPT_F64, numel, err);
+        for (size_t e = 0; st == MD_OK && e < numel; e++)
+            sum[e] *= w;
+        if (st == MD_OK)
+            st = md_tensors_adopt(a->acc, md_tensors_name(src, i), MD_CKPT_F64,
+                                  md_tensors_ndim(src, i), md_tensors_shape(src, i), sum, bytes,
+                                  err);
+        else
+            free(sum);
+    }
+    return st;
+}
+
+md_status md_weights_avg_add(md_weights_avg *a, const md_tensors *src, double w,
+                             const char *label, md_err *err)
+{
+    if (a->sources++ == 0) {
+        snprintf(a->first, sizeof a->first, "%s", label);
+        return avg_first(a, src, w, err);
+    }
+    const md_tensors *acc = a->acc;
+    size_t count = md_tensors_count(acc);
+    /* the same names, shapes and dtypes as the first source, checked before
+     * anything is added so a mismatch leaves the sums untouched */
+    for (size_t i = 0; i < count; i++) {
+        const char *name = md_tensors_name(acc, i);
+        long k = md_tensors_find(src, name);
+        if (k < 0)
+            return md_err_setc(err, MD_EINVAL, "average_mismatch",
+                               "%s has tensor \"%.200s\" but %s does not; average versions of "
+                               "one architecture",
+                               a->first, name, label);
+        int nd = md_tensors_ndim(acc, i);
+        if (md_tensors_ndim(src, (size_t)k) != nd ||
+            memcmp(md_tensors_shape(src, (size_t)k), md_tensors_shape(acc, i),
+                   sizeof(int64_t) * (size_t)nd) != 0) {
+            char x[96], y[96];
+            fmt_shape(x, sizeof x, md_tensors_shape(acc, i), nd);
+            fmt_shape(y, sizeof y, md_tensors_shape(src, (size_t)k),
+                      md_tensors_ndim(src, (size_t)k));
+            return md_err_setc(err, MD_EINVAL, "average_mismatch",
+                               "tensor \"%.200s\" has shape %s in %s but %s in %s", name, x,
+                               a->first, y, label);
+        }
+        if (md_tensors_dtype(src, (size_t)k) != a->dtype[i])
+            return md_err_setc(err, MD_EINVAL, "average_mismatch",
+                               "tensor \"%.200s\" is %s in %s but %s in %s", name,
+                               md_ckpt_dtype_name(a->dtype[i]), a->first,
+                               md_ckpt_dtype_name(md_tensors_dtype(src, (size_t)k)), label);
+    }
+    if (md_tensors_count(src) != count) {
+        for (size_t i = 0; i < md_tensors_count(src); i++)
+            if (md_tensors_find(acc, md_tensors_name(src, i)) < 0)
+                return md_err_setc(err, MD_EINVAL, "average_mismatch",
+                                   "%s has tensor \"%.200s\" but %s does not; average versions "
+                                   "of one architecture",
+                                   label, md_tensors_name(src, i), a->first);
+    }
+    md_status st = MD_OK;
+    for (size_t i = 0; i < count && st == MD_OK; i++) {
+        size_t k = (size_t)md_tensors_find(src, md_tensors_name(acc, i));
+        md_ckpt_dtype dt = a->dtype[i];
+        size_t nbytes = md_tensors_nbytes(src, k);
+        if (!md_ckpt_dtype_is_float(dt)) {
+            /* integer buffers (BatchNorm's num_batches_tracked): the last source's */
+            memcpy(md_tensors_data_mut(a->acc, i), md_tensors_data(src, k), nbytes);
+            continue;
+        }
+        size_t numel = nbytes / md_ckpt_dtype_size(dt);
+        double *tmp = md_malloc_checked(md_tensors_nbytes(acc, i) ? md_tensors_nbytes(acc, i) : 1,
+                                        "average", err);
+        if (!tmp)
+            return MD_ENOMEM;
+        double *sum = md_tensors_data_mut(a->acc, i);
+        st = md_torch_cast(md_tensors_data(src, k), dt, tmp, MD_CKPT_F64, numel, err);
+        for (size_t e = 0; st == MD_OK && e < numel; e++)
+            sum[e] += w * tmp[e];
+        free(tmp);
+    }
+    return st;
+}
+
+md_status md_weights_avg_finish(md_weights_avg *a, md_tensors **out, md_err *err)
+{
+    *out = NULL;
+    if (a->sources == 0)
+        return md_err_set(err, MD_EINVAL, "averaging needs at least one source");
+    const md_tensors *acc = a->acc;
+    md_tensors *t = md_tensors_new();
+    md_status st = MD_OK;
+    for (size_t i = 0; i < md_tensors_count(acc) && st == MD_OK; i++) {
+        const char *name = md_tensors_name(acc, i);
+        md_ckpt_dtype dt = a->dtype[i];
+        int nd = md_tensors_ndim(acc, i);
+        if (!md_ckpt_dtype_is_float(dt)) {
+            st = md_tensors_add(t, name, dt, nd, md_tensors_shape(acc, i), md_tensors_data(acc, i),
+                                md_tensors_nbytes(acc, i), err);
+            continue;
+        }
+        size_t numel = md_tensors_nbytes(acc, i) / sizeof(double);
+        size_t nbytes = numel * md_ckpt_dtype_size(dt); /* <= the F64 bytes: no overflow */
         void *res = md_malloc_checked(nbytes ? nbytes : 1, "average", err);
-        if (!acc || !tmp || !res) {
-            free(acc);
-            free(tmp);
-            free(res);
+        if (!res) {
             st = MD_ENOMEM;
             break;
         }
-        for (size_t s = 0; s < n && st == MD_OK; s++) {
-            const md_tensors *o = srcs[s];
-            long k = md_tensors_find(o, name);
-            st = md_torch_cast(md_tensors_data(o, (size_t)k), dt, tmp, MD_CKPT_F64, numel, err);
-            for (size_t e = 0; st == MD_OK && e < numel; e++)
-                acc[e] += w[s] * tmp[e];
-        }
+        st = md_torch_cast(md_tensors_data(acc, i), MD_CKPT_F64, res, dt, numel, err);
         if (st == MD_OK)
-            st = md_torch_cast(acc, MD_CKPT_F64, res, dt, numel, err);
-        free(acc);
-        free(tmp);
-        if (st == MD_OK)
-            st = md_tensors_adopt(t, name, dt, nd, md_tensors_shape(first, i), res, nbytes, err);
+            st = md_tensors_adopt(t, name, dt, nd, md_tensors_shape(acc, i), res, nbytes, err);
         else
             free(res);
     }

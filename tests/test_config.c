@@ -93,7 +93,8 @@ static md_status load(md_cfg *cfg, char **argv, char **envp, md_cfg_action *acti
 
 static const char *const all_keys[] = {
     "host", "port", "threads", "max_body_bytes", "connection_timeout_s", "keepalive_timeout_s",
-    "drain_seconds", "access_log", "log_level", "store", "max_checkpoint_bytes", "allowed_paths",
+    "drain_seconds", "access_log", "log_level", "store", "max_checkpoint_bytes", "max_average_bytes",
+    "allowed_paths",
     "allowed_urls", "download_connect_timeout_s", "download_timeout_s", "download_max_redirects",
     "workers", "intra_op_threads", "max_batch_size", "max_delay_us", "queue_limit", "timeout_ms",
     "default_model", "max_jobs", "job_lease_s", "job_nice", "store_poll_ms",
@@ -114,6 +115,7 @@ static void assert_defaults(const md_cfg *cfg)
     assert_string_equal(cfg->log_level, "info");
     assert_string_equal(cfg->store, "./modeld-data");
     assert_int_equal(cfg->max_checkpoint_bytes, 4294967296LL);
+    assert_int_equal(cfg->max_average_bytes, 17179869184LL);
     assert_int_equal(cfg->allowed_paths.count, 0);
     assert_int_equal(cfg->allowed_urls.count, 0);
     assert_string_equal(cfg->default_model, "");

@@ -1744,6 +1744,107 @@ static void test_typo_hint_computed_outside_locks(void **state)
     free(mlp.data);
 }
 
+/* A version names the architecture it was loaded with; when a PUT of another
+ * architecture released that blob between the load and the row (issue 12),
+ * the add refuses (409) instead of recording a sha with no file behind it. */
+static void test_add_version_refuses_released_architecture(void **state)
+{
+    fx *f = *state;
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_err err;
+    md_err_clear(&err);
+    bytes mlp = fixture("mlp.pt"), cnn = fixture("cnn.pt"), sd = fixture("mlp_state_dict.pt");
+    char mlp_sha[MD_SHA256_HEX], cnn_sha[MD_SHA256_HEX], sd_sha[MD_SHA256_HEX];
+    sha_hex(mlp.data, mlp.len, mlp_sha);
+    sha_hex(cnn.data, cnn.len, cnn_sha);
+    sha_hex(sd.data, sd.len, sd_sha);
+    char got[MD_SHA256_HEX];
+    long long size = 0;
+
+    /* the upload reads architecture A (mlp.pt) ... */
+    md_blob_writer *w = write_blob(s, &mlp, 4096);
+    assert_int_equal(md_blob_finish(w, mlp_sha, got, &size, &err), MD_OK);
+    assert_int_equal(md_store_set_architecture(s, "m", w, &err), MD_OK);
+    char arch[MD_SHA256_HEX];
+    assert_int_equal(md_store_architecture(s, "m", arch, &err), MD_OK);
+    assert_string_equal(arch, mlp_sha);
+    /* ... then a PUT replaces it with B: A is released, its file unlinked */
+    w = write_blob(s, &cnn, 4096);
+    assert_int_equal(md_blob_finish(w, cnn_sha, got, &size, &err), MD_OK);
+    assert_int_equal(md_store_set_architecture(s, "m", w, &err), MD_OK);
+    char rel[128];
+    snprintf(rel, sizeof rel, "blobs/%s", mlp_sha);
+    assert_false(exists(f, rel));
+
+    /* the version loaded into A is refused, and nothing is kept */
+    md_version_spec spec = {.model = "m", .sha256 = sd_sha, .size = (long long)sd.len,
+                            .format = "torch_save", .arch_sha256 = mlp_sha};
+    w = write_blob(s, &sd, 4096);
+    assert_int_equal(md_blob_finish(w, sd_sha, got, &size, &err), MD_OK);
+    json_t *out = NULL;
+    md_err_clear(&err);
+    assert_int_equal(md_store_add_version(s, &spec, w, &out, &err), MD_ECONFLICT);
+    assert_null(out);
+    assert_string_equal(md_err_code(&err), "architecture_replaced");
+    assert_non_null(strstr(err.msg, "retry"));
+    json_t *list = NULL;
+    assert_int_equal(md_store_list_versions(s, "m", NULL, 1, &list, &err), MD_OK);
+    assert_int_equal(json_array_size(list), 0);
+    json_decref(list);
+    snprintf(rel, sizeof rel, "blobs/%s", sd_sha);
+    assert_false(exists(f, rel));
+    assert_int_equal(count_dir(f, "tmp"), 0);
+
+    /* the retry, loaded into B, is stored */
+    spec.arch_sha256 = cnn_sha;
+    w = write_blob(s, &sd, 4096);
+    assert_int_equal(md_blob_finish(w, sd_sha, got, &size, &err), MD_OK);
+    assert_int_equal(md_store_add_version(s, &spec, w, &out, &err), MD_OK);
+    assert_string_equal(json_string_value(json_object_get(out, "arch_sha256")), cnn_sha);
+    json_decref(out);
+    md_store_close(s);
+    free(mlp.data);
+    free(cnn.data);
+    free(sd.data);
+}
+
+/* record_metric builds a JSON path from the name; SQLite does not unescape
+ * a quoted label, so a name with a quote or backslash set another key or
+ * none. Such names are refused; the allowed ones land under their own key. */
+static void test_record_metric_names(void **state)
+{
+    fx *f = *state;
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_err err;
+    md_err_clear(&err);
+    bytes mlp = fixture("mlp.pt");
+    char sha[MD_SHA256_HEX];
+    long long size = 0;
+    md_blob_writer *w = write_blob(s, &mlp, 4096);
+    assert_int_equal(md_blob_finish(w, NULL, sha, &size, &err), MD_OK);
+    md_version_spec spec = {.model = "m", .sha256 = sha, .size = size};
+    assert_int_equal(md_store_add_version(s, &spec, w, NULL, &err), MD_OK);
+    const char *bad[] = {"a\"b", "a\\b", "a b", "", "$.x", "0123456789012345678901234567890123456789012345678901234567890123X"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        md_err_clear(&err);
+        if (md_store_record_metric(s, "m", 1, bad[i], 0.5, &err) != MD_EINVAL)
+            fail_msg("metric name \"%s\" was accepted", bad[i]);
+        assert_non_null(strstr(err.msg, "A-Z a-z 0-9 _ . -"));
+    }
+    assert_int_equal(md_store_record_metric(s, "m", 1, "top-1.acc_v2", 0.75, &err), MD_OK);
+    assert_int_equal(md_store_record_metric(s, "m", 2, "acc", 0.75, &err), MD_ENOTFOUND);
+    json_t *v = NULL;
+    assert_int_equal(md_store_get_version(s, "m", 1, &v, &err), MD_OK);
+    json_t *metrics = json_object_get(v, "metrics");
+    assert_int_equal(json_object_size(metrics), 1);
+    assert_true(json_number_value(json_object_get(metrics, "top-1.acc_v2")) == 0.75);
+    json_decref(v);
+    md_store_close(s);
+    free(mlp.data);
+}
+
 static void test_model_name_ok(void **state)
 {
     (void)state;
@@ -1793,6 +1894,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_list_models_pagination, setup, teardown),
         cmocka_unit_test_setup_teardown(test_defaults_and_generation, setup, teardown),
         cmocka_unit_test_setup_teardown(test_job_leases, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_add_version_refuses_released_architecture, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_record_metric_names, setup, teardown),
         cmocka_unit_test(test_model_name_ok),
         cmocka_unit_test(test_addr_is_internal),
         cmocka_unit_test(test_allowed_urls_compare_parsed_urls),

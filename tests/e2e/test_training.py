@@ -478,3 +478,118 @@ def test_job_records_its_accuracy_on_the_version(start_server, tmp_path):
     bad = dict(job, input={"path": str(csv), "format": "csv"},
                output={"path": str(tmp_path / "out2.jsonl")})
     expect_error(requests.post(s.url + "/jobs", json=bad, timeout=T), 400, "invalid_job")
+
+
+# ---------------------------------------------------------------- review fixes (issue 12)
+
+def test_average_of_torchscript_versions_needs_no_architecture(server, tmp_path):
+    # no PUT /models/t/architecture: the first TorchScript source is the network
+    nets = []
+    for seed in (4, 5):
+        torch.manual_seed(seed)
+        net = torch.jit.script(MLP())
+        net.save(str(tmp_path / f"ts{seed}.pt"))
+        nets.append(net.state_dict())
+        created(upload(server, "t", (tmp_path / f"ts{seed}.pt").read_bytes(),
+                       config=MLP_CONFIG))
+    assert server.get("/models/t/architecture").status_code == 404
+    w = [0.25, 0.75]
+    v = created(requests.post(server.url + "/models/t/versions", json={
+        "average": {"versions": [1, 2], "weights": w}}, timeout=T))
+    assert v["format"] == "safetensors"
+    avg = {k: w[0] * nets[0][k] + w[1] * nets[1][k] for k in nets[0]}
+    assert np.abs(predict(server, "t", v["version"], MLP_INPUT) -
+                  eager(MLP(), avg, MLP_INPUT)).max() <= 1e-5
+
+
+def test_average_weights_must_be_finite_with_a_finite_positive_sum(server):
+    assert put_arch(server, "m", CK / "mlp_arch.pt").status_code == 200
+    data = (CK / "mlp_sd.pt").read_bytes()
+    created(upload(server, "m", data, config=MLP_CONFIG))
+    created(upload(server, "m", data))
+    before = blobs(server)
+
+    def average(body):
+        return requests.post(server.url + "/models/m/versions", json={"average": body},
+                             timeout=T)
+    # each weight finite, but the sum overflows: every weight would normalise to 0
+    err = expect_error(average({"versions": [1, 2], "weights": [1e308, 1e308]}), 400,
+                       "invalid_average")
+    assert "weights sum" in err["message"], err
+    err = expect_error(average({"versions": [1, 2], "weights": [0, 0]}), 400, "invalid_average")
+    assert "sum to 0" in err["message"], err
+    err = expect_error(average({"versions": [1, 2], "weights": [-1, 2]}), 400, "invalid_average")
+    assert "weights[0]" in err["message"], err
+    # a version listed twice is a weight in disguise
+    err = expect_error(average({"versions": [1, 2, 1]}), 400, "invalid_average")
+    assert "version 1 twice" in err["message"], err
+    assert blobs(server) == before and versions(server, "m") == [1, 2]
+    # scaled down, the same ratios are fine
+    created(average({"versions": [1, 2], "weights": [1e300, 1e300]}))
+
+
+def test_average_past_max_average_bytes_is_413(start_server):
+    a, b = (CK / "mlp_sd.pt").read_bytes(), (CK / "mlp_epoch3.pt").read_bytes()
+    s = start_server("--max-average-bytes", str(len(a) + len(b) - 1))
+    assert put_arch(s, "m", CK / "mlp_arch.pt").status_code == 200
+    created(upload(s, "m", a, config=MLP_CONFIG))
+    created(upload(s, "m", b))
+    before = blobs(s)
+    err = expect_error(requests.post(s.url + "/models/m/versions",
+                                     json={"average": {"versions": [1, 2]}}, timeout=T), 413,
+                       "average_too_large")
+    assert "max_average_bytes" in err["message"], err
+    assert blobs(s) == before and versions(s, "m") == [1, 2]
+    # one version is within the budget
+    created(requests.post(s.url + "/models/m/versions",
+                          json={"average": {"versions": [1]}}, timeout=T))
+
+
+def test_metric_names_are_restricted(start_server, tmp_path):
+    s = start_server("--allowed-paths", str(tmp_path))
+    assert put_arch(s, "m", CK / "mlp_arch.pt").status_code == 200
+    created(upload(s, "m", (CK / "mlp_sd.pt").read_bytes(), config=MLP_CONFIG))
+    for bad in ('acc"uracy', "acc\\uracy", "a b", "x" * 65, ""):
+        expect_error(s.request("PATCH", "/models/m", json={"promote": {"metric": bad}}), 400,
+                     "invalid_promote")
+    r = s.request("PATCH", "/models/m", json={"promote": {"metric": "top-1.acc_v2"}})
+    assert r.status_code == 200, r.text
+    csv = tmp_path / "test.csv"
+    x = np.random.default_rng(1).normal(size=(6, 4)).astype(np.float32)
+    csv.write_text("a,b,c,d,label\n" + "".join(
+        ",".join(f"{v:.9g}" for v in row) + ",0\n" for row in x))
+    job = {"model": "m", "version": 1, "input": {"path": str(csv), "format": "csv",
+                                                 "label": "label"}}
+    for i, bad in enumerate(('test"acc', "test\\acc", "x" * 65)):
+        err = expect_error(requests.post(s.url + "/jobs", json=dict(
+            job, record_metric=bad, output={"path": str(tmp_path / f"bad{i}.jsonl")}),
+            timeout=T), 400, "invalid_job")
+        assert "A-Z a-z 0-9" in err["message"], err
+    r = requests.post(s.url + "/jobs", json=dict(
+        job, record_metric="top-1.acc_v2", output={"path": str(tmp_path / "ok.jsonl")}),
+        timeout=T)
+    assert r.status_code in (201, 202), r.text
+    import time
+    jid = r.json()["id"]
+    deadline = time.monotonic() + 120 * TSCALE
+    while time.monotonic() < deadline:
+        st = s.get(f"/jobs/{jid}").json()
+        if st["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        time.sleep(0.05)
+    assert st["status"] == "succeeded", st
+    metrics = s.get("/models/m/versions/1").json()["metrics"]
+    assert set(metrics) == {"top-1.acc_v2"} and 0 <= metrics["top-1.acc_v2"] <= 1, metrics
+
+
+def test_non_finite_and_huge_top_level_numbers(server, tmp_path):
+    assert put_arch(server, "m", CK / "mlp_arch.pt").status_code == 200
+    torch.manual_seed(0)
+    p = save(tmp_path, "odd.pt", {"epoch": 3, "loss": float("nan"), "inf": float("inf"),
+                                  "big": 1e300, "step": 2.0 ** 60, "model": MLP().state_dict()})
+    v = created(upload(server, "m", p.read_bytes(), config=MLP_CONFIG))
+    # NaN and inf are no JSON numbers: skipped; 1e300 and 2**60 stay reals
+    m = v["metrics"]
+    assert set(m) == {"epoch", "big", "step"} and m["epoch"] == 3 and \
+        isinstance(m["epoch"], int), m
+    assert m["big"] == pytest.approx(1e300) and m["step"] == pytest.approx(2.0 ** 60), m
