@@ -6,6 +6,7 @@ const md_route md_routes[] = {
     {"GET", "/healthz", md_handle_healthz, NULL, NULL},
     {"GET", "/readyz", md_handle_readyz, NULL, NULL},
     {"GET", "/openapi.yaml", md_handle_openapi, NULL, NULL},
+    {"GET", "/metrics", md_handle_metrics, NULL, NULL},
     {"GET", "/models", md_handle_models_list, NULL, "limit after"},
     {"POST", "/models", md_handle_models_register, NULL, NULL},
     {"GET", "/models/{name}", md_handle_model_get, NULL, NULL},

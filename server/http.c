@@ -54,7 +54,21 @@ struct md_http {
     atomic_int gate_closed;   /* md_http_close_gate: new requests answered 503 at once */
     atomic_ulong next_id;
     unsigned long id_seed;
+    /* GET /metrics: one latency histogram per (route, status class); the
+     * route index n_routes is "no route" (404/405). Its counts are the
+     * request counters. Updated lock-free when a request completes. */
+    md_hist *route_hist;
 };
+
+#define N_CLASSES 5 /* 1xx .. 5xx */
+
+static md_hist *route_hist(md_http *h, size_t route, int status)
+{
+    int c = status / 100 - 1;
+    if (c < 0 || c >= N_CLASSES)
+        c = N_CLASSES - 1;
+    return &h->route_hist[route * N_CLASSES + (size_t)c];
+}
 
 typedef enum { REPLY_NONE, REPLY_BUFFER, REPLY_FD } reply_kind;
 
@@ -625,6 +639,14 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
         r->bytes_out = 0;    /* the reply, if any, was not delivered */
     }
     access_log_line(r);
+    {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        double s = (double)(now.tv_sec - r->start.tv_sec) +
+                   (double)(now.tv_nsec - r->start.tv_nsec) / 1e9;
+        size_t route = r->match.route ? (size_t)(r->match.route - h->routes) : h->n_routes;
+        md_hist_observe(route_hist(h, route, r->status ? r->status : 500), s);
+    }
     MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT,
                               (unsigned)h->cfg->keepalive_timeout_s);
     req_free(r);
@@ -692,6 +714,9 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
     h->n_routes = n_routes;
     h->app = app;
     h->listen_fd = fd;
+    h->route_hist = md_xcalloc((n_routes + 1) * N_CLASSES, sizeof *h->route_hist);
+    for (size_t i = 0; i < (n_routes + 1) * N_CLASSES; i++)
+        md_hist_init(&h->route_hist[i], md_latency_bounds, md_latency_nbounds);
     struct sockaddr_storage ss;
     socklen_t sl = sizeof ss;
     if (getsockname(fd, (struct sockaddr *)&ss, &sl) == 0)
@@ -729,6 +754,7 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
         if (h->access_log_owned)
             fclose(h->access_log);
         close(fd);
+        free(h->route_hist);
         free(h);
         return MD_EIO;
     }
@@ -765,5 +791,49 @@ void md_http_stop(md_http *h)
         close(h->listen_fd);
     if (h->access_log_owned)
         fclose(h->access_log);
+    free(h->route_hist);
     free(h);
+}
+
+void md_http_write_metrics(md_http *h, FILE *f)
+{
+    static const char *const cls[N_CLASSES] = {"1xx", "2xx", "3xx", "4xx", "5xx"};
+    char l[400];
+    for (int pass = 0; pass < 2; pass++) {
+        const char *name = pass ? "modeld_http_request_duration_seconds"
+                                : "modeld_http_requests_total";
+        if (pass)
+            md_prom_family(f, name, "histogram",
+                           "Time from a request's headers to its last byte sent, by route "
+                           "pattern, method and status class.");
+        else
+            md_prom_family(f, name, "counter",
+                           "HTTP requests completed, by route pattern (route=\"none\": no "
+                           "route matched), method and status class.");
+        for (size_t r = 0; r <= h->n_routes; r++) {
+            for (int c = 0; c < N_CLASSES; c++) {
+                const md_hist *hist = &h->route_hist[r * N_CLASSES + (size_t)c];
+                long long n = md_hist_count(hist);
+                if (n == 0)
+                    continue; /* series appear once they have a request */
+                l[0] = '\0';
+                md_prom_label(l, sizeof l, "route", r < h->n_routes ? h->routes[r].pattern
+                                                                    : "none");
+                md_prom_label(l, sizeof l, "method", r < h->n_routes ? h->routes[r].method
+                                                                     : "any");
+                md_prom_label(l, sizeof l, "code", cls[c]);
+                if (pass)
+                    md_prom_hist(f, name, l, hist);
+                else
+                    md_prom_sample(f, name, l, (double)n);
+            }
+        }
+    }
+    const union MHD_DaemonInfo *info =
+        MHD_get_daemon_info(h->daemon, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+    md_prom_family(f, "modeld_http_connections", "gauge", "Open client connections.");
+    md_prom_sample(f, "modeld_http_connections", "", info ? (double)info->num_connections : 0);
+    md_prom_family(f, "modeld_http_requests_in_flight", "gauge",
+                   "Requests received and not yet completed.");
+    md_prom_sample(f, "modeld_http_requests_in_flight", "", (double)atomic_load(&h->in_flight));
 }

@@ -16,9 +16,11 @@
 #include <jansson.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #include "../config/config.h"
 #include "../config/md_err.h"
+#include "../config/md_metrics.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -121,6 +123,10 @@ void md_http_quiesce(md_http *http);
 
 /* Requests begun and not yet completed. Thread-safe. */
 long md_http_in_flight(const md_http *http);
+/* Write the HTTP metric families (Prometheus text) to `f`: requests and
+ * latency by route pattern, method and status class, open connections.
+ * Reads atomics only; any thread. */
+void md_http_write_metrics(md_http *http, FILE *f);
 
 /*
  * Close the gate before stopping: every request that begins after this is

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+
+#include "../config/md_metrics.h"
 #include <unistd.h>
 
 #include "../config/config.h"
@@ -781,9 +783,59 @@ static void test_empty_host_and_store(void **state)
     unlink(path);
 }
 
+/* ---- md_metrics: the Prometheus text helpers ---- */
+
+static char *render(void (*fn)(FILE *, void *), void *arg)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    assert_non_null(f);
+    fn(f, arg);
+    assert_int_equal(fclose(f), 0);
+    return buf;
+}
+
+static void write_hist(FILE *f, void *h) { md_prom_hist(f, "x_seconds", "model=\"m\"", h); }
+
+static void test_metrics_histogram(void **state)
+{
+    (void)state;
+    static const double b[] = {1, 2, 4};
+    md_hist h;
+    md_hist_init(&h, b, 3);
+    double obs[] = {0.5, 1, 1.5, 4, 5, -1 /* a clock step back counts as 0 */};
+    for (size_t i = 0; i < sizeof obs / sizeof obs[0]; i++)
+        md_hist_observe(&h, obs[i]);
+    assert_int_equal(md_hist_count(&h), 6);
+    char *t = render(write_hist, &h);
+    assert_string_equal(t, "x_seconds_bucket{model=\"m\",le=\"1\"} 3\n"
+                           "x_seconds_bucket{model=\"m\",le=\"2\"} 4\n"
+                           "x_seconds_bucket{model=\"m\",le=\"4\"} 5\n"
+                           "x_seconds_bucket{model=\"m\",le=\"+Inf\"} 6\n"
+                           "x_seconds_sum{model=\"m\"} 12\n"
+                           "x_seconds_count{model=\"m\"} 6\n");
+    free(t);
+}
+
+static void test_metrics_labels_escaped(void **state)
+{
+    (void)state;
+    char l[64] = "";
+    md_prom_label(l, sizeof l, "model", "a\"b\\c\nd");
+    md_prom_label(l, sizeof l, "v", "1");
+    assert_string_equal(l, "model=\"a\\\"b\\\\c\\nd\",v=\"1\"");
+    /* too long for the buffer: cut, still NUL-terminated, never overflowing */
+    char small[12] = "";
+    md_prom_label(small, sizeof small, "model", "abcdefghijklmnop");
+    assert_true(strlen(small) < sizeof small);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_metrics_histogram),
+        cmocka_unit_test(test_metrics_labels_escaped),
         cmocka_unit_test_teardown(test_defaults, remove_temps),
         cmocka_unit_test_teardown(test_load_with_nothing_gives_defaults, remove_temps),
         cmocka_unit_test_teardown(test_free_zeroes_and_accepts_null, remove_temps),
