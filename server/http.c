@@ -25,6 +25,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <microhttpd.h>
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -58,6 +60,11 @@ struct md_http {
      * route index n_routes is "no route" (404/405). Its counts are the
      * request counters. Updated lock-free when a request completes. */
     md_hist *route_hist;
+    /* bearer tokens, as SHA-256 digests (compared in constant time) */
+    struct token_set {
+        unsigned char (*digest)[SHA256_DIGEST_LENGTH];
+        int count;
+    } admin, predict, metrics;
 };
 
 #define N_CLASSES 5 /* 1xx .. 5xx */
@@ -527,6 +534,76 @@ static enum MHD_Result check_query_arg(void *cls, enum MHD_ValueKind kind, const
     return qc->st == MD_OK ? MHD_YES : MHD_NO;
 }
 
+/* ---- bearer tokens ---- */
+
+static void token_set_init(struct token_set *t, const md_strlist *l)
+{
+    t->count = l->count;
+    t->digest = t->count ? md_xcalloc((size_t)t->count, sizeof *t->digest) : NULL;
+    for (int i = 0; i < t->count; i++)
+        SHA256((const unsigned char *)l->items[i], strlen(l->items[i]), t->digest[i]);
+}
+
+/* 1 when `d` is one of the set's tokens. Every token is compared, each in
+ * constant time, and digests have one length: the time says nothing of how
+ * much of a guess was right. */
+static int token_in(const struct token_set *t, const unsigned char *d)
+{
+    int found = 0;
+    for (int i = 0; i < t->count; i++)
+        found |= CRYPTO_memcmp(t->digest[i], d, SHA256_DIGEST_LENGTH) == 0;
+    return found;
+}
+
+/* The route's guard: MD_OK, or an error (401 without a token, 403 with one
+ * that does not open the route) with its WWW-Authenticate header set. The
+ * token itself never reaches a message or the log. */
+static md_status check_auth(md_http *h, md_req *r, struct MHD_Connection *conn, md_err *err)
+{
+    md_auth need = r->match.route->auth;
+    const struct token_set *sets[2] = {NULL, NULL};
+    const char *which;
+    switch (need) {
+    case MD_AUTH_OPEN:
+        return MD_OK;
+    case MD_AUTH_ADMIN:
+        sets[0] = &h->admin;
+        which = "an admin token (admin_token)";
+        break;
+    case MD_AUTH_METRICS:
+        sets[0] = &h->metrics;
+        sets[1] = &h->admin;
+        which = "a metrics or admin token";
+        break;
+    default: /* MD_AUTH_PREDICT, MD_AUTH_READ */
+        sets[0] = &h->predict;
+        sets[1] = &h->admin;
+        which = "a predict or admin token";
+        break;
+    }
+    if (sets[0]->count == 0)
+        return MD_OK; /* that kind of token is not configured: open */
+    const char *a = MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
+                                                MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!a || strncasecmp(a, "Bearer ", 7) != 0 || !a[7]) {
+        md_reply_header(r, "WWW-Authenticate", "Bearer realm=\"modeld\"");
+        return md_err_setc(err, MD_EAUTH, "unauthorized",
+                           "%s %s needs %s: send the header Authorization: Bearer TOKEN",
+                           r->method, r->match.route->pattern, which);
+    }
+    const char *tok = a + 7;
+    while (*tok == ' ')
+        tok++;
+    unsigned char d[SHA256_DIGEST_LENGTH];
+    SHA256((const unsigned char *)tok, strlen(tok), d);
+    if (token_in(sets[0], d) || (sets[1] && token_in(sets[1], d)))
+        return MD_OK;
+    md_reply_header(r, "WWW-Authenticate", "Bearer realm=\"modeld\", error=\"invalid_token\"");
+    return md_err_setc(err, MD_EFORBIDDEN, "forbidden",
+                       "the bearer token does not open %s %s; it needs %s", r->method,
+                       r->match.route->pattern, which);
+}
+
 static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const char *url,
                                  const char *method, const char *version, const char *upload_data,
                                  size_t *upload_data_size, void **req_cls)
@@ -562,6 +639,9 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
                         "%s is not allowed on %s; allowed: %s", method, url, allow);
             return reply_now_error(r, &err);
         }
+        /* the guard first: without a token, nothing about the request is checked */
+        if (check_auth(h, r, conn, &err) != MD_OK)
+            return reply_now_error(r, &err);
         query_check qc = {r->match.route, &err, MD_OK};
         MHD_get_connection_values(conn, MHD_GET_ARGUMENT_KIND, check_query_arg, &qc);
         if (qc.st != MD_OK)
@@ -714,6 +794,9 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
     h->n_routes = n_routes;
     h->app = app;
     h->listen_fd = fd;
+    token_set_init(&h->admin, &cfg->admin_token);
+    token_set_init(&h->predict, &cfg->predict_token);
+    token_set_init(&h->metrics, &cfg->metrics_token);
     h->route_hist = md_xcalloc((n_routes + 1) * N_CLASSES, sizeof *h->route_hist);
     for (size_t i = 0; i < (n_routes + 1) * N_CLASSES; i++)
         md_hist_init(&h->route_hist[i], md_latency_bounds, md_latency_nbounds);
@@ -755,6 +838,9 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
             fclose(h->access_log);
         close(fd);
         free(h->route_hist);
+        free(h->admin.digest);
+        free(h->predict.digest);
+        free(h->metrics.digest);
         free(h);
         return MD_EIO;
     }
@@ -792,6 +878,9 @@ void md_http_stop(md_http *h)
     if (h->access_log_owned)
         fclose(h->access_log);
     free(h->route_hist);
+    free(h->admin.digest);
+    free(h->predict.digest);
+    free(h->metrics.digest);
     free(h);
 }
 

@@ -44,12 +44,24 @@ typedef md_status (*md_body_fn)(md_req *req, const char *data, size_t len, md_er
 
 /* One row of the routing table. `pattern` is a path with {param} segments,
  * e.g. "/models/{name}/versions/{version}". */
+/* Which bearer tokens a route needs (when that kind of token is configured):
+ * the zero value is the strictest, so a route that forgets to say needs an
+ * admin token. */
+typedef enum md_auth {
+    MD_AUTH_ADMIN = 0, /* changes state: admin_token */
+    MD_AUTH_PREDICT,   /* predictions: predict_token or admin_token */
+    MD_AUTH_READ,      /* reads: predict_token or admin_token */
+    MD_AUTH_METRICS,   /* GET /metrics: metrics_token or admin_token */
+    MD_AUTH_OPEN,      /* health, readiness, the API description: always open */
+} md_auth;
+
 typedef struct md_route {
     const char *method;
     const char *pattern;
     md_handler_fn handler;
     md_body_fn on_body; /* NULL: body buffered up to max_body_bytes */
     const char *query;  /* the query parameters it takes, space-separated; NULL: none */
+    md_auth auth;       /* the tokens it needs */
 } md_route;
 
 /* ---- routing (pure functions, unit-tested) ---- */
