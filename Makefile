@@ -64,7 +64,7 @@ LIBS      := $(EXTRA_LDFLAGS) -lmicrohttpd -ljansson -lsqlite3 -lcurl -lcrypto -
 BUILD := build$(if $(SAN_FLAGS),-asan,)
 
 # every C module but main.c; the binary and the unit tests link these
-LIB_C   := config/md_err.c config/config.c server/router.c server/http.c checkpoint/store.c \
+LIB_C   := config/md_err.c config/md_metrics.c config/config.c server/router.c server/http.c checkpoint/store.c \
 	checkpoint/versions.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c \
 	checkpoint/safetensors.c predictor/model_config.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
@@ -72,7 +72,7 @@ LIB_C   := config/md_err.c config/config.c server/router.c server/http.c checkpo
 	handlers/models.c handlers/predict.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
 # training checkpoints: weights apart from their architecture (issue 12)
-LIB_C   += predictor/weights.c handlers/training.c
+LIB_C   += predictor/weights.c handlers/training.c handlers/metrics.c
 LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
@@ -129,8 +129,20 @@ run: deps
 unit: $(UNIT_BINS)
 	@fail=0; for t in $(UNIT_BINS); do echo "== $$t"; $$t || fail=1; done; exit $$fail
 
-e2e: $(MODELD)
-	MODELD_BIN=$(CURDIR)/$(MODELD) $(PYTHON) -m pytest -q tests/e2e $(PYTEST_ARGS)
+e2e: $(MODELD) $(PROMTOOL)
+	MODELD_BIN=$(CURDIR)/$(MODELD) PROMTOOL=$(CURDIR)/$(PROMTOOL) $(PYTHON) -m pytest -q tests/e2e \
+	  $(PYTEST_ARGS)
+
+# promtool (tests/e2e/test_metrics.py checks GET /metrics with it) comes from
+# Debian's prometheus package, unpacked here rather than installed: installing
+# it would start a Prometheus server on the machine
+PROMTOOL := build/tools/usr/bin/promtool
+$(PROMTOOL):
+	@mkdir -p build/tools
+	cd build/tools && rm -f prometheus_*.deb && \
+	  { apt-get download prometheus 2>/dev/null || \
+	    { $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq && apt-get download prometheus; }; } && \
+	  dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb && touch usr/bin/promtool
 
 lint-openapi:
 	@if command -v npx >/dev/null 2>&1; then \

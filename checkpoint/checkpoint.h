@@ -25,9 +25,11 @@
 
 #include <jansson.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #include "../config/config.h"
 #include "../config/md_err.h"
+#include "../config/md_metrics.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -62,6 +64,9 @@ void md_store_close(md_store *store);
 long long md_store_generation(md_store *store);
 /* The store directory (borrowed, valid until md_store_close). */
 const char *md_store_dir(const md_store *store);
+/* Write the store's metric families (models, versions, bytes; Prometheus
+ * text) to `f`. Takes the store's lock for one query. */
+void md_store_write_metrics(md_store *store, FILE *f);
 
 /* ---- blobs ---- */
 

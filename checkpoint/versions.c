@@ -1121,3 +1121,29 @@ out:
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
+
+void md_store_write_metrics(md_store *s, FILE *f)
+{
+    long long models = 0, versions = 0, bytes = 0;
+    pthread_mutex_lock(&s->mu);
+    md_err err;
+    sqlite3_stmt *st = prep(s,
+                            "SELECT (SELECT count(*) FROM models), count(*), "
+                            "coalesce(sum(size), 0) FROM versions",
+                            &err);
+    if (st && sqlite3_step(st) == SQLITE_ROW) {
+        models = sqlite3_column_int64(st, 0);
+        versions = sqlite3_column_int64(st, 1);
+        bytes = sqlite3_column_int64(st, 2);
+    }
+    sqlite3_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    md_prom_family(f, "modeld_store_models", "gauge", "Models in the store.");
+    md_prom_sample(f, "modeld_store_models", "", (double)models);
+    md_prom_family(f, "modeld_store_versions", "gauge", "Versions in the store.");
+    md_prom_sample(f, "modeld_store_versions", "", (double)versions);
+    md_prom_family(f, "modeld_store_version_bytes", "gauge",
+                   "Bytes of the versions' checkpoints (a blob shared by versions counts for "
+                   "each).");
+    md_prom_sample(f, "modeld_store_version_bytes", "", (double)bytes);
+}

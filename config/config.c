@@ -93,6 +93,19 @@ static const setting settings[] = {
      "a replica sharing the store takes over a job whose runner went silent this long"},
     {"job_nice", T_INT, OFF(job_nice), 0, 19, "19", NULL,
      "nice of the workers computing batch jobs: 0 = equal to online work, 19 = spare CPU only"},
+    {"admin_token", T_LIST, OFF(admin_token), 0, 0, "", NULL,
+     "bearer tokens (comma-separated; several for rotation) every route that changes state "
+     "needs: deploys, architecture, PATCH, deletes, jobs; empty = those routes are open"},
+    {"admin_token_file", T_STR, OFF(admin_token_file), 0, 0, "", NULL,
+     "a file of admin tokens, one per line, added to admin_token"},
+    {"predict_token", T_LIST, OFF(predict_token), 0, 0, "", NULL,
+     "bearer tokens predictions and reads (GET) need (an admin token works too); empty = open"},
+    {"predict_token_file", T_STR, OFF(predict_token_file), 0, 0, "", NULL,
+     "a file of predict tokens, one per line, added to predict_token"},
+    {"metrics_token", T_LIST, OFF(metrics_token), 0, 0, "", NULL,
+     "bearer tokens GET /metrics needs (an admin token works too); empty = open"},
+    {"metrics_token_file", T_STR, OFF(metrics_token_file), 0, 0, "", NULL,
+     "a file of metrics tokens, one per line, added to metrics_token"},
     {"test_job_chunk_delay_ms", T_INT, OFF(test_job_chunk_delay_ms), 0, 600000, "0", NULL,
      "for tests only: commit after every job chunk and sleep this long after each committed "
      "chunk, so a test can act in the middle of a job"},
@@ -106,6 +119,13 @@ int md_cfg_cores(void)
 }
 
 static void *field(md_cfg *cfg, const setting *s) { return (char *)cfg + s->offset; }
+
+/* Tokens: never printed (--print-config shows how many, not what). */
+static int setting_secret(const setting *s)
+{
+    size_t n = strlen(s->key);
+    return s->type == T_LIST && n > 6 && strcmp(s->key + n - 6, "_token") == 0;
+}
 static const void *cfield(const md_cfg *cfg, const setting *s)
 {
     return (const char *)cfg + s->offset;
@@ -417,6 +437,64 @@ static md_status flag_value(int argc, char **argv, int *i, const char *eq, const
     return MD_OK;
 }
 
+/* A token is 1..512 visible ASCII characters (what an Authorization header
+ * carries); the message names the setting, never the token. */
+static md_status check_tokens(const md_strlist *l, const char *what, md_err *err)
+{
+    for (int i = 0; i < l->count; i++) {
+        size_t n = strlen(l->items[i]);
+        int ok = n > 0 && n <= 512;
+        for (size_t k = 0; ok && k < n; k++)
+            ok = l->items[i][k] > 0x20 && l->items[i][k] < 0x7f;
+        if (!ok)
+            return md_err_set(err, MD_EINVAL,
+                              "%s: token %d is not 1 to 512 visible ASCII characters (no spaces "
+                              "or commas)",
+                              what, i + 1);
+    }
+    return MD_OK;
+}
+
+/* Add the tokens of each *_token_file (one per line; blank lines and lines
+ * starting with '#' skipped) to its list, then check every token. */
+static md_status load_tokens(md_cfg *cfg, md_err *err)
+{
+    struct {
+        const char *file_key;
+        char *path;
+        md_strlist *list;
+    } t[] = {{"admin_token_file", cfg->admin_token_file, &cfg->admin_token},
+             {"predict_token_file", cfg->predict_token_file, &cfg->predict_token},
+             {"metrics_token_file", cfg->metrics_token_file, &cfg->metrics_token}};
+    for (size_t k = 0; k < sizeof t / sizeof t[0]; k++) {
+        if (t[k].path && t[k].path[0]) {
+            FILE *f = fopen(t[k].path, "r");
+            if (!f)
+                return md_err_set(err, MD_EINVAL, "%s: cannot read %s: %s", t[k].file_key,
+                                  t[k].path, strerror(errno));
+            char line[1024];
+            int added = 0;
+            while (fgets(line, sizeof line, f)) {
+                size_t n = strcspn(line, "\r\n");
+                line[n] = '\0';
+                if (n == 0 || line[0] == '#')
+                    continue;
+                strlist_push(t[k].list, line, n);
+                added++;
+            }
+            fclose(f);
+            if (!added)
+                return md_err_set(err, MD_EINVAL, "%s: %s holds no token", t[k].file_key,
+                                  t[k].path);
+        }
+        char what[64];
+        snprintf(what, sizeof what, "%.*s", (int)(strlen(t[k].file_key) - 5), t[k].file_key);
+        if (check_tokens(t[k].list, what, err) != MD_OK)
+            return MD_EINVAL;
+    }
+    return MD_OK;
+}
+
 md_status md_cfg_load(md_cfg *cfg, int argc, char **argv, char **envp, md_cfg_action *action,
                       md_err *err)
 {
@@ -513,7 +591,7 @@ md_status md_cfg_load(md_cfg *cfg, int argc, char **argv, char **envp, md_cfg_ac
         if (set_from_text(cfg, s, value, source, err) != MD_OK)
             return MD_EINVAL;
     }
-    return MD_OK;
+    return load_tokens(cfg, err);
 }
 
 static json_t *setting_json(const md_cfg *cfg, const setting *s)
@@ -530,7 +608,7 @@ static json_t *setting_json(const md_cfg *cfg, const setting *s)
         const md_strlist *l = cfield(cfg, s);
         json_t *a = json_array();
         for (int i = 0; i < l->count; i++)
-            json_array_append_new(a, json_string(l->items[i]));
+            json_array_append_new(a, json_string(setting_secret(s) ? "<redacted>" : l->items[i]));
         return a;
     }
     }

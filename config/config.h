@@ -66,6 +66,14 @@ typedef struct md_cfg {
     int job_lease_s;            /* a silent job runner's jobs are taken over after this */
     int store_poll_ms;          /* converge on other replicas' changes this often; 0 = never */
     int test_job_chunk_delay_ms; /* for tests only: pause after each committed job chunk */
+    /* auth: bearer tokens, each list the setting's own plus its *_file's
+     * lines (md_cfg_load reads the files). Secrets: never printed. */
+    md_strlist admin_token;     /* routes that change state; empty: open */
+    md_strlist predict_token;   /* predictions and reads; empty: open */
+    md_strlist metrics_token;   /* GET /metrics; empty: open */
+    char *admin_token_file;
+    char *predict_token_file;
+    char *metrics_token_file;
 } md_cfg;
 
 /* What main should do after loading. */

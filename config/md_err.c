@@ -26,6 +26,7 @@ static const struct {
     [MD_EIO] = {500, "io_error"},
     [MD_EINTERNAL] = {500, "internal_error"},
     [MD_ENOSPC] = {507, "insufficient_storage"},
+    [MD_EFORBIDDEN] = {403, "forbidden"},
 };
 
 void md_err_clear(md_err *err)

@@ -28,7 +28,7 @@ typedef enum md_status {
     MD_ETOOBIG,       /* a body, file or count is past its configured limit (413) */
     MD_EMEDIA,        /* unsupported Content-Type (415) */
     MD_EUNPROC,       /* well-formed but semantically unusable, e.g. bad model (422) */
-    MD_EAUTH,         /* missing or wrong credentials (401) */
+    MD_EAUTH,         /* missing credentials (401) */
     MD_EBUSY,         /* a queue or resource is full; retry later (503) */
     MD_EUNAVAIL,      /* the server is starting or draining (503) */
     MD_ETIMEOUT,      /* a deadline passed before the work was done (504) */
@@ -36,6 +36,7 @@ typedef enum md_status {
     MD_EIO,           /* a file, database or network operation failed (500) */
     MD_EINTERNAL,     /* a bug or an unexpected library failure (500) */
     MD_ENOSPC,        /* the store's filesystem is full (507) */
+    MD_EFORBIDDEN,    /* credentials given, but not ones that open this route (403) */
     MD_STATUS_COUNT
 } md_status;
 

@@ -32,6 +32,7 @@ typedef struct md_app {
     md_store *store;
     md_registry *registry;
     md_jobs *jobs;
+    md_http *http;               /* set once it started (GET /metrics reads it) */
     md_model_defaults model_defaults;
     atomic_int ready;
     atomic_int stop_signal;      /* the signal that began the drain (0: none yet) */
@@ -46,6 +47,10 @@ extern const size_t md_n_routes;
 /* The embedded openapi.yaml (built in from the file at build time). */
 const char *md_openapi_text(size_t *len);
 
+/* metrics.c: GET /metrics (Prometheus text) */
+void md_handle_metrics(md_req *req);
+/* Record the process start (modeld_uptime_seconds). Once, before serving. */
+void md_metrics_mark_start(void);
 /* health.c */
 void md_handle_healthz(md_req *req);
 void md_handle_readyz(md_req *req);

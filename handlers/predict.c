@@ -413,7 +413,8 @@ static void predict_as(md_req *req, const char *name, int version, int v1)
     pd->v1 = v1;
     pd->top_k = (int)top_k;
     const char *accept = md_req_header(req, "Accept");
-    pd->npy = accept && strstr(accept, "application/x-npy") != NULL;
+    /* KServe V1 answers {"predictions": ...} whatever Accept says */
+    pd->npy = !v1 && accept && strstr(accept, "application/x-npy") != NULL;
     const char *ct = md_req_header(req, "Content-Type");
     if (ct) {
         pd->has_content_type = 1;

@@ -360,3 +360,39 @@ md_status md_store_job_request_cancel(md_store *s, const char *id, int *cancelle
     *cancelled_now = rc == MD_OK && changed == 1;
     return rc;
 }
+
+void md_jobs_write_metrics(md_store *s, FILE *f)
+{
+    static const char *const states[] = {"queued", "running", "succeeded", "failed",
+                                         "cancelled"};
+    long long count[5] = {0}, rows[5] = {0};
+    pthread_mutex_lock(&s->mu);
+    md_err err;
+    sqlite3_stmt *st =
+        prep(s, "SELECT status, count(*), coalesce(sum(rows_done), 0) FROM jobs GROUP BY status",
+             &err);
+    while (st && sqlite3_step(st) == SQLITE_ROW) {
+        const char *status = (const char *)sqlite3_column_text(st, 0);
+        for (int i = 0; status && i < 5; i++)
+            if (!strcmp(status, states[i])) {
+                count[i] = sqlite3_column_int64(st, 1);
+                rows[i] = sqlite3_column_int64(st, 2);
+            }
+    }
+    sqlite3_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    char l[64];
+    md_prom_family(f, "modeld_jobs", "gauge", "Batch jobs in the store, by state.");
+    for (int i = 0; i < 5; i++) {
+        l[0] = '\0';
+        md_prom_label(l, sizeof l, "state", states[i]);
+        md_prom_sample(f, "modeld_jobs", l, (double)count[i]);
+    }
+    md_prom_family(f, "modeld_job_rows_done", "gauge",
+                   "Rows committed by the store's batch jobs, by job state.");
+    for (int i = 0; i < 5; i++) {
+        l[0] = '\0';
+        md_prom_label(l, sizeof l, "state", states[i]);
+        md_prom_sample(f, "modeld_job_rows_done", l, (double)rows[i]);
+    }
+}

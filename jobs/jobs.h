@@ -142,6 +142,9 @@ md_status md_store_job_release(md_store *store, const char *id, const char *owne
 /* Cancel: a queued job nobody holds is cancelled now (*cancelled_now = 1);
  * otherwise the job is flagged for its holder, which stops at its next
  * commit, keeping the output so far. */
+/* Write the job metric families (jobs and committed rows by state;
+ * Prometheus text) to `f`. Takes the store's lock for one query. */
+void md_jobs_write_metrics(md_store *store, FILE *f);
 md_status md_store_job_request_cancel(md_store *store, const char *id, int *cancelled_now,
                                       md_err *err);
 

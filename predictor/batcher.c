@@ -120,6 +120,13 @@ struct md_model {
     atomic_llong n_batches, n_rows, n_requests, n_timeouts, n_rejected, n_dropped;
     atomic_llong wait_us_total;
     atomic_llong batch_hist[8]; /* batch rows <=1, 2, 4, 8, 16, 32, 64, more */
+    /* GET /metrics (md_models_write_metrics): read without the lock */
+    atomic_llong n_failed;     /* requests answered with a failed forward */
+    atomic_int depth[2];       /* requests queued, per pool (a copy of q[i].count) */
+    md_hist rows_hist;         /* rows per forward */
+    md_hist wait_hist;         /* online queue wait, seconds */
+    md_hist forward_hist;      /* forward time, seconds */
+    double load_s;             /* how long the load and test forward took */
 };
 
 static double now_s(void)
@@ -205,10 +212,13 @@ static int same_row_shape(const item *a, const item *b)
 }
 
 /* Fail `it` with `e` unless it already failed (the first failure is its answer). */
-static void fail_item(item *it, const md_err *e)
+/* Returns 1 for the request's first failure. */
+static int fail_item(item *it, const md_err *e)
 {
-    if (atomic_exchange(&it->failed, 1) == 0)
-        it->err = *e;
+    if (atomic_exchange(&it->failed, 1) != 0)
+        return 0;
+    it->err = *e;
+    return 1;
 }
 
 /* Store this piece's output rows in its request: the first piece sizes the
@@ -332,9 +342,12 @@ static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **
     float *out = NULL;
     int64_t out_shape[MD_MAX_DIMS];
     int out_ndim = 0;
-    if (st == MD_OK)
+    if (st == MD_OK) {
+        double t0 = now_s();
         st = md_torch_forward(m->torch, input, shape, ndim, &out, out_shape, &out_ndim,
                               &ferr);
+        md_hist_observe(&m->forward_hist, now_s() - t0);
+    }
     if (st == MD_OK && (out_ndim < 1 || out_shape[0] != rows)) {
         st = md_err_setc(&ferr, MD_EUNPROC, "bad_model_output",
                          "model %s returned %lld rows for a batch of %lld; its output must "
@@ -374,12 +387,14 @@ static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **
     while (bucket < 7 && (1LL << bucket) < rows)
         bucket++;
     atomic_fetch_add(&m->batch_hist[bucket], 1);
+    md_hist_observe(&m->rows_hist, (double)rows);
 
     int64_t off = 0;
     for (int i = 0; i < n; i++) {
         item *it = pieces[i].it;
         if (st != MD_OK) {
-            fail_item(it, &ferr);
+            if (fail_item(it, &ferr))
+                atomic_fetch_add(&m->n_failed, 1);
         } else {
             pthread_mutex_lock(&m->mu);
             int copy = claim_output(m, it, out_row, out_shape, out_ndim);
@@ -467,8 +482,11 @@ static void worker_loop(md_model *m, int qi)
                     md_assert(pieces != NULL);
                 }
                 pieces[n++] = (piece){it, it->taken, k};
-                if (it->taken == 0)
+                if (it->taken == 0) {
                     atomic_fetch_add(&m->wait_us_total, (long long)((now - it->enqueued) * 1e6));
+                    if (qi == 0)
+                        md_hist_observe(&m->wait_hist, now - it->enqueued);
+                }
                 it->taken += k;
                 rows += k;
                 q->rows -= k;
@@ -477,6 +495,7 @@ static void worker_loop(md_model *m, int qi)
                     q->count--;
                 }
             }
+            atomic_store(&m->depth[qi], q->count);
             if (!q->head)
                 q->tail = NULL;
             else /* rows left (a split request, a backlog): an idle worker takes them now */
@@ -569,9 +588,13 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
     md_status st = md_model_config_check(config, err);
     if (st != MD_OK)
         return st;
+    double load_t0 = now_s();
     md_model *m = md_xcalloc(1, sizeof *m);
     snprintf(m->name, sizeof m->name, "%s", name);
     m->version = version;
+    md_hist_init(&m->rows_hist, md_rows_bounds, md_rows_nbounds);
+    md_hist_init(&m->wait_hist, md_latency_bounds, md_latency_nbounds);
+    md_hist_init(&m->forward_hist, md_latency_bounds, md_latency_nbounds);
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->cv[0], NULL);
     pthread_cond_init(&m->cv[1], NULL);
@@ -704,6 +727,7 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
             return MD_EUNPROC;
         }
     }
+    m->load_s = now_s() - load_t0;
     /* `workers` online workers, then as many job workers */
     int total = 2 * m->workers;
     m->live_workers = total;
@@ -782,6 +806,88 @@ json_t *md_model_stats(const md_model *m)
                      "queued_job_chunks", job_chunks, "batch_size_histogram", hist, "workers",
                      m->workers, "job_workers", m->workers, "job_nice", m->job_nice,
                      "max_batch_size", m->max_batch, "max_delay_us", m->max_delay_us);
+}
+
+/* The labels of one model version: model="...",version="N". */
+static void model_labels(const md_model *m, char *out, size_t size)
+{
+    char v[16];
+    out[0] = '\0';
+    md_prom_label(out, size, "model", m->name);
+    snprintf(v, sizeof v, "%d", m->version);
+    md_prom_label(out, size, "version", v);
+}
+
+void md_models_write_metrics(md_model *const *ms, const int *is_default, int n, FILE *f)
+{
+    char l[200], l2[240];
+    md_prom_family(f, "modeld_model_loaded", "gauge",
+                   "Loaded model versions (1 each); default=1 for the version /predict uses.");
+    for (int i = 0; i < n; i++) {
+        model_labels(ms[i], l, sizeof l);
+        snprintf(l2, sizeof l2, "%s,default=\"%d\"", l, is_default[i] ? 1 : 0);
+        md_prom_sample(f, "modeld_model_loaded", l2, 1);
+    }
+    md_prom_family(f, "modeld_model_load_seconds", "gauge",
+                   "Seconds the version's load and test forwards took.");
+    for (int i = 0; i < n; i++) {
+        model_labels(ms[i], l, sizeof l);
+        md_prom_sample(f, "modeld_model_load_seconds", l, ms[i]->load_s);
+    }
+    md_prom_family(f, "modeld_predictions_total", "counter",
+                   "Prediction requests queued (online requests and job chunks).");
+    for (int i = 0; i < n; i++) {
+        model_labels(ms[i], l, sizeof l);
+        md_prom_sample(f, "modeld_predictions_total", l,
+                       (double)atomic_load(&ms[i]->n_requests));
+    }
+    md_prom_family(f, "modeld_rows_total", "counter", "Rows through successful forwards.");
+    for (int i = 0; i < n; i++) {
+        model_labels(ms[i], l, sizeof l);
+        md_prom_sample(f, "modeld_rows_total", l, (double)atomic_load(&ms[i]->n_rows));
+    }
+    md_prom_family(f, "modeld_prediction_errors_total", "counter",
+                   "Requests not answered with a prediction, by kind: rejected (503, queue "
+                   "full), timeout (504), client_closed, forward_failed.");
+    for (int i = 0; i < n; i++) {
+        const struct {
+            const char *kind;
+            long long v;
+        } k[] = {{"rejected", atomic_load(&ms[i]->n_rejected)},
+                 {"timeout", atomic_load(&ms[i]->n_timeouts)},
+                 {"client_closed", atomic_load(&ms[i]->n_dropped)},
+                 {"forward_failed", atomic_load(&ms[i]->n_failed)}};
+        model_labels(ms[i], l, sizeof l);
+        for (size_t j = 0; j < sizeof k / sizeof k[0]; j++) {
+            snprintf(l2, sizeof l2, "%s,kind=\"%s\"", l, k[j].kind);
+            md_prom_sample(f, "modeld_prediction_errors_total", l2, (double)k[j].v);
+        }
+    }
+    md_prom_family(f, "modeld_queue_depth", "gauge",
+                   "Requests waiting for a worker, by pool (online, job).");
+    for (int i = 0; i < n; i++) {
+        model_labels(ms[i], l, sizeof l);
+        snprintf(l2, sizeof l2, "%s,pool=\"online\"", l);
+        md_prom_sample(f, "modeld_queue_depth", l2, atomic_load(&ms[i]->depth[0]));
+        snprintf(l2, sizeof l2, "%s,pool=\"job\"", l);
+        md_prom_sample(f, "modeld_queue_depth", l2, atomic_load(&ms[i]->depth[1]));
+    }
+    md_prom_family(f, "modeld_batch_rows", "histogram", "Rows per forward (batch size).");
+    for (int i = 0; i < n; i++) {
+        model_labels(ms[i], l, sizeof l);
+        md_prom_hist(f, "modeld_batch_rows", l, &ms[i]->rows_hist);
+    }
+    md_prom_family(f, "modeld_queue_wait_seconds", "histogram",
+                   "Time online requests waited in the queue before a worker took them.");
+    for (int i = 0; i < n; i++) {
+        model_labels(ms[i], l, sizeof l);
+        md_prom_hist(f, "modeld_queue_wait_seconds", l, &ms[i]->wait_hist);
+    }
+    md_prom_family(f, "modeld_forward_seconds", "histogram", "Time of each forward.");
+    for (int i = 0; i < n; i++) {
+        model_labels(ms[i], l, sizeof l);
+        md_prom_hist(f, "modeld_forward_seconds", l, &ms[i]->forward_hist);
+    }
 }
 
 /* Shape `in` to [rows, row shape...]: a single row in the declared shape is
@@ -915,6 +1021,7 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
         q->head = it;
     q->tail = it;
     q->count++;
+    atomic_store(&m->depth[prio == MD_PRIO_BATCH ? 1 : 0], q->count);
     q->rows += it->rows;
     atomic_fetch_add(&m->n_requests, 1);
     /* wake one worker of the queue's pool, or all when a delay is pending so

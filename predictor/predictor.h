@@ -23,10 +23,12 @@
 
 #include <jansson.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 
 #include "../checkpoint/checkpoint.h"
 #include "../config/md_err.h"
+#include "../config/md_metrics.h"
 #include "torch_backend.h"
 
 #ifdef __cplusplus
@@ -239,6 +241,12 @@ void md_registry_remove(md_registry *r, const char *name, int version);
 json_t *md_registry_names(md_registry *r);
 /* Stats of every loaded version, as a JSON array. New reference. */
 json_t *md_registry_stats(md_registry *r);
+/* Write every loaded version's metrics (Prometheus text) to `f`. Retains
+ * the models under the registry lock and formats without it. Thread-safe. */
+void md_registry_write_metrics(md_registry *r, FILE *f);
+/* The metric families of `n` models (is_default[i]: the name's default),
+ * read from atomics only: never takes a batcher lock. */
+void md_models_write_metrics(md_model *const *ms, const int *is_default, int n, FILE *f);
 
 /* ---- tensors and codecs (tensor.c) ---- */
 

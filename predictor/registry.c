@@ -158,3 +158,30 @@ json_t *md_registry_stats(md_registry *r)
     pthread_mutex_unlock(&r->mu);
     return a;
 }
+
+void md_registry_write_metrics(md_registry *r, FILE *f)
+{
+    /* retain under the lock, write without it: a scrape never holds the
+     * registry (or any batcher) lock while it formats */
+    pthread_mutex_lock(&r->mu);
+    int n = r->count;
+    md_model **ms = malloc(sizeof(md_model *) * (size_t)(n ? n : 1));
+    int *def = malloc(sizeof(int) * (size_t)(n ? n : 1));
+    if (!ms || !def) {
+        pthread_mutex_unlock(&r->mu);
+        free(ms);
+        free(def);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        ms[i] = r->items[i].model;
+        def[i] = r->items[i].is_default;
+        md_model_retain(ms[i]);
+    }
+    pthread_mutex_unlock(&r->mu);
+    md_models_write_metrics(ms, def, n, f);
+    for (int i = 0; i < n; i++)
+        md_model_release(ms[i]);
+    free(ms);
+    free(def);
+}

@@ -25,6 +25,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <microhttpd.h>
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -54,7 +56,26 @@ struct md_http {
     atomic_int gate_closed;   /* md_http_close_gate: new requests answered 503 at once */
     atomic_ulong next_id;
     unsigned long id_seed;
+    /* GET /metrics: one latency histogram per (route, status class); the
+     * route index n_routes is "no route" (404/405). Its counts are the
+     * request counters. Updated lock-free when a request completes. */
+    md_hist *route_hist;
+    /* bearer tokens, as SHA-256 digests (compared in constant time) */
+    struct token_set {
+        unsigned char (*digest)[SHA256_DIGEST_LENGTH];
+        int count;
+    } admin, predict, metrics;
 };
+
+#define N_CLASSES 5 /* 1xx .. 5xx */
+
+static md_hist *route_hist(md_http *h, size_t route, int status)
+{
+    int c = status / 100 - 1;
+    if (c < 0 || c >= N_CLASSES)
+        c = N_CLASSES - 1;
+    return &h->route_hist[route * N_CLASSES + (size_t)c];
+}
 
 typedef enum { REPLY_NONE, REPLY_BUFFER, REPLY_FD } reply_kind;
 
@@ -513,6 +534,76 @@ static enum MHD_Result check_query_arg(void *cls, enum MHD_ValueKind kind, const
     return qc->st == MD_OK ? MHD_YES : MHD_NO;
 }
 
+/* ---- bearer tokens ---- */
+
+static void token_set_init(struct token_set *t, const md_strlist *l)
+{
+    t->count = l->count;
+    t->digest = t->count ? md_xcalloc((size_t)t->count, sizeof *t->digest) : NULL;
+    for (int i = 0; i < t->count; i++)
+        SHA256((const unsigned char *)l->items[i], strlen(l->items[i]), t->digest[i]);
+}
+
+/* 1 when `d` is one of the set's tokens. Every token is compared, each in
+ * constant time, and digests have one length: the time says nothing of how
+ * much of a guess was right. */
+static int token_in(const struct token_set *t, const unsigned char *d)
+{
+    int found = 0;
+    for (int i = 0; i < t->count; i++)
+        found |= CRYPTO_memcmp(t->digest[i], d, SHA256_DIGEST_LENGTH) == 0;
+    return found;
+}
+
+/* The route's guard: MD_OK, or an error (401 without a token, 403 with one
+ * that does not open the route) with its WWW-Authenticate header set. The
+ * token itself never reaches a message or the log. */
+static md_status check_auth(md_http *h, md_req *r, struct MHD_Connection *conn, md_err *err)
+{
+    md_auth need = r->match.route->auth;
+    const struct token_set *sets[2] = {NULL, NULL};
+    const char *which;
+    switch (need) {
+    case MD_AUTH_OPEN:
+        return MD_OK;
+    case MD_AUTH_ADMIN:
+        sets[0] = &h->admin;
+        which = "an admin token (admin_token)";
+        break;
+    case MD_AUTH_METRICS:
+        sets[0] = &h->metrics;
+        sets[1] = &h->admin;
+        which = "a metrics or admin token";
+        break;
+    default: /* MD_AUTH_PREDICT, MD_AUTH_READ */
+        sets[0] = &h->predict;
+        sets[1] = &h->admin;
+        which = "a predict or admin token";
+        break;
+    }
+    if (sets[0]->count == 0)
+        return MD_OK; /* that kind of token is not configured: open */
+    const char *a = MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
+                                                MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!a || strncasecmp(a, "Bearer ", 7) != 0 || !a[7]) {
+        md_reply_header(r, "WWW-Authenticate", "Bearer realm=\"modeld\"");
+        return md_err_setc(err, MD_EAUTH, "unauthorized",
+                           "%s %s needs %s: send the header Authorization: Bearer TOKEN",
+                           r->method, r->match.route->pattern, which);
+    }
+    const char *tok = a + 7;
+    while (*tok == ' ')
+        tok++;
+    unsigned char d[SHA256_DIGEST_LENGTH];
+    SHA256((const unsigned char *)tok, strlen(tok), d);
+    if (token_in(sets[0], d) || (sets[1] && token_in(sets[1], d)))
+        return MD_OK;
+    md_reply_header(r, "WWW-Authenticate", "Bearer realm=\"modeld\", error=\"invalid_token\"");
+    return md_err_setc(err, MD_EFORBIDDEN, "forbidden",
+                       "the bearer token does not open %s %s; it needs %s", r->method,
+                       r->match.route->pattern, which);
+}
+
 static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const char *url,
                                  const char *method, const char *version, const char *upload_data,
                                  size_t *upload_data_size, void **req_cls)
@@ -548,6 +639,9 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
                         "%s is not allowed on %s; allowed: %s", method, url, allow);
             return reply_now_error(r, &err);
         }
+        /* the guard first: without a token, nothing about the request is checked */
+        if (check_auth(h, r, conn, &err) != MD_OK)
+            return reply_now_error(r, &err);
         query_check qc = {r->match.route, &err, MD_OK};
         MHD_get_connection_values(conn, MHD_GET_ARGUMENT_KIND, check_query_arg, &qc);
         if (qc.st != MD_OK)
@@ -625,6 +719,14 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
         r->bytes_out = 0;    /* the reply, if any, was not delivered */
     }
     access_log_line(r);
+    {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        double s = (double)(now.tv_sec - r->start.tv_sec) +
+                   (double)(now.tv_nsec - r->start.tv_nsec) / 1e9;
+        size_t route = r->match.route ? (size_t)(r->match.route - h->routes) : h->n_routes;
+        md_hist_observe(route_hist(h, route, r->status ? r->status : 500), s);
+    }
     MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT,
                               (unsigned)h->cfg->keepalive_timeout_s);
     req_free(r);
@@ -692,6 +794,12 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
     h->n_routes = n_routes;
     h->app = app;
     h->listen_fd = fd;
+    token_set_init(&h->admin, &cfg->admin_token);
+    token_set_init(&h->predict, &cfg->predict_token);
+    token_set_init(&h->metrics, &cfg->metrics_token);
+    h->route_hist = md_xcalloc((n_routes + 1) * N_CLASSES, sizeof *h->route_hist);
+    for (size_t i = 0; i < (n_routes + 1) * N_CLASSES; i++)
+        md_hist_init(&h->route_hist[i], md_latency_bounds, md_latency_nbounds);
     struct sockaddr_storage ss;
     socklen_t sl = sizeof ss;
     if (getsockname(fd, (struct sockaddr *)&ss, &sl) == 0)
@@ -729,6 +837,10 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
         if (h->access_log_owned)
             fclose(h->access_log);
         close(fd);
+        free(h->route_hist);
+        free(h->admin.digest);
+        free(h->predict.digest);
+        free(h->metrics.digest);
         free(h);
         return MD_EIO;
     }
@@ -765,5 +877,52 @@ void md_http_stop(md_http *h)
         close(h->listen_fd);
     if (h->access_log_owned)
         fclose(h->access_log);
+    free(h->route_hist);
+    free(h->admin.digest);
+    free(h->predict.digest);
+    free(h->metrics.digest);
     free(h);
+}
+
+void md_http_write_metrics(md_http *h, FILE *f)
+{
+    static const char *const cls[N_CLASSES] = {"1xx", "2xx", "3xx", "4xx", "5xx"};
+    char l[400];
+    for (int pass = 0; pass < 2; pass++) {
+        const char *name = pass ? "modeld_http_request_duration_seconds"
+                                : "modeld_http_requests_total";
+        if (pass)
+            md_prom_family(f, name, "histogram",
+                           "Time from a request's headers to its last byte sent, by route "
+                           "pattern, method and status class.");
+        else
+            md_prom_family(f, name, "counter",
+                           "HTTP requests completed, by route pattern (route=\"none\": no "
+                           "route matched), method and status class.");
+        for (size_t r = 0; r <= h->n_routes; r++) {
+            for (int c = 0; c < N_CLASSES; c++) {
+                const md_hist *hist = &h->route_hist[r * N_CLASSES + (size_t)c];
+                long long n = md_hist_count(hist);
+                if (n == 0)
+                    continue; /* series appear once they have a request */
+                l[0] = '\0';
+                md_prom_label(l, sizeof l, "route", r < h->n_routes ? h->routes[r].pattern
+                                                                    : "none");
+                md_prom_label(l, sizeof l, "method", r < h->n_routes ? h->routes[r].method
+                                                                     : "any");
+                md_prom_label(l, sizeof l, "code", cls[c]);
+                if (pass)
+                    md_prom_hist(f, name, l, hist);
+                else
+                    md_prom_sample(f, name, l, (double)n);
+            }
+        }
+    }
+    const union MHD_DaemonInfo *info =
+        MHD_get_daemon_info(h->daemon, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+    md_prom_family(f, "modeld_http_connections", "gauge", "Open client connections.");
+    md_prom_sample(f, "modeld_http_connections", "", info ? (double)info->num_connections : 0);
+    md_prom_family(f, "modeld_http_requests_in_flight", "gauge",
+                   "Requests received and not yet completed.");
+    md_prom_sample(f, "modeld_http_requests_in_flight", "", (double)atomic_load(&h->in_flight));
 }

@@ -141,12 +141,14 @@ int main(int argc, char **argv)
     };
 
     md_http *http = NULL;
+    md_metrics_mark_start();
     if (md_http_start(&cfg, md_routes, md_n_routes, &app, &http, &err) != MD_OK) {
         fprintf(stderr, "modeld: %s\n", err.msg);
         md_store_close(app.store);
         md_cfg_free(&cfg);
         return 1;
     }
+    app.http = http;
     /* Serve /healthz and /readyz (503: starting) while the models load. */
     atomic_store(&app.ready, MD_LOADING);
     app.synced_generation = md_store_generation(app.store);

@@ -16,9 +16,11 @@
 #include <jansson.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #include "../config/config.h"
 #include "../config/md_err.h"
+#include "../config/md_metrics.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -42,12 +44,24 @@ typedef md_status (*md_body_fn)(md_req *req, const char *data, size_t len, md_er
 
 /* One row of the routing table. `pattern` is a path with {param} segments,
  * e.g. "/models/{name}/versions/{version}". */
+/* Which bearer tokens a route needs (when that kind of token is configured):
+ * the zero value is the strictest, so a route that forgets to say needs an
+ * admin token. */
+typedef enum md_auth {
+    MD_AUTH_ADMIN = 0, /* changes state: admin_token */
+    MD_AUTH_PREDICT,   /* predictions: predict_token or admin_token */
+    MD_AUTH_READ,      /* reads: predict_token or admin_token */
+    MD_AUTH_METRICS,   /* GET /metrics: metrics_token or admin_token */
+    MD_AUTH_OPEN,      /* health, readiness, the API description: always open */
+} md_auth;
+
 typedef struct md_route {
     const char *method;
     const char *pattern;
     md_handler_fn handler;
     md_body_fn on_body; /* NULL: body buffered up to max_body_bytes */
     const char *query;  /* the query parameters it takes, space-separated; NULL: none */
+    md_auth auth;       /* the tokens it needs */
 } md_route;
 
 /* ---- routing (pure functions, unit-tested) ----
@@ -107,6 +121,10 @@ void md_http_quiesce(md_http *http);
 
 /* Requests begun and not yet completed. Thread-safe. */
 long md_http_in_flight(const md_http *http);
+/* Write the HTTP metric families (Prometheus text) to `f`: requests and
+ * latency by route pattern, method and status class, open connections.
+ * Reads atomics only; any thread. */
+void md_http_write_metrics(md_http *http, FILE *f);
 
 /*
  * Close the gate before stopping: every request that begins after this is

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+
+#include "../config/md_metrics.h"
 #include <unistd.h>
 
 #include "../config/config.h"
@@ -98,7 +100,8 @@ static const char *const all_keys[] = {
     "allowed_urls", "download_connect_timeout_s", "download_timeout_s", "download_max_redirects",
     "workers", "intra_op_threads", "max_batch_size", "max_delay_us", "queue_limit", "timeout_ms",
     "default_model", "max_jobs", "job_lease_s", "job_nice", "store_poll_ms",
-    "allow_private_urls", "test_job_chunk_delay_ms",
+    "allow_private_urls", "test_job_chunk_delay_ms", "admin_token", "admin_token_file",
+    "predict_token", "predict_token_file", "metrics_token", "metrics_token_file",
 };
 #define N_KEYS (sizeof all_keys / sizeof all_keys[0])
 
@@ -770,9 +773,116 @@ static void test_empty_host_and_store(void **state)
     unlink(path);
 }
 
+/* ---- md_metrics: the Prometheus text helpers ---- */
+
+static char *render(void (*fn)(FILE *, void *), void *arg)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    assert_non_null(f);
+    fn(f, arg);
+    assert_int_equal(fclose(f), 0);
+    return buf;
+}
+
+static void write_hist(FILE *f, void *h) { md_prom_hist(f, "x_seconds", "model=\"m\"", h); }
+
+static void test_metrics_histogram(void **state)
+{
+    (void)state;
+    static const double b[] = {1, 2, 4};
+    md_hist h;
+    md_hist_init(&h, b, 3);
+    double obs[] = {0.5, 1, 1.5, 4, 5, -1 /* a clock step back counts as 0 */};
+    for (size_t i = 0; i < sizeof obs / sizeof obs[0]; i++)
+        md_hist_observe(&h, obs[i]);
+    assert_int_equal(md_hist_count(&h), 6);
+    char *t = render(write_hist, &h);
+    assert_string_equal(t, "x_seconds_bucket{model=\"m\",le=\"1\"} 3\n"
+                           "x_seconds_bucket{model=\"m\",le=\"2\"} 4\n"
+                           "x_seconds_bucket{model=\"m\",le=\"4\"} 5\n"
+                           "x_seconds_bucket{model=\"m\",le=\"+Inf\"} 6\n"
+                           "x_seconds_sum{model=\"m\"} 12\n"
+                           "x_seconds_count{model=\"m\"} 6\n");
+    free(t);
+}
+
+static void test_metrics_labels_escaped(void **state)
+{
+    (void)state;
+    char l[64] = "";
+    md_prom_label(l, sizeof l, "model", "a\"b\\c\nd");
+    md_prom_label(l, sizeof l, "v", "1");
+    assert_string_equal(l, "model=\"a\\\"b\\\\c\\nd\",v=\"1\"");
+    /* too long for the buffer: cut, still NUL-terminated, never overflowing */
+    char small[12] = "";
+    md_prom_label(small, sizeof small, "model", "abcdefghijklmnop");
+    assert_true(strlen(small) < sizeof small);
+}
+
+/* ---- tokens ---- */
+
+static void test_tokens_from_env_flags_and_files(void **state)
+{
+    (void)state;
+    md_cfg cfg;
+    md_cfg_action action;
+    md_err err;
+    char path[64];
+    write_temp(path, "# rotated 2026-11\nfile-tok-1\n\nfile-tok-2\r\n");
+    assert_int_equal(load(&cfg, ARGV("--admin-token-file", path, "--predict-token", "p1,p2"),
+                          ENVP("MODELD_ADMIN_TOKEN=env-admin"), &action, &err),
+                     MD_OK);
+    assert_int_equal(cfg.admin_token.count, 3);
+    assert_string_equal(cfg.admin_token.items[0], "env-admin");
+    assert_string_equal(cfg.admin_token.items[1], "file-tok-1");
+    assert_string_equal(cfg.admin_token.items[2], "file-tok-2");
+    assert_int_equal(cfg.predict_token.count, 2);
+    assert_int_equal(cfg.metrics_token.count, 0);
+    /* --print-config never shows a token */
+    char *text = md_cfg_to_json(&cfg);
+    assert_null(strstr(text, "env-admin"));
+    assert_null(strstr(text, "file-tok"));
+    assert_null(strstr(text, "\"p1\""));
+    assert_non_null(strstr(text, "<redacted>"));
+    free(text);
+    md_cfg_free(&cfg);
+}
+
+static void test_bad_tokens_refused_without_echo(void **state)
+{
+    (void)state;
+    md_cfg cfg;
+    md_cfg_action action;
+    md_err err;
+    /* a space inside a token: refused, and the message does not quote it */
+    assert_int_equal(load(&cfg, ARGV("--admin-token", "secret part"), no_env, &action, &err),
+                     MD_EINVAL);
+    assert_msg_has(err.msg, "admin_token", "token 1", NULL);
+    assert_null(strstr(err.msg, "secret"));
+    md_cfg_free(&cfg);
+    /* a file that is missing or holds no token */
+    assert_int_equal(load(&cfg, ARGV("--metrics-token-file", "/nonexistent/tokens"), no_env,
+                          &action, &err),
+                     MD_EINVAL);
+    assert_msg_has(err.msg, "metrics_token_file", "/nonexistent/tokens", NULL);
+    md_cfg_free(&cfg);
+    char path[64];
+    write_temp(path, "# nothing yet\n\n");
+    assert_int_equal(load(&cfg, ARGV("--predict-token-file", path), no_env, &action, &err),
+                     MD_EINVAL);
+    assert_msg_has(err.msg, "predict_token_file", "holds no token", NULL);
+    md_cfg_free(&cfg);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_tokens_from_env_flags_and_files, remove_temps),
+        cmocka_unit_test_teardown(test_bad_tokens_refused_without_echo, remove_temps),
+        cmocka_unit_test(test_metrics_histogram),
+        cmocka_unit_test(test_metrics_labels_escaped),
         cmocka_unit_test_teardown(test_defaults, remove_temps),
         cmocka_unit_test_teardown(test_load_with_nothing_gives_defaults, remove_temps),
         cmocka_unit_test_teardown(test_free_zeroes_and_accepts_null, remove_temps),

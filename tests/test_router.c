@@ -486,6 +486,7 @@ static void test_status_http(void **state)
         {MD_ECONFLICT, 409},   {MD_ETOOBIG, 413},  {MD_EMEDIA, 415},    {MD_EUNPROC, 422},
         {MD_EAUTH, 401},       {MD_EBUSY, 503},    {MD_EUNAVAIL, 503},  {MD_ETIMEOUT, 504},
         {MD_ENOMEM, 503},      {MD_EIO, 500},      {MD_EINTERNAL, 500}, {MD_ENOSPC, 507},
+        {MD_EFORBIDDEN, 403},
     };
     assert_int_equal(sizeof want / sizeof want[0], MD_STATUS_COUNT);
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
@@ -563,7 +564,7 @@ static void test_err_message_one_line(void **state)
 static void test_query_known_and_unknown(void **state)
 {
     (void)state;
-    md_route r = {"POST", "/models/{name}/predict", NULL, NULL, "top_k"};
+    md_route r = {"POST", "/models/{name}/predict", NULL, NULL, "top_k", MD_AUTH_PREDICT};
     md_err err;
     md_err_clear(&err);
     assert_int_equal(md_route_check_query(&r, "top_k", &err), MD_OK);
@@ -576,11 +577,11 @@ static void test_query_known_and_unknown(void **state)
     assert_int_equal(md_route_check_query(&r, "version", &err), MD_EINVAL);
     assert_non_null(strstr(err.msg, "/versions/VERSION/"));
     /* a prefix of a known name is not accepted (no prefix matching) */
-    md_route j = {"GET", "/jobs", NULL, NULL, "status model limit before"};
+    md_route j = {"GET", "/jobs", NULL, NULL, "status model limit before", MD_AUTH_READ};
     assert_int_equal(md_route_check_query(&j, "mode", &err), MD_EINVAL);
     assert_non_null(strstr(err.msg, "did you mean model?"));
     assert_int_equal(md_route_check_query(&j, "before", &err), MD_OK);
-    md_route none = {"GET", "/healthz", NULL, NULL, NULL};
+    md_route none = {"GET", "/healthz", NULL, NULL, NULL, MD_AUTH_OPEN};
     assert_int_equal(md_route_check_query(&none, "", &err), MD_EINVAL);
     assert_non_null(strstr(err.msg, "takes no query parameters"));
 }

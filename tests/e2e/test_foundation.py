@@ -314,7 +314,7 @@ def routing_table_query():
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     out = {}
     for m in re.finditer(r'\{\s*"([A-Z]+)"\s*,\s*"(/[^"]*)"\s*,\s*\w+\s*,\s*\w+\s*,'
-                         r'\s*(NULL|"[^"]*")\s*\}', text):
+                         r'\s*(NULL|"[^"]*")\s*(?:,\s*MD_AUTH_\w+\s*)?\}', text):
         q = m.group(3)
         out[(m.group(1), m.group(2))] = set() if q == "NULL" else set(q.strip('"').split())
     return out

@@ -228,6 +228,11 @@ def test_v1_predict_and_ready(server):
     body = r.json()
     assert list(body) == ["predictions"], body
     assert np.abs(np.array(body["predictions"], np.float32) - MLP_OUT).max() <= TOL
+    # the V1 answer is JSON whatever Accept asks for
+    r = server.request("POST", "/v1/models/mlp:predict",
+                       data=json.dumps({"instances": MLP_IN.tolist()}),
+                       headers={"Content-Type": "application/json", "Accept": "application/x-npy"})
+    assert r.status_code == 200 and list(r.json()) == ["predictions"], r.text
 
 
 def test_v1_errors(server):
