@@ -20,9 +20,6 @@
 #include "../predictor/predictor.h"
 #include "handlers.h"
 
-#ifndef MODELD_VERSION
-#define MODELD_VERSION "0.1.0" /* MERGE: config/md_err.h defines it (issue 11) */
-#endif
 
 static double mono_now(void)
 {
