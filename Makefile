@@ -129,10 +129,6 @@ run: deps
 unit: $(UNIT_BINS)
 	@fail=0; for t in $(UNIT_BINS); do echo "== $$t"; $$t || fail=1; done; exit $$fail
 
-e2e: $(MODELD) $(PROMTOOL)
-	MODELD_BIN=$(CURDIR)/$(MODELD) PROMTOOL=$(CURDIR)/$(PROMTOOL) $(PYTHON) -m pytest -q tests/e2e \
-	  $(PYTEST_ARGS)
-
 # promtool (tests/e2e/test_metrics.py checks GET /metrics with it) comes from
 # Debian's prometheus package, unpacked here rather than installed: installing
 # it would start a Prometheus server on the machine
@@ -143,6 +139,11 @@ $(PROMTOOL):
 	  { apt-get download prometheus 2>/dev/null || \
 	    { $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq && apt-get download prometheus; }; } && \
 	  dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb && touch usr/bin/promtool
+
+e2e: $(MODELD) $(PROMTOOL)
+	MODELD_BIN=$(CURDIR)/$(MODELD) PROMTOOL=$(CURDIR)/$(PROMTOOL) $(PYTHON) -m pytest -q tests/e2e \
+	  $(PYTEST_ARGS)
+
 
 lint-openapi:
 	@if command -v npx >/dev/null 2>&1; then \

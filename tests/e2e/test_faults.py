@@ -57,13 +57,18 @@ def store_agrees_with_blobs(store):
 def test_kill9_during_deploys_keeps_every_acknowledged_one(start_server, tmp_path):
     """50 deploys, the process killed with SIGKILL at a random moment of every
     5th: after each restart every deploy that was answered 201 is there and
-    ready, and the index and the blobs agree."""
+    ready, and the index and the blobs agree. The kill waits for a random
+    number of the round's deploys (0 to 3) to be answered first, then a
+    random moment more, so deploys are acknowledged and cut on any machine,
+    however fast (a fixed delay alone acknowledged none on a loaded one)."""
     rng = random.Random(20261123)
     store = tmp_path / "store"
     acked = {}  # version -> sha256 of every deploy answered 201
     for rnd in range(10):
         srv = start_server(store=store)
         store_agrees_with_blobs(store)  # what the last kill left, after the start's sweep
+
+        answered = threading.Semaphore(0)  # one release per answered deploy of this round
 
         def deploy_five():
             for j in range(5):
@@ -76,9 +81,12 @@ def test_kill9_during_deploys_keeps_every_acknowledged_one(start_server, tmp_pat
                     acked[r.json()["version"]] = r.json()["sha256"]
                 else:
                     assert r.status_code >= 500 or r.status_code == 409, r.text
+                answered.release()
 
         t = threading.Thread(target=deploy_five)
         t.start()
+        for _ in range(rng.randint(0, 3)):
+            assert answered.acquire(timeout=60 * TSCALE), "a deploy did not answer"
         time.sleep(rng.uniform(0, 0.2) * TSCALE)
         srv.proc.kill()
         srv.proc.wait(10)
