@@ -1,8 +1,8 @@
 /*
  * jobs.h - batch-predict jobs over whole datasets: the streaming dataset
  * readers (readers.c), the scheduler that runs jobs on the models' job
- * workers and writes their output (scheduler.c), and the job table's queries
- * (job_store.c).
+ * workers (scheduler.c) and writes their output (writers.c, behind the
+ * private writers.h), and the job table's queries (job_store.c).
  *
  * It uses predictor.h (models, tensors, top-k) and checkpoint.h (the store,
  * downloads, allowed paths); neither of them includes this header. The job

@@ -1,12 +1,12 @@
 /*
  * scheduler.c - batch-predict jobs over whole datasets, on the job workers of
  * the model version (predictor/batcher.c: their own pool, at the job_nice CPU
- * priority): the runners, leases, the chunk pipeline and the output writers.
+ * priority): the runners, leases and the chunk pipeline. What a job writes
+ * (row formats, the NPY header, the per-run output file) is writers.c's.
  *
  * Over 800 lines on purpose: one job's run (run_job) is one sequence of
  * lease, input, pipeline, commit and output steps that all share the
- * runner's state; the writers (output formats, the per-run output file) are
- * the natural next cut if it grows.
+ * runner's state; cutting it would pass that state around for nothing.
  *
  * DESIGN
  * A job streams its input through a reader in chunks of batch_size rows,
@@ -19,8 +19,8 @@
  * output_bytes and the running accuracy counts, so the disk never stalls the
  * pipeline once per forward. Resume after a
  * crash: copy the first output_bytes of the partial file into this run's
- * own new file (see "the output file"), reopen the input and skip rows_done
- * rows. Rows written after the last commit are cut off and
+ * own new file (see "the output file" in writers.c), reopen the input and
+ * skip rows_done rows. Rows written after the last commit are cut off and
  * computed again, so every input row appears exactly once, in order. On
  * success the partial file is renamed to the output path. NPY output keeps
  * a fixed 128-byte header slot, filled in with the final shape at the end.
@@ -49,13 +49,13 @@
 #include <unistd.h>
 
 #include "jobs.h"
+#include "writers.h"
 
 /* Chunks in flight: enough queued work to keep the workers busy through an
  * fdatasync + commit (tens of ms on slow disks), bounded by input bytes. */
 #define PIPELINE 32
 #define PIPELINE_BYTES (16L * 1024 * 1024)
 #define COMMIT_INTERVAL_S 0.25
-#define NPY_HEADER 128
 
 #define POLL_S 1.0 /* idle runners look for claimable jobs this often */
 
@@ -176,21 +176,6 @@ static double mono(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-static int write_all(int fd, const char *p, size_t n)
-{
-    while (n) {
-        ssize_t w = write(fd, p, n);
-        if (w < 0) {
-            if (errno == EINTR)
-                continue;
-            return -1;
-        }
-        p += w;
-        n -= (size_t)w;
-    }
-    return 0;
 }
 
 /* Update the job while this process holds it, renewing the lease; notes a
@@ -385,388 +370,6 @@ static void reader_err_from_url(md_err *err, const char *format)
                  format);
 }
 
-static int include_has(json_t *include, const char *what, int dflt)
-{
-    if (!json_is_array(include))
-        return dflt;
-    size_t i;
-    json_t *v;
-    json_array_foreach(include, i, v)
-    {
-        if (json_is_string(v) && strcmp(json_string_value(v), what) == 0)
-            return 1;
-    }
-    return 0;
-}
-
-typedef struct outfmt {
-    int kind; /* 0 jsonl, 1 csv, 2 npy */
-    int inc_index, inc_pred, inc_label, inc_scores;
-    int top_k;
-    int header_written;
-} outfmt;
-
-/* The top class, ranked as top_k ranks (md_top_k: NaN last, ties to the
- * lower index), so a row's prediction and its top_k always agree. */
-static int argmax(const float *x, int64_t n)
-{
-    int64_t best = 0;
-    md_top_k(x, n, 1, &best);
-    return (int)best;
-}
-
-/* Append one output row as text to `b`. */
-static void format_row(char **b, size_t *len, size_t *cap, const outfmt *o, md_model *m,
-                       int64_t index, const float *y, int64_t width, int has_label,
-                       int64_t label)
-{
-    json_t *labels = md_model_labels(m);
-    char num[40];
-#define ADD(s)                                                                                \
-    do {                                                                                      \
-        size_t l_ = strlen(s);                                                                \
-        if (*len + l_ + 1 > *cap) {                                                           \
-            *cap = (*cap + l_ + 1) * 2;                                                       \
-            *b = realloc(*b, *cap);                                                           \
-            md_assert(*b != NULL);                                                            \
-        }                                                                                     \
-        memcpy(*b + *len, s, l_ + 1);                                                         \
-        *len += l_;                                                                           \
-    } while (0)
-    int cls = argmax(y, width);
-    const char *sep = o->kind == 1 ? "," : ",";
-    int first = 1;
-    if (o->kind == 0)
-        ADD("{");
-    if (o->inc_index) {
-        if (o->kind == 0)
-            ADD("\"index\":");
-        snprintf(num, sizeof num, "%lld", (long long)index);
-        ADD(num);
-        first = 0;
-    }
-    if (o->inc_pred) {
-        if (!first)
-            ADD(sep);
-        if (o->kind == 0)
-            ADD("\"prediction\":");
-        if (o->top_k > 0 && width > 1) {
-            /* the k most likely classes, best first */
-            int k = o->top_k < width ? o->top_k : (int)width;
-            if (o->kind == 0)
-                ADD("[");
-            int64_t *top = md_xmalloc(sizeof(int64_t) * (size_t)k);
-            md_top_k(y, width, k, top);
-            for (int t = 0; t < k; t++) {
-                int best = (int)top[t];
-                if (t)
-                    ADD(o->kind == 0 ? "," : ";");
-                json_t *name = labels ? json_array_get(labels, (size_t)best) : NULL;
-                if (json_is_string(name) && o->kind == 0) {
-                    char *t2 = json_dumps(name, JSON_ENCODE_ANY);
-                    ADD(t2);
-                    free(t2);
-                } else if (json_is_string(name)) {
-                    ADD(json_string_value(name));
-                } else {
-                    snprintf(num, sizeof num, "%d", best);
-                    ADD(num);
-                }
-            }
-            free(top);
-            if (o->kind == 0)
-                ADD("]");
-        } else if (labels && json_is_string(json_array_get(labels, (size_t)cls))) {
-            json_t *s = json_array_get(labels, (size_t)cls);
-            char *t = json_dumps(s, JSON_ENCODE_ANY);
-            ADD(t);
-            free(t);
-        } else if (width > 1 && (labels || md_model_output_logits(m))) {
-            snprintf(num, sizeof num, "%d", cls);
-            ADD(num);
-        } else {
-            if (o->kind == 0)
-                ADD("[");
-            for (int64_t j = 0; j < width; j++) {
-                if (j)
-                    ADD(o->kind == 0 ? "," : ";");
-                md_float_format(y[j], num, sizeof num);
-                ADD(num);
-            }
-            if (o->kind == 0)
-                ADD("]");
-        }
-        first = 0;
-    }
-    if (o->inc_label) {
-        if (!first)
-            ADD(sep);
-        if (o->kind == 0)
-            ADD("\"label\":");
-        if (has_label)
-            snprintf(num, sizeof num, "%lld", (long long)label);
-        else
-            snprintf(num, sizeof num, "%s", o->kind == 0 ? "null" : "");
-        ADD(num);
-        first = 0;
-    }
-    if (o->inc_scores) {
-        if (!first)
-            ADD(sep);
-        if (o->kind == 0)
-            ADD("\"scores\":[");
-        float mx = y[cls];
-        double sum = 0;
-        for (int64_t j = 0; j < width; j++)
-            sum += md_model_output_logits(m) ? exp((double)(y[j] - mx)) : 0;
-        for (int64_t j = 0; j < width; j++) {
-            if (j)
-                ADD(o->kind == 0 ? "," : ";");
-            float v = md_model_output_logits(m) ? (float)(exp((double)(y[j] - mx)) / sum) : y[j];
-            md_float_format(v, num, sizeof num);
-            ADD(num);
-        }
-        if (o->kind == 0)
-            ADD("]");
-    }
-    ADD(o->kind == 0 ? "}\n" : "\n");
-#undef ADD
-}
-
-static void npy_header(char out[NPY_HEADER], int64_t rows, const int64_t *shape, int ndim)
-{
-    char dims[200];
-    int n = snprintf(dims, sizeof dims, "%lld,", (long long)rows);
-    for (int d = 1; d < ndim; d++)
-        n += snprintf(dims + n, sizeof dims - (size_t)n, " %lld,", (long long)shape[d]);
-    if (ndim > 1)
-        dims[n - 1] = '\0';
-    memset(out, ' ', NPY_HEADER);
-    memcpy(out, "\x93NUMPY\x01\x00", 8);
-    out[8] = (char)(NPY_HEADER - 10);
-    out[9] = 0;
-    int h = snprintf(out + 10, NPY_HEADER - 10, "{'descr': '<f4', 'fortran_order': False, "
-                                                "'shape': (%s), }",
-                     dims);
-    out[10 + h] = ' '; /* snprintf's NUL */
-    out[NPY_HEADER - 1] = '\n';
-}
-
-/* Write the final NPY header: the shape is known only at the end. */
-/* Write the final NPY header: the shape is known only at the end. The
- * width comes from the file's size and the rows written (`rows`, counted
- * from the committed state), not from this run's chunks: a run that resumes
- * with nothing left to compute writes the same header as the first. */
-static md_status finish_npy(int fd, long long out_bytes, int64_t rows, const char *path,
-                            md_err *err)
-{
-    char h[NPY_HEADER];
-    long long payload = out_bytes - NPY_HEADER;
-    int64_t width = 0;
-    if (rows > 0) {
-        if (payload <= 0 || payload % ((long long)sizeof(float) * rows) != 0)
-            return md_err_set(err, MD_EIO, "the job output %s holds %lld bytes of predictions, "
-                              "not a whole number of float32 values for each of its %lld rows",
-                              path, payload, (long long)rows);
-        width = payload / (long long)sizeof(float) / rows;
-    }
-    int64_t shape[2] = {rows, width};
-    npy_header(h, rows, shape, rows > 0 ? 2 : 1);
-    if (pwrite(fd, h, NPY_HEADER, 0) != NPY_HEADER)
-        return md_err_set(err, MD_EIO, "writing %s failed: %s", path, strerror(errno));
-    return MD_OK;
-}
-
-/* ---- the output file ---- */
-
-/*
- * The output lives in a directory opened once per run: under allowed_paths
- * component by component without following symlinks (output.path), or the
- * store's jobs/ directory. Each run writes into a file of its own: a new
- * inode created with O_EXCL under a unique temp name, filled with the
- * committed bytes of the previous <leaf>.partial when resuming, then renamed
- * over <leaf>.partial. A runner that lost its lease and has not noticed yet
- * still holds the old inode, so it can never write into the new owner's
- * file. The finished file is renamed to <leaf> only if nothing is there.
- */
-typedef struct outfile {
-    int dirfd;
-    char leaf[256];
-    char partial[300];
-    const char *path; /* the output path, for messages */
-} outfile;
-
-static md_status out_open_dir(md_jobs *J, json_t *output, const char *out_path, outfile *of,
-                              md_err *err)
-{
-    of->dirfd = -1;
-    of->path = out_path;
-    const char *leaf;
-    if (json_is_string(json_object_get(output, "path"))) {
-        /* checked again here: this replica's allowed_paths may differ from
-         * the one that took the request, and the tree may have changed */
-        md_status st = md_path_open_dir(J->fetch.allowed_paths, "output.path", out_path,
-                                        "invalid_path", &of->dirfd, &leaf, err);
-        if (st != MD_OK)
-            return st;
-    } else {
-        char dir[4200];
-        snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(J->store));
-        of->dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (of->dirfd < 0)
-            return md_err_set(err, MD_EIO, "cannot open %s: %s", dir, strerror(errno));
-        const char *slash = strrchr(out_path, '/');
-        leaf = slash ? slash + 1 : out_path;
-    }
-    if (strlen(leaf) + 40 > sizeof of->leaf)
-        return md_err_setc(err, MD_EINVAL, "invalid_path",
-                           "output.path %.200s: the file name is longer than %zu bytes", out_path,
-                           sizeof of->leaf - 40);
-    snprintf(of->leaf, sizeof of->leaf, "%s", leaf);
-    snprintf(of->partial, sizeof of->partial, "%s.partial", leaf);
-    return MD_OK;
-}
-
-/* Copy the first `n` bytes of `from` into `to` (both at offset 0). */
-static int copy_prefix(int from, int to, long long n)
-{
-    char buf[65536];
-    long long off = 0;
-    while (off < n) {
-        size_t want = (size_t)(n - off < (long long)sizeof buf ? n - off : (long long)sizeof buf);
-        ssize_t r = pread(from, buf, want, (off_t)off);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0)
-            return -1;
-        if (write_all(to, buf, (size_t)r) != 0)
-            return -1;
-        off += r;
-    }
-    return 0;
-}
-
-/* This run's partial file, positioned at `out_bytes` (see above). `fresh`:
- * nothing is committed yet. `in_fd` (or -1) is the input, which must not be
- * the output. Returns the descriptor, or -1 with `err` set. */
-static int out_open_partial(outfile *of, int fresh, long long out_bytes, int in_fd,
-                            const atomic_int *lost, md_err *err)
-{
-    struct stat sb, in_sb;
-    if (fresh && fstatat(of->dirfd, of->leaf, &sb, AT_SYMLINK_NOFOLLOW) == 0) {
-        md_err_setc(err, MD_ECONFLICT, "output_exists",
-                    "the output %.200s already exists; modeld never replaces a file: remove it "
-                    "or give another output.path",
-                    of->path);
-        return -1;
-    }
-    unsigned rnd = 0;
-    if (getrandom(&rnd, sizeof rnd, 0) != sizeof rnd)
-        rnd = (unsigned)time(NULL) ^ (unsigned)(uintptr_t)&rnd;
-    char tmp[400];
-    snprintf(tmp, sizeof tmp, "%s.%ld.%08x", of->partial, (long)getpid(), rnd);
-    int fd = openat(of->dirfd, tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        md_err_set(err, MD_EIO, "cannot create the job output %s.partial: %s", of->path,
-                   strerror(errno));
-        return -1;
-    }
-    if (!fresh) {
-        int old = openat(of->dirfd, of->partial, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-        if (old < 0 || fstat(old, &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size < out_bytes) {
-            md_err_set(err, MD_EIO, "the job output %s.partial is missing, not a regular file or "
-                       "shorter than its %lld committed bytes; the job cannot resume: create it "
-                       "again",
-                       of->path, out_bytes);
-            goto fail_old;
-        }
-        if (in_fd >= 0 && fstat(in_fd, &in_sb) == 0 && in_sb.st_dev == sb.st_dev &&
-            in_sb.st_ino == sb.st_ino) {
-            md_err_setc(err, MD_EINVAL, "invalid_path",
-                        "the input is this job's own output file %s.partial", of->path);
-            goto fail_old;
-        }
-        if (copy_prefix(old, fd, out_bytes) != 0) {
-            md_err_set(err, MD_EIO, "copying the job output %s.partial failed: %s", of->path,
-                       strerror(errno));
-            goto fail_old;
-        }
-        close(old);
-        if (fsync(fd) != 0) {
-            md_err_set(err, MD_EIO, "fsync of %s.partial failed: %s", of->path, strerror(errno));
-            goto fail;
-        }
-        goto renamed;
-    fail_old:
-        if (old >= 0)
-            close(old);
-        goto fail;
-    }
-renamed:
-    /* the lease keeper ran through the copy; a lease lost meanwhile means
-     * another replica owns <leaf>.partial now: leave it alone */
-    if (lost && atomic_load(lost)) {
-        md_err_setc(err, MD_ECONFLICT, "job_taken_over",
-                    "another replica took the job over while its output was being copied");
-        goto fail;
-    }
-    if (renameat(of->dirfd, tmp, of->dirfd, of->partial) != 0) {
-        md_err_set(err, MD_EIO, "cannot rename the job output to %s.partial: %s", of->path,
-                   strerror(errno));
-        goto fail;
-    }
-    if (md_fsync_dir(of->dirfd, of->path, err) != MD_OK) {
-        close(fd);
-        return -1;
-    }
-    if (lseek(fd, (off_t)out_bytes, SEEK_SET) != (off_t)out_bytes) {
-        md_err_set(err, MD_EIO, "cannot seek in %s.partial: %s", of->path, strerror(errno));
-        close(fd);
-        return -1;
-    }
-    return fd;
-fail:
-    unlinkat(of->dirfd, tmp, 0);
-    close(fd);
-    return -1;
-}
-
-/* Give the finished (or cancelled) partial file `fd` its name: only if
- * <leaf>.partial is still this run's file (another job given the same
- * output.path replaces it with its own), never over a file that appeared
- * meanwhile; durable once the directory is. */
-static md_status out_publish(outfile *of, int fd, md_err *err)
-{
-    struct stat mine, there;
-    if (fstat(fd, &mine) != 0 ||
-        fstatat(of->dirfd, of->partial, &there, AT_SYMLINK_NOFOLLOW) != 0 ||
-        mine.st_dev != there.st_dev || mine.st_ino != there.st_ino)
-        return md_err_setc(err, MD_ECONFLICT, "output_conflict",
-                           "another job wrote to the same output %.200s; this job's result "
-                           "is discarded: give each job its own output.path",
-                           of->path);
-    if (renameat2(of->dirfd, of->partial, of->dirfd, of->leaf, RENAME_NOREPLACE) != 0) {
-        int e = errno;
-        if (e == EINVAL || e == ENOSYS) { /* a file system without RENAME_NOREPLACE */
-            if (linkat(of->dirfd, of->partial, of->dirfd, of->leaf, 0) == 0) {
-                unlinkat(of->dirfd, of->partial, 0);
-                e = 0;
-            } else {
-                e = errno;
-            }
-        }
-        if (e == EEXIST)
-            return md_err_setc(err, MD_ECONFLICT, "output_exists",
-                               "the output %.200s appeared while the job ran; modeld never "
-                               "replaces a file: the result stays in %.200s.partial",
-                               of->path, of->path);
-        if (e)
-            return md_err_set(err, MD_EIO, "cannot rename %s.partial to %s: %s", of->path,
-                              of->path, strerror(e));
-    }
-    return md_fsync_dir(of->dirfd, of->path, err);
-}
-
 /* For tests only (test_job_chunk_delay_ms): pause after a committed chunk,
  * so a test can kill, stop or cancel in the middle of a job however fast the
  * machine is. Ends early on stop and on a cancel made here. */
@@ -785,23 +388,6 @@ static void test_pause(md_jobs *J, int slot)
 }
 
 /* ---- running one job ---- */
-
-/* The output as written so far becomes the job's file (finished or
- * cancelled alike): an NPY gets its final header, the data is made durable,
- * then published under its name; *fd is closed on success. */
-static md_status out_finish(outfile *of, int *fd, int npy, long long out_bytes, int64_t rows,
-                            const char *partial, md_err *err)
-{
-    if (npy && finish_npy(*fd, out_bytes, rows, partial, err) != MD_OK)
-        return err->status;
-    if (fsync(*fd) != 0)
-        return md_err_set(err, MD_EIO, "fsync of %s failed: %s", partial, strerror(errno));
-    if (out_publish(of, *fd, err) != MD_OK)
-        return err->status;
-    close(*fd);
-    *fd = -1;
-    return MD_OK;
-}
 
 static void run_job(md_jobs *J, int slot, const char *id)
 {
@@ -834,7 +420,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     int fd = -1, in_fd = -1, label_fd = -1;
     const char *in_format = json_string_value(json_object_get(input, "format"));
     const char *url = json_string_value(json_object_get(input, "url"));
-    outfile of = {.dirfd = -1};
+    md_job_outfile of = {.dirfd = -1};
     keeper kp = {0};
     slot_ref sref = {J, slot};
     int64_t written_skipped = skipped; /* rows_skipped as of the last row written */
@@ -935,14 +521,14 @@ static void run_job(md_jobs *J, int slot, const char *id)
         if (st == MD_EIO)
             goto reader_failed;
     }
-    outfmt o = {0};
+    md_job_outfmt o = {0};
     const char *ofmt = json_string_value(json_object_get(output, "format"));
     o.kind = !ofmt || !strcmp(ofmt, "jsonl") ? 0 : !strcmp(ofmt, "csv") ? 1 : 2;
     json_t *include = json_object_get(output, "include");
-    o.inc_index = include_has(include, "index", 1);
-    o.inc_pred = include_has(include, "prediction", 1);
-    o.inc_label = include_has(include, "label", has_labels);
-    o.inc_scores = include_has(include, "scores", 0);
+    o.inc_index = md_job_include_has(include, "index", 1);
+    o.inc_pred = md_job_include_has(include, "prediction", 1);
+    o.inc_label = md_job_include_has(include, "label", has_labels);
+    o.inc_scores = md_job_include_has(include, "scores", 0);
     o.top_k = (int)json_integer_value(json_object_get(spec, "top_k"));
     /* input.shape: the per-row shape the flat rows are given to the model in */
     json_t *row_shape = json_object_get(input, "shape");
@@ -968,12 +554,13 @@ static void run_job(md_jobs *J, int slot, const char *id)
     /* the output is touched only under a fresh lease */
     if (jupdate(J, slot, id, NULL, NULL) == MD_ECONFLICT)
         goto out;
-    if (out_open_dir(J, output, out_path, &of, &err) != MD_OK)
+    if (md_job_out_open_dir(J->fetch.allowed_paths, J->store, output, out_path, &of, &err) !=
+        MD_OK)
         goto failed;
     int fresh = rows_done == 0 && out_bytes == 0;
     /* the keeper renews the lease through the copy of a resumed job's
      * committed output (gigabytes on a slow disk outlast a lease) */
-    fd = out_open_partial(&of, fresh, out_bytes, in_fd, &J->lost[slot], &err);
+    fd = md_job_out_open_partial(&of, fresh, out_bytes, in_fd, &J->lost[slot], &err);
     keeper_stop(&kp); /* from here the pipeline renews the lease as it goes */
     if (fd < 0)
         goto failed;
@@ -981,8 +568,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
         char head[128] = "";
         if (o.kind == 2) {
             int64_t s1[1] = {0};
-            npy_header(head, 0, s1, 1);
-            out_bytes = NPY_HEADER;
+            md_job_npy_header(head, 0, s1, 1);
+            out_bytes = MD_JOB_NPY_HEADER;
         } else if (o.kind == 1) {
             int first = 1;
             if (o.inc_index)
@@ -996,7 +583,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
             strcat(head, "\n");
             out_bytes = (long long)strlen(head);
         }
-        if (out_bytes > 0 && write_all(fd, head, (size_t)out_bytes) != 0) {
+        if (out_bytes > 0 && md_job_write_all(fd, head, (size_t)out_bytes) != 0) {
             md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));
             goto failed;
         }
@@ -1114,7 +701,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
             }
             if (o.kind == 2) {
                 len = (size_t)(c->rows * ow) * sizeof(float);
-                if (write_all(fd, (const char *)c->out, len) != 0) {
+                if (md_job_write_all(fd, (const char *)c->out, len) != 0) {
                     md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));
                     goto failed;
                 }
@@ -1122,17 +709,17 @@ static void run_job(md_jobs *J, int slot, const char *id)
             for (int64_t i = 0; i < c->rows; i++) {
                 const float *y = c->out + i * ow;
                 if (has_labels) {
-                    int cls = argmax(y, ow);
+                    int cls = md_job_argmax(y, ow);
                     labeled++;
                     correct += cls == c->labels[i];
                     if (conf && c->labels[i] >= 0 && c->labels[i] < classes)
                         conf[c->labels[i] * classes + cls]++;
                 }
                 if (o.kind != 2)
-                    format_row(&text, &len, &text_cap, &o, m, c->index[i], y, ow, has_labels,
-                               c->labels[i]);
+                    md_job_format_row(&text, &len, &text_cap, &o, m, c->index[i], y, ow,
+                                      has_labels, c->labels[i]);
             }
-            if (o.kind != 2 && write_all(fd, text, len) != 0) {
+            if (o.kind != 2 && md_job_write_all(fd, text, len) != 0) {
                 md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));
                 goto failed;
             }
@@ -1177,7 +764,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
             goto failed;
         if (atomic_load(&J->cancel[slot]) && inflight == 0) {
             /* keep what is written, as a valid file marked partial */
-            if (out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped,
+            if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped,
                            partial, &err) != MD_OK)
                 goto failed;
             md_now_iso(now);
@@ -1199,7 +786,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
         if (eof && inflight == 0)
             break;
     }
-    if (out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped, partial,
+    if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped, partial,
                    &err) != MD_OK)
         goto failed;
     /* record_metric (issue 12): the accuracy on the version that ran, before
