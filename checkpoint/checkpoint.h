@@ -250,9 +250,12 @@ md_status md_promote_check(json_t *policy, md_err *err);
  * default on metrics.K (a version without K never replaces one with it).
  * GET /models/NAME shows it as "promote". */
 md_status md_store_set_promote(md_store *store, const char *name, json_t *policy, md_err *err);
-/* Set metrics.`metric` of a version to `value` (a job's accuracy). */
+/* Set metrics.`metric` of a version to `value` (a job's accuracy). With
+ * `promoted` non-NULL, the model's promotion policy applies too: when
+ * `metric` is the policy's and the (ready) version beats the default on it, or
+ * the default lacks it, the version becomes the default and *promoted is 1. */
 md_status md_store_record_metric(md_store *store, const char *name, int version,
-                                 const char *metric, double value, md_err *err);
+                                 const char *metric, double value, int *promoted, md_err *err);
 
 #ifdef __cplusplus
 }

@@ -1210,11 +1210,16 @@ static void run_job(md_jobs *J, int slot, const char *id)
     /* record_metric (issue 12): the accuracy on the version that ran, before
      * the job reads as succeeded, so a client that saw it succeed finds it */
     const char *record = json_string_value(json_object_get(spec, "record_metric"));
+    int promoted = 0;
     if (record && labeled > 0 &&
         md_store_record_metric(J->store, model_name, md_model_version(m), record,
-                               (double)correct / (double)labeled, &err) != MD_OK)
+                               (double)correct / (double)labeled, &promoted, &err) != MD_OK)
         md_log(MD_LOG_WARN, "job %s: recording metrics.%s on model %s version %d failed: %s", id,
                record, model_name, md_model_version(m), err.msg);
+    else if (promoted)
+        md_log(MD_LOG_INFO, "job %s: model %s version %d is the default now: its metrics.%s "
+               "beats the default's (promotion policy)", id, model_name, md_model_version(m),
+               record);
     now_iso(now);
     f = json_pack("{s:s,s:s,s:I}", "status", "succeeded", "finished_at", now, "rows_total",
                   (json_int_t)md_reader_position(r));
