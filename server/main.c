@@ -162,7 +162,7 @@ int main(int argc, char **argv)
         .allowed_urls = &cfg.allowed_urls,
         .allow_private = cfg.allow_private_urls,
     };
-    if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, cfg.test_job_chunk_delay_ms, &job_fetch, md_app_resolve, &app, &app.jobs, &err) !=
+    if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, cfg.test_job_chunk_delay_ms, &job_fetch, md_app_resolve, md_app_default_moved, &app, &app.jobs, &err) !=
         MD_OK)
         md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);
     pthread_t poller;

@@ -484,7 +484,7 @@ def test_recorded_metric_goes_through_the_promotion_policy(start_server, tmp_pat
     """A job's record_metric of the policy's metric promotes the version it
     ran when it beats the default (or the default lacks the metric); a tie,
     a worse result or another metric leaves the default alone."""
-    s = start_server("--allowed-paths", str(tmp_path))
+    s = start_server("--allowed-paths", str(tmp_path), "--store-poll-ms", "0")
     assert put_arch(s, "m", CK / "mlp_arch.pt").status_code == 200
     assert s.request("PATCH", "/models/m", json={"promote": {"metric": "test_accuracy"}}) \
         .status_code == 200
@@ -510,7 +510,12 @@ def test_recorded_metric_goes_through_the_promotion_policy(start_server, tmp_pat
             assert time.monotonic() < deadline, st
             time.sleep(0.05)
         assert st["status"] == "succeeded", st
-        return s.get("/models/m").json()["default_version"]
+        default = s.get("/models/m").json()["default_version"]
+        # what serves /predict follows at once (no store polling here)
+        r = requests.post(s.url + "/models/m/predict", json={"instances": x[:1].tolist()},
+                          timeout=T)
+        assert r.status_code == 200 and r.json()["version"] == default, r.text
+        return default
 
     assert job(2, 5, metric="other") == 1      # not the policy's metric
     assert job(2, 10) == 2                     # default 1 had no test_accuracy: 0.5 wins
