@@ -1016,6 +1016,11 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
         goto rollback;
     }
     md_sha_list_add(&released, json_string_value(json_object_get(v, "sha256")));
+    /* and the architecture it was loaded into, unless the model or another
+     * version still uses it (release_blob checks), rather than at next open */
+    const char *arch = json_string_value(json_object_get(v, "arch_sha256"));
+    if (arch && arch[0])
+        md_sha_list_add(&released, arch);
     if ((rc = bump_generation(s, err)) != MD_OK || (rc = exec(s, "COMMIT", err)) != MD_OK)
         goto rollback;
     md_blobs_release_all(s, &released);

@@ -530,3 +530,35 @@ def test_recorded_metric_goes_through_the_promotion_policy(start_server, tmp_pat
     assert job(2, 20) == 3                     # no policy: recording only
     assert [v["metrics"].get("test_accuracy") for v in s.get("/models/m").json()["versions"]] == \
         [1.0, 0.0, 0.1]
+
+
+def test_architecture_blob_collected_with_its_last_version(server):
+    """An architecture replaced while versions still use it stays until the
+    last of them goes, by delete or by retention; then it is collected at
+    once, as a weights blob is, not at the next open."""
+    arch_a = hashlib.sha256((CK / "mlp_arch.pt").read_bytes()).hexdigest()
+    assert put_arch(server, "m", CK / "mlp_arch.pt").status_code == 200
+    v1 = created(upload(server, "m", (CK / "mlp_sd.pt").read_bytes(), config=MLP_CONFIG))
+    assert v1["arch_sha256"] == arch_a
+    created(upload(server, "m", (CK / "mlp_sd_plain.pt").read_bytes()))
+    assert put_arch(server, "m", CK / "bn_arch.pt").status_code == 200
+    created(upload(server, "m", (CK / "bn_sd.pt").read_bytes(), config=BN_CONFIG,
+                   make_default="true"))
+    assert arch_a in blobs(server)
+    r = server.request("DELETE", "/models/m/versions/1")
+    assert r.status_code in (200, 204), r.text
+    assert arch_a in blobs(server), "version 2 still uses the first architecture"
+    r = server.request("PATCH", "/models/m", json={"retention": {"keep_last": 1}})
+    assert r.status_code == 200, r.text
+    assert versions(server, "m") == [3]
+    assert arch_a not in blobs(server)
+    bn_arch = hashlib.sha256((CK / "bn_arch.pt").read_bytes()).hexdigest()
+    assert bn_arch in blobs(server)
+    # a delete does it too (the model keeps its own architecture)
+    assert put_arch(server, "n", CK / "mlp_arch.pt").status_code == 200
+    created(upload(server, "n", (CK / "mlp_sd.pt").read_bytes(), config=MLP_CONFIG))
+    assert put_arch(server, "n", CK / "bn_arch.pt").status_code == 200
+    assert arch_a in blobs(server)
+    r = server.request("DELETE", "/models/n/versions/1?force=true")
+    assert r.status_code in (200, 204), r.text
+    assert arch_a not in blobs(server) and bn_arch in blobs(server)
