@@ -269,9 +269,12 @@ md_status md_store_set_promote(md_store *store, const char *name, json_t *policy
 md_status md_metric_name_check(const char *name, const char *what, const char *code,
                                md_err *err);
 /* Set metrics.`metric` of a version to `value` (a job's accuracy). MD_EINVAL
- * when md_metric_name_check refuses the name. */
+ * when md_metric_name_check refuses the name. With `promoted` non-NULL, the
+ * model's promotion policy applies too: when `metric` is the policy's and the
+ * (ready) version beats the default on it, or the default lacks it, the
+ * version becomes the default and *promoted is 1. */
 md_status md_store_record_metric(md_store *store, const char *name, int version,
-                                 const char *metric, double value, md_err *err);
+                                 const char *metric, double value, int *promoted, md_err *err);
 
 #ifdef __cplusplus
 }

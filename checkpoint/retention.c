@@ -79,7 +79,7 @@ md_status md_store_apply_retention(md_store *s, const char *name, sha_list *rele
     /* keep = newest keep_last UNION best keep_best UNION default */
     char sql[1024];
     snprintf(sql, sizeof sql,
-             "SELECT version, sha256 FROM versions WHERE model = ?1 AND version != ?2 "
+             "SELECT version, sha256, arch_sha256 FROM versions WHERE model = ?1 AND version != ?2 "
              "AND state != 'loading' "
              "AND (?3 = 0 OR version NOT IN (SELECT version FROM versions WHERE model = ?1 "
              "     ORDER BY version DESC LIMIT ?3)) "
@@ -102,6 +102,10 @@ md_status md_store_apply_retention(md_store *s, const char *name, sha_list *rele
     while (sqlite3_step(st) == SQLITE_ROW && n < 4096) {
         victims[n++] = sqlite3_column_int(st, 0);
         md_sha_list_add(released, (const char *)sqlite3_column_text(st, 1));
+        /* the architecture a state_dict version was loaded into: collected
+         * with it when nothing else uses it, as its weights are */
+        if (sqlite3_column_type(st, 2) != SQLITE_NULL)
+            md_sha_list_add(released, (const char *)sqlite3_column_text(st, 2));
     }
     sqlite3_finalize(st);
     json_decref(settings);

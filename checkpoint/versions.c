@@ -415,9 +415,69 @@ out:
                : rc;
 }
 
-md_status md_store_record_metric(md_store *s, const char *name, int version, const char *metric,
-                                 double value, md_err *err)
+/* Within record_metric's transaction: a metric recorded after the upload
+ * (a job's test accuracy) is what the promotion policy was waiting for, so
+ * the policy applies to it as to an upload: when `metric` is the policy's and
+ * `value` beats the default version's (or the default lacks it), `version`
+ * becomes the default. Sets *promoted to 1 then, else 0. */
+static md_status promote_recorded(md_store *s, const char *name, int version, const char *metric,
+                                  double value, int *promoted, md_err *err)
 {
+    *promoted = 0;
+    sqlite3_stmt *st = prep(s,
+                            "SELECT json_extract(m.settings, '$.promote.metric'), "
+                            "json_extract(m.settings, '$.promote.order'), m.default_version, "
+                            "json_extract(d.metrics, ?3) FROM models m LEFT JOIN versions d ON "
+                            "d.model = m.name AND d.version = m.default_version WHERE m.name = ?1 "
+                            "AND EXISTS (SELECT 1 FROM versions v WHERE v.model = ?1 AND "
+                            "v.version = ?2 AND v.state = 'ready')",
+                            err);
+    if (!st)
+        return MD_EIO;
+    char path[MD_METRIC_NAME_MAX + 8]; /* the name was checked by the caller */
+    snprintf(path, sizeof path, "$.\"%s\"", metric);
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 2, version);
+    sqlite3_bind_text(st, 3, path, -1, SQLITE_TRANSIENT);
+    int apply = 0;
+    if (sqlite3_step(st) == SQLITE_ROW && sqlite3_column_type(st, 0) == SQLITE_TEXT &&
+        strcmp((const char *)sqlite3_column_text(st, 0), metric) == 0) {
+        const char *order = (const char *)sqlite3_column_text(st, 1);
+        int desc = !order || strcmp(order, "desc") == 0;
+        int dv = sqlite3_column_type(st, 2) == SQLITE_NULL ? 0 : sqlite3_column_int(st, 2);
+        int kind = sqlite3_column_type(st, 3);
+        if (dv != version) {
+            if (dv <= 0 || (kind != SQLITE_INTEGER && kind != SQLITE_FLOAT))
+                apply = 1;
+            else {
+                double theirs = sqlite3_column_double(st, 3);
+                apply = desc ? value > theirs : value < theirs;
+            }
+        }
+    }
+    sqlite3_finalize(st);
+    if (!apply)
+        return MD_OK;
+    st = prep(s, "UPDATE models SET default_version = ?, updated_at = ? WHERE name = ?", err);
+    if (!st)
+        return MD_EIO;
+    char now[32];
+    now_iso(now);
+    sqlite3_bind_int(st, 1, version);
+    sqlite3_bind_text(st, 2, now, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 3, name, -1, SQLITE_STATIC);
+    md_status rc = sqlite3_step(st) == SQLITE_DONE ? MD_OK : db_fail(s, err, "promote a version");
+    sqlite3_finalize(st);
+    if (rc == MD_OK)
+        *promoted = 1;
+    return rc;
+}
+
+md_status md_store_record_metric(md_store *s, const char *name, int version, const char *metric,
+                                 double value, int *promoted, md_err *err)
+{
+    if (promoted)
+        *promoted = 0;
     /* SQLite does not unescape a quoted JSON path label: a name with a quote
      * or a backslash would set another key or none, so such names are
      * refused and the rest need no quoting */
@@ -447,6 +507,8 @@ md_status md_store_record_metric(md_store *s, const char *name, int version, con
                              "model %s has no version %d", name, version);
         sqlite3_finalize(st);
     }
+    if (rc == MD_OK && promoted)
+        rc = promote_recorded(s, name, version, metric, value, promoted, err);
     if (rc == MD_OK)
         rc = bump_generation(s, err);
     if (rc == MD_OK)
@@ -989,6 +1051,11 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
         goto rollback;
     }
     md_sha_list_add(&released, json_string_value(json_object_get(v, "sha256")));
+    /* and the architecture it was loaded into, unless the model or another
+     * version still uses it (release_blob checks), rather than at next open */
+    const char *arch = json_string_value(json_object_get(v, "arch_sha256"));
+    if (arch && arch[0])
+        md_sha_list_add(&released, arch);
     if ((rc = bump_generation(s, err)) != MD_OK || (rc = exec(s, "COMMIT", err)) != MD_OK)
         goto rollback;
     md_blobs_release_all(s, &released);

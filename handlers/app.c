@@ -396,6 +396,17 @@ md_model *md_app_lookup(md_app *app, const char *name, int version, md_err *err)
     return NULL;
 }
 
+void md_app_default_moved(void *ctx, const char *name, int version)
+{
+    md_err err;
+    md_err_clear(&err);
+    md_model *m = md_app_load_stored(ctx, name, version, 1, &err);
+    if (!m)
+        md_log(MD_LOG_WARN, "model %s version %d is the stored default but could not be served "
+               "(the store sync retries): %s", name, version, err.msg);
+    md_model_release(m);
+}
+
 md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err)
 {
     md_app *app = ctx;

@@ -113,6 +113,11 @@ md_model *md_app_lookup(md_app *app, const char *name, int version, md_err *err)
  * thread or a deferred handler thread, never a libmicrohttpd thread (there,
  * md_app_lookup). Thread-safe. */
 md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err);
+/* md_default_moved for the job runners: `version` of `name` became the
+ * default in the store (a job's recorded metric under the promotion policy),
+ * so make it the registry's default too, loading it if need be. May block;
+ * thread-safe. */
+void md_app_default_moved(void *ctx, const char *name, int version);
 /* Load stored `version` of `name` as md_app_resolve does (once, deadline,
  * failures remembered) and, with make_default, make it the registry's
  * default. Returns a new reference or NULL with `err`. May block; thread-safe. */

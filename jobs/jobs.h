@@ -78,6 +78,10 @@ typedef struct md_jobs md_jobs;
 
 /* Resolve name and version (0 = the default) to a loaded model, retained. */
 typedef md_model *(*md_model_resolver)(void *ctx, const char *name, int version, md_err *err);
+/* Told (with the resolver's ctx) that a job's record_metric made `version` of
+ * `name` the default in the store (promotion policy), so that what serves
+ * /predict follows before the job reads as succeeded. */
+typedef void (*md_default_moved)(void *ctx, const char *name, int version);
 
 /*
  * Start `max_jobs` job runners over the jobs table of `store`. Each claims
@@ -90,8 +94,8 @@ typedef md_model *(*md_model_resolver)(void *ctx, const char *name, int version,
  * pause this long after each, so a test can act in the middle of a job.
  */
 md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_chunk_delay_ms,
-                        const md_fetch_opts *fetch, md_model_resolver resolve, void *resolve_ctx,
-                        md_jobs **out, md_err *err);
+                        const md_fetch_opts *fetch, md_model_resolver resolve,
+                        md_default_moved moved, void *resolve_ctx, md_jobs **out, md_err *err);
 /* Queue a job already inserted in the store. Thread-safe. */
 void md_jobs_enqueue(md_jobs *jobs, const char *id);
 /* Cancel: a queued job at once, a running one after its current chunk; the

@@ -63,6 +63,7 @@ struct md_jobs {
     md_store *store;
     md_fetch_opts fetch;
     md_model_resolver resolve;
+    md_default_moved moved;
     void *resolve_ctx;
     pthread_mutex_t mu;
     pthread_cond_t cv;    /* kicks idle runners: a job was created here */
@@ -792,11 +793,19 @@ static void run_job(md_jobs *J, int slot, const char *id)
     /* record_metric (issue 12): the accuracy on the version that ran, before
      * the job reads as succeeded, so a client that saw it succeed finds it */
     const char *record = json_string_value(json_object_get(spec, "record_metric"));
+    int promoted = 0;
     if (record && labeled > 0 &&
         md_store_record_metric(J->store, model_name, md_model_version(m), record,
-                               (double)correct / (double)labeled, &err) != MD_OK)
+                               (double)correct / (double)labeled, &promoted, &err) != MD_OK)
         md_log(MD_LOG_WARN, "job %s: recording metrics.%s on model %s version %d failed: %s", id,
                record, model_name, md_model_version(m), err.msg);
+    else if (promoted) {
+        md_log(MD_LOG_INFO, "job %s: model %s version %d is the default now: its metrics.%s "
+               "beats the default's (promotion policy)", id, model_name, md_model_version(m),
+               record);
+        if (J->moved)
+            J->moved(J->resolve_ctx, model_name, md_model_version(m));
+    }
     md_now_iso(now);
     f = json_pack("{s:s,s:s,s:I}", "status", "succeeded", "finished_at", now, "rows_total",
                   (json_int_t)md_reader_position(r));
@@ -962,7 +971,8 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
 }
 
 md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_chunk_delay_ms,
-                        const md_fetch_opts *fetch, md_model_resolver resolve, void *ctx,
+                        const md_fetch_opts *fetch, md_model_resolver resolve,
+                        md_default_moved moved, void *ctx,
                         md_jobs **out, md_err *err)
 {
     char dir[4200];
@@ -973,6 +983,7 @@ md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_
     J->store = store;
     J->fetch = *fetch;
     J->resolve = resolve;
+    J->moved = moved;
     J->resolve_ctx = ctx;
     J->lease_s = lease_s > 0 ? lease_s : 30;
     J->chunk_delay_ms = test_chunk_delay_ms > 0 ? test_chunk_delay_ms : 0;

@@ -1829,12 +1829,12 @@ static void test_record_metric_names(void **state)
     const char *bad[] = {"a\"b", "a\\b", "a b", "", "$.x", "0123456789012345678901234567890123456789012345678901234567890123X"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         md_err_clear(&err);
-        if (md_store_record_metric(s, "m", 1, bad[i], 0.5, &err) != MD_EINVAL)
+        if (md_store_record_metric(s, "m", 1, bad[i], 0.5, NULL, &err) != MD_EINVAL)
             fail_msg("metric name \"%s\" was accepted", bad[i]);
         assert_non_null(strstr(err.msg, "A-Z a-z 0-9 _ . -"));
     }
-    assert_int_equal(md_store_record_metric(s, "m", 1, "top-1.acc_v2", 0.75, &err), MD_OK);
-    assert_int_equal(md_store_record_metric(s, "m", 2, "acc", 0.75, &err), MD_ENOTFOUND);
+    assert_int_equal(md_store_record_metric(s, "m", 1, "top-1.acc_v2", 0.75, NULL, &err), MD_OK);
+    assert_int_equal(md_store_record_metric(s, "m", 2, "acc", 0.75, NULL, &err), MD_ENOTFOUND);
     json_t *v = NULL;
     assert_int_equal(md_store_get_version(s, "m", 1, &v, &err), MD_OK);
     json_t *metrics = json_object_get(v, "metrics");

@@ -12,11 +12,21 @@ temporary directory; the path is printed), never anywhere else:
                 is the mean cross-entropy on the test set and accuracy the
                 test-set accuracy as a fraction
 
+With --state-dicts, also what a training loop pushes to modeld as versions of
+one architecture (README.md, "From a training run"):
+
+  arch.pt       TorchScript of the untrained network: the architecture (its
+                weights do not matter), for PUT /models/NAME/architecture
+  epoch_N.pt    torch.save(model.state_dict()) after epoch N
+  epoch_N.json  {"epoch", "loss", "accuracy"} of epoch N, as metrics.json
+
 Usage:
     /usr/bin/python3 examples/fashion_mnist/train.py [--epochs 3] [--out DIR]
     /usr/bin/python3 examples/fashion_mnist/train.py --epochs 1 --limit 256   # a quick check
+    /usr/bin/python3 examples/fashion_mnist/train.py --state-dicts --out DIR  # + epoch_N.pt
 """
 import argparse
+import copy
 import gzip
 import json
 import os
@@ -109,6 +119,9 @@ def main():
     ap.add_argument("--limit", type=int, default=0,
                     help="use only the first N training and test images (0 = all)")
     ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument("--state-dicts", action="store_true",
+                    help="also write arch.pt, and epoch_N.pt (the state_dict) and "
+                         "epoch_N.json (its metrics) after every epoch")
     ap.add_argument("--out", help="directory to write model.pt, model.json, metrics.json "
                                   "(default: a new temporary directory)")
     args = ap.parse_args()
@@ -127,6 +140,11 @@ def main():
     print(f"train {tuple(x_train.shape)}  test {tuple(x_test.shape)}", flush=True)
 
     model = NeuralNetwork()
+    if args.state_dicts:
+        # The structure only: modeld loads every epoch's state_dict into it. A
+        # copy of the untrained model, so the seeded RNG and training are as
+        # without --state-dicts.
+        torch.jit.script(copy.deepcopy(model)).save(os.path.join(out, "arch.pt"))
     loss_fn = nn.CrossEntropyLoss()
     # The quickstart's SGD(lr=1e-3) needs many epochs; Adam converges in a few.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -151,6 +169,12 @@ def main():
         print(f"epoch {epoch}: train loss {running / seen:.4f}  "
               f"test loss {test_loss:.4f}  test accuracy {acc:.4f}  "
               f"({time.time() - start:.0f}s)", flush=True)
+        if args.state_dicts:
+            torch.save(model.state_dict(), os.path.join(out, f"epoch_{epoch}.pt"))
+            with open(os.path.join(out, f"epoch_{epoch}.json"), "w") as f:
+                json.dump({"epoch": epoch, "loss": round(test_loss, 6),
+                           "accuracy": round(acc, 6)}, f)
+                f.write("\n")
 
     model.eval()
     scripted = torch.jit.script(model)

@@ -18,6 +18,7 @@ import io
 import json
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -465,7 +466,6 @@ def test_job_records_its_accuracy_on_the_version(start_server, tmp_path):
     r = requests.post(s.url + "/jobs", json=job, timeout=T)
     assert r.status_code in (201, 202), r.text
     jid = r.json()["id"]
-    import time
     deadline = time.monotonic() + 120 * TSCALE
     while time.monotonic() < deadline:
         st = s.get(f"/jobs/{jid}").json()
@@ -593,3 +593,87 @@ def test_non_finite_and_huge_top_level_numbers(server, tmp_path):
     assert set(m) == {"epoch", "big", "step"} and m["epoch"] == 3 and \
         isinstance(m["epoch"], int), m
     assert m["big"] == pytest.approx(1e300) and m["step"] == pytest.approx(2.0 ** 60), m
+
+
+def test_recorded_metric_goes_through_the_promotion_policy(start_server, tmp_path):
+    """A job's record_metric of the policy's metric promotes the version it
+    ran when it beats the default (or the default lacks the metric); a tie,
+    a worse result or another metric leaves the default alone."""
+    s = start_server("--allowed-paths", str(tmp_path), "--store-poll-ms", "0")
+    assert put_arch(s, "m", CK / "mlp_arch.pt").status_code == 200
+    assert s.request("PATCH", "/models/m", json={"promote": {"metric": "test_accuracy"}}) \
+        .status_code == 200
+    data = (CK / "mlp_sd.pt").read_bytes()
+    for _ in range(3):
+        created(upload(s, "m", data, config=MLP_CONFIG))
+    assert s.get("/models/m").json()["default_version"] == 1
+    x = np.random.default_rng(1).normal(size=(20, 4)).astype(np.float32)
+    pred = eager(MLP(), file_state(CK / "mlp_sd.pt"), x).argmax(1)
+
+    def job(version, wrong, metric="test_accuracy"):
+        y = pred.copy()
+        y[:wrong] = (y[:wrong] + 1) % 3
+        csv = tmp_path / f"t{version}-{wrong}-{metric}.csv"
+        csv.write_text("a,b,c,d,label\n" + "".join(
+            ",".join(f"{v:.9g}" for v in row) + f",{int(c)}\n" for row, c in zip(x, y)))
+        r = requests.post(s.url + "/jobs", json={
+            "model": "m", "version": version, "record_metric": metric,
+            "input": {"path": str(csv), "format": "csv", "label": "label"}}, timeout=T)
+        assert r.status_code in (201, 202), r.text
+        deadline = time.monotonic() + 120 * TSCALE
+        while (st := s.get(f"/jobs/{r.json()['id']}").json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, st
+            time.sleep(0.05)
+        assert st["status"] == "succeeded", st
+        default = s.get("/models/m").json()["default_version"]
+        # what serves /predict follows at once (no store polling here)
+        r = requests.post(s.url + "/models/m/predict", json={"instances": x[:1].tolist()},
+                          timeout=T)
+        assert r.status_code == 200 and r.json()["version"] == default, r.text
+        return default
+
+    assert job(2, 5, metric="other") == 1      # not the policy's metric
+    assert job(2, 10) == 2                     # default 1 had no test_accuracy: 0.5 wins
+    assert job(3, 10) == 2                     # a tie is no win
+    assert job(3, 15) == 2                     # 0.25 is worse
+    assert job(1, 4) == 1                      # 0.8 beats 0.5
+    assert job(1, 0) == 1                      # the default itself: stays
+    assert s.request("PATCH", "/models/m", json={"promote": {"metric": "test_accuracy",
+                                                             "order": "asc"}}).status_code == 200
+    assert job(3, 18) == 3                     # asc: 0.1 < 1.0
+    assert s.request("PATCH", "/models/m", json={"promote": None}).status_code == 200
+    assert job(2, 20) == 3                     # no policy: recording only
+    assert [v["metrics"].get("test_accuracy") for v in s.get("/models/m").json()["versions"]] == \
+        [1.0, 0.0, 0.1]
+
+
+def test_architecture_blob_collected_with_its_last_version(server):
+    """An architecture replaced while versions still use it stays until the
+    last of them goes, by delete or by retention; then it is collected at
+    once, as a weights blob is, not at the next open."""
+    arch_a = hashlib.sha256((CK / "mlp_arch.pt").read_bytes()).hexdigest()
+    assert put_arch(server, "m", CK / "mlp_arch.pt").status_code == 200
+    v1 = created(upload(server, "m", (CK / "mlp_sd.pt").read_bytes(), config=MLP_CONFIG))
+    assert v1["arch_sha256"] == arch_a
+    created(upload(server, "m", (CK / "mlp_sd_plain.pt").read_bytes()))
+    assert put_arch(server, "m", CK / "bn_arch.pt").status_code == 200
+    created(upload(server, "m", (CK / "bn_sd.pt").read_bytes(), config=BN_CONFIG,
+                   make_default="true"))
+    assert arch_a in blobs(server)
+    r = server.request("DELETE", "/models/m/versions/1")
+    assert r.status_code in (200, 204), r.text
+    assert arch_a in blobs(server), "version 2 still uses the first architecture"
+    r = server.request("PATCH", "/models/m", json={"retention": {"keep_last": 1}})
+    assert r.status_code == 200, r.text
+    assert versions(server, "m") == [3]
+    assert arch_a not in blobs(server)
+    bn_arch = hashlib.sha256((CK / "bn_arch.pt").read_bytes()).hexdigest()
+    assert bn_arch in blobs(server)
+    # a delete does it too (the model keeps its own architecture)
+    assert put_arch(server, "n", CK / "mlp_arch.pt").status_code == 200
+    created(upload(server, "n", (CK / "mlp_sd.pt").read_bytes(), config=MLP_CONFIG))
+    assert put_arch(server, "n", CK / "bn_arch.pt").status_code == 200
+    assert arch_a in blobs(server)
+    r = server.request("DELETE", "/models/n/versions/1?force=true")
+    assert r.status_code in (200, 204), r.text
+    assert arch_a not in blobs(server) and bn_arch in blobs(server)
