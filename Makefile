@@ -9,14 +9,15 @@ PYTHON  := /usr/bin/python3
 PORT    ?=
 ARGS    ?=
 
-# Debian packages the build, the tests and the benchmarks need.
+# Debian packages the build, the tests and the benchmarks need (nginx: run as a
+# plain subprocess by tests/e2e/test_nginx.py, no system service is needed).
 # BUILD_PACKAGES build ./modeld (the Docker build stage installs only these).
 BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
 	libcurl4-openssl-dev libssl-dev zlib1g-dev libtorch-dev libopenblas0-pthread \
 	libfast-float-dev
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
 	python3-numpy python3-yaml python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist \
-	git jq
+	git jq nginx
 
 # libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one
 # (a libtorch tree, or pip's torch package folder, whose include/ and lib/ are one).

@@ -85,6 +85,7 @@ struct md_req {
     char method[16];
     char *path;               /* owned copy of the URL path */
     char id[72];
+    char traceparent[MD_TRACEPARENT_LEN + 1]; /* the client's when valid, else made here */
     struct timespec start;
     md_route_match match;
     md_body body;
@@ -136,6 +137,31 @@ static void set_request_id(md_http *h, md_req *r, const char *client)
     snprintf(r->id, sizeof r->id, "%08lx%08lx", h->id_seed & 0xffffffffUL, seq & 0xffffffffUL);
 }
 
+/* ---- trace context ---- */
+
+/* Take the client's traceparent when it is valid (so one trace id follows a
+ * request through nginx and into this log); otherwise start a trace with a
+ * random trace id and span id. An invalid header is replaced, as the W3C
+ * spec asks, rather than rejected: tracing never fails a request. */
+static void set_traceparent(md_http *h, md_req *r, const char *client)
+{
+    if (md_traceparent_valid(client)) {
+        memcpy(r->traceparent, client, MD_TRACEPARENT_LEN + 1);
+        return;
+    }
+    unsigned char ids[24];
+    if (getrandom(ids, sizeof ids, GRND_NONBLOCK) != (ssize_t)sizeof ids) {
+        /* no entropy yet (early boot): unique, if guessable, ids still let a
+         * request be followed; md_traceparent_format keeps them non-zero */
+        unsigned long seq = atomic_fetch_add(&h->next_id, 1);
+        memset(ids, 0, sizeof ids);
+        memcpy(ids, &h->id_seed, sizeof h->id_seed); /* an unsigned long: <= 8 bytes */
+        memcpy(ids + 8, &seq, sizeof seq);
+        memcpy(ids + 16, &seq, sizeof seq);
+    }
+    md_traceparent_format(r->traceparent, ids, ids + 16, 0);
+}
+
 /* ---- access log ---- */
 
 static void access_log_line(md_req *r)
@@ -154,10 +180,11 @@ static void access_log_line(md_req *r)
     char ts[40];
     size_t n = strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
     snprintf(ts + n, sizeof ts - n, ".%03ldZ", wall.tv_nsec / 1000000L);
-    json_t *line = json_pack("{s:s,s:s,s:s,s:i,s:I,s:I,s:f,s:s}", "time", ts, "method", r->method,
-                             "path", r->path, "status", r->status, "bytes_in",
+    json_t *line = json_pack("{s:s,s:s,s:s,s:i,s:I,s:I,s:f,s:s,s:s}", "time", ts, "method",
+                             r->method, "path", r->path, "status", r->status, "bytes_in",
                              (json_int_t)r->bytes_in, "bytes_out", (json_int_t)r->bytes_out,
-                             "duration_ms", ms, "request_id", r->id);
+                             "duration_ms", ms, "request_id", r->id, "traceparent",
+                             r->traceparent);
     if (!line)
         return;
     char *text = json_dumps(line, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(6));
@@ -256,6 +283,7 @@ static enum MHD_Result queue_reply(md_req *r)
     r->bytes_out = r->len;
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, r->content_type);
     MHD_add_response_header(resp, "X-Request-Id", r->id);
+    MHD_add_response_header(resp, "traceparent", r->traceparent);
     for (int i = 0; i < r->n_headers; i++)
         MHD_add_response_header(resp, r->header_names[i], r->header_values[i]);
     if (atomic_load(&r->http->quiesced))
@@ -509,6 +537,7 @@ static md_req *req_new(md_http *h, struct MHD_Connection *conn, const char *url,
     r->path = md_xstrdup(url);
     clock_gettime(CLOCK_MONOTONIC, &r->start);
     set_request_id(h, r, MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "X-Request-Id"));
+    set_traceparent(h, r, MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "traceparent"));
     r->body.limit = (size_t)h->cfg->max_body_bytes;
     /* KServe V1 errors have the same shape */
     r->v2 = strncmp(url, "/v2/", 4) == 0 || strcmp(url, "/v2") == 0 ||

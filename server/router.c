@@ -195,3 +195,65 @@ json_t *md_error_body(const md_err *err, int v2)
         return json_pack("{s:s}", "error", msg);
     return json_pack("{s:{s:s,s:s}}", "error", "code", md_err_code(err), "message", msg);
 }
+
+/* ---- W3C trace context ---- */
+
+static int lower_hex(const char *s, size_t n, int *all_zero)
+{
+    *all_zero = 1;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
+            return 0;
+        if (c != '0')
+            *all_zero = 0;
+    }
+    return 1;
+}
+
+int md_traceparent_valid(const char *value)
+{
+    /* fixed layout: 2 hex '-' 32 hex '-' 16 hex '-' 2 hex */
+    if (!value || strlen(value) != MD_TRACEPARENT_LEN)
+        return 0;
+    if (value[2] != '-' || value[35] != '-' || value[52] != '-')
+        return 0;
+    int zero;
+    if (!lower_hex(value, 2, &zero) || memcmp(value, "ff", 2) == 0)
+        return 0; /* version ff is forbidden by the spec */
+    if (!lower_hex(value + 3, 32, &zero) || zero)
+        return 0;
+    if (!lower_hex(value + 36, 16, &zero) || zero)
+        return 0;
+    return lower_hex(value + 53, 2, &zero);
+}
+
+static char *hex_bytes(char *out, const unsigned char *b, size_t n, int force_nonzero)
+{
+    static const char digits[] = "0123456789abcdef";
+    int zero = 1;
+    for (size_t i = 0; i < n; i++)
+        zero &= b[i] == 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned v = b[i];
+        if (zero && force_nonzero && i == n - 1)
+            v = 1;
+        *out++ = digits[v >> 4];
+        *out++ = digits[v & 15];
+    }
+    return out;
+}
+
+void md_traceparent_format(char *out, const unsigned char trace_id[16],
+                           const unsigned char parent_id[8], unsigned flags)
+{
+    char *p = out;
+    *p++ = '0', *p++ = '0', *p++ = '-';
+    p = hex_bytes(p, trace_id, 16, 1);
+    *p++ = '-';
+    p = hex_bytes(p, parent_id, 8, 1);
+    *p++ = '-';
+    unsigned char f = (unsigned char)(flags & 0xff);
+    p = hex_bytes(p, &f, 1, 0);
+    *p = '\0';
+}

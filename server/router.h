@@ -33,6 +33,27 @@ typedef struct md_route_match {
 md_status md_route_find(const md_route *routes, size_t n_routes, const char *method,
                         const char *path, md_route_match *match, char *allow, size_t allow_size);
 
+/* W3C trace context (https://www.w3.org/TR/trace-context/): a traceparent
+ * header value is "VV-TTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTT-PPPPPPPPPPPPPPPP-FF",
+ * 55 characters: version, trace id, parent (span) id, flags, lowercase hex. */
+#define MD_TRACEPARENT_LEN 55
+
+/*
+ * Whether `value` is a valid traceparent: exactly MD_TRACEPARENT_LEN chars,
+ * lowercase hex fields joined by '-', version not "ff", trace id and parent
+ * id not all zeros. NULL is invalid. Pure; thread-safe.
+ */
+int md_traceparent_valid(const char *value);
+
+/*
+ * Format a version-00 traceparent from 16 trace-id bytes and 8 parent-id
+ * bytes into `out` (MD_TRACEPARENT_LEN + 1 bytes, NUL-terminated). An
+ * all-zero id is made valid by setting its last byte to 1 (a random source
+ * that returned zeros must not produce a header receivers drop).
+ */
+void md_traceparent_format(char *out, const unsigned char trace_id[16],
+                           const unsigned char parent_id[8], unsigned flags);
+
 #ifdef __cplusplus
 }
 #endif

@@ -604,6 +604,71 @@ static void test_suggest(void **state)
     assert_null(md_suggest(longw, names, 4));
 }
 
+/* ---- W3C trace context ---- */
+
+#define TP_OK "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+static void test_traceparent_valid(void **state)
+{
+    (void)state;
+    assert_int_equal(strlen(TP_OK), MD_TRACEPARENT_LEN);
+    assert_true(md_traceparent_valid(TP_OK));
+    /* another version and any flags are accepted when the layout is version 00's */
+    assert_true(md_traceparent_valid("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"));
+    assert_true(md_traceparent_valid("00-00000000000000000000000000000001-0000000000000001-ff"));
+}
+
+static void test_traceparent_invalid(void **state)
+{
+    (void)state;
+    const char *bad[] = {
+        NULL,
+        "",
+        /* one character short and one too long */
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-011",
+        /* upper case hex */
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00F067aa0ba902b7-01",
+        /* all-zero trace id, all-zero parent id */
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+        /* forbidden version */
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        /* separators moved or replaced */
+        "00_4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "004-bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7.01",
+        /* non-hex characters, a space, a NUL-free injection attempt */
+        "00-4bf92f3577b34da6a3ce929d0e0e473g-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0 ",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa\"a902b7-01",
+        "zz-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        if (md_traceparent_valid(bad[i]))
+            fail_msg("accepted invalid traceparent #%zu %s", i, bad[i] ? bad[i] : "(null)");
+    }
+}
+
+static void test_traceparent_format(void **state)
+{
+    (void)state;
+    const unsigned char trace[16] = {0x4b, 0xf9, 0x2f, 0x35, 0x77, 0xb3, 0x4d, 0xa6,
+                                     0xa3, 0xce, 0x92, 0x9d, 0x0e, 0x0e, 0x47, 0x36};
+    const unsigned char span[8] = {0x00, 0xf0, 0x67, 0xaa, 0x0b, 0xa9, 0x02, 0xb7};
+    char out[MD_TRACEPARENT_LEN + 1];
+    memset(out, 'x', sizeof out);
+    md_traceparent_format(out, trace, span, 1);
+    assert_string_equal(out, TP_OK);
+    assert_true(md_traceparent_valid(out));
+    /* all-zero bytes (a failed random source) still give a valid header */
+    const unsigned char zeros[16] = {0};
+    md_traceparent_format(out, zeros, zeros, 0);
+    assert_string_equal(out, "00-00000000000000000000000000000001-0000000000000001-00");
+    assert_true(md_traceparent_valid(out));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -630,6 +695,9 @@ int main(void)
         cmocka_unit_test(test_err_message_one_line),
         cmocka_unit_test(test_query_known_and_unknown),
         cmocka_unit_test(test_suggest),
+        cmocka_unit_test(test_traceparent_valid),
+        cmocka_unit_test(test_traceparent_invalid),
+        cmocka_unit_test(test_traceparent_format),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
