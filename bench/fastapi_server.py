@@ -7,8 +7,10 @@ model loaded once with torch.jit.load.
 
     POST /predict   body {"instances": rows} or a bare list of rows
                     -> {"predictions": [[...], ...]}
+    POST /predict_f the same for rows already scaled to [0, 1] (what
+                    json.dumps(x.tolist()) of a ToTensor() image sends)
 
-The input is multiplied by --scale (1/255 by default, like
+/predict multiplies the input by --scale (1/255 by default, like
 examples/fashion_mnist/model.json's preprocess.scale) before forward.
 
     /usr/bin/python3 bench/fastapi_server.py --port 8000 \
@@ -47,6 +49,13 @@ def build_app(model_path: str, scale: float) -> FastAPI:
 
     @app.post("/predict")
     async def predict(request: Request):
+        return await run(request, scale)
+
+    @app.post("/predict_f")
+    async def predict_f(request: Request):
+        return await run(request, 1.0)
+
+    async def run(request: Request, scale: float):
         try:
             body = await request.json()
         except ValueError as e:

@@ -1,5 +1,5 @@
--- post_json64.lua - wrk script: POST a 64-row JSON body (json64.json, made by
+-- post_json64.lua - wrk script: POST a 64-row JSON body (json64_int.json or $BENCH_BODY, made by
 -- bench/run.sh) to $BENCH_PATH (default /models/fashion/predict).
 --   wrk -t2 -c8 -d10s --latency -s bench/post_json64.lua http://127.0.0.1:PORT
 dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. "report.lua")
-bench_setup("/models/fashion/predict", "json64.json", "application/json")
+bench_setup("/models/fashion/predict", "json64_int.json", "application/json")

@@ -2,7 +2,8 @@
 --
 -- bench_setup(default_path, body_file, content_type) sets the request every
 -- connection sends: POST $BENCH_PATH (default default_path) with the bytes of
--- $BENCH_BODY_DIR/body_file (default bench/out/, next to this file) as body.
+-- $BENCH_BODY_DIR/$BENCH_BODY (default body_file; the directory defaults to
+-- bench/out/, next to this file) as body.
 -- done() prints one line "BENCH_JSON {...}" with the request count, errors
 -- and latency percentiles in milliseconds, which run.sh parses.
 
@@ -10,7 +11,7 @@ local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
 
 function bench_setup(default_path, body_file, content_type, accept)
    local dir = os.getenv("BENCH_BODY_DIR") or (here .. "out")
-   local path = dir .. "/" .. body_file
+   local path = dir .. "/" .. (os.getenv("BENCH_BODY") or body_file)
    local f = assert(io.open(path, "rb"), "cannot open " .. path .. " (run bench/run.sh)")
    local body = f:read("*a")
    f:close()
