@@ -929,7 +929,7 @@ static void preprocess(md_model *m, md_tensor *in)
     float scale = (float)m->scale;
     size_t n = in->count;
     float *x = in->data;
-    if (scale != 1.0f)
+    if (scale != 1.0f && !in->prescaled)
         for (size_t i = 0; i < n; i++)
             x[i] *= scale;
     if (m->n_norm == 1) {

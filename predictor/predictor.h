@@ -261,6 +261,9 @@ struct md_tensor {
     int64_t shape[MD_MAX_DIMS];
     float *data;
     size_t count; /* product of shape */
+    /* 1: the values are ToTensor's already (decoded images, v / 255), so the
+     * version's preprocess.scale is not applied; mean/std still are */
+    int prescaled;
 };
 
 /* Free the data of `t` and zero it. Accepts NULL. */
