@@ -16,9 +16,10 @@
  *
  * JSON results are new references the caller decrefs.
  *
- * Implemented by store.c (open, schema), versions.c (rows), retention.c,
- * blobs.c (files, GC), archive.c, download.c; the job table, in the same
- * index, is jobs/jobs.h's.
+ * Implemented by store.c (open, schema), versions.c (rows), promotion.c
+ * (architecture, promotion, recorded metrics), retention.c, blobs.c (files,
+ * GC), archive.c, download.c; the job table, in the same index, is
+ * jobs/jobs.h's.
  */
 #ifndef MD_CHECKPOINT_H
 #define MD_CHECKPOINT_H
