@@ -273,10 +273,8 @@ void md_handle_jobs_list(md_req *req)
     md_err err;
     md_err_clear(&err);
     long limit;
-    if (md_req_query_int(req, "limit", 1, 1000, 100, "invalid_limit", &limit, &err) != MD_OK) {
-        md_reply_error(req, &err);
+    if (!md_req_limit(req, &limit))
         return;
-    }
     const char *status = md_req_query(req, "status");
     static const char *const states[] = {"queued", "running", "succeeded", "failed", "cancelled",
                                          NULL};
