@@ -3,8 +3,9 @@
  * upload.c): list and read models and versions, download a stored
  * checkpoint, roll the default, set retention and promotion (PATCH), delete.
  *
- * Reads answer on the handler thread (one SQLite query each); PATCH and
- * DELETE may load a stored version, so they run on a deferred thread.
+ * Reads and a whole model's DELETE answer on the handler thread (a store
+ * call each); PATCH and a version's DELETE may load a stored version, so they
+ * run on a deferred thread.
  */
 #include <fcntl.h>
 #include <stdlib.h>
