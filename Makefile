@@ -66,11 +66,11 @@ BUILD := build$(if $(SAN_FLAGS),-asan,)
 
 # every C module but main.c; the binary and the unit tests link these
 LIB_C   := config/md_err.c config/md_metrics.c config/config.c server/router.c server/http.c checkpoint/store.c \
-	checkpoint/versions.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
+	checkpoint/versions.c checkpoint/promotion.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c \
 	checkpoint/safetensors.c predictor/model_config.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
 	jobs/readers.c jobs/scheduler.c jobs/writers.c jobs/job_store.c handlers/app.c handlers/jobs.c \
-	handlers/models.c handlers/predict.c handlers/answer.c \
+	handlers/deploy.c handlers/upload.c handlers/models.c handlers/predict.c handlers/answer.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
 # training checkpoints: weights apart from their architecture (issue 12)
 LIB_C   += predictor/weights.c handlers/training.c handlers/metrics.c

@@ -92,7 +92,7 @@ void md_blobs_sweep_orphans(md_store *s)
     if (!d)
         return;
     md_err err;
-    if (exec(s, "BEGIN IMMEDIATE", &err) != MD_OK) {
+    if (txn_begin(s, &err) != MD_OK) {
         md_log(MD_LOG_WARN, "store: orphan sweep skipped: %s", err.msg);
         closedir(d);
         return;
@@ -114,12 +114,10 @@ void md_blobs_sweep_orphans(md_store *s)
     closedir(d);
     if (md_blobs_sync_dir(s, &err) != MD_OK)
         md_log(MD_LOG_WARN, "%s", err.msg);
-    /* nothing written: ends the transaction. A failed COMMIT would leave the
-     * connection inside it, holding the write lock every replica shares. */
-    if (exec(s, "COMMIT", &err) != MD_OK) {
+    /* nothing written: ends the transaction (never left inside it: it holds
+     * the write lock every replica shares) */
+    if (txn_end(s, MD_OK, TXN_KEEP, &err) != MD_OK)
         md_log(MD_LOG_WARN, "store: orphan sweep: %s", err.msg);
-        exec(s, "ROLLBACK", NULL);
-    }
 }
 
 /* Rows whose blob is missing are marked failed with the reason. */
@@ -359,21 +357,51 @@ void md_sha_list_add(sha_list *l, const char *sha)
 void md_blobs_release_all(md_store *s, sha_list *l)
 {
     md_err err;
-    if (l->count && exec(s, "BEGIN IMMEDIATE", &err) == MD_OK) {
+    if (l->count && txn_begin(s, &err) == MD_OK) {
         hook(s, "gc_locked");
         for (int i = 0; i < l->count; i++)
             release_blob(s, l->items[i]);
         if (md_blobs_sync_dir(s, &err) != MD_OK)
             md_log(MD_LOG_WARN, "%s", err.msg);
-        /* never left inside the transaction (it holds the shared write lock) */
-        if (exec(s, "COMMIT", &err) != MD_OK) {
+        if (txn_end(s, MD_OK, TXN_KEEP, &err) != MD_OK)
             md_log(MD_LOG_WARN, "store: blob collection: %s", err.msg);
-            exec(s, "ROLLBACK", NULL);
-        }
     } else if (l->count) {
         md_log(MD_LOG_WARN, "store: unreferenced blobs kept for the next sweep: %s", err.msg);
     }
     free(l->items);
     l->items = NULL;
     l->count = 0;
+}
+
+void md_blobs_settle(md_store *s, md_status rc, sha_list *released, const char *moved_sha)
+{
+    if (rc != MD_OK) {
+        /* rolled back: the rows `released` listed are still there */
+        free(released->items);
+        released->items = NULL;
+        released->count = 0;
+        if (moved_sha)
+            md_sha_list_add(released, moved_sha);
+    }
+    md_blobs_release_all(s, released);
+}
+
+md_status md_blob_place(md_store *s, md_blob_writer *blob, const char *what, int *moved,
+                        md_err *err)
+{
+    char path[4096];
+    struct stat sb;
+    md_assert(blob && blob->finished);
+    blob_path(s, blob->sha256, path, sizeof path);
+    *moved = 0;
+    if (stat(path, &sb) == 0) {
+        unlink(blob->tmp_path); /* the same bytes are already stored */
+    } else if (rename(blob->tmp_path, path) != 0) {
+        return md_err_set(err, MD_EIO, "store %s: cannot move the %s into blobs/: %s", s->dir,
+                          what, strerror(errno));
+    } else {
+        *moved = 1;
+    }
+    blob->tmp_path[0] = '\0';
+    return md_blobs_sync_dir(s, err);
 }

@@ -12,13 +12,21 @@
  *
  * Thread safety: every md_store_* function is safe to call from any thread
  * (one mutex serialises use of the SQLite connection). An md_blob_writer is
- * used by one thread at a time.
+ * used by one thread at a time; md_blob_begin and md_blob_link may be called
+ * from any thread. Everything else here keeps no shared state and may be
+ * called from any thread: the checks (md_model_name_ok, md_retention_check,
+ * md_promote_check, md_metric_name_check, md_archive_check, md_source_check,
+ * md_addr_is_internal), md_path_open_* and md_fsync_dir, and the downloads
+ * (md_fetch_*: libcurl's global init runs once, under pthread_once). The
+ * downloads and md_store_* may block on disk or network: never call them
+ * from a libmicrohttpd thread for a request that could wait long (defer).
  *
  * JSON results are new references the caller decrefs.
  *
- * Implemented by store.c (open, schema), versions.c (rows), retention.c,
- * blobs.c (files, GC), archive.c, download.c; the job table, in the same
- * index, is jobs/jobs.h's.
+ * Implemented by store.c (open, schema), versions.c (rows), promotion.c
+ * (architecture, promotion, recorded metrics), retention.c, blobs.c (files,
+ * GC), archive.c, download.c; the job table, in the same index, is
+ * jobs/jobs.h's.
  */
 #ifndef MD_CHECKPOINT_H
 #define MD_CHECKPOINT_H

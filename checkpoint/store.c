@@ -153,13 +153,12 @@ static md_status migrate(md_store *s, md_err *err)
     for (int v = have; v < SCHEMA_VERSION; v++) {
         char bump[64];
         snprintf(bump, sizeof bump, "PRAGMA user_version = %d", v + 1);
-        if (exec(s, "BEGIN IMMEDIATE", err) != MD_OK)
+        if (txn_begin(s, err) != MD_OK)
             return MD_EIO;
-        if (exec(s, migrations[v], err) != MD_OK || exec(s, bump, err) != MD_OK) {
-            exec(s, "ROLLBACK", NULL);
-            return MD_EIO;
-        }
-        if (exec(s, "COMMIT", err) != MD_OK)
+        md_status rc = exec(s, migrations[v], err);
+        if (rc == MD_OK)
+            rc = exec(s, bump, err);
+        if (txn_end(s, rc, TXN_KEEP, err) != MD_OK)
             return MD_EIO;
         md_log(MD_LOG_INFO, "store %s: schema migrated to version %d", s->dir, v + 1);
     }

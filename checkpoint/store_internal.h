@@ -1,9 +1,9 @@
 /*
  * store_internal.h - PRIVATE to the store's implementation. Include it only
- * from the checkpoint/ files (store.c, versions.c, retention.c, blobs.c) and
- * jobs/job_store.c, whose job table lives in the same SQLite index; every
- * other file goes through checkpoint.h or jobs/jobs.h, where md_store and
- * md_blob_writer stay opaque.
+ * from the checkpoint/ files (store.c, versions.c, promotion.c, retention.c,
+ * blobs.c) and jobs/job_store.c, whose job table lives in the same SQLite
+ * index; every other file goes through checkpoint.h or jobs/jobs.h, where
+ * md_store and md_blob_writer stay opaque.
  *
  * It holds the two struct bodies and the small helpers all those files use
  * on the connection. Locking: s->mu serialises this process's use of s->db;
@@ -64,6 +64,44 @@ static inline md_status exec(md_store *s, const char *sql, md_err *err)
     return MD_OK;
 }
 
+/* ---- one write transaction ----
+ *
+ * Every change to the index is one BEGIN IMMEDIATE ... COMMIT (the write lock
+ * every replica shares; see DESIGN in store.c). The frame is always:
+ *
+ *     if ((rc = txn_begin(s, err)) != MD_OK)
+ *         return rc;                     (nothing to roll back)
+ *     rc = ...the work, stopping at its first failure...;
+ *     rc = txn_end(s, rc, TXN_BUMP, err);
+ *
+ * txn_end is the one place a transaction ends and a failure of its own is
+ * mapped: MD_OK commits, any other status (or a failed generation bump or
+ * COMMIT) rolls back, so the connection is never left inside a transaction.
+ * `err` keeps the detail of the first failure. Caller holds s->mu.
+ */
+enum {
+    TXN_KEEP = 0, /* commit as is (the blob sweeps, migrations) */
+    TXN_BUMP = 1  /* bump meta.generation first: replicas reload what they serve */
+};
+
+static inline md_status txn_begin(md_store *s, md_err *err)
+{
+    return exec(s, "BEGIN IMMEDIATE", err);
+}
+
+static inline md_status txn_end(md_store *s, md_status rc, int flags, md_err *err)
+{
+    if (rc == MD_OK && (flags & TXN_BUMP))
+        rc = exec(s,
+                  "UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'generation'",
+                  err);
+    if (rc == MD_OK)
+        rc = exec(s, "COMMIT", err);
+    if (rc != MD_OK)
+        exec(s, "ROLLBACK", NULL);
+    return rc;
+}
+
 static inline sqlite3_stmt *prep(md_store *s, const char *sql, md_err *err)
 {
     sqlite3_stmt *st = NULL;
@@ -95,6 +133,13 @@ void md_blobs_sweep_tmp(md_store *s);
 /* At open: remove blobs no row references, older than the grace period,
  * inside a write transaction of its own. Caller holds no transaction. */
 void md_blobs_sweep_orphans(md_store *s);
+/* Within a write transaction: move the finished upload `blob` into
+ * blobs/<sha256> (or drop its temp file when the same bytes are already
+ * stored) and fsync blobs/. Sets *moved when this call put the file there,
+ * so that md_blobs_settle can take it back if the transaction rolls back.
+ * `what` names the file in an error ("checkpoint", "architecture"). */
+md_status md_blob_place(md_store *s, md_blob_writer *blob, const char *what, int *moved,
+                        md_err *err);
 /* At open: mark rows whose blob is missing failed, with the reason. */
 md_status md_blobs_check(md_store *s, md_err *err);
 
@@ -111,6 +156,47 @@ void md_sha_list_add(sha_list *l, const char *sha);
  * write transaction of its own; empties `l`. Caller holds the mutex, not a
  * transaction. */
 void md_blobs_release_all(md_store *s, sha_list *l);
+/* After txn_end returned rc: committed (MD_OK), collect the blobs of the rows
+ * it deleted (`released`); rolled back, those rows stay, so collect only
+ * `moved_sha` (NULL: none), the blob md_blob_place moved in, unless another
+ * row (maybe a replica's) uses the same bytes. Empties `released`. Caller
+ * holds the mutex, not a transaction. */
+void md_blobs_settle(md_store *s, md_status rc, sha_list *released, const char *moved_sha);
+
+/* ---- model and version rows (versions.c), shared with promotion.c ----
+ * All expect s->mu held; those that write expect a write transaction. */
+
+/* Whether model `name` has a row. */
+int md_model_exists(md_store *s, const char *name);
+/* Sets model_not_found on err, without the "did you mean" hint: cheap, so it
+ * may be decided under the mutex and inside a write transaction. The public
+ * function adds the hint (md_model_hint) once it holds neither. Returns
+ * MD_ENOTFOUND. */
+md_status md_model_missing(const char *name, md_err *err);
+/* When `rc` is model_not_found, add the nearest stored name when `name`
+ * looks like a typo of one ("did you mean fashion?"). Call with neither the
+ * mutex nor a transaction held (it takes the mutex itself). Returns rc. */
+md_status md_model_hint(md_store *s, md_status rc, const char *name, md_err *err);
+/* The version row as JSON in *out (a new reference), or version_not_found. */
+md_status md_get_version_locked(md_store *s, const char *name, int version, json_t **out,
+                                md_err *err);
+/* `version` becomes the default of `name`; `what` names the change in an
+ * error. */
+md_status md_set_default_locked(md_store *s, const char *name, int version, const char *what,
+                                md_err *err);
+/* The JSON `path` ("$.retention") of the model's settings becomes `value`
+ * (borrowed); with remove_null, a JSON null removes the key instead. `what`
+ * names the change in an error. */
+md_status md_set_setting(md_store *s, const char *name, const char *path, json_t *value,
+                         int remove_null, const char *what, md_err *err);
+
+/* ---- promotion (promotion.c) ---- */
+
+/* Within md_store_add_version's transaction: whether the new version (spec)
+ * becomes the default under the model's promotion policy, and why
+ * (`reason`, "" when the model has none: then spec->make_default decides). */
+md_status md_promotion_decide(md_store *s, const md_version_spec *spec, int *make_default,
+                              char *reason, size_t size, md_err *err);
 
 /* ---- retention (retention.c) ---- */
 

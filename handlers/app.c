@@ -1,8 +1,12 @@
 /*
- * app.c - finding the loaded model a request or a job needs, loading a stored
- * version on demand: once per (model, version) however many ask at the same
- * time, with a deadline for those who wait, and remembering what a retry
- * would not change (a bad checkpoint, a name the store does not have).
+ * app.c - the application state's models: finding the loaded model a request
+ * or a job needs, loading a stored version on demand: once per (model,
+ * version) however many ask at the same time, with a deadline for those who
+ * wait, and remembering what a retry would not change (a bad checkpoint, a
+ * name the store does not have). Every load of a model happens here
+ * (md_app_load_file; an upload's validation load too), as do the start-up
+ * loads (md_app_load_defaults) and the store sync with replicas
+ * (md_app_sync), both through the same once-only slots.
  *
  * DESIGN
  * A stored version that is not loaded (an older version asked for by number,
@@ -46,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "handlers.h"
 
@@ -164,6 +169,78 @@ void md_app_forget(md_app *app, const char *name, int version)
     n_memory = kept;
     next_memory = kept % REMEMBERED_MAX;
     pthread_mutex_unlock(&load_mu);
+}
+
+/* ---- loading: every model modeld serves is loaded here ---- */
+
+md_status md_app_load_file(md_app *app, const char *name, int version, const char *path,
+                           const char *format, const char *arch_sha, json_t *config,
+                           md_model **out, md_err *err)
+{
+    if (!arch_sha || !arch_sha[0])
+        return md_model_load(name, version, path, config, &app->model_defaults, out, err);
+    char arch_path[4096];
+    md_store_sha_path(app->store, arch_sha, arch_path, sizeof arch_path);
+    return md_model_load_weights(name, version, arch_path, path, format, config,
+                                 &app->model_defaults, out, err);
+}
+
+/* Load version `v` whose file is at `path`: a TorchScript archive alone, or
+ * a state_dict into the architecture the version recorded (arch_sha256), so
+ * a replaced architecture never changes what an existing version serves. */
+static md_status load_stored_weights(md_app *app, json_t *v, const char *path, md_model **m,
+                                     md_err *err)
+{
+    const char *name = json_string_value(json_object_get(v, "model"));
+    int version = (int)json_integer_value(json_object_get(v, "version"));
+    const char *format = json_string_value(json_object_get(v, "format"));
+    json_t *config = json_object_get(v, "config");
+    if (!format || strcmp(format, MD_FORMAT_TORCHSCRIPT) == 0)
+        return md_app_load_file(app, name, version, path, format, NULL, config, m, err);
+    const char *arch = json_string_value(json_object_get(v, "arch_sha256"));
+    if (!arch)
+        return md_err_setc(err, MD_EUNPROC, "no_architecture",
+                           "model %s version %d is a %s state_dict with no recorded architecture",
+                           name, version, format);
+    char arch_path[4096];
+    md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
+    if (access(arch_path, R_OK) != 0)
+        return md_err_setc(err, MD_EIO, "checkpoint_missing",
+                           "model %s version %d: its architecture file is missing from the store "
+                           "(sha256 %.64s)",
+                           name, version, arch);
+    return md_app_load_file(app, name, version, path, format, arch, config, m, err);
+}
+
+/* Load the stored version described by `v` (its row from the store) and
+ * record its state (ready, or failed with libtorch's reason). Returns the
+ * model with one reference, or NULL with `err` set. Blocks on libtorch and
+ * SQLite; called only by load_once, so every load of a stored version goes
+ * through its once-only slots. */
+static md_model *load_version(md_app *app, json_t *v, md_err *err)
+{
+    const char *name = json_string_value(json_object_get(v, "model"));
+    int version = (int)json_integer_value(json_object_get(v, "version"));
+    char path[4096];
+    md_store_sha_path(app->store, json_string_value(json_object_get(v, "sha256")), path,
+                      sizeof path);
+    md_model *m = NULL;
+    md_status st;
+    /* a blob missing now (a replica's delete racing this load, a volume not
+     * mounted yet) is an I/O error, which may pass, not a bad checkpoint,
+     * which would be remembered (see DESIGN) */
+    if (access(path, R_OK) != 0)
+        st = md_err_setc(err, MD_EIO, "checkpoint_missing",
+                         "model %s version %d: its checkpoint file is missing from the store "
+                         "(sha256 %.64s); retry, or upload the version again",
+                         name, version, json_string_value(json_object_get(v, "sha256")));
+    else
+        st = load_stored_weights(app, v, path, &m, err);
+    md_store_set_state(app->store, name, version, st == MD_OK ? "ready" : "failed",
+                       st == MD_OK ? NULL : err->msg, NULL);
+    if (st != MD_OK)
+        md_log(MD_LOG_WARN, "model %s version %d failed to load: %s", name, version, err->msg);
+    return m;
 }
 
 /* ---- loading once ---- */
@@ -290,7 +367,7 @@ static md_model *load_once(md_app *app, json_t *v, unsigned long seen_epoch, con
         md_log(MD_LOG_INFO, "model %s version %d: loading %s", name, version, why);
         md_err lerr;
         md_err_clear(&lerr);
-        m = md_app_load_version(app, v, &lerr);
+        m = load_version(app, v, &lerr);
         /* The registry gets it only while the row is still the one loaded: a
          * delete (or a delete and a new upload of the same number) during
          * the load must not find the old model back in the registry. When
@@ -356,14 +433,6 @@ static void remember_missing(const char *name, int version, const md_err *err,
     remember(name, strcmp(md_err_code(err), "version_not_found") == 0 ? version : 0, NULL, err,
              seen_epoch);
     pthread_mutex_unlock(&load_mu);
-}
-
-unsigned long md_app_epoch(void) { return current_epoch(); }
-
-md_model *md_app_load_row(md_app *app, json_t *v, unsigned long seen_epoch, const char *why,
-                          md_err *err)
-{
-    return load_once(app, v, seen_epoch, why, err);
 }
 
 md_model *md_app_load_stored(md_app *app, const char *name, int version, int make_default,
@@ -438,4 +507,120 @@ md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err)
         return NULL;
     }
     return md_app_load_stored(app, name, version, make_default, err);
+}
+
+/* ---- start-up and the store sync ---- */
+
+void md_app_load_defaults(md_app *app, int (*stop)(void))
+{
+    md_err err;
+    json_t *defaults = NULL;
+    unsigned long seen = current_epoch(); /* before the rows are read */
+    if (md_store_defaults(app->store, &defaults, &err) != MD_OK) {
+        md_log(MD_LOG_ERROR, "cannot list the deployed models: %s", err.msg);
+        return;
+    }
+    size_t i;
+    json_t *v;
+    json_array_foreach(defaults, i, v)
+    {
+        const char *state = json_string_value(json_object_get(v, "state"));
+        if (stop && stop()) {
+            md_log(MD_LOG_INFO, "stop requested: loading the remaining models skipped");
+            break;
+        }
+        if (strcmp(state, "failed") == 0)
+            continue;
+        /* through the load slots: a request may already be loading it */
+        md_model *m = load_once(app, v, seen, "at start", &err);
+        if (m) {
+            md_registry_set_default(app->registry, md_model_name(m), md_model_version(m));
+            md_log(MD_LOG_INFO, "model %s version %d loaded", md_model_name(m),
+                   md_model_version(m));
+            md_model_release(m);
+        }
+    }
+    json_decref(defaults);
+}
+
+int md_app_stored_default(md_app *app, const char *name)
+{
+    json_t *info = NULL;
+    md_err err;
+    if (md_store_get_model(app->store, name, &info, &err) != MD_OK)
+        return 0;
+    json_t *dv = json_object_get(info, "default_version");
+    int v = json_is_integer(dv) ? (int)json_integer_value(dv) : 0;
+    json_decref(info);
+    return v;
+}
+
+void md_app_sync(md_app *app)
+{
+    /* read the generation first: a change made while this pass runs moves
+     * it again, so the next pass corrects whatever this one raced with */
+    long long gen = md_store_generation(app->store);
+    if (gen == app->synced_generation)
+        return;
+    /* the store changed, maybe through a replica: what app.c remembered
+     * (failed loads, names not found) may be stale now */
+    md_app_forget(app, NULL, 0);
+    int again = 0; /* a load was still running elsewhere: look again next pass */
+    md_err err;
+    md_err_clear(&err);
+    json_t *defaults = NULL;
+    unsigned long seen = current_epoch(); /* after the forget, before the rows are read */
+    if (md_store_defaults(app->store, &defaults, &err) != MD_OK) {
+        md_log(MD_LOG_WARN, "store sync: %s", err.msg);
+        return;
+    }
+    size_t i;
+    json_t *v;
+    json_array_foreach(defaults, i, v)
+    {
+        const char *name = json_string_value(json_object_get(v, "model"));
+        int version = (int)json_integer_value(json_object_get(v, "version"));
+        const char *state = json_string_value(json_object_get(v, "state"));
+        md_model *cur = md_registry_get(app->registry, name, 0);
+        int cur_v = cur ? md_model_version(cur) : 0;
+        md_model_release(cur);
+        if (cur_v == version || (state && strcmp(state, "failed") == 0))
+            continue;
+        if (md_registry_set_default(app->registry, name, version) == 0) {
+            /* through the load slots: a request may be loading it already */
+            md_model *m = load_once(app, v, seen, "for the store sync", &err);
+            if (!m) {
+                md_log(MD_LOG_WARN, "store sync: model %s version %d: %s", name, version, err.msg);
+                again |= err.status == MD_ETIMEOUT;
+                continue;
+            }
+            /* a local deploy or rollback may have moved the default meanwhile */
+            if (md_app_stored_default(app, name) == version)
+                md_registry_set_default(app->registry, name, version);
+            md_model_release(m);
+        } else if (md_app_stored_default(app, name) != version) {
+            continue; /* changed meanwhile: the next pass sees it */
+        }
+        md_log(MD_LOG_INFO, "store sync: model %s now serves version %d (changed through another "
+               "process sharing the store)", name, version);
+    }
+    json_decref(defaults);
+    /* loaded versions (and models) the store no longer has */
+    json_t *loaded = md_registry_stats(app->registry);
+    json_array_foreach(loaded, i, v)
+    {
+        const char *name = json_string_value(json_object_get(v, "model"));
+        int version = (int)json_integer_value(json_object_get(v, "version"));
+        json_t *row = NULL;
+        md_status st = md_store_get_version(app->store, name, version, &row, &err);
+        json_decref(row);
+        if (st == MD_ENOTFOUND) {
+            md_registry_remove(app->registry, name, version);
+            md_log(MD_LOG_INFO, "store sync: model %s version %d unloaded (deleted through another "
+                   "process sharing the store)", name, version);
+        }
+    }
+    json_decref(loaded);
+    if (!again)
+        app->synced_generation = gen;
 }

@@ -1,8 +1,10 @@
 /*
  * handlers.h - the HTTP resources of modeld and the application state they
  * share. Each handlers/<resource>.c translates HTTP into calls to the modules
- * (checkpoint/, predictor/) and their md_status into replies through
- * md_reply_error, the one place statuses become HTTP statuses.
+ * (checkpoint/, predictor/, jobs/) and their md_status into replies through
+ * md_reply_error, the one place statuses become HTTP statuses. app.c holds
+ * the application's models (loading, resolution, the store sync); deploy.h
+ * is private to the deploying files (deploy.c, upload.c, models.c).
  */
 #ifndef MD_HANDLERS_H
 #define MD_HANDLERS_H
@@ -20,13 +22,24 @@ extern "C" {
 #endif
 
 /* Everything a handler can reach. Created by main; outlives the HTTP server.
- * `ready` is an md_ready_state, changed by main and read by /readyz; both it
- * and `stop_signal` are atomics, since HTTP threads read them while main
- * writes (a reason string there was a data race ThreadSanitizer found).
- * Not opaque: its only users are handlers/ (which is its implementation) and
- * server/main.c (its owner, which fills it in at start and tears it down);
- * every one of them reads the fields. Other modules get it as a void * ctx
- * (md_req_app, md_model_resolver). */
+ *
+ * Not opaque, because its only two users each need the fields, and getters
+ * would hide nothing from them:
+ *   - handlers/, its implementation: every handler reads cfg, store,
+ *     registry or jobs; health.c, metrics.c and predict.c read `ready`,
+ *     health.c `stop_signal`, metrics.c `http`; app.c alone uses
+ *     model_defaults and synced_generation.
+ *   - server/main.c, its owner: it fills in cfg, store, registry and
+ *     model_defaults before the HTTP server starts, http, synced_generation
+ *     and jobs after it started and before it reports ready, and moves
+ *     `ready` and `stop_signal` through start and drain; it tears it down.
+ * Every other module gets it as a void * ctx (md_http_start's `app`, read
+ * back with md_req_app; md_jobs_start's resolver ctx) and cannot see inside.
+ * `ready` (an md_ready_state) and `stop_signal` are atomics: HTTP threads
+ * read them while main writes (a reason string there was a data race
+ * ThreadSanitizer found). The other fields are written once and not changed
+ * while requests are served, except synced_generation (the poller thread's
+ * own, in md_app_sync). */
 typedef struct md_app {
     const md_cfg *cfg;
     md_store *store;
@@ -39,39 +52,57 @@ typedef struct md_app {
     long long synced_generation; /* the store generation md_app_sync last matched */
 } md_app;
 
+/* Handlers: each md_handle_* is an md_handler_fn, called by server/ on a
+ * libmicrohttpd thread with the request it owns until it replies or defers
+ * (md_req_defer); each answers exactly once. The *_body functions are
+ * md_body_fn sinks, called on the same thread for each chunk. None blocks
+ * on inference, a load or a download: those run deferred. */
+
 /* The routing table: every route modeld serves. openapi.yaml lists the same
- * set (tests/e2e checks both directions). */
+ * set (tests/e2e checks both directions). Constant; read by any thread. */
 extern const md_route md_routes[];
 extern const size_t md_n_routes;
 
-/* The embedded openapi.yaml (built in from the file at build time). */
+/* The embedded openapi.yaml (built in from the file at build time): static
+ * bytes, never freed, `len` set. Thread-safe. */
 const char *md_openapi_text(size_t *len);
+
+/* ?limit= of a list (1 to 1000, default 100) into *limit. On a bad value it
+ * answers 400 invalid_limit and returns 0. On the handler thread (it reads
+ * the query). */
+static inline int md_req_limit(md_req *req, long *limit)
+{
+    md_err err;
+    md_err_clear(&err);
+    if (md_req_query_int(req, "limit", 1, 1000, 100, "invalid_limit", limit, &err) == MD_OK)
+        return 1;
+    md_reply_error(req, &err);
+    return 0;
+}
+
+/* MD_OK when `name` (may be NULL) is a valid model name (md_model_name_ok);
+ * else 400 invalid_name quoting it. Pure; thread-safe. (deploy.c) */
+md_status md_check_model_name(const char *name, md_err *err);
 
 /* metrics.c: GET /metrics (Prometheus text) */
 void md_handle_metrics(md_req *req);
-/* Record the process start (modeld_uptime_seconds). Once, before serving. */
+/* Record the process start (modeld_uptime_seconds). Once, from main, before
+ * serving. */
 void md_metrics_mark_start(void);
 /* health.c */
 void md_handle_healthz(md_req *req);
 void md_handle_readyz(md_req *req);
-/* models.c */
-/* Load the stored version described by `v` (its JSON from the store), and
- * record its state (ready, or failed with libtorch's reason). Returns the
- * model with one reference, or NULL with `err` set. Reads the store and
- * blocks on the load: called only by app.c's loader (load_once), so every
- * load goes through app.c's once-only slots, off the HTTP threads. */
-md_model *md_app_load_version(md_app *app, json_t *v, md_err *err);
-/* At start: load every model's default version into the registry, asking
- * `stop` (may be NULL) between models whether to give up (a stop signal). */
-void md_app_load_defaults(md_app *app, int (*stop)(void));
-/* Converge on changes another process made to a shared store (a deploy, a
- * rollback, a delete): when the store's generation moved, load or switch to
- * every model's stored default and unload versions the store no longer has.
- * Called from one thread (main's store poller). */
-void md_app_sync(md_app *app);
+
+/* deploy.c: POST /models, a version registered from a URL (the download is
+ * deferred; concurrent registrations of one URL share it). */
+void md_handle_models_register(md_req *req);
+/* upload.c: POST /models/{name}/versions. md_upload_body streams each chunk
+ * into the store's blob writer (or buffers a JSON average body); the handler
+ * defers the commit. */
 md_status md_upload_body(md_req *req, const char *data, size_t len, md_err *err);
 void md_handle_version_upload(md_req *req);
-void md_handle_models_register(md_req *req);
+/* models.c: reads answer at once from the store; PATCH and DELETE of a
+ * version defer (they may load a version). */
 void md_handle_models_list(md_req *req);
 void md_handle_model_get(md_req *req);
 void md_handle_model_patch(md_req *req);
@@ -96,13 +127,16 @@ void md_handle_v2_model_version_ready(md_req *req);
 void md_handle_v2_live(md_req *req);
 void md_handle_v2_ready(md_req *req);
 void md_handle_v2_server(md_req *req);
-/* app.c */
-/* The loaded version of `name` (0 = the default), retained, from memory
- * only: never loads, waits or reads SQLite, so an HTTP thread may call it.
- * On NULL, err->status says whether the answer is known: model_not_found,
- * version_not_found or a failed load's error remembered (see app.c), or
- * MD_OK when it is not: then call md_app_resolve on a deferred thread.
- * Thread-safe. */
+
+/* app.c: the models the application serves. Every model is loaded through
+ * md_app_load_file; stored versions through app.c's once-only slots. */
+
+/* The loaded version of `name` (0 = the default), retained (the caller
+ * releases it), from memory only: never loads, waits or reads SQLite, so an
+ * HTTP thread may call it. On NULL, err->status says whether the answer is
+ * known: model_not_found, version_not_found or a failed load's error
+ * remembered (see app.c), or MD_OK when it is not: then call md_app_resolve
+ * on a deferred thread. Thread-safe. */
 md_model *md_app_lookup(md_app *app, const char *name, int version, md_err *err);
 /* md_model_resolver over the registry: the loaded version (0 = the default),
  * retained; a stored version not loaded yet is loaded on demand, once however
@@ -120,23 +154,41 @@ md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err);
 void md_app_default_moved(void *ctx, const char *name, int version);
 /* Load stored `version` of `name` as md_app_resolve does (once, deadline,
  * failures remembered) and, with make_default, make it the registry's
- * default. Returns a new reference or NULL with `err`. May block; thread-safe. */
+ * default. Returns a new reference or NULL with `err`. May block (deferred
+ * threads only); thread-safe. */
 md_model *md_app_load_stored(md_app *app, const char *name, int version, int make_default,
                              md_err *err);
-/* What md_app_forget has changed so far; read it BEFORE reading rows from
- * the store, and pass it to md_app_load_row. Thread-safe. */
-unsigned long md_app_epoch(void);
-/* Load the stored row `v` (borrowed; its JSON from the store, read after
- * `seen_epoch` was taken) through the same once-only slots; `why` words the
- * log line ("at start"). The model is in the registry, not as the default,
- * unless something was forgotten since `seen_epoch` (then the caller alone
- * gets it). New reference or NULL with `err`. May block; thread-safe. */
-md_model *md_app_load_row(md_app *app, json_t *v, unsigned long seen_epoch, const char *why,
-                          md_err *err);
+/* Load the checkpoint at `path` (borrowed) as version `version` of `name`
+ * with `config` (borrowed, may be NULL): a TorchScript archive alone when
+ * `arch_sha` is NULL or "", else a state_dict of `format` into the
+ * architecture blob `arch_sha`. Does not touch the registry or the store's
+ * rows. *out gets a new reference. The one call into md_model_load*: the
+ * once-only slots use it for stored versions, md_deploy_commit to validate
+ * an upload before it is stored. Blocks on libtorch (deferred threads only);
+ * thread-safe. */
+md_status md_app_load_file(md_app *app, const char *name, int version, const char *path,
+                           const char *format, const char *arch_sha, json_t *config,
+                           md_model **out, md_err *err);
+/* The store's default version of `name` now, 0 when none (or no model).
+ * Reads SQLite: deferred threads only. Thread-safe. */
+int md_app_stored_default(md_app *app, const char *name);
 /* Forget what is remembered about `name` (failed loads, "not found"):
  * version 0 every version of it, NULL every name. Call after changing the
- * store (an add, a delete, retention) or noticing a replica did. Thread-safe. */
+ * store (an add, a delete, retention) or noticing a replica did; never
+ * blocks. Thread-safe. */
 void md_app_forget(md_app *app, const char *name, int version);
+/* At start: load every model's default version into the registry, asking
+ * `stop` (may be NULL) between models whether to give up (a stop signal).
+ * Called by main once, while HTTP threads already serve (through the same
+ * slots, so a request for a model being loaded waits for this load). */
+void md_app_load_defaults(md_app *app, int (*stop)(void));
+/* Converge on changes another process made to a shared store (a deploy, a
+ * rollback, a delete): when the store's generation moved, load or switch to
+ * every model's stored default and unload versions the store no longer has.
+ * Called from one thread only (main's store poller): it alone writes
+ * app->synced_generation. */
+void md_app_sync(md_app *app);
+
 /* jobs.c */
 void md_handle_jobs_create(md_req *req);
 void md_handle_jobs_list(md_req *req);
@@ -147,8 +199,15 @@ void md_handle_job_output(md_req *req);
 md_status md_architecture_body(md_req *req, const char *data, size_t len, md_err *err);
 void md_handle_architecture_put(md_req *req);
 void md_handle_architecture_get(md_req *req);
-/* Answer version `version` of the route's model as safetensors (deferred). */
+/* Answer version `version` of the route's model as safetensors: defers the
+ * request (the read and the encoding run on a deferred thread). On the
+ * handler thread. */
 void md_version_export_safetensors(md_req *req, int version);
+/* The weights of the stored version `v` (its row, borrowed) as its model
+ * uses them: a state_dict's own, or those a TorchScript archive holds, read
+ * with its recorded architecture. *out is the caller's (md_tensors_free).
+ * Reads the blob files: deferred threads only. Thread-safe. */
+md_status md_version_weights(md_app *app, json_t *v, md_tensors **out, md_err *err);
 /* openapi.c */
 void md_handle_openapi(md_req *req);
 

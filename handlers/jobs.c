@@ -255,16 +255,25 @@ static json_t *job_view(json_t *job)
     return job;
 }
 
-void md_handle_job_get(md_req *req)
+/* The job `id`'s row (a new reference), or NULL after answering the error
+ * (404 job_not_found). */
+static json_t *job_or_reply(md_req *req, const char *id)
 {
     md_app *app = md_req_app(req);
     md_err err;
     json_t *job = NULL;
-    if (md_store_job_get(app->store, md_req_param(req, "id"), &job, &err) != MD_OK) {
+    if (md_store_job_get(app->store, id, &job, &err) != MD_OK) {
         md_reply_error(req, &err);
-        return;
+        return NULL;
     }
-    md_reply_json(req, 200, job_view(job));
+    return job;
+}
+
+void md_handle_job_get(md_req *req)
+{
+    json_t *job = job_or_reply(req, md_req_param(req, "id"));
+    if (job)
+        md_reply_json(req, 200, job_view(job));
 }
 
 void md_handle_jobs_list(md_req *req)
@@ -273,10 +282,8 @@ void md_handle_jobs_list(md_req *req)
     md_err err;
     md_err_clear(&err);
     long limit;
-    if (md_req_query_int(req, "limit", 1, 1000, 100, "invalid_limit", &limit, &err) != MD_OK) {
-        md_reply_error(req, &err);
+    if (!md_req_limit(req, &limit))
         return;
-    }
     const char *status = md_req_query(req, "status");
     static const char *const states[] = {"queued", "running", "succeeded", "failed", "cancelled",
                                          NULL};
@@ -307,23 +314,18 @@ void md_handle_job_cancel(md_req *req)
         md_reply_error(req, &err);
         return;
     }
-    json_t *job = NULL;
-    if (md_store_job_get(app->store, id, &job, &err) != MD_OK) {
-        md_reply_error(req, &err);
-        return;
-    }
-    md_reply_json(req, 202, job_view(job));
+    json_t *job = job_or_reply(req, id);
+    if (job)
+        md_reply_json(req, 202, job_view(job));
 }
 
 void md_handle_job_output(md_req *req)
 {
     md_app *app = md_req_app(req);
     md_err err;
-    json_t *job = NULL;
-    if (md_store_job_get(app->store, md_req_param(req, "id"), &job, &err) != MD_OK) {
-        md_reply_error(req, &err);
+    json_t *job = job_or_reply(req, md_req_param(req, "id"));
+    if (!job)
         return;
-    }
     const char *status = json_string_value(json_object_get(job, "status"));
     if (strcmp(status, "succeeded") != 0 && strcmp(status, "cancelled") != 0) {
         md_err_setc(&err, MD_ECONFLICT, "job_not_finished",

@@ -1,8 +1,9 @@
 /*
  * training.c - what a training run needs besides uploads (issue 12): a
  * model's architecture (PUT/GET /models/{name}/architecture) and any
- * version's weights exported as safetensors
- * (GET /models/{name}/versions/{v}/checkpoint?format=safetensors).
+ * version's weights (md_version_weights), exported as safetensors
+ * (GET /models/{name}/versions/{v}/checkpoint?format=safetensors) or
+ * averaged (upload.c).
  *
  * The architecture streams into a blob writer like a checkpoint upload
  * (hashing as it goes, never whole in memory), is validated by loading it
@@ -51,11 +52,8 @@ md_status md_architecture_body(md_req *req, const char *data, size_t len, md_err
     md_app *app = md_req_app(req);
     arch_upload *u = md_req_state(req);
     if (!u) {
-        const char *name = md_req_param(req, "name");
-        if (!name || !md_model_name_ok(name))
-            return md_err_setc(err, MD_EINVAL, "invalid_name",
-                               "model name \"%.80s\" is invalid; use 1 to 64 of A-Z a-z 0-9 . _ -",
-                               name ? name : "");
+        if (md_check_model_name(md_req_param(req, "name"), err) != MD_OK)
+            return err->status;
         const char *ct = md_req_header(req, "Content-Type");
         int multipart = ct && strncasecmp(ct, "multipart/form-data", 19) == 0;
         if (!multipart && !(ct && strncasecmp(ct, "application/octet-stream", 24) == 0))
@@ -169,7 +167,20 @@ static void arch_get_deferred(md_req *req)
 
 void md_handle_architecture_get(md_req *req) { md_req_defer(req, arch_get_deferred); }
 
-/* ---- export ---- */
+/* ---- a version's weights: export, and averaging (upload.c) ---- */
+
+md_status md_version_weights(md_app *app, json_t *v, md_tensors **out, md_err *err)
+{
+    const char *format = json_string_value(json_object_get(v, "format"));
+    const char *arch = json_string_value(json_object_get(v, "arch_sha256"));
+    char path[4096], arch_path[4096];
+    md_store_sha_path(app->store, json_string_value(json_object_get(v, "sha256")), path,
+                      sizeof path);
+    if (arch)
+        md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
+    return md_weights_effective(path, format ? format : MD_FORMAT_TORCHSCRIPT,
+                                arch ? arch_path : NULL, out, err);
+}
 
 static void export_deferred(md_req *req)
 {
@@ -181,17 +192,8 @@ static void export_deferred(md_req *req)
     json_t *v = NULL;
     md_tensors *t = NULL;
     md_status st = md_store_get_version(app->store, name, version, &v, &err);
-    if (st == MD_OK) {
-        const char *format = json_string_value(json_object_get(v, "format"));
-        const char *arch = json_string_value(json_object_get(v, "arch_sha256"));
-        char path[4096], arch_path[4096];
-        md_store_sha_path(app->store, json_string_value(json_object_get(v, "sha256")), path,
-                          sizeof path);
-        if (arch)
-            md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
-        st = md_weights_effective(path, format ? format : MD_FORMAT_TORCHSCRIPT,
-                                  arch ? arch_path : NULL, &t, &err);
-    }
+    if (st == MD_OK)
+        st = md_version_weights(app, v, &t, &err);
     if (st == MD_OK) {
         char text[64];
         snprintf(text, sizeof text, "%d", version);

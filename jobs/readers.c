@@ -738,24 +738,22 @@ static md_status npy_open(md_reader *r, const md_reader_opts *opts, md_err *err)
     setvbuf(r->fp, NULL, _IOFBF, NPY_READ_BUFFER);
 
     unsigned char pre[12];
-    if (fread(pre, 1, 10, r->fp) != 10 || memcmp(pre, "\x93NUMPY", 6) != 0)
-        return open_error(err, "%s is not an NPY file (no \\x93NUMPY magic); write it with numpy.save",
-                          r->name);
-    size_t hlen, off;
-    if (pre[6] == 1) {
-        hlen = (size_t)pre[8] | (size_t)pre[9] << 8;
-        off = 10;
-    } else if (pre[6] == 2 || pre[6] == 3) {
+    size_t hlen = 0, off = 0;
+    int version = 0;
+    md_npy_pre_status ps = md_npy_preamble(pre, fread(pre, 1, 10, r->fp), &version, &hlen, &off);
+    if (ps == MD_NPY_PRE_MORE) {
         if (fread(pre + 10, 1, 2, r->fp) != 2)
             return open_error(err, "%s: the NPY header is truncated", r->name);
-        hlen = (size_t)pre[8] | (size_t)pre[9] << 8 | (size_t)pre[10] << 16 | (size_t)pre[11] << 24;
-        off = 12;
-    } else {
-        return open_error(err, "%s: NPY version %d is not supported", r->name, pre[6]);
+        ps = md_npy_preamble(pre, 12, &version, &hlen, &off);
     }
-    if (hlen > 65536)
+    if (ps == MD_NPY_PRE_NOT_NPY)
+        return open_error(err, "%s is not an NPY file (no \\x93NUMPY magic); write it with numpy.save",
+                          r->name);
+    if (ps == MD_NPY_PRE_VERSION)
+        return open_error(err, "%s: NPY version %d is not supported", r->name, version);
+    if (ps == MD_NPY_PRE_LARGE)
         return open_error(err, "%s: the NPY header is %zu bytes, more than 64 KiB", r->name, hlen);
-    char header[65537];
+    char header[MD_NPY_HEADER_MAX + 1];
     if (fread(header, 1, hlen, r->fp) != hlen)
         return open_error(err, "%s: the NPY header is truncated", r->name);
     header[hlen] = '\0';

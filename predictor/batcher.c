@@ -2,6 +2,13 @@
  * batcher.c - a loaded model version: its config, its request queues and the
  * workers that batch them into forwards.
  *
+ * Over 800 lines, to be split: the queues and workers (the DESIGN below:
+ * one mutex, pieces, deadlines) are one piece and stay together; the load
+ * (md_model_load*: config, backend, test forward), the input shaping and
+ * preprocess, and the stats and metrics (md_model_stats,
+ * md_models_write_metrics) only read a loaded md_model and can move to
+ * files of their own behind a private header for the struct.
+ *
  * DESIGN
  * One mutex guards two FIFO queues per version, online requests and batch
  * job chunks, each with its own pool of `workers` threads and condition

@@ -302,6 +302,27 @@ md_status md_v2_decode_binary(json_t *in, const void *bytes, size_t nbytes, size
 md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tensor *out,
                         md_err *err);
 
+/* The start of an NPY file, as md_npy_preamble reads it. */
+typedef enum md_npy_pre_status {
+    MD_NPY_PRE_OK = 0,
+    MD_NPY_PRE_NOT_NPY, /* fewer than 10 bytes, or no \x93NUMPY magic */
+    MD_NPY_PRE_VERSION, /* a format version other than 1, 2 or 3 (in *version) */
+    MD_NPY_PRE_MORE,    /* versions 2 and 3 need 12 bytes: read 2 more, call again */
+    MD_NPY_PRE_LARGE,   /* the header is longer than MD_NPY_HEADER_MAX (in *header_len) */
+} md_npy_pre_status;
+
+/* The longest NPY header (the dict) read; numpy writes well under 1 KiB. */
+#define MD_NPY_HEADER_MAX 65536
+
+/* Parse the preamble of an NPY file from its first `n` bytes `pre`: the
+ * magic, the format version (*version, set once the magic matched) and the
+ * header's length (*header_len) and offset (*header_off: 10 or 12). The one
+ * reader of it, for request bodies (md_npy_decode) and dataset files
+ * (jobs/readers.c), each wording its own message from the status. Pure;
+ * thread-safe. */
+md_npy_pre_status md_npy_preamble(const unsigned char *pre, size_t n, int *version,
+                                  size_t *header_len, size_t *header_off);
+
 typedef enum md_npy_dict_status {
     MD_NPY_DICT_OK = 0,
     MD_NPY_DICT_KEYS,      /* descr, fortran_order or shape is missing */

@@ -1,6 +1,11 @@
 /*
  * tensor.c - request bodies to tensors and tensors to responses.
  *
+ * Over 800 lines, to be split by wire format: the JSON scanner (the DESIGN
+ * below) stays here; NPY (md_npy_*) and the Open Inference Protocol V2
+ * tensors (md_v2_decode*) share only md_tensor and the size helpers, and can
+ * each have a file (npy.c, v2.c) with no private header.
+ *
  * DESIGN
  * jansson builds a node per number (about 140 us for one 784-float row),
  * which would cap a core near 7k rows/s. So prediction bodies are decoded by
@@ -461,6 +466,27 @@ md_status md_tensor_decode(const char *body, size_t len, const char *content_typ
 
 /* ---- NPY ---- */
 
+md_npy_pre_status md_npy_preamble(const unsigned char *pre, size_t n, int *version,
+                                  size_t *header_len, size_t *header_off)
+{
+    if (n < 10 || memcmp(pre, "\x93NUMPY", 6) != 0)
+        return MD_NPY_PRE_NOT_NPY;
+    *version = pre[6];
+    if (pre[6] == 1) {
+        *header_len = (size_t)pre[8] | (size_t)pre[9] << 8;
+        *header_off = 10;
+    } else if (pre[6] == 2 || pre[6] == 3) {
+        if (n < 12)
+            return MD_NPY_PRE_MORE;
+        *header_len = (size_t)pre[8] | (size_t)pre[9] << 8 | (size_t)pre[10] << 16 |
+                      (size_t)pre[11] << 24;
+        *header_off = 12;
+    } else {
+        return MD_NPY_PRE_VERSION;
+    }
+    return *header_len > MD_NPY_HEADER_MAX ? MD_NPY_PRE_LARGE : MD_NPY_PRE_OK;
+}
+
 static int npy_blank(char c) { return c == ' ' || c == '\t'; }
 
 md_npy_dict_status md_npy_parse_dict(const char *header, md_npy_dict *out)
@@ -509,23 +535,19 @@ md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tens
                         md_err *err)
 {
     memset(out, 0, sizeof *out);
-    const unsigned char *u = (const unsigned char *)data;
-    if (len < 10 || memcmp(data, "\x93NUMPY", 6) != 0)
+    size_t hlen = 0, off = 0;
+    int npy_version = 0;
+    md_npy_pre_status ps =
+        md_npy_preamble((const unsigned char *)data, len, &npy_version, &hlen, &off);
+    if (ps == MD_NPY_PRE_NOT_NPY)
         return md_err_setc(err, MD_EINVAL, "invalid_npy",
                            "the body is not an NPY file (no \\x93NUMPY magic); write it with numpy.save");
-    size_t hlen, off;
-    if (u[6] == 1) {
-        hlen = (size_t)u[8] | (size_t)u[9] << 8;
-        off = 10;
-    } else if ((u[6] == 2 || u[6] == 3) && len >= 12) {
-        hlen = (size_t)u[8] | (size_t)u[9] << 8 | (size_t)u[10] << 16 | (size_t)u[11] << 24;
-        off = 12;
-    } else {
-        return md_err_setc(err, MD_EINVAL, "invalid_npy", "NPY version %d is not supported", u[6]);
-    }
-    if (hlen > 65536 || off + hlen > len)
+    if (ps == MD_NPY_PRE_VERSION || ps == MD_NPY_PRE_MORE)
+        return md_err_setc(err, MD_EINVAL, "invalid_npy", "NPY version %d is not supported",
+                           npy_version);
+    if (ps == MD_NPY_PRE_LARGE || off + hlen > len)
         return md_err_setc(err, MD_EINVAL, "invalid_npy", "the NPY header is truncated");
-    char header[65537];
+    char header[MD_NPY_HEADER_MAX + 1];
     memcpy(header, data + off, hlen);
     header[hlen] = '\0';
     md_npy_dict dict;

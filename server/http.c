@@ -1,6 +1,11 @@
 /*
  * http.c - libmicrohttpd glue: one access handler for every route.
  *
+ * Over 800 lines, to be split: the request lifecycle (the access handler,
+ * suspend, resume, defer) must stay one file with struct md_req; the bearer
+ * tokens (md_auth checks) and the request id, trace context and access log
+ * only read a request and can move out behind a private header for it.
+ *
  * DESIGN
  * libmicrohttpd calls the access handler several times per request: first
  * with the headers (we create an md_req, route it, check Content-Length),

@@ -98,7 +98,8 @@ void md_body_free(md_body *body);
 /* ---- error bodies (unit-tested) ---- */
 
 /* The JSON body for `err`: {"error": {"code", "message"}}, or for Open
- * Inference Protocol routes (v2 != 0) {"error": "message"}. New reference. */
+ * Inference Protocol routes (v2 != 0) {"error": "message"}. New reference.
+ * Pure; any thread. */
 json_t *md_error_body(const md_err *err, int v2);
 
 /* ---- the server ---- */
@@ -116,7 +117,8 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
                         md_http **out, md_err *err);
 
 /* Stop accepting new connections (close the listener); connections already
- * open are served, each response after this carries "Connection: close". */
+ * open are served, each response after this carries "Connection: close".
+ * From main's thread (the one that started the server). */
 void md_http_quiesce(md_http *http);
 
 /* Requests begun and not yet completed. Thread-safe. */
@@ -136,10 +138,11 @@ void md_http_write_metrics(md_http *http, FILE *f);
  */
 void md_http_close_gate(md_http *http);
 
-/* The port actually bound (useful with port 0). */
+/* The port actually bound (useful with port 0). Fixed at start; any thread. */
 int md_http_port(const md_http *http);
 
-/* Stop every thread and close every connection. Accepts NULL. */
+/* Stop every thread and close every connection. Accepts NULL. From main's
+ * thread, after the drain: no request may be suspended or deferred then. */
 void md_http_stop(md_http *http);
 
 /* ---- the request, for handlers ----
@@ -205,7 +208,8 @@ void md_reply_fd(md_req *req, int http_status, const char *content_type, int fd,
 /* Multipart form bodies, for streaming routes: feed each chunk given to the
  * route's md_body_fn; `field_fn` receives every piece of every field in
  * order (`filename` non-NULL for file fields). MD_EMEDIA when the request is
- * not multipart/form-data. The parser is freed with the request. */
+ * not multipart/form-data. The parser is freed with the request. From the
+ * route's md_body_fn only (a libmicrohttpd thread), as each chunk comes. */
 typedef md_status (*md_form_fn)(md_req *req, const char *field, const char *filename,
                                 const char *data, size_t len, md_err *err);
 md_status md_req_form_feed(md_req *req, md_form_fn field_fn, const char *data, size_t len,

@@ -35,38 +35,6 @@
 static char *no_args[] = {"modeld", NULL};
 static char *no_env[] = {NULL};
 
-/* Every temp path made by a test, removed by the teardown even when the test
- * fails half-way (the test's own unlink/rmdir covers the passing path). */
-static char made[16][64];
-static int n_made;
-
-static void remember(const char *path)
-{
-    if (n_made < 16)
-        snprintf(made[n_made++], sizeof made[0], "%s", path);
-}
-
-static int remove_temps(void **state)
-{
-    (void)state;
-    for (int i = 0; i < n_made; i++)
-        remove(made[i]);
-    n_made = 0;
-    return 0;
-}
-
-/* Write `text` to a new file under /tmp; the path goes into `path` (>= 64 bytes). */
-static void write_temp(char *path, const char *text)
-{
-    strcpy(path, "/tmp/modeld_test_config_XXXXXX");
-    int fd = mkstemp(path);
-    assert_true(fd >= 0);
-    remember(path);
-    size_t n = strlen(text);
-    assert_int_equal(write(fd, text, n), (ssize_t)n);
-    assert_int_equal(close(fd), 0);
-}
-
 /* Load argv (NULL-terminated, argv[0] the program) and envp into cfg; returns the status. */
 static md_status load(md_cfg *cfg, char **argv, char **envp, md_cfg_action *action, md_err *err)
 {
@@ -672,7 +640,7 @@ static void test_missing_or_unreadable_file(void **state)
     char dir[64];
     strcpy(dir, "/tmp/modeld_test_config_dir_XXXXXX");
     assert_non_null(mkdtemp(dir));
-    remember(dir);
+    remember_temp(dir);
     EXPECT_EINVAL(ARGV("--config", dir), no_env, "config file", dir);
     rmdir(dir);
 }

@@ -40,46 +40,6 @@
 
 /* ---- helpers ---- */
 
-/* Every temp path made by a test, removed by the teardown even when the test
- * fails half-way. */
-static char made[16][64];
-static int n_made;
-
-static int remove_temps(void **state)
-{
-    (void)state;
-    for (int i = 0; i < n_made; i++)
-        remove(made[i]);
-    n_made = 0;
-    return 0;
-}
-
-/* A new empty temp path under /tmp (the file exists); `path` >= 64 bytes. */
-static void temp_path(char *path)
-{
-    strcpy(path, "/tmp/modeld_test_readers_XXXXXX");
-    int fd = mkstemp(path);
-    assert_true(fd >= 0);
-    close(fd);
-    assert_true(n_made < 16);
-    snprintf(made[n_made++], sizeof made[0], "%s", path);
-}
-
-/* Write `len` bytes of `text` to a new temp file; its path goes into `path`. */
-static void write_temp_n(char *path, const char *text, size_t len)
-{
-    temp_path(path);
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    assert_int_equal(fwrite(text, 1, len, f), len);
-    assert_int_equal(fclose(f), 0);
-}
-
-static void write_temp(char *path, const char *text)
-{
-    write_temp_n(path, text, strlen(text));
-}
-
 /* Open with `features` given as JSON text (or NULL). */
 static md_status open_reader(const char *path, const char *format, const char *features,
                              const char *label, md_reader **r, md_err *err)

@@ -1,6 +1,6 @@
 /*
  * test_store.c - unit tests of checkpoint/checkpoint.h (store.c, versions.c,
- * retention.c, blobs.c, archive.c, download.c) and of the job table
+ * promotion.c, retention.c, blobs.c, archive.c, download.c) and of the job table
  * (jobs/jobs.h, job_store.c),
  * called directly on a store in a fresh mkdtemp directory per test: blob
  * writers (begin/write/finish, limits, hashes), versions and shared blobs,

@@ -12,7 +12,10 @@
 #include <stdint.h>
 
 #include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* Assert that `msg` contains every one of the NULL-terminated substrings
  * after it, failing with the message and the first one it lacks. */
@@ -27,6 +30,66 @@ static inline void assert_msg_has(const char *msg, ...)
         }
     }
     va_end(ap);
+}
+
+/* ---- temp files ----
+ * Every temp path a test makes (temp_path, write_temp, or remember_temp for
+ * one it made itself) is removed by remove_temps, a cmocka teardown, even
+ * when the test fails half-way; the test's own unlink or rmdir covers the
+ * passing path. At most 16 a test: past them a path is left behind. */
+typedef struct md_test_temps {
+    char paths[16][64];
+    int n;
+} md_test_temps;
+
+static inline md_test_temps *md_test_temps_get(void)
+{
+    static md_test_temps temps; /* one program, one thread */
+    return &temps;
+}
+
+static inline void remember_temp(const char *path)
+{
+    md_test_temps *t = md_test_temps_get();
+    if (t->n < 16)
+        snprintf(t->paths[t->n++], sizeof t->paths[0], "%s", path);
+}
+
+static inline int remove_temps(void **state)
+{
+    (void)state;
+    md_test_temps *t = md_test_temps_get();
+    for (int i = 0; i < t->n; i++)
+        remove(t->paths[i]);
+    t->n = 0;
+    return 0;
+}
+
+/* A new empty temp file under /tmp, remembered; its path goes into `path`
+ * (>= 64 bytes). */
+static inline void temp_path(char *path)
+{
+    strcpy(path, "/tmp/modeld_test_XXXXXX");
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    remember_temp(path);
+}
+
+/* Write `len` bytes of `data` to a new temp file; its path goes into `path`. */
+static inline void write_temp_n(char *path, const char *data, size_t len)
+{
+    temp_path(path);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(data, 1, len, f), len);
+    assert_int_equal(fclose(f), 0);
+}
+
+/* Write the string `text` to a new temp file; its path goes into `path`. */
+static inline void write_temp(char *path, const char *text)
+{
+    write_temp_n(path, text, strlen(text));
 }
 
 #endif
