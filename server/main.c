@@ -154,6 +154,7 @@ int main(int argc, char **argv)
         .queue_limit = cfg.queue_limit,
         .timeout_ms = cfg.timeout_ms,
         .job_nice = cfg.job_nice,
+        .max_image_pixels = cfg.max_image_pixels,
     };
 
     md_http *http = NULL;
