@@ -14,10 +14,10 @@ ARGS    ?=
 # BUILD_PACKAGES build ./modeld (the Docker build stage installs only these).
 BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
 	libcurl4-openssl-dev libssl-dev zlib1g-dev libtorch-dev libopenblas0-pthread \
-	libfast-float-dev
+	libfast-float-dev libpng-dev libjpeg62-turbo-dev
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
-	python3-numpy python3-yaml python3-torch python3-torchvision python3-pil curl ca-certificates sqlite3 dataset-fashion-mnist \
-	git jq nginx
+	python3-numpy python3-yaml python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist \
+	git jq nginx python3-pil python3-torchvision
 
 # libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one
 # (a libtorch tree, or pip's torch package folder, whose include/ and lib/ are one).
