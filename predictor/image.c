@@ -268,7 +268,7 @@ static md_status decode_png(const unsigned char *data, size_t len, int64_t max_p
         free(px->p);
         px->p = NULL;
         png_destroy_read_struct(&png, &info, NULL);
-        return invalid(err, name, "not a readable PNG: %s", src.msg[0] ? src.msg : "corrupt");
+        return invalid(err, name, "not a readable PNG (corrupt or truncated): %s; send the whole, unmodified file", src.msg[0] ? src.msg : "corrupt");
     }
     png_set_read_fn(png, &src, png_read_mem);
     /* the header's size is checked below, before any row is allocated */
@@ -297,7 +297,9 @@ static md_status decode_png(const unsigned char *data, size_t len, int64_t max_p
         png_set_expand_gray_1_2_4_to_8(png);
     if (depth == 16)
         png_set_strip_16(png); /* PIL keeps the high byte of 16-bit RGB(A) */
-    if (ctype & PNG_COLOR_MASK_ALPHA)
+    /* PIL's convert("RGB"/"L") drops alpha, and a palette's tRNS too (which
+     * png_set_palette_to_rgb would otherwise expand into an alpha channel) */
+    if ((ctype & PNG_COLOR_MASK_ALPHA) || png_get_valid(png, info, PNG_INFO_tRNS))
         png_set_strip_alpha(png);
     png_set_interlace_handling(png);
     png_read_update_info(png, info);
@@ -371,7 +373,7 @@ static md_status decode_jpeg(const unsigned char *data, size_t len, int64_t max_
         jpeg_destroy_decompress(&cinfo);
         free(px->p);
         px->p = NULL;
-        return invalid(err, name, "not a readable JPEG: %s", je.msg);
+        return invalid(err, name, "not a readable JPEG (corrupt or truncated): %s; send the whole, unmodified file", je.msg);
     }
     jpeg_create_decompress(&cinfo);
     jpeg_mem_src(&cinfo, data, (unsigned long)len);
@@ -682,8 +684,10 @@ md_status md_image_to_tensor(const void *data, size_t len, const md_image_opts *
         break;
     default:
         return invalid(err, name,
-                       "not a PNG or JPEG file%s (told by its first bytes); send PNG or JPEG",
-                       len == 0 ? " (it is empty)" : "");
+                       len == 0 ? "the file is empty%s; send a PNG or JPEG file"
+                                : "not a PNG or JPEG file (told by its first bytes)%s; send PNG "
+                                  "or JPEG (convert other formats first)",
+                       NULL);
     }
     if (st != MD_OK)
         return st;
