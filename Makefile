@@ -276,7 +276,7 @@ fuzz:
 	  config/md_err.c -ljansson -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_image tests/fuzz_image.c \
-	  predictor/image.c config/md_err.c -ljansson -lpng -ljpeg -lm
+	  predictor/image.c config/md_err.c -ljansson -lpng -ljpeg -lz -lm
 	mkdir -p build-fuzz/corpus_number && cp tests/fuzz_corpus_number/* build-fuzz/corpus_number/
 	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers build-fuzz/corpus_config \
 	  build-fuzz/corpus_router build-fuzz/corpus_pickle build-fuzz/corpus_safetensors
