@@ -186,6 +186,11 @@ typedef struct pix {
 static md_status too_large(md_err *err, const char *name, int64_t w, int64_t h, int64_t max,
                            const char *what)
 {
+    if (w > MAX_EDGE || h > MAX_EDGE)
+        return md_err_setc(err, MD_ETOOBIG, "image_too_large",
+                           "%s is %lldx%lld pixels%s, an edge longer than the %d pixels modeld "
+                           "takes; send a smaller image",
+                           name, (long long)w, (long long)h, what, MAX_EDGE);
     return md_err_setc(err, MD_ETOOBIG, "image_too_large",
                        "%s is %lldx%lld pixels%s, more than max_image_pixels (%lld); send a "
                        "smaller image or raise the setting",
@@ -555,6 +560,14 @@ static md_status resample(pix *px, int64_t w, int64_t h, int64_t max_pixels, con
         int64_t first = bv[0], last = bv[(h - 1) * 2] + bv[(h - 1) * 2 + 1];
         for (int64_t i = 0; i < h; i++)
             bv[i * 2] -= (int)first;
+        /* the horizontal pass's image is as large as w x (rows it keeps):
+         * bounded like the result (a 1 x 40M image resized to 40 x 1 would
+         * otherwise hold 40 x 40M pixels in between) */
+        if (w * (last - first) > max_pixels) {
+            st = too_large(err, name, w, last - first, max_pixels,
+                           " in the resize's horizontal pass");
+            goto out;
+        }
         tmp = (pix){.w = w, .h = last - first, .ch = px->ch};
         tmp.p = md_mallocarray_checked((size_t)(tmp.w * tmp.h), ch, "the resized image", err);
         if (!tmp.p) {

@@ -8,6 +8,7 @@
  * Per-version config, given at deploy:
  *   input {shape: [d...], dtype: float32|float64|int64|uint8}
  *   preprocess {scale, mean: [], std: []}   (torchvision ToTensor + Normalize)
+ *     preprocess.image {mode: L|RGB, resize, center_crop}   (image.h)
  *   output: logits | probabilities | raw
  *   labels: ["class", ...]
  *   batching {max_batch_size, max_delay_us, queue_limit, timeout_ms}
