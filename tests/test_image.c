@@ -417,6 +417,15 @@ static void test_max_pixels(void **state)
                   "{\"image\": {\"resize\": [100, 100]}}}",
                   5000);
     expect_too_big("cases/rgb_64x48.png", &o, "after resize");
+    /* 1 x 65536 resized to [16, 16]: PIL's horizontal pass first makes a
+     * 16 x 65536 image, 2^20 pixels, although input and output are small */
+    o = opts_from("{\"input\": {\"shape\": [1, 16, 16]}, \"preprocess\": "
+                  "{\"image\": {\"resize\": [16, 16]}}}",
+                  1 << 20);
+    assert_int_equal(run_file("cases/tall_1x65536.png", &o, &got, &err), MD_OK);
+    free(got);
+    o.max_pixels = (1 << 20) - 1;
+    expect_too_big("cases/tall_1x65536.png", &o, "16x65536");
     /* the bomb's 10^10 pixels against a limit one short of it */
     o.max_pixels = 100000LL * 100000 - 1;
     expect_too_big("bad/bomb_100000.png", &o, "100000x100000");
@@ -666,6 +675,8 @@ static void test_config_errors(void **state)
 
 int main(void)
 {
+    /* the per-case lines interleave with cmocka's own (stderr) in order */
+    setvbuf(stdout, NULL, _IOLBF, 0);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cases_match_torchvision),
         cmocka_unit_test(test_fashion_png),
