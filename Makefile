@@ -78,7 +78,8 @@ LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
 
-UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_batcher test_formats
+UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_batcher test_formats \
+	test_image
 # the batcher is tested over a fake backend: the linker seam replaces libtorch calls
 LDFLAGS_test_batcher := -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free
 UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
@@ -200,9 +201,11 @@ tsan: deps
 # see tests/fixtures/README.md).
 fixtures:
 	$(PYTHON) tests/fixtures/make_fixtures.py
+	$(PYTHON) tests/fixtures/make_images.py
 
 fixtures-check:
 	$(PYTHON) tests/fixtures/make_fixtures.py --check
+	$(PYTHON) tests/fixtures/make_images.py --check
 
 # the backend reads checkpoint tensors too (md_torch_load_state): it needs their helpers
 $(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $(BUILD)/config/md_err.o \
@@ -230,7 +233,7 @@ clean:
 	rm -rf build build-asan build-tsan build-fuzz modeld
 
 # libFuzzer over the request decoders, the dataset readers, the configuration
-# loader, the router and the checkpoint readers (clang); not part of
+# loader, the router, the checkpoint readers and image input (clang); not part of
 # `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
 # FUZZ_RUNS=1000000 runs each target that many executions instead of FUZZ_SECONDS
@@ -271,6 +274,9 @@ fuzz:
 	  -fsanitize=fuzzer,address,undefined $(FUZZ_CKPT_LIMITS) -o build-fuzz/fuzz_safetensors \
 	  tests/fuzz_safetensors.c checkpoint/safetensors.c checkpoint/named_tensors.c \
 	  config/md_err.c -ljansson -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_image tests/fuzz_image.c \
+	  predictor/image.c config/md_err.c -ljansson -lpng -ljpeg -lz -lm
 	mkdir -p build-fuzz/corpus_number && cp tests/fuzz_corpus_number/* build-fuzz/corpus_number/
 	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers build-fuzz/corpus_config \
 	  build-fuzz/corpus_router build-fuzz/corpus_pickle build-fuzz/corpus_safetensors
@@ -283,6 +289,7 @@ fuzz:
 	cp tests/fuzz_corpus_router/* build-fuzz/corpus_router/
 	cp tests/fuzz_corpus_pickle/* build-fuzz/corpus_pickle/
 	cp tests/fuzz_corpus_safetensors/* build-fuzz/corpus_safetensors/
+	mkdir -p build-fuzz/corpus_image && cp tests/fuzz_corpus_image/* build-fuzz/corpus_image/
 	build-fuzz/fuzz_number $(FUZZ_LIMIT) -max_len=256 -dict=tests/fuzz_number.dict \
 	  build-fuzz/corpus_number
 	build-fuzz/fuzz_tensor $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus
@@ -294,6 +301,7 @@ fuzz:
 	build-fuzz/fuzz_pickle $(FUZZ_LIMIT) -max_len=16384 build-fuzz/corpus_pickle
 	build-fuzz/fuzz_safetensors $(FUZZ_LIMIT) -max_len=4096 \
 	  build-fuzz/corpus_safetensors
+	build-fuzz/fuzz_image $(FUZZ_LIMIT) -max_len=16384 build-fuzz/corpus_image
 
 # The CUDA path of the backend must keep compiling even where no CUDA libtorch
 # exists to link it: compile it against Debian's libtorch headers and the CUDA
