@@ -65,7 +65,8 @@ LIBS      := $(EXTRA_LDFLAGS) -lmicrohttpd -ljansson -lsqlite3 -lcurl -lcrypto -
 BUILD := build$(if $(SAN_FLAGS),-asan,)
 
 # every C module but main.c; the binary and the unit tests link these
-LIB_C   := config/md_err.c config/md_metrics.c config/config.c server/router.c server/http.c checkpoint/store.c \
+LIB_C   := config/md_err.c config/md_metrics.c config/config.c server/router.c server/http.c \
+	server/multipart.c checkpoint/store.c \
 	checkpoint/versions.c checkpoint/promotion.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c \
 	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
@@ -79,7 +80,7 @@ LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
 
 UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_batcher test_formats \
-	test_image
+	test_image test_multipart
 # the batcher is tested over a fake backend: the linker seam replaces libtorch calls
 LDFLAGS_test_batcher := -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free
 UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
@@ -233,8 +234,8 @@ clean:
 	rm -rf build build-asan build-tsan build-fuzz modeld
 
 # libFuzzer over the request decoders, the dataset readers, the configuration
-# loader, the router, the checkpoint readers and image input (clang); not part of
-# `make test`. FUZZ_SECONDS per target.
+# loader, the router, the multipart/form-data iterator, the checkpoint readers
+# and image input (clang); not part of `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
 # FUZZ_RUNS=1000000 runs each target that many executions instead of FUZZ_SECONDS
 FUZZ_RUNS ?=
@@ -277,6 +278,9 @@ fuzz:
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_image tests/fuzz_image.c \
 	  predictor/image.c config/md_err.c -ljansson -lpng -ljpeg -lz -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_multipart tests/fuzz_multipart.c \
+	  server/multipart.c config/md_err.c -lm
 	mkdir -p build-fuzz/corpus_number && cp tests/fuzz_corpus_number/* build-fuzz/corpus_number/
 	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers build-fuzz/corpus_config \
 	  build-fuzz/corpus_router build-fuzz/corpus_pickle build-fuzz/corpus_safetensors
@@ -290,6 +294,7 @@ fuzz:
 	cp tests/fuzz_corpus_pickle/* build-fuzz/corpus_pickle/
 	cp tests/fuzz_corpus_safetensors/* build-fuzz/corpus_safetensors/
 	mkdir -p build-fuzz/corpus_image && cp tests/fuzz_corpus_image/* build-fuzz/corpus_image/
+	mkdir -p build-fuzz/corpus_multipart && cp tests/fuzz_corpus_multipart/* build-fuzz/corpus_multipart/
 	build-fuzz/fuzz_number $(FUZZ_LIMIT) -max_len=256 -dict=tests/fuzz_number.dict \
 	  build-fuzz/corpus_number
 	build-fuzz/fuzz_tensor $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus
@@ -302,6 +307,7 @@ fuzz:
 	build-fuzz/fuzz_safetensors $(FUZZ_LIMIT) -max_len=4096 \
 	  build-fuzz/corpus_safetensors
 	build-fuzz/fuzz_image $(FUZZ_LIMIT) -max_len=16384 build-fuzz/corpus_image
+	build-fuzz/fuzz_multipart $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_multipart
 
 # The CUDA path of the backend must keep compiling even where no CUDA libtorch
 # exists to link it: compile it against Debian's libtorch headers and the CUDA

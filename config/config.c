@@ -86,6 +86,9 @@ static const setting settings[] = {
      "a prediction not done in this long answers 504"},
     {"default_model", T_STR, OFF(default_model), 0, 0, "", NULL,
      "model answering POST /predict; empty = the only deployed model"},
+    {"max_request_images", T_INT, OFF(max_request_images), 1, 100000, "64", NULL,
+     "most images one prediction request may send (the parts of a multipart/form-data "
+     "body; 413 past it); a folder of images is a batch job's work"},
     {"max_jobs", T_INT, OFF(max_jobs), 1, 1024, "2", NULL, "batch jobs running at once"},
     {"store_poll_ms", T_INT, OFF(store_poll_ms), 0, 60000, "1000", NULL,
      "how often to look for changes other replicas made to the store; 0 = never"},

@@ -61,6 +61,7 @@ typedef struct md_cfg {
     int queue_limit;            /* default queued requests per version before 503 */
     int timeout_ms;             /* default request deadline before 504 */
     char *default_model;        /* model answering POST /predict; "" = the only one */
+    int max_request_images;     /* most images (multipart parts) in one prediction request */
     /* jobs */
     int max_jobs;               /* jobs running at once */
     int job_nice;               /* nice of the job workers (0..19) */

@@ -7,6 +7,13 @@
  * the connection and submits; the batcher calls predict_done on a worker
  * thread, which encodes the answer and resumes the connection. No server
  * thread waits on inference.
+ *
+ * The JSON/NPY routes (POST or PUT, and the TorchServe-style /predictions/NAME)
+ * also take images for a version that declares preprocess.image: a PNG or
+ * JPEG body (Content-Type image/png or image/jpeg, or application/octet-stream
+ * or none with the bytes of one: curl -T, --data-binary) is one row; a
+ * multipart/form-data body is one row per file part, answered in order
+ * (curl -F image=@a.png -F image=@b.jpg). See "images" below.
  */
 #include <errno.h>
 #include <math.h>
@@ -15,6 +22,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "../predictor/image.h"
 #include "../predictor/predictor.h"
 #include "answer.h"
 #include "handlers.h"
@@ -109,17 +117,25 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
 
 /* What the handler read on its own thread, for whichever thread submits.
  * Request state: freed with the request. */
+typedef enum body_kind {
+    BODY_ROWS = 0, /* JSON rows or NPY: md_tensor_decode */
+    BODY_IMAGE,    /* one PNG or JPEG */
+    BODY_FORM,     /* multipart/form-data: one image per file part */
+} body_kind;
+
 typedef struct pending {
     char name[256];
     int version;
     int v2;
     int top_k;
     int npy;
+    body_kind body;
+    md_model *model;   /* images sent to a deferred thread: the model found, retained */
     int have_tensor;   /* V2: decoded before the lookup */
     int v2_binary;
     int v1;
     md_tensor t;
-    char content_type[128];
+    char content_type[512];
     int has_content_type;
     char v2_id[128];
     char v2_output[64];
@@ -130,6 +146,8 @@ static void pending_free(void *p)
     pending *pd = p;
     if (pd && pd->have_tensor)
         md_tensor_free(&pd->t);
+    if (pd)
+        md_model_release(pd->model);
     free(pd);
 }
 
@@ -156,11 +174,335 @@ static void submit(md_req *req, md_model *m, md_tensor *t, pctx *c)
     }
 }
 
-/* Decode the body if not done yet and submit to `m` (a reference, taken). */
-static void go_on(md_req *req, pending *pd, md_model *m)
+/* ---- images ----
+ *
+ * What the body is: told on the handler thread from the Content-Type and,
+ * where that does not say (application/octet-stream, none), from the bytes
+ * (md_image_sniff). Between PNG and JPEG the bytes decide: a part curl
+ * labelled image/png from its name whose bytes are a JPEG decodes as a JPEG;
+ * bytes that are neither answer 422 from md_image_to_tensor, naming the image.
+ * A Content-Type naming another image type (image/gif, image/webp) answers
+ * 415, as does an application/octet-stream body that is no image.
+ *
+ * A form's text fields (curl -F top_k=3) are refused (400 naming the field)
+ * rather than ignored: an option silently dropped would answer something else
+ * than was asked, as an unknown query parameter would (options go in the
+ * query). A part is a file when it has a filename, a Content-Type other than
+ * text/plain, or the bytes of a PNG or JPEG.
+ *
+ * Which thread decodes: a small image (MNIST's 28x28, a 224x224 photo)
+ * decodes in well under a millisecond, less than starting a thread costs, so
+ * it decodes on the libmicrohttpd thread that looked the model up. A request
+ * whose images' headers say more than INLINE_PIXELS pixels in all (or that
+ * cannot be told cheaply) is decoded on a deferred thread (md_req_defer), so
+ * a large photo or a burst of them never holds the HTTP threads; the pixel
+ * count read here only chooses the thread, md_image_to_tensor checks every
+ * image's own header against max_image_pixels before decoding. */
+
+#define INLINE_PIXELS ((int64_t)1 << 16)
+
+/* The media type of a Content-Type value (before ';', trimmed) into out. */
+static void media_type(const char *ct, char *out, size_t size)
+{
+    while (*ct == ' ' || *ct == '\t')
+        ct++;
+    size_t n = strcspn(ct, ";");
+    while (n && (ct[n - 1] == ' ' || ct[n - 1] == '\t'))
+        n--;
+    snprintf(out, size, "%.*s", (int)n, ct);
+}
+
+static int is_png_or_jpeg_type(const char *t, size_t n)
+{
+    return md_multipart_eq(t, n, "image/png") || md_multipart_eq(t, n, "image/jpeg") ||
+           md_multipart_eq(t, n, "image/jpg") || md_multipart_eq(t, n, "image/pjpeg");
+}
+
+/* Whether the `n` bytes at `t` name an image type other than PNG or JPEG. */
+static int is_other_image_type(const char *t, size_t n)
+{
+    return n > 6 && strncasecmp(t, "image/", 6) == 0 && !is_png_or_jpeg_type(t, n);
+}
+
+#define IMAGE_TYPES_HELP "modeld decodes PNG and JPEG images; convert it to PNG (lossless)"
+
+/* What the body of a JSON/NPY route is (see above). `ct` may be NULL. */
+static md_status classify_body(const char *ct, const char *body, size_t len, body_kind *kind,
+                               md_err *err)
+{
+    *kind = BODY_ROWS;
+    int image_bytes = body && len && md_image_sniff(body, len) != MD_IMAGE_NONE;
+    if (!ct) {
+        if (image_bytes)
+            *kind = BODY_IMAGE;
+        return MD_OK;
+    }
+    char t[128];
+    media_type(ct, t, sizeof t);
+    size_t n = strlen(t);
+    if (md_multipart_eq(t, n, "multipart/form-data"))
+        *kind = BODY_FORM;
+    else if (is_png_or_jpeg_type(t, n))
+        *kind = BODY_IMAGE;
+    else if (is_other_image_type(t, n))
+        return md_err_setc(err, MD_EMEDIA, "unsupported_image_type",
+                           "Content-Type %.60s: " IMAGE_TYPES_HELP, t);
+    else if (md_multipart_eq(t, n, "application/octet-stream")) {
+        if (!image_bytes)
+            return md_err_setc(err, MD_EMEDIA, "unsupported_media_type",
+                               "an application/octet-stream body is taken as one PNG or JPEG "
+                               "image, and these %zu bytes are neither; send an image, or rows "
+                               "as application/json or application/x-npy",
+                               len);
+        *kind = BODY_IMAGE;
+    }
+    return MD_OK;
+}
+
+/* Width x height from the header of a PNG (IHDR) or a JPEG (its first SOF
+ * marker), or -1 when it cannot be told from the first bytes. A hint that
+ * only picks the thread to decode on: never used to size anything. */
+static int64_t pixels_hint(const unsigned char *d, size_t len)
+{
+    if (len >= 24 && memcmp(d, "\x89PNG\r\n\x1a\n", 8) == 0 && memcmp(d + 12, "IHDR", 4) == 0) {
+        int64_t w = ((int64_t)d[16] << 24) | (d[17] << 16) | (d[18] << 8) | d[19];
+        int64_t h = ((int64_t)d[20] << 24) | (d[21] << 16) | (d[22] << 8) | d[23];
+        return w * h; /* each < 2^32: no overflow in int64 */
+    }
+    if (len < 4 || d[0] != 0xFF || d[1] != 0xD8)
+        return -1;
+    size_t i = 2;
+    while (i + 4 <= len) {
+        if (d[i] != 0xFF)
+            return -1;
+        unsigned m = d[i + 1];
+        if (m == 0xFF) { /* fill byte */
+            i++;
+            continue;
+        }
+        if (m == 0x01 || (m >= 0xD0 && m <= 0xD8)) { /* markers without a length */
+            i += 2;
+            continue;
+        }
+        size_t seg = ((size_t)d[i + 2] << 8) | d[i + 3];
+        if (m >= 0xC0 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC) {
+            if (i + 9 > len)
+                return -1;
+            return (int64_t)(((unsigned)d[i + 5] << 8) | d[i + 6]) *
+                   (int64_t)(((unsigned)d[i + 7] << 8) | d[i + 8]);
+        }
+        if (seg < 2)
+            return -1;
+        i += 2 + seg;
+    }
+    return -1;
+}
+
+/* How `part` of a form names itself in messages: "image 2 (b.jpg)", with the
+ * field's name when it has no filename; client text, printable ASCII only. */
+static void part_label(size_t index, const md_multipart_part *part, char *out, size_t size)
+{
+    const char *s = part->filename && part->filename_len ? part->filename : part->name;
+    size_t n = part->filename && part->filename_len ? part->filename_len : part->name_len;
+    char clean[64];
+    size_t o = 0;
+    for (size_t i = 0; i < n && o + 4 < sizeof clean; i++)
+        clean[o++] = s[i] >= 0x20 && s[i] < 0x7f ? s[i] : '?';
+    if (o + 4 >= sizeof clean && o < n)
+        memcpy(clean + o, "...", 3), o += 3;
+    clean[o] = '\0';
+    if (o)
+        snprintf(out, size, "image %zu (%s)", index, clean);
+    else
+        snprintf(out, size, "image %zu", index);
+}
+
+/* Whether a form part is a file (see above). */
+static int part_is_file(const md_multipart_part *p)
+{
+    if (p->filename)
+        return 1;
+    if (p->content_type && !md_multipart_eq(p->content_type, p->content_type_len, "text/plain"))
+        return 1;
+    return md_image_sniff(p->data, p->len) != MD_IMAGE_NONE;
+}
+
+/* What the images of a request are, read without decoding any. */
+typedef struct image_scan {
+    size_t count;   /* images */
+    int64_t pixels; /* the sum of their headers' width x height; -1: not told */
+} image_scan;
+
+static md_status begin_form(md_req *req, const pending *pd, const char *body, size_t len,
+                            md_multipart *mp, md_err *err)
+{
+    md_app *app = md_req_app(req);
+    return md_multipart_begin(mp, pd->content_type, body, len,
+                              (size_t)app->cfg->max_request_images, "max_request_images", err);
+}
+
+/* Count the images and check the form's parts (400 for a text field, 415 for
+ * an image type not decoded, 400 when there is none), nothing decoded. */
+static md_status scan_images(md_req *req, const pending *pd, const char *body, size_t len,
+                             image_scan *out, md_err *err)
+{
+    out->count = 0;
+    out->pixels = 0;
+    if (pd->body == BODY_IMAGE) {
+        out->count = 1;
+        out->pixels = pixels_hint((const unsigned char *)body, len);
+        return MD_OK;
+    }
+    md_multipart mp;
+    md_status st = begin_form(req, pd, body, len, &mp, err);
+    for (;;) {
+        md_multipart_part p;
+        int more = 0;
+        if (st != MD_OK || (st = md_multipart_next(&mp, &p, &more, err)) != MD_OK || !more)
+            break;
+        char label[96];
+        part_label(out->count + 1, &p, label, sizeof label);
+        if (!part_is_file(&p))
+            return md_err_setc(err, MD_EINVAL, "unexpected_form_field",
+                               "form field \"%.*s\" is not a file: a prediction's "
+                               "multipart/form-data body takes image files only (curl -F "
+                               "image=@a.png); options go in the query (?top_k=3)",
+                               (int)(p.name_len > 60 ? 60 : p.name_len), p.name);
+        if (p.content_type && is_other_image_type(p.content_type, p.content_type_len))
+            return md_err_setc(err, MD_EMEDIA, "unsupported_image_type",
+                               "%s is %.*s: " IMAGE_TYPES_HELP, label,
+                               (int)(p.content_type_len > 40 ? 40 : p.content_type_len),
+                               p.content_type);
+        out->count++;
+        int64_t px = pixels_hint((const unsigned char *)p.data, p.len);
+        if (px < 0 || out->pixels < 0 || md_add_i64(out->pixels, px, &out->pixels))
+            out->pixels = -1;
+    }
+    if (st == MD_OK && out->count == 0)
+        st = md_err_setc(err, MD_EINVAL, "no_images",
+                         "the multipart/form-data body holds no file; send images as curl -F "
+                         "image=@a.png -F image=@b.jpg");
+    return st;
+}
+
+/* Decode the request's images (scan_images counted `count`) into one tensor
+ * [count, C, H, W] of ToTensor values (prescaled: the version's
+ * preprocess.scale is not applied; mean and std are). */
+static md_status decode_images(md_req *req, const pending *pd, const md_image_opts *o,
+                               size_t count, md_tensor *t, md_err *err)
+{
+    size_t len, per = md_image_values(o), total;
+    const char *body = md_req_body(req, &len);
+    memset(t, 0, sizeof *t);
+    if (md_mul_size(count, per, &total) || total > max_values(req))
+        return md_err_setc(err, MD_ETOOBIG, "too_many_values",
+                           "%zu images of %zu values each (%d x %lld x %lld) are more than the "
+                           "limit of %zu input values; send fewer images per request or raise "
+                           "max_body_bytes",
+                           count, per, o->channels, (long long)o->height, (long long)o->width,
+                           max_values(req));
+    float *data = md_mallocarray_checked(total, sizeof(float), "the images' values", err);
+    if (!data)
+        return err->status;
+    md_status st = MD_OK;
+    if (pd->body == BODY_IMAGE) {
+        st = md_image_to_tensor(body, len, o, "the image", data, err);
+    } else {
+        md_multipart mp;
+        st = begin_form(req, pd, body, len, &mp, err);
+        size_t i = 0;
+        while (st == MD_OK && i < count) {
+            md_multipart_part p;
+            int more = 0;
+            if ((st = md_multipart_next(&mp, &p, &more, err)) != MD_OK || !more)
+                break;
+            if (!part_is_file(&p))
+                continue; /* not reached: scan_images refused it */
+            char label[96];
+            part_label(i + 1, &p, label, sizeof label);
+            st = md_image_to_tensor(p.data, p.len, o, label, data + i * per, err);
+            i++;
+        }
+        if (st == MD_OK && i != count)
+            st = md_err_set(err, MD_EINTERNAL, "the form's images changed between two reads");
+    }
+    if (st != MD_OK) {
+        free(data);
+        return st;
+    }
+    t->ndim = 4;
+    t->shape[0] = (int64_t)count;
+    t->shape[1] = o->channels;
+    t->shape[2] = o->height;
+    t->shape[3] = o->width;
+    t->count = total;
+    t->data = data;
+    t->prescaled = 1;
+    return MD_OK;
+}
+
+/* 422 image_not_declared for a version without preprocess.image. */
+static md_status not_declared(md_model *m, md_err *err)
+{
+    int64_t shape[MD_MAX_DIMS];
+    int nd = md_model_input_shape(m, shape);
+    const char *mode = nd == 3 && shape[0] == 3 ? "RGB" : "L";
+    return md_err_setc(err, MD_EUNPROC, "image_not_declared",
+                       "model %s version %d declares no preprocess.image, so it takes no "
+                       "images; deploy a version whose config has \"preprocess\": {\"image\": "
+                       "{\"mode\": \"%s\"}} (with \"resize\" and \"center_crop\" as the model "
+                       "was trained, and input.shape [C, H, W]), or send rows of numbers",
+                       md_model_name(m), md_model_version(m), mode);
+}
+
+static void images_deferred(md_req *req);
+static void go_on(md_req *req, pending *pd, md_model *m, int may_defer);
+
+/* The images of the body into pd->t for `m`. Returns 1 when done; 0 when it
+ * replied (an error) or handed the request to a deferred thread (with
+ * may_defer, from the handler thread), `m` taken in both cases. */
+static int images_to_tensor(md_req *req, pending *pd, md_model *m, int may_defer)
 {
     md_err err;
     md_err_clear(&err);
+    const md_image_opts *o = md_model_image(m);
+    size_t len;
+    const char *body = md_req_body(req, &len);
+    image_scan scan = {0, 0};
+    md_status st = o ? scan_images(req, pd, body, len, &scan, &err) : not_declared(m, &err);
+    if (st == MD_OK && may_defer && (scan.pixels < 0 || scan.pixels > INLINE_PIXELS)) {
+        pd->model = m; /* the request's state owns it until images_deferred takes it */
+        md_req_defer(req, images_deferred);
+        return 0;
+    }
+    if (st == MD_OK)
+        st = decode_images(req, pd, o, scan.count, &pd->t, &err);
+    if (st != MD_OK) {
+        md_model_release(m);
+        md_reply_error(req, &err);
+        return 0;
+    }
+    pd->have_tensor = 1;
+    return 1;
+}
+
+/* On a deferred thread: decode the images, then submit. */
+static void images_deferred(md_req *req)
+{
+    pending *pd = md_req_state(req);
+    md_model *m = pd->model;
+    pd->model = NULL;
+    go_on(req, pd, m, 0);
+}
+
+/* Decode the body if not done yet and submit to `m` (a reference, taken).
+ * `may_defer`: on the handler thread, so big images may go to a deferred one. */
+static void go_on(md_req *req, pending *pd, md_model *m, int may_defer)
+{
+    md_err err;
+    md_err_clear(&err);
+    if (!pd->have_tensor && pd->body != BODY_ROWS && !images_to_tensor(req, pd, m, may_defer))
+        return;
     if (!pd->have_tensor) {
         size_t len;
         const char *body = md_req_body(req, &len);
@@ -195,7 +537,7 @@ static void resolve_deferred(md_req *req)
         md_reply_error(req, &err);
         return;
     }
-    go_on(req, pd, m);
+    go_on(req, pd, m, 0);
 }
 
 /* Takes `pd` (request state from here). */
@@ -205,7 +547,7 @@ static void find_and_go(md_req *req, pending *pd)
     md_err err;
     md_model *m = md_app_lookup(md_req_app(req), pd->name, pd->version, &err);
     if (m)
-        go_on(req, pd, m);
+        go_on(req, pd, m, 1);
     else if (err.status != MD_OK)
         md_reply_error(req, &err); /* known here: not found, a remembered failure */
     else
@@ -270,6 +612,21 @@ static void predict_as(md_req *req, const char *name, int version, int v1)
     if (ct) {
         pd->has_content_type = 1;
         snprintf(pd->content_type, sizeof pd->content_type, "%s", ct);
+    }
+    size_t len;
+    const char *body = md_req_body(req, &len);
+    /* KServe V1 takes instances only */
+    md_err_clear(&err);
+    if (!v1 && classify_body(ct, body, len, &pd->body, &err) == MD_OK &&
+        pd->body == BODY_FORM && strlen(ct) >= sizeof pd->content_type)
+        md_err_setc(&err, MD_EINVAL, "invalid_multipart",
+                    "the Content-Type header has %zu characters, more than the %zu a "
+                    "multipart/form-data one may have here",
+                    strlen(ct), sizeof pd->content_type - 1);
+    if (err.status != MD_OK) {
+        free(pd);
+        md_reply_error(req, &err);
+        return;
     }
     find_and_go(req, pd);
 }

@@ -35,6 +35,15 @@ const md_route md_routes[] = {
     {"POST", "/models/{name}/predict", md_handle_predict_model, NULL, "top_k", MD_AUTH_PREDICT},
     {"POST", "/models/{name}/versions/{version}/predict", md_handle_predict_version, NULL,
      "top_k", MD_AUTH_PREDICT},
+    /* PUT: what curl -T img.png sends; the same handler and guard as POST */
+    {"PUT", "/predict", md_handle_predict_default, NULL, "top_k", MD_AUTH_PREDICT},
+    {"PUT", "/models/{name}/predict", md_handle_predict_model, NULL, "top_k", MD_AUTH_PREDICT},
+    {"PUT", "/models/{name}/versions/{version}/predict", md_handle_predict_version, NULL,
+     "top_k", MD_AUTH_PREDICT},
+    /* TorchServe's inference URL (curl -T kitten.jpg .../predictions/NAME), answering
+     * modeld's own JSON: the default version of NAME */
+    {"POST", "/predictions/{name}", md_handle_predict_model, NULL, "top_k", MD_AUTH_PREDICT},
+    {"PUT", "/predictions/{name}", md_handle_predict_model, NULL, "top_k", MD_AUTH_PREDICT},
     {"GET", "/v2", md_handle_v2_server, NULL, NULL, MD_AUTH_OPEN},
     {"GET", "/v2/", md_handle_v2_server, NULL, NULL, MD_AUTH_OPEN},
     {"GET", "/v2/health/live", md_handle_v2_live, NULL, NULL, MD_AUTH_OPEN},

@@ -95,6 +95,66 @@ typedef struct md_body {
 md_status md_body_append(md_body *body, const char *data, size_t n, md_err *err);
 void md_body_free(md_body *body);
 
+/* ---- multipart/form-data over a buffered body (multipart.c, unit-tested) ----
+ *
+ * For routes whose body is buffered whole before the handler runs (the
+ * prediction routes: curl -F image=@a.png -F image=@b.jpg). An iterator over
+ * the body (RFC 7578 over RFC 2046): it allocates nothing, and each part is
+ * pointers into the body. The boundary comes from the Content-Type
+ * (quoted or not, 1 to 70 characters of RFC 2046's set); the preamble and the
+ * epilogue are ignored; a delimiter is "--BOUNDARY" at the start of the body
+ * or after CRLF, followed by optional spaces or tabs and CRLF ("--" after
+ * it: the close delimiter); "--BOUNDARY" followed by anything else is data.
+ * Refused (MD_EINVAL, the message saying what is wrong and that curl -F or
+ * an HTTP library builds a correct body): lines ending in a bare LF, a body
+ * with no closing "--BOUNDARY--" (cut short), a part with no
+ * Content-Disposition name, headers that never end. Pure functions of their
+ * arguments; an iterator is used by one thread at a time. */
+
+/* One part; every pointer is into the body (borrowed, valid while it is).
+ * Quoted values are given without their quotes, not unescaped. */
+typedef struct md_multipart_part {
+    const char *name;          /* Content-Disposition's name= */
+    size_t name_len;
+    const char *filename;      /* its filename=, NULL when the part has none */
+    size_t filename_len;
+    const char *content_type;  /* the part's Content-Type (without parameters), NULL: none */
+    size_t content_type_len;
+    const char *data;          /* the part's bytes (may be empty) */
+    size_t len;
+} md_multipart_part;
+
+#define MD_MULTIPART_BOUNDARY_MAX 70
+
+typedef struct md_multipart {
+    const char *p, *end;       /* the next part's headers .. the end of the body */
+    char delim[MD_MULTIPART_BOUNDARY_MAX + 5]; /* "\r\n--BOUNDARY" */
+    size_t delim_len;
+    size_t parts, max_parts;   /* parts returned so far, the most allowed */
+    const char *limit_setting; /* the setting that raises max_parts (static) */
+    int done;                  /* the close delimiter was read */
+} md_multipart;
+
+/*
+ * Start iterating the multipart/form-data `body` (`len` bytes) sent with
+ * `content_type` (the header's whole value). At most `max_parts` parts (the
+ * next one is MD_ETOOBIG naming the limit and `limit_setting`, the setting
+ * that raises it). MD_EMEDIA when the type is not multipart/form-data;
+ * MD_EINVAL for a missing or invalid boundary and a body in which no
+ * delimiter line is found.
+ */
+md_status md_multipart_begin(md_multipart *mp, const char *content_type, const char *body,
+                             size_t len, size_t max_parts, const char *limit_setting,
+                             md_err *err);
+
+/* The next part into *part with *more = 1, or *more = 0 after the last.
+ * On an error the iterator stays at it (every later call fails too). */
+md_status md_multipart_next(md_multipart *mp, md_multipart_part *part, int *more, md_err *err);
+
+/* Whether the `n` bytes at `s` equal the NUL-terminated `lit`, ignoring
+ * ASCII case (for part names, filenames' extensions and content types). */
+int md_multipart_eq(const char *s, size_t n, const char *lit);
+
 /* ---- error bodies (unit-tested) ---- */
 
 /* The JSON body for `err`: {"error": {"code", "message"}}, or for Open

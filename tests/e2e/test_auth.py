@@ -45,7 +45,9 @@ def expected(method, pattern):
         return "open"
     if pattern == "/metrics":
         return "metrics"
-    if method == "POST" and re.search(r"(/predict|/infer|:predict)$", pattern):
+    if method in ("POST", "PUT") and re.search(r"(/predict|/infer|:predict)$", pattern):
+        return "predict"
+    if method in ("POST", "PUT") and pattern == "/predictions/{name}":  # TorchServe's URL
         return "predict"
     if method == "GET":
         return "read"
