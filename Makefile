@@ -74,6 +74,8 @@ LIB_C   := config/md_err.c config/md_metrics.c config/config.c server/router.c s
 	handlers/routes.c handlers/health.c handlers/openapi.c
 # training checkpoints: weights apart from their architecture (issue 12)
 LIB_C   += predictor/weights.c handlers/training.c handlers/metrics.c
+# jobs over image folders (issue 15)
+LIB_C   += jobs/images.c
 LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
