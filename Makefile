@@ -14,10 +14,10 @@ ARGS    ?=
 # BUILD_PACKAGES build ./modeld (the Docker build stage installs only these).
 BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
 	libcurl4-openssl-dev libssl-dev zlib1g-dev libtorch-dev libopenblas0-pthread \
-	libfast-float-dev
+	libfast-float-dev libpng-dev libjpeg62-turbo-dev
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
 	python3-numpy python3-yaml python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist \
-	git jq nginx
+	git jq nginx python3-pil python3-torchvision
 
 # libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one
 # (a libtorch tree, or pip's torch package folder, whose include/ and lib/ are one).
@@ -60,7 +60,7 @@ WARN      := -Wall -Wextra -Werror
 CFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(OPT) $(VECT) $(WARN) -pthread $(SAN_FLAGS) $(EXTRA_CFLAGS)
 CXXFLAGS  := -std=c++17 $(OPT) $(WARN) -Wno-unused-parameter -pthread $(TORCH_CFLAGS) $(SAN_FLAGS) \
 	$(EXTRA_CFLAGS)
-LIBS      := $(EXTRA_LDFLAGS) -lmicrohttpd -ljansson -lsqlite3 -lcurl -lcrypto -lz $(TORCH_LIBS) -lstdc++ -lm -pthread
+LIBS      := $(EXTRA_LDFLAGS) -lmicrohttpd -ljansson -lsqlite3 -lcurl -lcrypto -lz -lpng -ljpeg $(TORCH_LIBS) -lstdc++ -lm -pthread
 
 BUILD := build$(if $(SAN_FLAGS),-asan,)
 
@@ -68,9 +68,9 @@ BUILD := build$(if $(SAN_FLAGS),-asan,)
 LIB_C   := config/md_err.c config/md_metrics.c config/config.c server/router.c server/http.c checkpoint/store.c \
 	checkpoint/versions.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c \
-	checkpoint/safetensors.c predictor/model_config.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
+	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
 	jobs/readers.c jobs/scheduler.c jobs/writers.c jobs/job_store.c handlers/app.c handlers/jobs.c \
-	handlers/models.c handlers/predict.c \
+	handlers/models.c handlers/predict.c handlers/answer.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
 # training checkpoints: weights apart from their architecture (issue 12)
 LIB_C   += predictor/weights.c handlers/training.c handlers/metrics.c
@@ -217,9 +217,15 @@ $(BUILD)/bench/decode: bench/decode.c $(BUILD)/predictor/tensor.o $(BUILD)/predi
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lstdc++ -lm
 
+$(BUILD)/bench/encode: bench/encode.c $(BUILD)/handlers/answer.o $(BUILD)/predictor/tensor.o \
+	$(BUILD)/predictor/numparse.o $(BUILD)/config/md_err.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lstdc++ -lm
+
 bench: deps
-	$(MAKE) all $(BUILD)/bench/inprocess $(BUILD)/bench/decode
+	$(MAKE) all $(BUILD)/bench/inprocess $(BUILD)/bench/decode $(BUILD)/bench/encode
 	$(BUILD)/bench/decode
+	$(BUILD)/bench/encode
 	bash bench/run.sh
 
 clean:
@@ -252,7 +258,8 @@ fuzz:
 	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_model_config \
-	  tests/fuzz_model_config.c predictor/model_config.c config/md_err.c -ljansson -lm
+	  tests/fuzz_model_config.c predictor/model_config.c predictor/image.c config/md_err.c \
+	  -ljansson -lpng -ljpeg -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_config tests/fuzz_config.c \
 	  config/config.c config/md_err.c -ljansson -lm

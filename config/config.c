@@ -91,6 +91,9 @@ static const setting settings[] = {
      "how often to look for changes other replicas made to the store; 0 = never"},
     {"job_lease_s", T_INT, OFF(job_lease_s), 2, 3600, "30", NULL,
      "a replica sharing the store takes over a job whose runner went silent this long"},
+    {"max_image_pixels", T_SIZE, OFF(max_image_pixels), 1, 1LL << 40, "40000000", NULL,
+     "largest image (width x height, also after resize) a prediction or job decodes; "
+     "checked from the file's header before decoding (413 past it)"},
     {"job_nice", T_INT, OFF(job_nice), 0, 19, "19", NULL,
      "nice of the workers computing batch jobs: 0 = equal to online work, 19 = spare CPU only"},
     {"job_max_files", T_INT, OFF(job_max_files), 1, 100000000, "1000000", NULL,

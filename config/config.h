@@ -56,6 +56,7 @@ typedef struct md_cfg {
     int workers;                /* default workers per loaded version; 0 = cores */
     int intra_op_threads;       /* libtorch intra-op threads per worker */
     int max_batch_size;         /* default rows per forward */
+    long long max_image_pixels; /* width x height bound of a decoded image */
     int max_delay_us;           /* default wait for more rows after a batch's first */
     int queue_limit;            /* default queued requests per version before 503 */
     int timeout_ms;             /* default request deadline before 504 */

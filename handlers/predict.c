@@ -16,6 +16,7 @@
 #include <strings.h>
 
 #include "../predictor/predictor.h"
+#include "answer.h"
 #include "handlers.h"
 
 typedef struct pctx {
@@ -30,66 +31,6 @@ typedef struct pctx {
     char v2_output[64];
 } pctx;
 
-/* ---- a small growable string for responses ---- */
-
-typedef struct sbuf {
-    char *p;
-    size_t len, cap;
-} sbuf;
-
-static void sb_reserve(sbuf *b, size_t n)
-{
-    if (b->len + n + 1 <= b->cap)
-        return;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->len + n + 1)
-        cap *= 2;
-    b->p = realloc(b->p, cap);
-    md_assert(b->p != NULL);
-    b->cap = cap;
-}
-
-static void sb_add(sbuf *b, const char *s, size_t n)
-{
-    sb_reserve(b, n);
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-static void sb_str(sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
-
-static void sb_float(sbuf *b, float v)
-{
-    sb_reserve(b, 32);
-    b->len += (size_t)md_float_format(v, b->p + b->len, 32);
-}
-
-static void sb_json_string(sbuf *b, const char *s)
-{
-    json_t *j = json_string(s);
-    char *t = json_dumps(j, JSON_ENCODE_ANY);
-    sb_str(b, t ? t : "\"\"");
-    free(t);
-    json_decref(j);
-}
-
-/* Nested JSON array of shape[d..] from data. */
-static const float *sb_nested(sbuf *b, const float *data, const int64_t *shape, int ndim, int d)
-{
-    sb_add(b, "[", 1);
-    for (int64_t i = 0; i < shape[d]; i++) {
-        if (i)
-            sb_add(b, ",", 1);
-        if (d == ndim - 1)
-            sb_float(b, *data++);
-        else
-            data = sb_nested(b, data, shape, ndim, d + 1);
-    }
-    sb_add(b, "]", 1);
-    return data;
-}
-
 /* ---- answers ---- */
 
 static void finish(pctx *c)
@@ -97,65 +38,6 @@ static void finish(pctx *c)
     md_req_resume(c->req);
     md_model_release(c->model);
     free(c);
-}
-
-static void add_labels_scores(sbuf *b, pctx *c, const float *out, const int64_t *shape, int ndim)
-{
-    json_t *labels = md_model_labels(c->model);
-    int k = c->top_k ? c->top_k : 1;
-    int64_t rows = shape[0], classes = ndim >= 2 ? shape[1] : 1;
-    for (int d = 2; d < ndim; d++)
-        classes *= shape[d];
-    if (k > classes)
-        k = (int)classes;
-    sbuf lab = {0}, sco = {0};
-    sb_str(&lab, ",\"labels\":[");
-    sb_str(&sco, ",\"scores\":[");
-    float *p = md_xmalloc(sizeof(float) * (size_t)classes);
-    int64_t *top = md_xmalloc(sizeof(int64_t) * (size_t)k);
-    for (int64_t r = 0; r < rows; r++) {
-        const float *x = out + r * classes;
-        if (md_model_output_logits(c->model) && classes > 0) {
-            float mx = x[0];
-            for (int64_t j = 1; j < classes; j++)
-                mx = x[j] > mx ? x[j] : mx;
-            double sum = 0;
-            for (int64_t j = 0; j < classes; j++)
-                sum += (p[j] = expf(x[j] - mx));
-            for (int64_t j = 0; j < classes; j++)
-                p[j] = (float)(p[j] / sum);
-        } else {
-            memcpy(p, x, sizeof(float) * (size_t)classes);
-        }
-        md_top_k(p, classes, k, top);
-        sb_str(&lab, r ? ",[" : "[");
-        sb_str(&sco, r ? ",[" : "[");
-        for (int t = 0; t < k; t++) {
-            if (t) {
-                sb_add(&lab, ",", 1);
-                sb_add(&sco, ",", 1);
-            }
-            json_t *name = labels ? json_array_get(labels, (size_t)top[t]) : NULL;
-            if (json_is_string(name)) {
-                sb_json_string(&lab, json_string_value(name));
-            } else {
-                char n[24];
-                snprintf(n, sizeof n, "%lld", (long long)top[t]);
-                sb_str(&lab, n);
-            }
-            sb_float(&sco, p[top[t]]);
-        }
-        sb_add(&lab, "]", 1);
-        sb_add(&sco, "]", 1);
-    }
-    sb_add(&lab, "]", 1);
-    sb_add(&sco, "]", 1);
-    sb_add(b, lab.p, lab.len);
-    sb_add(b, sco.p, sco.len);
-    free(lab.p);
-    free(sco.p);
-    free(p);
-    free(top);
 }
 
 static void predict_done(void *ctx, md_status st, const md_err *err, const float *out,
@@ -184,64 +66,33 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
         finish(c);
         return;
     }
-    sbuf b = {0};
-    char head[200];
-    if (c->v2) {
-        sb_str(&b, "{\"model_name\":");
-        sb_json_string(&b, md_model_name(c->model));
-        snprintf(head, sizeof head, ",\"model_version\":\"%d\"", md_model_version(c->model));
-        sb_str(&b, head);
-        if (c->v2_id[0]) {
-            sb_str(&b, ",\"id\":");
-            sb_json_string(&b, c->v2_id);
-        }
-        sb_str(&b, ",\"outputs\":[{\"name\":");
-        sb_json_string(&b, c->v2_output[0] ? c->v2_output : "output0");
-        sb_str(&b, ",\"shape\":[");
-        size_t count = 1;
-        for (int d = 0; d < ndim; d++) {
-            snprintf(head, sizeof head, "%s%lld", d ? "," : "", (long long)shape[d]);
-            sb_str(&b, head);
-            count *= (size_t)shape[d];
-        }
-        if (c->v2_binary) {
-            /* binary tensor data extension: the JSON header, then the
-             * values as little-endian float32; the header's length in
-             * Inference-Header-Content-Length */
-            snprintf(head, sizeof head,
-                     "],\"datatype\":\"FP32\",\"parameters\":{\"binary_data_size\":%zu}}]}",
-                     count * sizeof(float));
-            sb_str(&b, head);
-            size_t json_len = b.len;
-            sb_add(&b, (const char *)out, count * sizeof(float));
-            snprintf(head, sizeof head, "%zu", json_len);
-            md_reply_header(c->req, "Inference-Header-Content-Length", head);
-            md_reply_bytes(c->req, 200, "application/octet-stream", b.p, b.len);
-            finish(c);
-            return;
-        }
-        sb_str(&b, "],\"datatype\":\"FP32\",\"data\":[");
-        for (size_t i = 0; i < count; i++) {
-            if (i)
-                sb_add(&b, ",", 1);
-            sb_float(&b, out[i]);
-        }
-        sb_str(&b, "]}]}\n");
-    } else if (c->v1) {
-        sb_str(&b, "{\"predictions\":");
-        sb_nested(&b, out, shape, ndim, 0);
-        sb_str(&b, "}\n");
+    md_answer_opts o = {
+        .kind = c->v2 ? MD_ANSWER_V2 : c->v1 ? MD_ANSWER_V1 : MD_ANSWER_PREDICT,
+        .model = md_model_name(c->model),
+        .version = md_model_version(c->model),
+        .labels = md_model_labels(c->model),
+        .logits = md_model_output_logits(c->model),
+        .top_k = c->top_k,
+        .v2_id = c->v2_id,
+        .v2_output = c->v2_output,
+        .v2_binary = c->v2_binary,
+    };
+    size_t len, json_len;
+    char *body = md_answer_encode(&o, out, shape, ndim, &len, &json_len);
+    if (!body) {
+        md_err e;
+        md_err_setc(&e, MD_ENOMEM, "out_of_memory",
+                    "the answer of %lld rows does not fit in memory; send fewer rows a request",
+                    ndim > 0 ? (long long)shape[0] : 0LL);
+        md_reply_error(c->req, &e);
+    } else if (c->v2 && c->v2_binary) {
+        char head[32];
+        snprintf(head, sizeof head, "%zu", json_len);
+        md_reply_header(c->req, "Inference-Header-Content-Length", head);
+        md_reply_bytes(c->req, 200, "application/octet-stream", body, len);
     } else {
-        sb_str(&b, "{\"model\":");
-        sb_json_string(&b, md_model_name(c->model));
-        snprintf(head, sizeof head, ",\"version\":%d,\"predictions\":", md_model_version(c->model));
-        sb_str(&b, head);
-        sb_nested(&b, out, shape, ndim, 0);
-        if (c->top_k || md_model_labels(c->model))
-            add_labels_scores(&b, c, out, shape, ndim);
-        sb_str(&b, "}\n");
+        md_reply_bytes(c->req, 200, "application/json", body, len);
     }
-    md_reply_bytes(c->req, 200, "application/json", b.p, b.len);
     finish(c);
 }
 

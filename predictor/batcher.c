@@ -109,6 +109,8 @@ struct md_model {
     int logits;
     json_t *labels;
     int max_batch, max_delay_us, queue_limit, timeout_ms, workers, job_nice;
+    md_image_opts image; /* preprocess.image, when has_image */
+    int has_image;
     /* queues */
     pthread_mutex_t mu;
     pthread_cond_t cv[2];      /* per queue: its pool of workers waits on it */
@@ -636,6 +638,13 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
         }
         m->norm_inner = m->n_norm > 1 ? m->row_size / m->n_norm : 0;
     }
+    if ((st = md_image_opts_from_config(config,
+                                        def->max_image_pixels > 0 ? def->max_image_pixels
+                                                                  : MD_IMAGE_MAX_PIXELS_DEFAULT,
+                                        &m->image, &m->has_image, err)) != MD_OK) {
+        model_free(m);
+        return st;
+    }
     const char *output = json_string_value(json_object_get(config, "output"));
     m->logits = output && strcmp(output, "logits") == 0;
     /* a private copy: the config belongs to the request that deployed it, and
@@ -776,6 +785,11 @@ int md_model_version(const md_model *m) { return m->version; }
 void md_model_set_version(md_model *m, int version) { m->version = version; }
 json_t *md_model_labels(const md_model *m) { return m->labels; }
 int md_model_output_logits(const md_model *m) { return m->logits; }
+
+const md_image_opts *md_model_image(const md_model *m)
+{
+    return m->has_image ? &m->image : NULL;
+}
 
 int md_model_input_shape(const md_model *m, int64_t *shape)
 {

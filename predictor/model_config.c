@@ -111,10 +111,12 @@ md_status md_model_config_check(json_t *c, md_err *err)
                 } else if (strcmp(k2, "std") == 0) {
                     if ((st = check_num_array(v2, "preprocess.std", 1, err)) != MD_OK)
                         return st;
+                } else if (strcmp(k2, "image") == 0) {
+                    /* checked below, with input.shape */
                 } else {
                     return md_err_setc(err, MD_EUNPROC, "invalid_config",
                                        "config has an unknown key \"preprocess.%s\"; preprocess "
-                                       "allows scale, mean, std",
+                                       "allows scale, mean, std, image",
                                        k2);
                 }
             }
@@ -183,5 +185,8 @@ md_status md_model_config_check(json_t *c, md_err *err)
                                key);
         }
     }
-    return MD_OK;
+    /* preprocess.image, with the input.shape it must end at */
+    md_image_opts io;
+    int declared;
+    return md_image_opts_from_config(c, MD_IMAGE_MAX_PIXELS_DEFAULT, &io, &declared, err);
 }

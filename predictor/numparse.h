@@ -15,6 +15,7 @@
 #ifndef MD_NUMPARSE_H
 #define MD_NUMPARSE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -33,6 +34,11 @@ int md_parse_double(const char *first, const char *last, double *out);
  * Returns 0, or -1 in the rare case that needs the digits themselves (call
  * md_parse_double then). */
 int md_double_from_parts(uint64_t w, int64_t q, int neg, double *out);
+
+/* Write the shortest decimal that reads back as `v` (a float32) into buf
+ * (`size` bytes, NUL-terminated) and return its length: std::to_chars, so
+ * "0.1", "1e-08", "-0", "inf", "nan". Reentrant. */
+int md_format_float(float v, char *buf, size_t size);
 
 /* "fast_float", or "strtod" in a build made without its headers. */
 const char *md_numparse_backend(void);

@@ -29,6 +29,7 @@
 #include "../checkpoint/checkpoint.h"
 #include "../config/md_err.h"
 #include "../config/md_metrics.h"
+#include "image.h"
 #include "torch_backend.h"
 
 #ifdef __cplusplus
@@ -65,6 +66,7 @@ typedef struct md_model_defaults {
     int queue_limit;
     int timeout_ms;
     int job_nice;       /* nice of the job workers, 0..19 */
+    long long max_image_pixels; /* bound on an image's width x height (0: the default) */
 } md_model_defaults;
 
 /*
@@ -107,6 +109,10 @@ int md_model_max_batch(const md_model *m);
 /* The declared labels (borrowed JSON array, never mutated; valid while a
  * reference is held) or NULL. */
 json_t *md_model_labels(const md_model *m);
+/* The version's declared image preprocessing (config preprocess.image, read
+ * at load with the server's max_image_pixels), or NULL when it declares none
+ * and takes numbers only. Borrowed, valid while a reference is held. */
+const md_image_opts *md_model_image(const md_model *m);
 /* 1 when the output is declared logits (softmax before scores). */
 int md_model_output_logits(const md_model *m);
 /* The declared per-row input shape into `shape` (room for MD_MAX_DIMS);

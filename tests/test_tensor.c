@@ -374,6 +374,44 @@ static void check_double(const char *text)
         fail_msg("%s: md_parse_double gives %.17g, strtod %.17g", text, got, want);
 }
 
+/* Numbers long enough for the decoder's eight-digits-at-a-time step, in the
+ * integer part, the fraction, after leading zeros, past 19 digits and at a
+ * body's end: each decodes to (float)strtod of its text. */
+static void test_decode_eight_digit_steps(void **state)
+{
+    (void)state;
+    static const char *const nums[] = {
+        "12345678", "123456789", "1234567890123456", "12345678901234567890",
+        "123456789012345678901234567890", "0.12345678", "0.0039215688593685627",
+        "0.00000000012345678901234567", "99999999.99999999", "1.0000000000000000001",
+        "0.99999999999999999999", "-0.0078431377187371254", "12345678.87654321e-3",
+        "0.000000000000000000000000000000000000011754943508222875",
+        "340282346638528859811704183484516925440", "1e-45", "0.00000000",
+        "00000000",
+    };
+    for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
+        char body[256];
+        /* at the end of the body and followed by more text */
+        for (int tail = 0; tail < 2; tail++) {
+            snprintf(body, sizeof body, tail ? "[%s, 1.5]" : "[%s]", nums[i]);
+            md_tensor t;
+            md_err err;
+            md_status st = decode_ct(body, strlen(body), NULL, BIG, &t, &err);
+            if (strcmp(nums[i], "00000000") == 0) {
+                assert_int_equal(st, MD_EINVAL); /* JSON has no leading zeros */
+                continue;
+            }
+            if (st != MD_OK)
+                fail_msg("%s: %s", body, err.msg);
+            float want = (float)strtod(nums[i], NULL);
+            if (memcmp(&t.data[0], &want, 4) != 0)
+                fail_msg("%s decoded as %.9g, strtod says %.9g", nums[i], (double)t.data[0],
+                         (double)want);
+            md_tensor_free(&t);
+        }
+    }
+}
+
 static void test_parse_double_matches_strtod(void **state)
 {
     (void)state;
@@ -1367,6 +1405,7 @@ int main(void)
         cmocka_unit_test(test_float_format_known),
         cmocka_unit_test(test_float_format_random),
         cmocka_unit_test(test_parse_double_matches_strtod),
+        cmocka_unit_test(test_decode_eight_digit_steps),
         cmocka_unit_test(test_float_format_subnormal_shortest),
         cmocka_unit_test(test_float_format_small_buffer),
         cmocka_unit_test(test_top_k_matches_reference),

@@ -1,0 +1,272 @@
+/*
+ * answer.c - the JSON answers of the prediction routes (answer.h).
+ */
+#include "answer.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../predictor/predictor.h"
+
+/* ---- a growable string that fails instead of aborting ---- */
+
+typedef struct sbuf {
+    char *p;
+    size_t len, cap;
+    int oom; /* an allocation failed: everything after is dropped */
+} sbuf;
+
+/* Room for n more bytes (and a NUL); 0 when there is none. */
+static int sb_reserve(sbuf *b, size_t n)
+{
+    if (b->oom)
+        return 0;
+    if (n <= b->cap && b->len + 1 <= b->cap - n)
+        return 1;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap - 1 - b->len < n) {
+        if (cap > SIZE_MAX / 2) {
+            b->oom = 1;
+            return 0;
+        }
+        cap *= 2;
+    }
+    char *p = realloc(b->p, cap);
+    if (!p) {
+        b->oom = 1;
+        return 0;
+    }
+    b->p = p;
+    b->cap = cap;
+    return 1;
+}
+
+static void sb_add(sbuf *b, const char *s, size_t n)
+{
+    if (!sb_reserve(b, n))
+        return;
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+static void sb_str(sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
+
+static void sb_char(sbuf *b, char c)
+{
+    if (!sb_reserve(b, 1))
+        return;
+    b->p[b->len++] = c;
+    b->p[b->len] = '\0';
+}
+
+static void sb_float(sbuf *b, float v)
+{
+    if (!sb_reserve(b, 32))
+        return;
+    b->len += (size_t)md_float_format(v, b->p + b->len, 32);
+}
+
+static void sb_int(sbuf *b, long long v)
+{
+    char n[24];
+    sb_add(b, n, (size_t)snprintf(n, sizeof n, "%lld", v));
+}
+
+/* A JSON string: '"', '\\' and control characters escaped, UTF-8 as it is
+ * (the names and labels come from JSON that jansson checked). */
+static void sb_json_string(sbuf *b, const char *s)
+{
+    static const char hex[] = "0123456789abcdef";
+    size_t n = strlen(s);
+    if (n > (SIZE_MAX - 2) / 6 || !sb_reserve(b, n * 6 + 2))
+        return;
+    char *o = b->p + b->len;
+    *o++ = '"';
+    for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
+        if (*c == '"' || *c == '\\') {
+            *o++ = '\\';
+            *o++ = (char)*c;
+        } else if (*c < 0x20) {
+            switch (*c) {
+            case '\n': *o++ = '\\'; *o++ = 'n'; break;
+            case '\r': *o++ = '\\'; *o++ = 'r'; break;
+            case '\t': *o++ = '\\'; *o++ = 't'; break;
+            case '\b': *o++ = '\\'; *o++ = 'b'; break;
+            case '\f': *o++ = '\\'; *o++ = 'f'; break;
+            default:
+                memcpy(o, "\\u00", 4);
+                o[4] = hex[*c >> 4];
+                o[5] = hex[*c & 15];
+                o += 6;
+            }
+        } else {
+            *o++ = (char)*c;
+        }
+    }
+    *o++ = '"';
+    b->len = (size_t)(o - b->p);
+    b->p[b->len] = '\0';
+}
+
+/* Nested JSON array of shape[d..] from data. */
+static const float *sb_nested(sbuf *b, const float *data, const int64_t *shape, int ndim, int d)
+{
+    sb_char(b, '[');
+    if (d == ndim - 1) {
+        for (int64_t i = 0; i < shape[d]; i++) {
+            if (i)
+                sb_char(b, ',');
+            sb_float(b, *data++);
+        }
+    } else {
+        for (int64_t i = 0; i < shape[d]; i++) {
+            if (i)
+                sb_char(b, ',');
+            data = sb_nested(b, data, shape, ndim, d + 1);
+        }
+    }
+    sb_char(b, ']');
+    return data;
+}
+
+/* ,"labels":[[...],...],"scores":[[...],...]: the top k (1 when not asked)
+ * of each row, labelled with the version's labels or the class index. */
+static void add_labels_scores(sbuf *b, const md_answer_opts *o, const float *out,
+                              const int64_t *shape, int ndim)
+{
+    int k = o->top_k ? o->top_k : 1;
+    int64_t rows = shape[0], classes = ndim >= 2 ? shape[1] : 1;
+    for (int d = 2; d < ndim; d++)
+        classes *= shape[d];
+    if (k > classes)
+        k = (int)classes;
+    if (k < 0)
+        k = 0;
+    sbuf sco = {0};
+    float *p = malloc(sizeof(float) * (size_t)(classes > 0 ? classes : 1));
+    int64_t *top = malloc(sizeof(int64_t) * (size_t)(k > 0 ? k : 1));
+    if (!p || !top) {
+        b->oom = 1;
+        goto out;
+    }
+    sb_str(b, ",\"labels\":[");
+    sb_str(&sco, ",\"scores\":[");
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = out + r * classes;
+        if (o->logits && classes > 0) {
+            float mx = x[0];
+            for (int64_t j = 1; j < classes; j++)
+                mx = x[j] > mx ? x[j] : mx;
+            double sum = 0;
+            for (int64_t j = 0; j < classes; j++)
+                sum += (p[j] = expf(x[j] - mx));
+            for (int64_t j = 0; j < classes; j++)
+                p[j] = (float)(p[j] / sum);
+        } else {
+            memcpy(p, x, sizeof(float) * (size_t)classes);
+        }
+        md_top_k(p, classes, k, top);
+        if (r) {
+            sb_char(b, ',');
+            sb_char(&sco, ',');
+        }
+        sb_char(b, '[');
+        sb_char(&sco, '[');
+        for (int t = 0; t < k; t++) {
+            if (t) {
+                sb_char(b, ',');
+                sb_char(&sco, ',');
+            }
+            json_t *name = o->labels ? json_array_get(o->labels, (size_t)top[t]) : NULL;
+            if (json_is_string(name))
+                sb_json_string(b, json_string_value(name));
+            else
+                sb_int(b, (long long)top[t]);
+            sb_float(&sco, p[top[t]]);
+        }
+        sb_char(b, ']');
+        sb_char(&sco, ']');
+    }
+    sb_char(b, ']');
+    sb_char(&sco, ']');
+    if (sco.oom)
+        b->oom = 1;
+    else
+        sb_add(b, sco.p, sco.len);
+out:
+    free(sco.p);
+    free(p);
+    free(top);
+}
+
+char *md_answer_encode(const md_answer_opts *o, const float *out, const int64_t *shape, int ndim,
+                       size_t *len, size_t *json_len)
+{
+    sbuf b = {0};
+    *len = *json_len = 0;
+    if (o->kind == MD_ANSWER_V2) {
+        sb_str(&b, "{\"model_name\":");
+        sb_json_string(&b, o->model);
+        sb_str(&b, ",\"model_version\":\"");
+        sb_int(&b, o->version);
+        sb_char(&b, '"');
+        if (o->v2_id && o->v2_id[0]) {
+            sb_str(&b, ",\"id\":");
+            sb_json_string(&b, o->v2_id);
+        }
+        sb_str(&b, ",\"outputs\":[{\"name\":");
+        sb_json_string(&b, o->v2_output && o->v2_output[0] ? o->v2_output : "output0");
+        sb_str(&b, ",\"shape\":[");
+        size_t count = 1;
+        for (int d = 0; d < ndim; d++) {
+            if (d)
+                sb_char(&b, ',');
+            sb_int(&b, (long long)shape[d]);
+            count *= (size_t)shape[d];
+        }
+        if (o->v2_binary) {
+            /* binary tensor data extension: the JSON header, then the
+             * values as little-endian float32 */
+            char head[96];
+            snprintf(head, sizeof head,
+                     "],\"datatype\":\"FP32\",\"parameters\":{\"binary_data_size\":%zu}}]}",
+                     count * sizeof(float));
+            sb_str(&b, head);
+            *json_len = b.len;
+            sb_add(&b, (const char *)out, count * sizeof(float));
+        } else {
+            sb_str(&b, "],\"datatype\":\"FP32\",\"data\":[");
+            for (size_t i = 0; i < count; i++) {
+                if (i)
+                    sb_char(&b, ',');
+                sb_float(&b, out[i]);
+            }
+            sb_str(&b, "]}]}\n");
+        }
+    } else if (o->kind == MD_ANSWER_V1) {
+        sb_str(&b, "{\"predictions\":");
+        sb_nested(&b, out, shape, ndim, 0);
+        sb_str(&b, "}\n");
+    } else {
+        sb_str(&b, "{\"model\":");
+        sb_json_string(&b, o->model);
+        sb_str(&b, ",\"version\":");
+        sb_int(&b, o->version);
+        sb_str(&b, ",\"predictions\":");
+        sb_nested(&b, out, shape, ndim, 0);
+        if (o->top_k || o->labels)
+            add_labels_scores(&b, o, out, shape, ndim);
+        sb_str(&b, "}\n");
+    }
+    if (b.oom) {
+        free(b.p);
+        return NULL;
+    }
+    *len = b.len;
+    if (!(o->kind == MD_ANSWER_V2 && o->v2_binary))
+        *json_len = b.len;
+    return b.p;
+}
