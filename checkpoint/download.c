@@ -355,6 +355,11 @@ md_status md_path_open_directory(const md_strlist *allowed, const char *what, co
         return st;
     int d = openat(dirfd, leaf, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     int e = errno;
+    struct stat sb;
+    /* O_DIRECTORY | O_NOFOLLOW on a symlink says ENOTDIR: tell them apart */
+    if (d < 0 && e == ENOTDIR && fstatat(dirfd, leaf, &sb, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISLNK(sb.st_mode))
+        e = ELOOP;
     close(dirfd);
     if (d < 0) {
         if (e == ENOENT)
