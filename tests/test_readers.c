@@ -893,7 +893,7 @@ static void test_open_errors(void **state)
         assert_msg_has(open_fails("/tmp", formats[f], NULL, NULL, &err), "is a directory", NULL);
     }
     assert_msg_has(open_fails(DATASETS "small.csv", "parquet", NULL, NULL, &err),
-                   "unknown dataset format \"parquet\"; use csv, jsonl, npy or idx", NULL);
+                   "unknown dataset format \"parquet\"; use csv, jsonl, npy, idx or images", NULL);
     assert_msg_has(open_fails(DATASETS "small.csv", NULL, NULL, NULL, &err),
                    "no format given for dataset small.csv", NULL);
     assert_msg_has(open_fails(NULL, "csv", NULL, NULL, &err), "no dataset path given", NULL);
