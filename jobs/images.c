@@ -27,6 +27,10 @@
  * labels and every class string is one of them (a folder per label name),
  * else by their sorted order (ImageFolder's class_to_idx).
  *
+ * A resumed job lists the folder again and goes on by position, so it is
+ * exact as long as the folder did not change in between (as any dataset
+ * file must not).
+ *
  * Reading a row opens the file again component by component with O_NOFOLLOW
  * (the tree may have changed since the listing), reads at most
  * max_file_bytes into one buffer the reader keeps, and decodes it. A file
