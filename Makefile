@@ -75,6 +75,8 @@ LIB_C   := config/md_err.c config/md_metrics.c config/config.c server/router.c s
 	handlers/routes.c handlers/health.c handlers/openapi.c
 # training checkpoints: weights apart from their architecture (issue 12)
 LIB_C   += predictor/weights.c handlers/training.c handlers/metrics.c
+# jobs over image folders (issue 15)
+LIB_C   += jobs/images.c
 LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
@@ -210,7 +212,7 @@ fixtures-check:
 
 # the backend reads checkpoint tensors too (md_torch_load_state): it needs their helpers
 $(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $(BUILD)/config/md_err.o \
-	$(BUILD)/checkpoint/named_tensors.o
+	$(BUILD)/checkpoint/named_tensors.o $(BUILD)/predictor/image.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LIBS)
 
@@ -254,7 +256,8 @@ fuzz:
 	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
-	  jobs/readers.c predictor/tensor.c config/md_err.c -ljansson -lz -lm
+	  jobs/readers.c jobs/images.c predictor/image.c predictor/tensor.c build-fuzz/numparse.o \
+	  config/md_err.c -ljansson -lpng -ljpeg -lz -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \
 	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm

@@ -13,9 +13,23 @@
  * do when the model is the only work. Input values are uniform in [0,1):
  * already scaled, as modeld's preprocess.scale would leave them.
  *
+ * --images DIR: the in-process side of the image-folder job: read every PNG
+ * and JPEG under DIR (recursively, in byte order of their paths, as a job
+ * over input.format images reads them) into memory, then from T threads
+ * decode them with md_image_to_tensor (preprocess.image {"mode": "L"}, the
+ * job's work per file) and forward batches of 64. Prints one line:
+ *
+ *   {"bench":"inprocess_images","images":...,"threads":2,"seconds":...,
+ *    "rows_per_s":...,"decode_us_per_image":...,"forward_us_per_image":...}
+ *
+ * decode_us_per_image is the CPU time of md_image_to_tensor per image on one
+ * thread (file reads are not in it); rows_per_s counts decode and forward.
+ *
  * Build (after make): cc $(CFLAGS) -o build/bench/inprocess bench/inprocess.c
- *   build/predictor/torch_backend.o build/config/md_err.o $(LIBS)
+ *   build/predictor/torch_backend.o build/predictor/image.o build/config/md_err.o $(LIBS)
  */
+#define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -26,6 +40,7 @@
 #include <unistd.h>
 
 #include "../config/md_err.h"
+#include "../predictor/image.h"
 #include "../predictor/torch_backend.h"
 
 #define MAX_BATCHES 8
@@ -127,6 +142,173 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
+/* ---- --images DIR ---- */
+
+typedef struct img {
+    char *path;
+    unsigned char *data;
+    size_t len;
+} img;
+
+typedef struct img_list {
+    img *v;
+    size_t n, cap;
+} img_list;
+
+static int list_images(const char *dir, img_list *l)
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return -1;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.')
+            continue;
+        char *p;
+        if (asprintf(&p, "%s/%s", dir, e->d_name) < 0)
+            return -1;
+        if (e->d_type == DT_DIR) {
+            list_images(p, l);
+            free(p);
+        } else if (e->d_type == DT_REG) {
+            if (l->n == l->cap) {
+                l->cap = l->cap ? l->cap * 2 : 1024;
+                l->v = realloc(l->v, l->cap * sizeof *l->v);
+                if (!l->v)
+                    return -1;
+            }
+            l->v[l->n++] = (img){.path = p};
+        } else {
+            free(p);
+        }
+    }
+    closedir(d);
+    return 0;
+}
+
+static int by_path(const void *a, const void *b)
+{
+    return strcmp(((const img *)a)->path, ((const img *)b)->path);
+}
+
+typedef struct img_worker {
+    pthread_t tid;
+    md_torch_model *model;
+    const img *v;
+    size_t from, to;
+    const md_image_opts *o;
+    double decode_s, forward_s;
+    int failed;
+    md_err err;
+} img_worker;
+
+static double cpu_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void *img_worker_main(void *arg)
+{
+    img_worker *w = arg;
+    size_t values = md_image_values(w->o);
+    float *in = malloc(64 * values * sizeof(float));
+    if (!in) {
+        w->failed = 1;
+        return NULL;
+    }
+    for (size_t i = w->from; i < w->to && !w->failed;) {
+        int64_t rows = 0;
+        double t0 = cpu_s();
+        for (; i < w->to && rows < 64; i++) {
+            if (md_image_to_tensor(w->v[i].data, w->v[i].len, w->o, w->v[i].path,
+                                   in + (size_t)rows * values, &w->err) != MD_OK) {
+                w->failed = 1;
+                break;
+            }
+            rows++;
+        }
+        double t1 = now_s();
+        w->decode_s += cpu_s() - t0;
+        int64_t shape[4] = {rows, w->o->channels, w->o->height, w->o->width};
+        float *out = NULL;
+        int64_t out_shape[8];
+        int out_ndim = 0;
+        if (rows > 0 && md_torch_forward(w->model, in, shape, 4, &out, out_shape, &out_ndim,
+                                         &w->err) != MD_OK)
+            w->failed = 1;
+        free(out);
+        w->forward_s += now_s() - t1;
+    }
+    free(in);
+    return NULL;
+}
+
+static int run_images(md_torch_model *model, const char *dir, long threads)
+{
+    img_list l = {0};
+    if (list_images(dir, &l) != 0 || l.n == 0) {
+        fprintf(stderr, "inprocess: no images under %s\n", dir);
+        return 1;
+    }
+    qsort(l.v, l.n, sizeof *l.v, by_path);
+    for (size_t i = 0; i < l.n; i++) {
+        FILE *f = fopen(l.v[i].path, "rb");
+        if (!f || fseek(f, 0, SEEK_END) != 0) {
+            fprintf(stderr, "inprocess: cannot read %s\n", l.v[i].path);
+            return 1;
+        }
+        l.v[i].len = (size_t)ftell(f);
+        rewind(f);
+        l.v[i].data = malloc(l.v[i].len ? l.v[i].len : 1);
+        if (!l.v[i].data || fread(l.v[i].data, 1, l.v[i].len, f) != l.v[i].len) {
+            fprintf(stderr, "inprocess: cannot read %s\n", l.v[i].path);
+            return 1;
+        }
+        fclose(f);
+    }
+    md_image_opts o = {.channels = 1, .height = 28, .width = 28,
+                       .max_pixels = MD_IMAGE_MAX_PIXELS_DEFAULT};
+    img_worker ws[MAX_THREADS];
+    memset(ws, 0, sizeof ws);
+    /* warm-up forwards: the profiling executor optimizes after the first runs */
+    img_worker warm = {.model = model, .v = l.v, .from = 0, .to = l.n < 256 ? l.n : 256, .o = &o};
+    img_worker_main(&warm);
+    double t0 = now_s();
+    int rc = 0;
+    for (long t = 0; t < threads; t++) {
+        ws[t] = (img_worker){.model = model, .v = l.v, .o = &o,
+                             .from = l.n * (size_t)t / (size_t)threads,
+                             .to = l.n * (size_t)(t + 1) / (size_t)threads};
+        if (pthread_create(&ws[t].tid, NULL, img_worker_main, &ws[t]) != 0)
+            return 1;
+    }
+    double decode = 0, forward = 0;
+    for (long t = 0; t < threads; t++) {
+        pthread_join(ws[t].tid, NULL);
+        if (ws[t].failed) {
+            fprintf(stderr, "inprocess: images: %s\n", ws[t].err.msg);
+            rc = 1;
+        }
+        decode += ws[t].decode_s;
+        forward += ws[t].forward_s;
+    }
+    double wall = now_s() - t0;
+    if (rc == 0)
+        printf("{\"bench\":\"inprocess_images\",\"images\":%zu,\"threads\":%ld,"
+               "\"seconds\":%.3f,\"rows_per_s\":%.1f,\"decode_us_per_image\":%.2f,"
+               "\"forward_us_per_image\":%.2f}\n",
+               l.n, threads, wall, (double)l.n / wall, decode / (double)l.n * 1e6,
+               forward / (double)l.n * 1e6);
+    for (size_t i = 0; i < l.n; i++) {
+        free(l.v[i].path);
+        free(l.v[i].data);
+    }
+    free(l.v);
+    return rc;
+}
+
 static int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -151,7 +333,9 @@ static void usage(FILE *f)
                "  --threads   concurrent forward threads (default: online cores)\n"
                "  --warmup    untimed seconds per thread first (default 0.5)\n"
                "  --features  values per row (default 784)\n"
-               "  --device    cpu, cuda, cuda:N or auto, as a model's config says (default cpu)\n");
+               "  --device    cpu, cuda, cuda:N or auto, as a model's config says (default cpu)\n"
+               "  --images    a folder of PNG/JPEG files: decode (mode L, 28x28) and forward them\n"
+               "              in batches of 64 instead (the image-folder job's work)\n");
 }
 
 static int parse_batches(const char *s, int64_t *out, int *n)
@@ -183,6 +367,7 @@ int main(int argc, char **argv)
     long threads = sysconf(_SC_NPROCESSORS_ONLN);
     long features = 784;
     const char *device = "cpu";
+    const char *images_dir = NULL;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -213,6 +398,8 @@ int main(int argc, char **argv)
             features = atol(v);
         else if (strcmp(a, "--device") == 0)
             device = v;
+        else if (strcmp(a, "--images") == 0)
+            images_dir = v;
         else {
             usage(stderr);
             return 2;
@@ -234,6 +421,11 @@ int main(int argc, char **argv)
         return 1;
     }
 
+    if (images_dir) {
+        int irc = run_images(model, images_dir, threads);
+        md_torch_free(model);
+        return irc;
+    }
     int rc = 0;
     for (int b = 0; b < nbatches && rc == 0; b++) {
         worker *ws = calloc((size_t)threads, sizeof(worker));

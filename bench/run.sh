@@ -21,6 +21,14 @@
 #      then the 1-row JSON load again while a 60k-row job runs;
 #   5. the in-process batch-64 run again (the machine is noisy; the best of
 #      all batch-64 runs is the ceiling the HTTP ratios use).
+# Images (issue 15): the 10k test set exported once as PNG files in an
+# ImageFolder layout (bench/out/fashion_png, kept between runs); a 1-image
+# PNG request scenario (32 connections, `fashionimg`: the model with
+# preprocess.image {"mode": "L"}; skipped, saying so, while the server
+# answers an image body with an error), and in the job rounds an
+# image-folder job beside `inprocess --images` (decode with
+# md_image_to_tensor + forward batches of 64), which reports the decode cost
+# per image.
 # Prints a table and writes the raw numbers to bench/out/results.json
 # (logs and wrk output sit beside it). Exits non-zero when something breaks
 # or a server answers errors, not when a target is missed.
@@ -105,7 +113,9 @@ BENCH_OPENBLAS_CORE=$(OPENBLAS_VERBOSE=2 build/bench/inprocess --help 2>&1 | sed
 export BENCH_OPENBLAS_CORE
 log "OpenBLAS kernel: ${BENCH_OPENBLAS_CORE:-unknown}${OPENBLAS_CORETYPE:+ (OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE)}"
 
-rm -rf "$OUT"
+# everything but the PNG export, which takes a while and never changes
+mkdir -p "$OUT"
+find "$OUT" -mindepth 1 -maxdepth 1 ! -name fashion_png -exec rm -rf {} +
 mkdir -p "$RAW"
 
 # ---- request bodies: FashionMNIST test images, three JSON styles ----
@@ -132,7 +142,34 @@ cfg.get("preprocess", {}).pop("scale", None)
 json.dump(cfg, open(f"{out}/model_f.json", "w"))
 # the FashionMNIST test set as NPY, for the batch-job benchmark
 np.save(f"{out}/t10k.npy", images)
+# the model reading images: preprocess.image {"mode": "L"} on a [1, 28, 28] input
+# (ToTensor's 0..1 values: no scale)
+cfg_img = json.load(open(config))
+cfg_img["input"]["shape"] = [1, 28, 28]
+cfg_img["preprocess"] = {"image": {"mode": "L"}}
+json.dump(cfg_img, open(f"{out}/model_img.json", "w"))
 EOF
+# the test set as PNG files, <label>/<label>_<index>.png (ImageFolder), once
+if [ ! -f "$OUT/fashion_png/.complete" ]; then
+    log "exporting the 10k FashionMNIST test images as PNG into $OUT/fashion_png (once)"
+    rm -rf "$OUT/fashion_png"
+    "$PY" - "$OUT/fashion_png" <<'EOF'
+import gzip, os, sys
+import numpy as np
+from PIL import Image
+out = sys.argv[1]
+d = "/usr/share/datasets/fashion-mnist/"
+with gzip.open(d + "t10k-images-idx3-ubyte.gz") as f:
+    images = np.frombuffer(f.read()[16:], dtype=np.uint8).reshape(-1, 28, 28)
+with gzip.open(d + "t10k-labels-idx1-ubyte.gz") as f:
+    labels = np.frombuffer(f.read()[8:], dtype=np.uint8)
+for i, (img, y) in enumerate(zip(images, labels)):
+    os.makedirs(f"{out}/{y}", exist_ok=True)
+    Image.fromarray(img, mode="L").save(f"{out}/{y}/{y}_{i:05d}.png")
+open(f"{out}/.complete", "w").close()
+EOF
+fi
+cp "$OUT/fashion_png/9/9_00000.png" "$OUT/png1.png"  # test image 0, an ankle boot
 
 free_port() {
     "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -227,7 +264,7 @@ OPENBLAS_NUM_THREADS=1 ./modeld --host 127.0.0.1 --port "$PORT" --store "$STORE"
 MODELD_PID=$!
 BASE=http://127.0.0.1:$PORT
 wait_http "$BASE/healthz" "$MODELD_PID" modeld
-for spec in fashion:$CONFIG fashionf:$OUT/model_f.json; do
+for spec in fashion:$CONFIG fashionf:$OUT/model_f.json fashionimg:$OUT/model_img.json; do
     IFS=: read -r name cfg <<<"$spec"
     code=$(curl -s -o "$OUT/deploy.json" -w '%{http_code}' "$BASE/models/$name/versions" \
         -F "checkpoint=@$MODEL" -F "config=<$cfg")
@@ -249,21 +286,30 @@ for st in $STYLES; do
 done
 unset BENCH_PATH BENCH_BODY
 run_wrk modeld_npy64 bench/post_npy64.lua "$BASE" "$C64" "$MODELD_PID"
+# one PNG per request; the online image path may not be there yet: skip cleanly
+code=$(curl -s -o "$RAW/png1_check.json" -w '%{http_code}' -H 'Content-Type: image/png' \
+    --data-binary @"$OUT/png1.png" "$BASE/models/fashionimg/predict" || true)
+if [ "$code" = 200 ]; then
+    run_wrk modeld_png1 bench/post_png1.lua "$BASE" "$C1" "$MODELD_PID"
+else
+    log "modeld 1-image PNG: skipped: server answers $code ($(head -c 200 "$RAW/png1_check.json"))"
+    echo "$code" >"$RAW/png1_skipped"
+fi
 # batch jobs over the 10k test set (IDX.gz and NPY), batch 64, no online load
 # run_job name input-json: POST the job, wait for it, keep its final JSON. Only
 # sleep, curl and sed run while the job computes: a python3 start-up costs
 # ~50 ms of CPU, a sixth of a 10k-row job on two cores, and once measured here
 # took jobs from ~95% to ~75% of the ceiling.
-post_job() { # name input-json: POST a batch-64 NPY-output job, print its id
+post_job() { # name input-json [model]: POST a batch-64 NPY-output job, print its id
     local id
-    id=$(curl -sf "$BASE/jobs" -d "{\"model\":\"fashion\",\"batch_size\":64,\"input\":$2,\"output\":{\"format\":\"npy\"}}" |
+    id=$(curl -sf "$BASE/jobs" -d "{\"model\":\"${3:-fashion}\",\"batch_size\":64,\"input\":$2,\"output\":{\"format\":\"npy\"}}" |
         sed -n 's/.*"id": *"\([^"]*\)".*/\1/p') || die "POST /jobs ($1) failed"
     [ -n "$id" ] || die "POST /jobs ($1) answered no id"
     echo "$id"
 }
 run_job() {
-    local name=$1 input=$2 id status=""
-    id=$(post_job "$name" "$input")
+    local name=$1 input=$2 model=${3:-fashion} id status=""
+    id=$(post_job "$name" "$input" "$model")
     for _ in $(seq 240); do
         sleep 0.5
         curl -sf -o "$RAW/job_$name.json" "$BASE/jobs/$id" || die "GET /jobs/$id failed"
@@ -285,6 +331,10 @@ for i in $(seq "$JOB_ROUNDS"); do
     inproc_beside "$i"
     run_job "idx$i" '{"path":"/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz","format":"idx","label":"/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz"}'
     run_job "npy$i" "{\"path\":\"$OUT/t10k.npy\",\"format\":\"npy\"}"
+    # the image folder: the job, and the same decode + forward in-process
+    OPENBLAS_NUM_THREADS=1 build/bench/inprocess --model "$MODEL" --images "$OUT/fashion_png" \
+        --threads "$CORES" >"$RAW/imgceil$i.jsonl" || die "build/bench/inprocess --images failed"
+    run_job "png$i" "{\"path\":\"$OUT/fashion_png\",\"format\":\"images\"}" fashionimg
 done
 inproc_beside $((JOB_ROUNDS + 1))
 # online latency while a job runs: the 1-row load again, during a job over
@@ -359,6 +409,12 @@ scen = ([(f"modeld 1-row JSON {st}", f"modeld_json1_{st}", 1) for st in STYLES]
         + [(f"modeld 64-row JSON {st}", f"modeld_json64_{st}", 64) for st in STYLES]
         + [("modeld 64-row NPY", "modeld_npy64", 64)]
         + [(f"FastAPI 1-row JSON {st}", f"fastapi_json1_{st}", 1) for st in STYLES])
+png_skipped = None
+if os.path.exists(os.path.join(raw, "png1_skipped")):
+    png_skipped = open(os.path.join(raw, "png1_skipped")).read().strip()
+else:
+    scen.insert(scen.index(("modeld 64-row NPY", "modeld_npy64", 64)) + 1,
+                ("modeld 1-image PNG", "modeld_png1", 1))
 http = {}
 for label, key, rows in scen:
     r = load(key)
@@ -393,12 +449,14 @@ def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
+# the image folder's in-process side: decode + forward of the same PNG files
+imgceil = [jsonl(f"imgceil{i}.jsonl")[0] for i in range(1, rounds + 1)]
 jobs = {}
-for name in ("idx", "npy"):
+for name in ("idx", "npy", "png"):
     runs = []
     for i in range(1, rounds + 1):
         j = load(f"job_{name}{i}")
-        ceil = max(jobceil[i - 1], jobceil[i])
+        ceil = imgceil[i - 1]["rows_per_s"] if name == "png" else max(jobceil[i - 1], jobceil[i])
         wall = stamp(j["finished_at"]) - stamp(j["started_at"])
         runs.append({"rows_per_s": j["rows_per_s"], "ceiling_beside": ceil,
                      "vs_inprocess64": j["rows_per_s"] / ceil,
@@ -413,6 +471,11 @@ for name in ("idx", "npy"):
                   "wall_vs_inprocess64": median([r["wall_vs_inprocess64"] or 0 for r in runs]),
                   "ratio_range": [min(r["vs_inprocess64"] for r in runs), max(r["vs_inprocess64"] for r in runs)],
                   "accuracy": runs[0]["accuracy"]}
+    if name == "png":
+        jobs[name]["files_skipped"] = load("job_png1").get("files_skipped")
+        jobs[name]["decode_us_per_image"] = median([r["decode_us_per_image"] for r in imgceil])
+        jobs[name]["inprocess_images"] = imgceil
+        continue
     want = 0.85 if name == "npy" else 0.8
     targets[f"job_{name}_vs_inprocess"] = {
         "want": f">= {100 * want:.0f}% of in-process rows/s",
@@ -444,6 +507,7 @@ results = {
     "modeld_over_fastapi_req_per_s": speedups,
     "jobs": jobs,
     "jobs_inprocess_beside_rows_per_s": jobceil,
+    "png1_skipped_status": png_skipped,
     "targets": targets,
     "errors": errors,
 }
@@ -459,9 +523,12 @@ for label, key, _ in scen:
                  ms(r["latency_ms"]["p50"]), ms(r["latency_ms"]["p99"]),
                  f"{100 * r['vs_inprocess64']:.0f}%",
                  f"{r['server_cpu_cores']:.1f}/{r['wrk_cpu_cores']:.1f}/{r['other_cpu_cores']:.1f}"])
-for name, j in ((k, v) for k, v in jobs.items() if k in ("idx", "npy")):
+for name, j in ((k, v) for k, v in jobs.items() if k in ("idx", "npy", "png")):
     rows.append([f"modeld job, {name} 10k (median of {rounds})", "batch 64", "-", f"{j['rows_per_s']:.0f}",
-                 "-", "-", f"{100 * j['vs_inprocess64']:.0f}%", "-"])
+                 "-", "-", f"{100 * j['vs_inprocess64']:.0f}%" + (" img" if name == "png" else ""), "-"])
+ic = jobs["png"]
+rows.append([f"in-process PNG decode+forward (median of {rounds})", f"{cores} thr", "-",
+             f"{median([r['rows_per_s'] for r in imgceil]):.0f}", "-", "-", "-", "-"])
 for tag, r in [("a", x) for x in inproc_a] + [("b", x) for x in inproc_b]:
     rows.append([f"in-process batch {r['batch']} ({tag})", f"{r['threads']} thr",
                  f"{r['forwards_per_s']:.0f}", f"{r['rows_per_s']:.0f}", ms(r["p50_ms"]), ms(r["p99_ms"]),
@@ -482,12 +549,17 @@ d = jobs["during_online_load"]
 print(f"the 60k-row job during the 1-row load: {d['rows_done']} rows done, {d['rows_per_s']:.0f} rows/s "
       f"({d['status']} when the load ended; 1-row req/s {mixed['req_per_s']:.0f} against "
       f"{m1['req_per_s']:.0f} without the job)")
-for name, j in ((k, v) for k, v in jobs.items() if k in ("idx", "npy")):
+for name, j in ((k, v) for k, v in jobs.items() if k in ("idx", "npy", "png")):
     lo, hi = j["ratio_range"]
     print(f"job {name}: each round against the better in-process run beside it (median "
           f"{j['ceiling_beside']:.0f} rows/s): {100 * lo:.0f}-{100 * hi:.0f}%, median "
           f"{100 * j['vs_inprocess64']:.0f}%; start to finish incl. open, fsync, rename: "
           f"{100 * j['wall_vs_inprocess64']:.0f}%")
+print(f"PNG decode cost (md_image_to_tensor, 28x28 grayscale, one thread): "
+      f"{ic['decode_us_per_image']:.1f} us per image (median of {rounds}); the png job's "
+      "ratio is against the in-process decode + forward of the same files (\"img\")")
+if png_skipped:
+    print(f"modeld 1-image PNG: skipped: server answers {png_skipped} to an image/png body")
 print("1-row JSON modeld/FastAPI req/s: " + ", ".join(f"{st} {speedups[st]:.1f}x" for st in STYLES))
 core = os.environ.get("BENCH_OPENBLAS_CORE") or "unknown"
 print(f"OpenBLAS sgemm kernel: {core}"

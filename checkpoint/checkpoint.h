@@ -180,6 +180,12 @@ md_status md_path_open_dir(const md_strlist *allowed, const char *what, const ch
 md_status md_path_open_file(const md_strlist *allowed, const char *what, const char *path,
                             const char *notfound_code, int *fd, md_err *err);
 
+/* md_path_open_dir, then the directory `path` itself (O_DIRECTORY,
+ * O_NOFOLLOW): `*fd` is a new descriptor the caller closes; invalid_path
+ * when it is not a directory. Thread-safe. */
+md_status md_path_open_directory(const md_strlist *allowed, const char *what, const char *path,
+                                 const char *notfound_code, int *fd, md_err *err);
+
 /* fsync a directory, so the renames in it are durable; MD_EIO naming `what`. */
 md_status md_fsync_dir(int dirfd, const char *what, md_err *err);
 /* ---- models and versions ---- */

@@ -344,6 +344,42 @@ md_status md_path_open_file(const md_strlist *allowed, const char *what, const c
     return MD_OK;
 }
 
+md_status md_path_open_directory(const md_strlist *allowed, const char *what, const char *path,
+                                 const char *notfound_code, int *fd, md_err *err)
+{
+    *fd = -1;
+    int dirfd;
+    const char *leaf;
+    md_status st = md_path_open_dir(allowed, what, path, notfound_code, &dirfd, &leaf, err);
+    if (st != MD_OK)
+        return st;
+    int d = openat(dirfd, leaf, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int e = errno;
+    struct stat sb;
+    /* O_DIRECTORY | O_NOFOLLOW on a symlink says ENOTDIR: tell them apart */
+    if (d < 0 && e == ENOTDIR && fstatat(dirfd, leaf, &sb, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISLNK(sb.st_mode))
+        e = ELOOP;
+    close(dirfd);
+    if (d < 0) {
+        if (e == ENOENT)
+            return md_err_setc(err, MD_EINVAL, notfound_code, "%s %.200s does not exist", what,
+                               path);
+        if (e == ELOOP)
+            return md_err_setc(err, MD_EINVAL, "path_not_allowed",
+                               "%s %.200s is a symlink; modeld follows no symlink under "
+                               "allowed_paths, give the real path",
+                               what, path);
+        if (e == ENOTDIR)
+            return md_err_setc(err, MD_EINVAL, "invalid_path",
+                               "%s %.200s is not a directory", what, path);
+        return md_err_setc(err, MD_EINVAL, "path_not_allowed", "%s %.200s cannot be opened: %s",
+                           what, path, strerror(e));
+    }
+    *fd = d;
+    return MD_OK;
+}
+
 md_status md_fsync_dir(int dirfd, const char *what, md_err *err)
 {
     if (fsync(dirfd) != 0 && errno != EINVAL) /* EINVAL: a file system without dir fsync */

@@ -122,6 +122,9 @@ static const char *const migrations[] = {
      * blob) and, per version, the architecture its state_dict was loaded into */
     "ALTER TABLE models ADD COLUMN arch_sha256 TEXT;"
     "ALTER TABLE versions ADD COLUMN arch_sha256 TEXT;",
+    /* 6: jobs over image folders (issue 15): the directory's files that are
+     * not rows (symlinks, neither PNG nor JPEG); NULL for other inputs */
+    "ALTER TABLE jobs ADD COLUMN files_skipped INTEGER;",
 };
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof migrations[0]))
 

@@ -99,6 +99,10 @@ static const setting settings[] = {
      "checked from the file's header before decoding (413 past it)"},
     {"job_nice", T_INT, OFF(job_nice), 0, 19, "19", NULL,
      "nice of the workers computing batch jobs: 0 = equal to online work, 19 = spare CPU only"},
+    {"job_max_files", T_INT, OFF(job_max_files), 1, 100000000, "1000000", NULL,
+     "most files and folders a job over an image folder (input.format images) lists"},
+    {"job_max_image_bytes", T_SIZE, OFF(job_max_image_bytes), 1, 64 * GiB, "67108864", NULL,
+     "largest image file a job over an image folder reads (a larger one is a bad row)"},
     {"admin_token", T_LIST, OFF(admin_token), 0, 0, "", NULL,
      "bearer tokens (comma-separated; several for rotation) every route that changes state "
      "needs: deploys, architecture, PATCH, deletes, jobs; empty = those routes are open"},

@@ -66,6 +66,8 @@ typedef struct md_cfg {
     int max_jobs;               /* jobs running at once */
     int job_nice;               /* nice of the job workers (0..19) */
     int job_lease_s;            /* a silent job runner's jobs are taken over after this */
+    int job_max_files;          /* images inputs: most files and folders listed */
+    long long job_max_image_bytes; /* images inputs: largest image file read */
     int store_poll_ms;          /* converge on other replicas' changes this often; 0 = never */
     int test_job_chunk_delay_ms; /* for tests only: pause after each committed job chunk */
     /* auth: bearer tokens, each list the setting's own plus its *_file's

@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <regex.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,6 +58,52 @@ static int one_of(const char *v, const char *const *choices)
     return 0;
 }
 
+/* An images input: a directory under allowed_paths (opened, then closed,
+ * as check_input does for a file) and its label_from. */
+static md_status check_images_input(const md_cfg *cfg, json_t *in, md_err *err)
+{
+    static const char *const not_for_images[] = {"url", "label", "features", "shape", NULL};
+    for (int i = 0; not_for_images[i]; i++)
+        if (json_object_get(in, not_for_images[i]))
+            return md_err_setc(err, MD_EINVAL, "invalid_job",
+                               "input.%s does not apply to format images: give input.path (a "
+                               "directory of PNG and JPEG files) and, for labels, "
+                               "input.label_from (\"folder\" or {\"regex\": \"...\"})",
+                               not_for_images[i]);
+    const char *path = json_string_value(json_object_get(in, "path"));
+    if (!path)
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "input.path is required for format images: the directory of images");
+    int fd;
+    md_status st = md_path_open_directory(&cfg->allowed_paths, "input.path", path,
+                                          "input_not_found", &fd, err);
+    if (st != MD_OK)
+        return st;
+    close(fd);
+    json_t *lf = json_object_get(in, "label_from");
+    if (!lf || (json_is_string(lf) && one_of(json_string_value(lf),
+                                             (const char *const[]){"folder", "none", NULL})))
+        return MD_OK;
+    const char *re = json_string_value(json_object_get(lf, "regex"));
+    if (!json_is_object(lf) || !re || json_object_size(lf) != 1)
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "input.label_from must be \"folder\" (the class folder, as "
+                           "torchvision's ImageFolder), \"none\", or {\"regex\": \"...\"} (on "
+                           "the file name; its first group is the label)");
+    regex_t compiled;
+    int rc = regcomp(&compiled, re, REG_EXTENDED);
+    if (rc != 0) {
+        char why[160];
+        regerror(rc, &compiled, why, sizeof why);
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "input.label_from.regex \"%.100s\" is not a POSIX extended regular "
+                           "expression: %s",
+                           re, why);
+    }
+    regfree(&compiled);
+    return MD_OK;
+}
+
 static md_status check_keys(json_t *o, const char *what, const char *const *allowed, md_err *err)
 {
     const char *key;
@@ -82,11 +129,12 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
     static const char *const top[] = {"model", "version", "input", "output", "batch_size",
                                       "top_k", "on_error", "record_metric", NULL};
     static const char *const in_keys[] = {"path", "url", "format", "features", "label", "shape",
-                                          NULL};
+                                          "label_from", NULL};
     static const char *const out_keys[] = {"path", "format", "include", NULL};
-    static const char *const in_formats[] = {"csv", "jsonl", "npy", "idx", NULL};
+    static const char *const in_formats[] = {"csv", "jsonl", "npy", "idx", "images", NULL};
     static const char *const out_formats[] = {"jsonl", "csv", "npy", NULL};
-    static const char *const includes[] = {"index", "prediction", "label", "scores", NULL};
+    static const char *const includes[] = {"index", "path", "prediction", "label", "scores",
+                                           NULL};
     md_status st;
     if ((st = check_keys(spec, "the job", top, err)) != MD_OK)
         return st;
@@ -113,14 +161,22 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
                            "input is required: {\"path\" or \"url\", \"format\": csv|jsonl|npy|idx}");
     if ((st = check_keys(in, "input", in_keys, err)) != MD_OK)
         return st;
+    const char *in_format = json_string_value(json_object_get(in, "format"));
+    int images = in_format && !strcmp(in_format, "images");
+    if (images && (st = check_images_input(app->cfg, in, err)) != MD_OK)
+        return st;
+    if (!images && json_object_get(in, "label_from"))
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "input.label_from applies to format images only; csv, jsonl and idx "
+                           "take input.label");
     const char *path = json_string_value(json_object_get(in, "path"));
     const char *url = json_string_value(json_object_get(in, "url"));
     if (!!path == !!url)
         return md_err_setc(err, MD_EINVAL, "invalid_job", "input needs exactly one of path and url");
     if (!one_of(json_string_value(json_object_get(in, "format")), in_formats))
         return md_err_setc(err, MD_EINVAL, "invalid_format",
-                           "input.format must be one of csv, jsonl, npy, idx");
-    if (path && (st = check_input(app->cfg, "input.path", path, err)) != MD_OK)
+                           "input.format must be one of csv, jsonl, npy, idx, images");
+    if (path && !images && (st = check_input(app->cfg, "input.path", path, err)) != MD_OK)
         return st;
     md_fetch_opts fo = md_fetch_opts_from_cfg(app->cfg);
     if (url && (st = md_source_check(url, &fo, err)) != MD_OK)
@@ -148,7 +204,8 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
         {
             if (!one_of(json_string_value(v), includes))
                 return md_err_setc(err, MD_EINVAL, "invalid_job",
-                                   "output.include[%zu] must be index, prediction, label or scores",
+                                   "output.include[%zu] must be index, path, prediction, label "
+                                   "or scores",
                                    i);
         }
     }
@@ -177,10 +234,15 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
     if (rm && (rst = md_metric_name_check(json_string_value(rm), "record_metric", "invalid_job",
                                           err)) != MD_OK)
         return rst;
-    if (rm && !json_object_get(json_object_get(spec, "input"), "label"))
+    json_t *lf = json_object_get(in, "label_from");
+    if (rm && !images && !json_object_get(in, "label"))
         return md_err_setc(err, MD_EINVAL, "invalid_job",
                            "record_metric records the accuracy on a labelled dataset; give "
                            "input.label (the label column, field or IDX labels file)");
+    if (rm && images && json_is_string(lf) && !strcmp(json_string_value(lf), "none"))
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "record_metric records the accuracy on a labelled dataset; "
+                           "input.label_from \"none\" gives no labels");
     json_t *oe = json_object_get(spec, "on_error");
     if (oe && !one_of(json_string_value(oe), (const char *const[]){"fail", "skip", NULL}))
         return md_err_setc(err, MD_EINVAL, "invalid_job", "on_error must be \"fail\" or \"skip\"");

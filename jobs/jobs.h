@@ -21,6 +21,7 @@
 
 #include "../checkpoint/checkpoint.h"
 #include "../config/md_err.h"
+#include "../predictor/image.h"
 #include "../predictor/predictor.h"
 
 #ifdef __cplusplus
@@ -40,6 +41,10 @@ extern "C" {
  *   npy   float32/float64/int64/int32/uint8, C order, 2-D or N-D (rows = dim 0)
  *   idx   the MNIST family, plain or gzip (zlib); `label` is the path of the
  *         matching labels file (idx1), optional
+ *   images `path` is a directory: its PNG and JPEG files, recursively, in
+ *         byte order of their relative paths, one row each, decoded and
+ *         preprocessed as `image` says; labels from the class folder or a
+ *         regular expression on the file name (label_from; jobs/images.c)
  * Not thread-safe: one reader per job.
  */
 typedef struct md_reader md_reader;
@@ -49,7 +54,20 @@ typedef struct md_reader_opts {
     const char *format;    /* "csv", "jsonl", "npy", "idx" */
     json_t *features;      /* csv: array of column names; jsonl: field name string; or NULL */
     const char *label;     /* csv column, jsonl field, or idx labels file; or NULL */
+    /* images only */
+    const md_image_opts *image; /* the version's preprocess.image (borrowed); required */
+    json_t *label_from;    /* "folder", "none", {"regex": R}, or NULL: "folder" when the
+                            * directory has subdirectories, else none (borrowed) */
+    json_t *class_names;   /* the version's labels (array of strings, borrowed) or NULL */
+    int64_t max_files;     /* most directory entries listed; past it MD_ETOOBIG */
+    long long max_file_bytes; /* the largest image file read; a larger one is a bad row */
 } md_reader_opts;
+
+/* Defaults of the images limits (settings job_max_files, job_max_image_bytes). */
+#define MD_IMAGES_MAX_FILES_DEFAULT 1000000
+#define MD_IMAGES_MAX_FILE_BYTES_DEFAULT (64LL * 1024 * 1024)
+/* Directories nest at most this deep under an images input.path. */
+#define MD_IMAGES_MAX_DEPTH 32
 
 /* Open the dataset. MD_EINVAL naming the file and the problem. */
 md_status md_reader_open(const md_reader_opts *opts, md_reader **out, md_err *err);
@@ -69,6 +87,16 @@ int md_reader_has_labels(const md_reader *r);
 md_status md_reader_next(md_reader *r, float *row, int64_t *label, md_err *err);
 /* The number of data rows consumed so far (good and bad). */
 int64_t md_reader_position(const md_reader *r);
+/* Move to position `rows` (a resuming job's committed rows_done): images by
+ * number without reading a file, other formats by reading rows (bad ones
+ * consumed). MD_OK (also when the data ends first), or MD_EIO. */
+md_status md_reader_skip_to(md_reader *r, int64_t rows, md_err *err);
+/* The name of row `index`, the image's path relative to the directory, for
+ * images; NULL for other formats. Borrowed, valid until md_reader_close. */
+const char *md_reader_row_name(const md_reader *r, int64_t index);
+/* Files under an images directory that are not rows (symlinks, non-regular
+ * files, neither PNG nor JPEG); -1 for other formats. */
+int64_t md_reader_files_skipped(const md_reader *r);
 /* Close. Accepts NULL. */
 void md_reader_close(md_reader *r);
 
@@ -92,8 +120,11 @@ typedef void (*md_default_moved)(void *ctx, const char *name, int version);
  * runners' lifetime) bounds input downloads and names allowed_paths.
  * test_chunk_delay_ms (for tests only, else 0): commit after every chunk and
  * pause this long after each, so a test can act in the middle of a job.
+ * image_max_files and image_max_bytes bound images inputs (md_reader_opts'
+ * max_files and max_file_bytes; 0: the defaults).
  */
 md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_chunk_delay_ms,
+                        int64_t image_max_files, long long image_max_bytes,
                         const md_fetch_opts *fetch, md_model_resolver resolve,
                         md_default_moved moved, void *resolve_ctx, md_jobs **out, md_err *err);
 /* Queue a job already inserted in the store. Thread-safe. */
@@ -113,7 +144,7 @@ void md_jobs_stop(md_jobs *jobs);
 md_status md_store_job_create(md_store *store, const char *id, const char *model, int version,
                               json_t *spec, const char *output_path, md_err *err);
 /* One job as JSON (id, model, version, spec, status, rows_done, rows_total,
- * rows_skipped, output_path, output_bytes, correct, labeled, confusion,
+ * rows_skipped, files_skipped (images inputs, else null), output_path, output_bytes, correct, labeled, confusion,
  * rows_per_s, partial, error, created_at, started_at, finished_at, updated_at). */
 md_status md_store_job_get(md_store *store, const char *id, json_t **out, md_err *err);
 /* Jobs newest first, filtered by status and model (NULL = any), ids before

@@ -43,6 +43,7 @@
 #include <sys/stat.h>
 #include <zlib.h>
 
+#include "images.h"
 #include "jobs.h"
 
 #define READ_CHUNK (64 * 1024)          /* the text buffer's first size */
@@ -50,7 +51,7 @@
 #define MAX_RECORD (64 * 1024 * 1024)   /* the longest CSV/JSONL row kept */
 #define SHOW_MAX 40                     /* characters of a bad value quoted back */
 
-typedef enum { FMT_CSV, FMT_JSONL, FMT_NPY, FMT_IDX } reader_format;
+typedef enum { FMT_CSV, FMT_JSONL, FMT_NPY, FMT_IDX, FMT_IMAGES } reader_format;
 
 /* Where the CSV scanner is within a record. */
 typedef enum {
@@ -101,6 +102,9 @@ struct md_reader {
     gzFile gz;
     gzFile gz_labels;
     char *label_name;  /* the labels file's base name */
+
+    /* images: a folder of PNG and JPEG files (images.c) */
+    md_images *images;
 };
 
 /* ---- messages ---- */
@@ -1015,7 +1019,7 @@ md_status md_reader_open(const md_reader_opts *opts, md_reader **out, md_err *er
         return open_error(err, "no dataset path given");
     reader_format format;
     if (!opts->format)
-        return open_error(err, "no format given for dataset %s; use csv, jsonl, npy or idx",
+        return open_error(err, "no format given for dataset %s; use csv, jsonl, npy, idx or images",
                           base_name(opts->path));
     if (!strcmp(opts->format, "csv"))
         format = FMT_CSV;
@@ -1025,8 +1029,10 @@ md_status md_reader_open(const md_reader_opts *opts, md_reader **out, md_err *er
         format = FMT_NPY;
     else if (!strcmp(opts->format, "idx"))
         format = FMT_IDX;
+    else if (!strcmp(opts->format, "images"))
+        format = FMT_IMAGES;
     else
-        return open_error(err, "unknown dataset format \"%s\"; use csv, jsonl, npy or idx",
+        return open_error(err, "unknown dataset format \"%s\"; use csv, jsonl, npy, idx or images",
                           opts->format);
 
     md_reader *r = md_xcalloc(1, sizeof *r);
@@ -1039,6 +1045,14 @@ md_status md_reader_open(const md_reader_opts *opts, md_reader **out, md_err *er
     case FMT_CSV: st = csv_open(r, opts, err); break;
     case FMT_JSONL: st = jsonl_open(r, opts, err); break;
     case FMT_NPY: st = npy_open(r, opts, err); break;
+    case FMT_IMAGES:
+        st = md_images_open(opts, r->name, &r->images, err);
+        if (st == MD_OK) {
+            r->width = md_images_width(r->images);
+            r->total = md_images_count(r->images);
+            r->has_labels = md_images_has_labels(r->images);
+        }
+        break;
     default: st = idx_open(r, opts, err); break;
     }
     /* csv and jsonl widths come from a header or a first line: bounded by
@@ -1079,8 +1093,42 @@ md_status md_reader_next(md_reader *r, float *row, int64_t *label, md_err *err)
     case FMT_CSV: return csv_next(r, row, label, err);
     case FMT_JSONL: return jsonl_next(r, row, label, err);
     case FMT_NPY: return npy_next(r, row, err);
+    case FMT_IMAGES: {
+        md_status st = md_images_read(r->images, r->position, row, label, err);
+        if (st == MD_OK || st == MD_EINVAL)
+            r->position++; /* a bad image is consumed, as a bad row is */
+        return st;
+    }
     default: return idx_next(r, row, label, err);
     }
+}
+
+md_status md_reader_skip_to(md_reader *r, int64_t rows, md_err *err)
+{
+    if (r->format == FMT_IMAGES) {
+        r->position = rows < r->total ? rows : r->total;
+        return MD_OK;
+    }
+    float *row = md_xmalloc(sizeof(float) * (size_t)(r->width > 0 ? r->width : 1));
+    md_status st = MD_OK;
+    while (r->position < rows) {
+        int64_t label;
+        st = md_reader_next(r, row, &label, err);
+        if (st == MD_ENOTFOUND || (st != MD_OK && st != MD_EINVAL))
+            break;
+    }
+    free(row);
+    return st == MD_EIO || st == MD_ENOMEM ? st : MD_OK;
+}
+
+const char *md_reader_row_name(const md_reader *r, int64_t index)
+{
+    return r->images ? md_images_path(r->images, index) : NULL;
+}
+
+int64_t md_reader_files_skipped(const md_reader *r)
+{
+    return r->images ? md_images_skipped(r->images) : -1;
 }
 
 int64_t md_reader_position(const md_reader *r)
@@ -1109,6 +1157,7 @@ void md_reader_close(md_reader *r)
     free(r->rowbuf);
     free(r->buf);
     free(r->label_name);
+    md_images_close(r->images);
     free(r->name);
     free(r);
 }

@@ -71,6 +71,8 @@ struct md_jobs {
     char host[128];
     double lease_s;
     int chunk_delay_ms;   /* for tests only: pause after each committed chunk */
+    int64_t image_max_files;     /* images inputs: entries listed at most */
+    long long image_max_bytes;   /* images inputs: the largest file read */
     char (*running)[64];  /* id per runner, "" when idle */
     atomic_int *cancel;   /* per runner */
     atomic_int *lost;     /* per runner: another process holds its job now */
@@ -434,7 +436,6 @@ static void run_job(md_jobs *J, int slot, const char *id)
     json_t *confusion = json_incref(json_object_get(job, "confusion"));
     int64_t *conf = NULL;
     int64_t classes = 0;
-    float *rowbuf = NULL;
     int eof = 0, head = 0, inflight = 0;
     char *text = NULL;
     size_t text_cap = 0;
@@ -471,8 +472,34 @@ static void run_job(md_jobs *J, int slot, const char *id)
         .format = in_format,
         .features = json_object_get(input, "features"),
         .label = json_string_value(json_object_get(input, "label")),
+        .label_from = json_object_get(input, "label_from"),
+        .class_names = md_model_labels(m),
+        .max_files = J->image_max_files,
+        .max_file_bytes = J->image_max_bytes,
     };
-    if (url) {
+    int images = in_format && !strcmp(in_format, "images");
+    if (images) {
+        /* a folder of images: the directory opened as a file is (under
+         * allowed_paths, no symlink followed); the reader walks it from
+         * that descriptor without following any symlink either */
+        ro.image = md_model_image(m);
+        const char *path = json_string_value(json_object_get(input, "path"));
+        if (!ro.image) {
+            keeper_stop(&kp);
+            md_err_setc(&err, MD_EUNPROC, "no_image_preprocess",
+                        "model %s version %d declares no preprocess.image, so it cannot read "
+                        "images: deploy a version whose config has preprocess.image, e.g. "
+                        "{\"mode\": \"RGB\"}",
+                        model_name, md_model_version(m));
+            goto failed;
+        }
+        if (md_path_open_directory(J->fetch.allowed_paths, "input.path", path, "input_not_found",
+                                   &in_fd, &err) != MD_OK) {
+            keeper_stop(&kp);
+            goto failed;
+        }
+        snprintf(input_path, sizeof input_path, "/proc/self/fd/%d", in_fd);
+    } else if (url) {
         snprintf(input_path, sizeof input_path, "%s/jobs/%s.input", md_store_dir(J->store), id);
         md_fetch_opts fo = J->fetch;
         fo.keep_going = download_keep_going;
@@ -509,24 +536,20 @@ static void run_job(md_jobs *J, int slot, const char *id)
     int64_t total = md_reader_total_rows(r);
     if (total >= 0) {
         f = json_pack("{s:I}", "rows_total", (json_int_t)total);
+        if (md_reader_files_skipped(r) >= 0)
+            json_object_set_new(f, "files_skipped", json_integer(md_reader_files_skipped(r)));
         jupdate(J, slot, id, f, NULL);
         json_decref(f);
     }
-    /* resume: skip what is committed */
-    rowbuf = md_xmalloc(sizeof(float) * (size_t)(width > 0 ? width : 1));
-    while (md_reader_position(r) < rows_done) {
-        int64_t lab;
-        md_status st = md_reader_next(r, rowbuf, &lab, &err);
-        if (st == MD_ENOTFOUND)
-            break;
-        if (st == MD_EIO)
-            goto reader_failed;
-    }
+    /* resume: skip what is committed (images by number, reading nothing) */
+    if (md_reader_skip_to(r, rows_done, &err) != MD_OK)
+        goto reader_failed;
     md_job_outfmt o = {0};
     const char *ofmt = json_string_value(json_object_get(output, "format"));
     o.kind = !ofmt || !strcmp(ofmt, "jsonl") ? 0 : !strcmp(ofmt, "csv") ? 1 : 2;
     json_t *include = json_object_get(output, "include");
     o.inc_index = md_job_include_has(include, "index", 1);
+    o.inc_path = images && md_job_include_has(include, "path", 1);
     o.inc_pred = md_job_include_has(include, "prediction", 1);
     o.inc_label = md_job_include_has(include, "label", has_labels);
     o.inc_scores = md_job_include_has(include, "scores", 0);
@@ -575,6 +598,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
             int first = 1;
             if (o.inc_index)
                 strcat(head, "index"), first = 0;
+            if (o.inc_path)
+                strcat(head, first ? "path" : ",path"), first = 0;
             if (o.inc_pred)
                 strcat(head, first ? "prediction" : ",prediction"), first = 0;
             if (o.inc_label)
@@ -653,8 +678,9 @@ static void run_job(md_jobs *J, int slot, const char *id)
                 inflight++;
                 break;
             }
+            /* decoded images are ToTensor's values already: no preprocess.scale */
             md_tensor t = {.ndim = 2, .shape = {c->rows, width}, .data = buf,
-                           .count = (size_t)(c->rows * width)};
+                           .count = (size_t)(c->rows * width), .prescaled = images};
             if (json_array_size(row_shape) > 0) {
                 t.ndim = 1 + (int)json_array_size(row_shape);
                 for (size_t i = 0; i < json_array_size(row_shape); i++)
@@ -717,8 +743,9 @@ static void run_job(md_jobs *J, int slot, const char *id)
                         conf[c->labels[i] * classes + cls]++;
                 }
                 if (o.kind != 2)
-                    md_job_format_row(&text, &len, &text_cap, &o, m, c->index[i], y, ow,
-                                      has_labels, c->labels[i]);
+                    md_job_format_row(&text, &len, &text_cap, &o, m, c->index[i],
+                                      md_reader_row_name(r, c->index[i]), y, ow, has_labels,
+                                      c->labels[i]);
             }
             if (o.kind != 2 && md_job_write_all(fd, text, len) != 0) {
                 md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));
@@ -860,7 +887,6 @@ out:
         close(label_fd);
     if (of.dirfd >= 0)
         close(of.dirfd);
-    free(rowbuf);
     free(text);
     free(conf);
     json_decref(confusion);
@@ -971,6 +997,7 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
 }
 
 md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_chunk_delay_ms,
+                        int64_t image_max_files, long long image_max_bytes,
                         const md_fetch_opts *fetch, md_model_resolver resolve,
                         md_default_moved moved, void *ctx,
                         md_jobs **out, md_err *err)
@@ -987,6 +1014,8 @@ md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_
     J->resolve_ctx = ctx;
     J->lease_s = lease_s > 0 ? lease_s : 30;
     J->chunk_delay_ms = test_chunk_delay_ms > 0 ? test_chunk_delay_ms : 0;
+    J->image_max_files = image_max_files;
+    J->image_max_bytes = image_max_bytes;
     if (gethostname(J->host, sizeof J->host - 1) != 0 || !J->host[0])
         snprintf(J->host, sizeof J->host, "localhost");
     for (char *p = J->host; *p; p++)

@@ -62,8 +62,8 @@ int md_job_argmax(const float *x, int64_t n)
 
 /* Append one output row as text to `b`. */
 void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *o, md_model *m,
-                       int64_t index, const float *y, int64_t width, int has_label,
-                       int64_t label)
+                       int64_t index, const char *path, const float *y, int64_t width,
+                       int has_label, int64_t label)
 {
     json_t *labels = md_model_labels(m);
     char num[40];
@@ -88,6 +88,41 @@ void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *
             ADD("\"index\":");
         snprintf(num, sizeof num, "%lld", (long long)index);
         ADD(num);
+        first = 0;
+    }
+    if (o->inc_path) {
+        /* JSON: a JSON string (jansson escapes it); CSV: RFC 4180, quoted
+         * when it holds a comma, a quote or a line break */
+        if (!first)
+            ADD(sep);
+        if (o->kind == 0) {
+            ADD("\"path\":");
+            json_t *s = json_string(path ? path : "");
+            if (!s) {
+                /* a file name that is not UTF-8 (JSON strings must be):
+                 * its non-ASCII bytes become '?' */
+                char *ascii = md_xstrdup(path);
+                for (char *p = ascii; *p; p++)
+                    if ((unsigned char)*p >= 0x80)
+                        *p = '?';
+                s = json_string(ascii);
+                free(ascii);
+            }
+            char *t = json_dumps(s, JSON_ENCODE_ANY);
+            md_assert(t != NULL);
+            ADD(t);
+            free(t);
+            json_decref(s);
+        } else if (path && strpbrk(path, ",\"\r\n")) {
+            ADD("\"");
+            for (const char *p = path; *p; p++) {
+                char one[3] = {*p, *p == '"' ? '"' : '\0', '\0'};
+                ADD(one);
+            }
+            ADD("\"");
+        } else {
+            ADD(path ? path : "");
+        }
         first = 0;
     }
     if (o->inc_pred) {

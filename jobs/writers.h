@@ -33,6 +33,7 @@ int md_job_include_has(json_t *include, const char *what, int dflt);
 typedef struct md_job_outfmt {
     int kind; /* 0 jsonl, 1 csv, 2 npy */
     int inc_index, inc_pred, inc_label, inc_scores;
+    int inc_path; /* images inputs: the file's path relative to input.path */
     int top_k;
     int header_written;
 } md_job_outfmt;
@@ -43,10 +44,11 @@ int md_job_argmax(const float *x, int64_t n);
 
 /* Append one output row (JSON Lines or CSV per `o`) to the growing buffer
  * `*b` (`*len` used of `*cap`, grown with realloc). `m` is borrowed for its
- * labels; `y` holds the row's `width` outputs. */
+ * labels; `path` names the row's file (images; NULL: none); `y` holds the
+ * row's `width` outputs. */
 void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *o, md_model *m,
-                       int64_t index, const float *y, int64_t width, int has_label,
-                       int64_t label);
+                       int64_t index, const char *path, const float *y, int64_t width,
+                       int has_label, int64_t label);
 
 /* An NPY (<f4) header of `rows` x shape[1..ndim) into `out`, padded to the
  * fixed slot. */

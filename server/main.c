@@ -172,7 +172,7 @@ int main(int argc, char **argv)
     md_app_load_defaults(&app, stop_pending);
     md_fetch_opts job_fetch = md_fetch_opts_from_cfg(&cfg);
     if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, cfg.test_job_chunk_delay_ms,
-                      &job_fetch, md_app_resolve, md_app_default_moved, &app, &app.jobs, &err) !=
+                      cfg.job_max_files, cfg.job_max_image_bytes, &job_fetch, md_app_resolve, md_app_default_moved, &app, &app.jobs, &err) !=
         MD_OK)
         md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);
     pthread_t poller;

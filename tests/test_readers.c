@@ -7,7 +7,9 @@
  * skipping; a 20 MB CSV read through; a CSV read from a FIFO whose writer
  * waits until the first row has been returned (a reader that slurped the
  * file could not return it); a row past the 64 MiB record limit skipped; and
- * the real FashionMNIST test set when it is installed.
+ * the real FashionMNIST test set when it is installed; and a folder of PNG
+ * files (input format images): order, hidden names, symlinks and non-images
+ * skipped, folder and regex labels, resume by number.
  *
  * Fixtures are read from tests/fixtures/datasets relative to the working
  * directory (make runs the tests from the repository root) and are written
@@ -31,6 +33,8 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <zlib.h>
 
 #include "../jobs/jobs.h"
 #include "test_util.h"
@@ -853,7 +857,7 @@ static void test_open_errors(void **state)
         assert_msg_has(open_fails("/tmp", formats[f], NULL, NULL, &err), "is a directory", NULL);
     }
     assert_msg_has(open_fails(DATASETS "small.csv", "parquet", NULL, NULL, &err),
-                   "unknown dataset format \"parquet\"; use csv, jsonl, npy or idx", NULL);
+                   "unknown dataset format \"parquet\"; use csv, jsonl, npy, idx or images", NULL);
     assert_msg_has(open_fails(DATASETS "small.csv", NULL, NULL, NULL, &err),
                    "no format given for dataset small.csv", NULL);
     assert_msg_has(open_fails(NULL, "csv", NULL, NULL, &err), "no dataset path given", NULL);
@@ -1129,6 +1133,162 @@ static void test_row_too_long(void **state)
     md_reader_close(r);
 }
 
+/* ---- images: a folder of PNG files (jobs/images.c) ---- */
+
+static char img_dir[64];
+
+static int remove_img_dir(void **state)
+{
+    (void)state;
+    char cmd[128];
+    if (img_dir[0]) {
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", img_dir);
+        if (system(cmd) != 0)
+            fprintf(stderr, "cannot remove %s\n", img_dir);
+    }
+    img_dir[0] = '\0';
+    return 0;
+}
+
+static void png_chunk(FILE *f, const char *type, const unsigned char *body, uint32_t len)
+{
+    unsigned char be[4] = {len >> 24, len >> 16, len >> 8, len};
+    fwrite(be, 1, 4, f);
+    fwrite(type, 1, 4, f);
+    fwrite(body, 1, len, f);
+    uLong crc = crc32(crc32(0, (const Bytef *)type, 4), body, len);
+    unsigned char c[4] = {crc >> 24, crc >> 16, crc >> 8, crc};
+    fwrite(c, 1, 4, f);
+}
+
+/* A 4x4 8-bit grayscale PNG, every pixel `v`, at img_dir/rel. */
+static void write_png(const char *rel, unsigned char v)
+{
+    char path[256];
+    snprintf(path, sizeof path, "%s/%s", img_dir, rel);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    fwrite("\x89PNG\r\n\x1a\n", 1, 8, f);
+    unsigned char ihdr[13] = {0, 0, 0, 4, 0, 0, 0, 4, 8, 0, 0, 0, 0};
+    png_chunk(f, "IHDR", ihdr, 13);
+    unsigned char raw[4 * 5];
+    for (int y = 0; y < 4; y++) {
+        raw[y * 5] = 0; /* filter none */
+        memset(raw + y * 5 + 1, v, 4);
+    }
+    unsigned char z[128];
+    uLongf zlen = sizeof z;
+    assert_int_equal(compress(z, &zlen, raw, sizeof raw), Z_OK);
+    png_chunk(f, "IDAT", z, (uint32_t)zlen);
+    png_chunk(f, "IEND", (const unsigned char *)"", 0);
+    fclose(f);
+}
+
+static void make_img_tree(void)
+{
+    strcpy(img_dir, "/tmp/modeld_test_images_XXXXXX");
+    assert_non_null(mkdtemp(img_dir));
+    char p[256];
+    const char *dirs[] = {"a", "a/sub", "b", "c", ".hidden"};
+    for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", img_dir, dirs[i]);
+        assert_int_equal(mkdir(p, 0755), 0);
+    }
+    write_png("b/1.png", 40);
+    write_png("a/2.png", 20);
+    write_png("a/1.png", 10);
+    write_png("a/sub/3.png", 30);
+    write_png("top.png", 50);
+    write_png(".hidden/x.png", 60);
+    write_png("a/.x.png", 70);
+    snprintf(p, sizeof p, "%s/c/notes.png", img_dir); /* named .png, not a PNG */
+    FILE *f = fopen(p, "w");
+    assert_non_null(f);
+    fputs("GIF89a, not really\n", f);
+    fclose(f);
+    char target[256];
+    snprintf(target, sizeof target, "%s/a/1.png", img_dir);
+    snprintf(p, sizeof p, "%s/b/link.png", img_dir);
+    assert_int_equal(symlink(target, p), 0);
+}
+
+static void test_images_folder(void **state)
+{
+    (void)state;
+    make_img_tree();
+    md_image_opts io = {.channels = 1, .height = 4, .width = 4, .max_pixels = 1000};
+    json_t *names = json_pack("[sss]", "b", "zz", "a");
+    md_reader_opts o = {.path = img_dir, .format = "images", .image = &io, .class_names = names};
+    md_reader *r = NULL;
+    md_err err;
+    md_err_clear(&err);
+    assert_int_equal(md_reader_open(&o, &r, &err), MD_OK);
+    assert_int_equal(md_reader_row_width(r), 16);
+    assert_int_equal(md_reader_total_rows(r), 5);
+    assert_int_equal(md_reader_files_skipped(r), 2); /* notes.png, link.png */
+    assert_true(md_reader_has_labels(r));             /* folder: there are subfolders */
+    /* byte order of the relative paths; hidden names ignored */
+    const char *order[] = {"a/1.png", "a/2.png", "a/sub/3.png", "b/1.png", "top.png"};
+    for (int i = 0; i < 5; i++)
+        assert_string_equal(md_reader_row_name(r, i), order[i]);
+    assert_null(md_reader_row_name(r, 5));
+    /* every class is one of the version's labels: their indices */
+    int64_t want_label[] = {2, 2, 2, 0};
+    float want_value[] = {10, 20, 30, 40};
+    float row[16];
+    for (int i = 0; i < 4; i++) {
+        int64_t label = -7;
+        assert_int_equal(md_reader_next(r, row, &label, &err), MD_OK);
+        assert_int_equal(label, want_label[i]);
+        assert_true(fabsf(row[5] - want_value[i] / 255.0f) < 1e-6f);
+    }
+    int64_t label;
+    assert_int_equal(md_reader_next(r, row, &label, &err), MD_EINVAL); /* no class folder */
+    assert_msg_has(err.msg, "row 4", "top.png", "class folder", NULL);
+    assert_int_equal(md_reader_next(r, row, &label, &err), MD_ENOTFOUND);
+    /* resume by number */
+    assert_int_equal(md_reader_skip_to(r, 3, &err), MD_OK);
+    assert_int_equal(md_reader_position(r), 3);
+    assert_int_equal(md_reader_next(r, row, &label, &err), MD_OK);
+    assert_int_equal(label, 0);
+    md_reader_close(r);
+
+    /* a regex on the file name; labels not all in the version's: sorted order */
+    json_t *lf = json_pack("{s:s}", "regex", "^([0-9])\\.png$");
+    o.label_from = lf;
+    assert_int_equal(md_reader_open(&o, &r, &err), MD_OK);
+    int64_t want_rx[] = {0, 1, 2, 0};
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(md_reader_next(r, row, &label, &err), MD_OK);
+        assert_int_equal(label, want_rx[i]);
+    }
+    assert_int_equal(md_reader_next(r, row, &label, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "top.png", "does not match", NULL);
+    md_reader_close(r);
+    json_decref(lf);
+
+    /* a bad regex, no preprocess.image, a file for a directory */
+    lf = json_pack("{s:s}", "regex", "([");
+    o.label_from = lf;
+    assert_int_equal(md_reader_open(&o, &r, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "regex", NULL);
+    json_decref(lf);
+    o.label_from = NULL;
+    o.image = NULL;
+    assert_int_equal(md_reader_open(&o, &r, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "preprocess.image", NULL);
+    o.image = &io;
+    o.max_files = 3;
+    assert_int_equal(md_reader_open(&o, &r, &err), MD_ETOOBIG);
+    assert_msg_has(err.msg, "job_max_files", NULL);
+    char file[256];
+    snprintf(file, sizeof file, "%s/top.png", img_dir);
+    o.path = file;
+    o.max_files = 0;
+    assert_int_equal(md_reader_open(&o, &r, &err), MD_EINVAL);
+    json_decref(names);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1158,6 +1318,7 @@ int main(void)
         cmocka_unit_test_teardown(test_csv_streams_from_fifo, remove_temps),
         cmocka_unit_test_teardown(test_row_too_long, remove_temps),
         cmocka_unit_test_teardown(test_row_width_limit, remove_temps),
+        cmocka_unit_test_teardown(test_images_folder, remove_img_dir),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
