@@ -54,12 +54,28 @@ printf 'unqualified-search-registries = []\n' >"$CONTAINERS_REGISTRIES_CONF"
 bh() { buildah "${STORAGE[@]}" "$@"; }
 
 rootfs="" ctr="" run_pid=""
+# buildah run's descendants (buildah-chroot-runtime, buildah-chroot-exec, and
+# the container's own processes), deepest first. The container's root is a
+# bind mount under /var/tmp/buildah*, not under RUN_DIR: the process tree is
+# what names them exactly.
+descendants() {
+    ps -e -o pid=,ppid= | awk -v root="$1" '
+        { parent[$1] = $2 }
+        END { for (p in parent) { d = 0; for (q = p; q in parent && q != root && d < 64; q = parent[q]) d++
+                                  if (q == root && p != root) print d, p } }' | sort -rn | cut -d' ' -f2
+}
+pkill_tree_of_ctr() {
+    local p
+    [ -n "$run_pid" ] || return 0
+    for p in $(descendants "$run_pid"); do kill -9 "$p" 2>/dev/null; done
+}
 cleanup() {
     local rc=$?
     set +e
     pkill_tree_of_ctr
     [ -n "$run_pid" ] && kill -9 "$run_pid" 2>/dev/null && wait "$run_pid" 2>/dev/null
     [ -n "$ctr" ] && bh rm "$ctr" >/dev/null 2>&1
+    [ "${IMAGE_KEEP:-}" = 1 ] || bh rm --all >/dev/null 2>&1   # the base's, after a failed import
     [ -n "$rootfs" ] && remove_tree "$rootfs"
     if [ "${IMAGE_KEEP:-}" = 1 ]; then
         log "kept: buildah ${STORAGE[*]} images"
@@ -229,21 +245,6 @@ store=$RUN_DIR/data
 mkdir -p "$store"
 ctr=$(bh from --pull=never --name "modeld-check-$$" "$TAG") || die "buildah from $TAG failed"
 
-# buildah run's descendants (buildah-chroot-runtime, buildah-chroot-exec, and
-# the container's own processes), deepest first. The container's root is a
-# bind mount under /var/tmp/buildah*, not under RUN_DIR: the process tree is
-# what names them exactly.
-descendants() {
-    ps -e -o pid=,ppid= | awk -v root="$1" '
-        { parent[$1] = $2 }
-        END { for (p in parent) { d = 0; for (q = p; q in parent && q != root && d < 64; q = parent[q]) d++
-                                  if (q == root && p != root) print d, p } }' | sort -rn | cut -d' ' -f2
-}
-pkill_tree_of_ctr() {
-    local p
-    [ -n "$run_pid" ] || return 0
-    for p in $(descendants "$run_pid"); do kill -9 "$p" 2>/dev/null; done
-}
 # The image's entrypoint process: the descendant whose argv[0] is entry[0].
 entry_pid() {
     local p
