@@ -18,6 +18,8 @@ BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev li
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
 	python3-numpy python3-yaml python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist \
 	git jq nginx python3-pil python3-torchvision
+# IMAGE_PACKAGES: `make image-check` only (builds and runs the image without Docker)
+IMAGE_PACKAGES := buildah debootstrap
 
 # libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one
 # (a libtorch tree, or pip's torch package folder, whose include/ and lib/ are one).
@@ -91,7 +93,7 @@ MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
 .PHONY: all run test unit e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
 	fixtures-check fuzz \
-	cuda-compile-check docker-check
+	cuda-compile-check docker-check image-check deps-image
 
 all: $(MODELD)
 
@@ -115,8 +117,8 @@ $(BUILD)/tests/%: tests/%.c tests/test_util.h $(LIB_OBJ)
 	$(CC) $(CFLAGS) -o $@ $(filter-out %.h,$^) $(LDFLAGS_$*) $(LIBS) -lcmocka
 
 # Install the Debian packages that are missing (non-interactive).
-deps deps-build:
-	@missing=""; for p in $(if $(filter deps-build,$@),$(BUILD_PACKAGES),$(DEB_PACKAGES)); do \
+deps deps-build deps-image:
+	@missing=""; for p in $(if $(filter deps-build,$@),$(BUILD_PACKAGES),$(if $(filter deps-image,$@),$(IMAGE_PACKAGES),$(DEB_PACKAGES))); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -167,6 +169,14 @@ test: deps
 # The Docker image's steps without a Docker engine (docker/steps.sh check).
 docker-check: deps
 	docker/steps.sh check
+
+# The image itself, built from docker/Dockerfile as it is and run, with no
+# Docker engine: buildah (chroot isolation, vfs) over a debian:12-slim made
+# with debootstrap (cached in build/image/); /readyz, deploy, predict, SIGTERM
+# drain, image size (docker/image-check.sh). Needs root (sudo otherwise);
+# about 5 minutes cold.
+image-check: deps deps-image
+	$$( [ "$$(id -u)" = 0 ] || echo sudo ) docker/image-check.sh
 
 # Address + undefined sanitizers over the whole suite, in a separate build dir.
 asan: deps
