@@ -288,7 +288,9 @@ static md_status decode_png(const unsigned char *data, size_t len, int64_t max_p
             return invalid(err, name, "the image has no pixels (width or height 0)%s", NULL);
         return too_large(err, name, w, h, max_pixels, "");
     }
-    if (depth == 16 && !(ctype & PNG_COLOR_MASK_COLOR)) {
+    /* 16-bit gray+alpha PIL reads as RGBA of the high bytes, as the strip
+     * below does; 16-bit gray alone it reads as 32-bit integers */
+    if (depth == 16 && ctype == PNG_COLOR_TYPE_GRAY) {
         png_destroy_read_struct(&png, &info, NULL);
         return invalid(err, name,
                        "16-bit grayscale PNGs are not supported (PIL reads them as 32-bit "
