@@ -19,7 +19,7 @@ DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-r
 	python3-numpy python3-yaml python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist \
 	git jq nginx python3-pil python3-torchvision
 # IMAGE_PACKAGES: `make image-check` only (builds and runs the image without Docker)
-IMAGE_PACKAGES := buildah debootstrap
+IMAGE_PACKAGES := buildah debootstrap crun fuse-overlayfs
 
 # libtorch: Debian's CPU build by default; WITH_CUDA=1 LIBTORCH=<dir> for a CUDA one
 # (a libtorch tree, or pip's torch package folder, whose include/ and lib/ are one).

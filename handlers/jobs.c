@@ -21,6 +21,14 @@
 /* An input file: opened under allowed_paths without following symlinks
  * (md_path_open_file), then closed; the runner opens it again the same way,
  * under its own replica's settings. */
+/* md_jobs_start failed at start (logged): jobs cannot run on this server. */
+static md_status jobs_unavailable(md_err *err)
+{
+    return md_err_setc(err, MD_EUNAVAIL, "jobs_unavailable",
+                       "batch jobs are unavailable on this server (see its log at start); "
+                       "use another replica or restart it");
+}
+
 static md_status check_input(const md_cfg *cfg, const char *what, const char *path, md_err *err)
 {
     int fd;
@@ -276,7 +284,8 @@ void md_handle_jobs_create(md_req *req)
     snprintf(id, sizeof id, "j%013lld%06x", (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000,
              rnd & 0xffffff);
     char out_path[4096];
-    md_status st = validate(app, spec, id, out_path, sizeof out_path, &err);
+    md_status st = app->jobs ? validate(app, spec, id, out_path, sizeof out_path, &err)
+                             : jobs_unavailable(&err);
     if (st == MD_OK) {
         json_t *version = json_object_get(spec, "version");
         st = md_store_job_create(app->store, id, json_string_value(json_object_get(spec, "model")),
@@ -372,6 +381,11 @@ void md_handle_job_cancel(md_req *req)
     md_app *app = md_req_app(req);
     md_err err;
     const char *id = md_req_param(req, "id");
+    if (!app->jobs) {
+        jobs_unavailable(&err);
+        md_reply_error(req, &err);
+        return;
+    }
     if (md_jobs_cancel(app->jobs, id, &err) != MD_OK) {
         md_reply_error(req, &err);
         return;

@@ -157,10 +157,18 @@ int main(int argc, char **argv)
         .max_image_pixels = cfg.max_image_pixels,
     };
 
+    /* Jobs start before the HTTP threads exist, so app.jobs is set (or NULL
+     * for good, answered 503) before any handler can read it. */
+    md_fetch_opts job_fetch = md_fetch_opts_from_cfg(&cfg);
+    if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, cfg.test_job_chunk_delay_ms,
+                      cfg.job_max_files, cfg.job_max_image_bytes, &job_fetch, md_app_resolve, md_app_default_moved, &app, &app.jobs, &err) !=
+        MD_OK)
+        md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);
     md_http *http = NULL;
     md_metrics_mark_start();
     if (md_http_start(&cfg, md_routes, md_n_routes, &app, &http, &err) != MD_OK) {
         fprintf(stderr, "modeld: %s\n", err.msg);
+        md_jobs_stop(app.jobs);
         md_store_close(app.store);
         md_cfg_free(&cfg);
         return 1;
@@ -170,11 +178,6 @@ int main(int argc, char **argv)
     atomic_store(&app.ready, MD_LOADING);
     app.synced_generation = md_store_generation(app.store);
     md_app_load_defaults(&app, stop_pending);
-    md_fetch_opts job_fetch = md_fetch_opts_from_cfg(&cfg);
-    if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, cfg.test_job_chunk_delay_ms,
-                      cfg.job_max_files, cfg.job_max_image_bytes, &job_fetch, md_app_resolve, md_app_default_moved, &app, &app.jobs, &err) !=
-        MD_OK)
-        md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);
     pthread_t poller;
     int polling = cfg.store_poll_ms > 0 && pthread_create(&poller, NULL, poll_main, &app) == 0;
     atomic_store(&app.ready, MD_READY);
