@@ -470,7 +470,10 @@ static int images_to_tensor(md_req *req, pending *pd, md_model *m, int may_defer
     const char *body = md_req_body(req, &len);
     image_scan scan = {0, 0};
     md_status st = o ? scan_images(req, pd, body, len, &scan, &err) : not_declared(m, &err);
-    if (st == MD_OK && may_defer && (scan.pixels < 0 || scan.pixels > INLINE_PIXELS)) {
+    /* a declared resize is deferred whatever the headers say: a tiny image
+     * of an extreme aspect ratio can resize to max_image_pixels (review) */
+    if (st == MD_OK && may_defer &&
+        (o->resize || scan.pixels < 0 || scan.pixels > INLINE_PIXELS)) {
         pd->model = m; /* the request's state owns it until images_deferred takes it */
         md_req_defer(req, images_deferred);
         return 0;
