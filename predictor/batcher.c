@@ -116,6 +116,9 @@ struct md_model {
     int logits;
     json_t *labels;
     int max_batch, max_delay_us, queue_limit, timeout_ms, workers, job_nice;
+    size_t prepack_max;        /* md_torch_replica's bound; 0: workers forward on torch */
+    atomic_int prepack_warned; /* the fallback to torch is logged once */
+    atomic_int prepacked;      /* workers forwarding on a replica now (stats) */
     md_image_opts image; /* preprocess.image, when has_image */
     int has_image;
     /* queues */
@@ -303,8 +306,34 @@ static void learn_row_shape(md_model *m, const int64_t *shape, int ndim, int64_t
  * batch (the cost is paid only on failure). `batch`/`batch_cap` are the
  * worker's gather buffer.
  */
-static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **batch_p,
-                       size_t *batch_cap_p)
+/* The forward of one worker: on its replica (md_torch_replica) when it has
+ * one. Should the replica fail where the model itself succeeds (an input
+ * XNNPACK refuses), the worker drops the replica for good and says so once. */
+static md_status forward(md_model *m, md_torch_model **replica, const float *input,
+                         const int64_t *shape, int ndim, float **out, int64_t *out_shape,
+                         int *out_ndim, md_err *err)
+{
+    if (!*replica)
+        return md_torch_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
+    md_status st = md_torch_forward(*replica, input, shape, ndim, out, out_shape, out_ndim, err);
+    if (st != MD_EUNPROC)
+        return st;
+    md_err rerr = *err;
+    st = md_torch_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
+    if (st == MD_OK) {
+        if (atomic_exchange(&m->prepack_warned, 1) == 0)
+            md_log(MD_LOG_WARN, "model %s version %d: the prepacked forward failed where the "
+                   "model's own succeeded (%s); forwarding without prepacking",
+                   m->name, m->version, rerr.msg);
+        md_torch_free(*replica);
+        *replica = NULL;
+        atomic_fetch_sub(&m->prepacked, 1);
+    }
+    return st;
+}
+
+static void run_pieces(md_model *m, md_torch_model **replica, piece *pieces, int n,
+                       int64_t rows, float **batch_p, size_t *batch_cap_p)
 {
     float *batch = *batch_p;
     size_t batch_cap = *batch_cap_p;
@@ -353,8 +382,7 @@ static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **
     int out_ndim = 0;
     if (st == MD_OK) {
         double t0 = now_s();
-        st = md_torch_forward(m->torch, input, shape, ndim, &out, out_shape, &out_ndim,
-                              &ferr);
+        st = forward(m, replica, input, shape, ndim, &out, out_shape, &out_ndim, &ferr);
         md_hist_observe(&m->forward_hist, now_s() - t0);
     }
     if (st == MD_OK && (out_ndim < 1 || out_shape[0] != rows)) {
@@ -386,8 +414,9 @@ static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **
         int64_t first_rows = 0;
         for (int i = 0; i < half; i++)
             first_rows += pieces[i].rows;
-        run_pieces(m, pieces, half, first_rows, batch_p, batch_cap_p);
-        run_pieces(m, pieces + half, n - half, rows - first_rows, batch_p, batch_cap_p);
+        run_pieces(m, replica, pieces, half, first_rows, batch_p, batch_cap_p);
+        run_pieces(m, replica, pieces + half, n - half, rows - first_rows, batch_p,
+                   batch_cap_p);
         return;
     }
     atomic_fetch_add(&m->n_batches, 1);
@@ -423,7 +452,38 @@ static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **
 }
 
 
-/* The loop of one worker of pool `qi` (0: online, 1: batch jobs). */
+/* This worker's own prepacked copy of the model, or NULL to forward on
+ * m->torch (not a CPU model, nothing to pack, prepack off, or it failed). */
+static md_torch_model *make_replica(md_model *m)
+{
+    if (m->prepack_max == 0)
+        return NULL;
+    md_torch_model *r = NULL;
+    size_t bytes = 0;
+    md_err err;
+    md_err_clear(&err);
+    double t0 = now_s();
+    if (md_torch_replica(m->torch, m->prepack_max, &r, &bytes, &err) != MD_OK) {
+        if (atomic_exchange(&m->prepack_warned, 1) == 0)
+            md_log(MD_LOG_WARN, "model %s version %d: forwarding without prepacking: %s",
+                   m->name, m->version, err.msg);
+        return NULL;
+    }
+    if (r)
+        atomic_fetch_add(&m->prepacked, 1);
+    if (r)
+        md_log(MD_LOG_DEBUG, "model %s version %d: a worker packed %zu bytes of linear weights "
+               "in %.1f ms", m->name, m->version, bytes, (now_s() - t0) * 1e3);
+    else if (bytes > m->prepack_max && atomic_exchange(&m->prepack_warned, 1) == 0)
+        md_log(MD_LOG_INFO, "model %s version %d: not prepacked: its linear weights are %zu "
+               "bytes, more than prepack_max_bytes (%zu)", m->name, m->version, bytes,
+               m->prepack_max);
+    return r;
+}
+
+/* The loop of one worker of pool `qi` (0: online, 1: batch jobs). Online
+ * workers make their replica before the first request; job workers when
+ * their first chunk comes (many versions never run a job). */
 static void worker_loop(md_model *m, int qi)
 {
     size_t cap_pieces = 64;
@@ -431,6 +491,8 @@ static void worker_loop(md_model *m, int qi)
     float *batch = NULL;
     size_t batch_cap = 0;
     queue *q = &m->q[qi];
+    md_torch_model *replica = qi == 0 ? make_replica(m) : NULL;
+    int replica_tried = qi == 0;
     for (;;) {
         pthread_mutex_lock(&m->mu);
         while (!q->head && !m->stopping)
@@ -440,6 +502,10 @@ static void worker_loop(md_model *m, int qi)
             pthread_mutex_unlock(&m->mu);
             free(pieces);
             free(batch);
+            if (replica) {
+                md_torch_free(replica);
+                atomic_fetch_sub(&m->prepacked, 1);
+            }
             if (last)
                 model_free(m);
             return;
@@ -531,8 +597,11 @@ static void worker_loop(md_model *m, int qi)
         }
         if (n == 0)
             continue;
-
-        run_pieces(m, pieces, n, rows, &batch, &batch_cap);
+        if (!replica_tried) {
+            replica = make_replica(m);
+            replica_tried = 1;
+        }
+        run_pieces(m, &replica, pieces, n, rows, &batch, &batch_cap);
     }
 }
 
@@ -665,6 +734,10 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
     m->timeout_ms = cfg_int(b, "timeout_ms", def->timeout_ms);
     m->workers = cfg_int(config, "workers", def->workers);
     m->job_nice = def->job_nice;
+    json_t *pp = json_object_get(config, "prepack");
+    m->prepack_max = pp && json_is_false(pp) ? 0
+                     : def->prepack_max_bytes > 0 ? (size_t)def->prepack_max_bytes
+                                                  : 0;
     const char *device = json_string_value(json_object_get(config, "device"));
 
     md_dtype in_dtype = parse_dtype(json_string_value(json_object_get(input, "dtype")));
@@ -815,7 +888,7 @@ json_t *md_model_stats(const md_model *m)
     pthread_mutex_lock(&mm->mu);
     int queued = m->q[0].count + m->q[1].count, job_chunks = m->q[1].count;
     pthread_mutex_unlock(&mm->mu);
-    return json_pack("{s:s,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:i,s:o,s:i,s:i,s:i,s:i,s:i}",
+    return json_pack("{s:s,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:i,s:o,s:i,s:i,s:i,s:i,s:i,s:i}",
                      "model", m->name,
                      "version", m->version, "batches", (json_int_t)atomic_load(&m->n_batches),
                      "rows", (json_int_t)atomic_load(&m->n_rows), "requests",
@@ -826,7 +899,8 @@ json_t *md_model_stats(const md_model *m)
                      (json_int_t)atomic_load(&m->wait_us_total), "queued", queued,
                      "queued_job_chunks", job_chunks, "batch_size_histogram", hist, "workers",
                      m->workers, "job_workers", m->workers, "job_nice", m->job_nice,
-                     "max_batch_size", m->max_batch, "max_delay_us", m->max_delay_us);
+                     "max_batch_size", m->max_batch, "max_delay_us", m->max_delay_us,
+                     "prepacked_workers", atomic_load(&m->prepacked));
 }
 
 /* The labels of one model version: model="...",version="N". */

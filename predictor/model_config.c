@@ -167,6 +167,10 @@ md_status md_model_config_check(json_t *c, md_err *err)
         } else if (strcmp(key, "workers") == 0) {
             if (!int_in(v, 1, 256))
                 return bad(err, "workers", "give an integer in 1..256");
+        } else if (strcmp(key, "prepack") == 0) {
+            if (!json_is_boolean(v))
+                return bad(err, "prepack", "give true (the default: each worker packs the "
+                                           "model's float32 linear layers once) or false");
         } else if (strcmp(key, "device") == 0) {
             const char *t = json_string_value(v);
             int ok = t && (strcmp(t, "cpu") == 0 || strcmp(t, "cuda") == 0 ||
@@ -181,7 +185,7 @@ md_status md_model_config_check(json_t *c, md_err *err)
         } else {
             return md_err_setc(err, MD_EUNPROC, "invalid_config",
                                "config has an unknown key \"%s\"; allowed: input, preprocess, "
-                               "output, labels, batching, workers, device",
+                               "output, labels, batching, workers, device, prepack",
                                key);
         }
     }

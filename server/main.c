@@ -155,6 +155,7 @@ int main(int argc, char **argv)
         .timeout_ms = cfg.timeout_ms,
         .job_nice = cfg.job_nice,
         .max_image_pixels = cfg.max_image_pixels,
+        .prepack_max_bytes = cfg.prepack_max_bytes,
     };
 
     /* Jobs start before the HTTP threads exist, so app.jobs is set (or NULL

@@ -5,6 +5,7 @@
  * The fake replaces libtorch at the module edge through the linker seam:
  * this binary must be linked with
  *     -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free
+ *     -Wl,--wrap=md_torch_replica
  * (LDFLAGS_test_batcher in the Makefile), so batcher.o's calls reach the
  * __wrap_ functions below. The fake forward records every batch (its rows and
  * the first value of each row), returns out = 2 * input (same shape), and
@@ -16,6 +17,12 @@
  * g_need_width set it fails rows of any other width, as a Linear layer does.
  * Every wait is bounded (WAIT_S) so a failure never hangs; no bound depends
  * on the machine's speed.
+ * md_torch_replica (a worker's prepacked copy) is wrapped too: a fake replica
+ * is a model of its own whose forwards are recorded as such, that fails the
+ * test if two threads ever forward on it (XNNPACK's operators keep per-call
+ * state), that can refuse to be made (g_replica_refuse) and that fails rows
+ * starting with XNNFAIL which its base model computes (an input the packed
+ * kernels refuse). Models are loaded with prepack off unless g_prepack_max.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -46,16 +53,21 @@
 #define FAIL -5555.0f    /* ... makes the forward fail */
 #define BADROWS -3333.0f /* ... makes the forward answer one row too many */
 #define WIDE -4444.0f    /* ... makes the forward answer x @ x.t(): [rows, rows] */
+#define XNNFAIL -6666.0f /* ... makes a replica's forward fail (its base computes it) */
 
 /* ---- the fake backend ---- */
 
 struct md_torch_model {
     int id;
     char path[64];
+    int replica;         /* made by md_torch_replica */
+    pthread_t owner;     /* a replica: the thread of its first forward */
+    int owned;
 };
 
 typedef struct batch_rec {
     int model;
+    int replica;         /* computed on a worker's replica */
     int64_t rows;
     float first[64]; /* first value of each of the first 64 rows */
     double t;
@@ -79,6 +91,9 @@ static int g_gate_entered;
 static int g_forward_sleep_us;
 static int64_t g_need_width;     /* nonzero: the forward fails rows of another width */
 static _Thread_local int g_loading; /* set around md_model_load: its test forward is not recorded */
+static long long g_prepack_max;  /* prepack_max_bytes of the models load_ex makes (0: off) */
+static int g_replica_refuse;     /* md_torch_replica fails */
+static int g_replica_calls, g_replicas, g_replica_frees, g_replica_shared;
 
 md_status __wrap_md_torch_load(const char *path, const char *device, md_dtype input_dtype,
                                md_torch_model **out, md_err *err);
@@ -86,6 +101,33 @@ md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const i
                                   int ndim, float **out, int64_t *out_shape, int *out_ndim,
                                   md_err *err);
 void __wrap_md_torch_free(md_torch_model *m);
+md_status __wrap_md_torch_replica(const md_torch_model *base, size_t max_weight_bytes,
+                                  md_torch_model **out, size_t *packed_bytes, md_err *err);
+
+md_status __wrap_md_torch_replica(const md_torch_model *base, size_t max_weight_bytes,
+                                  md_torch_model **out, size_t *packed_bytes, md_err *err)
+{
+    *out = NULL;
+    *packed_bytes = 1000;
+    pthread_mutex_lock(&g_mu);
+    g_replica_calls++;
+    int refuse = g_replica_refuse;
+    pthread_mutex_unlock(&g_mu);
+    if (refuse)
+        return md_err_setc(err, MD_EUNPROC, "prepack_failed", "fake prepack refused");
+    if (max_weight_bytes < 1000) /* too large to pack: nothing made */
+        return MD_OK;
+    md_torch_model *r = calloc(1, sizeof *r);
+    r->id = base->id;
+    r->replica = 1;
+    snprintf(r->path, sizeof r->path, "%s", base->path);
+    pthread_mutex_lock(&g_mu);
+    g_replicas++;
+    pthread_cond_broadcast(&g_cv);
+    pthread_mutex_unlock(&g_mu);
+    *out = r;
+    return MD_OK;
+}
 
 md_status __wrap_md_torch_load(const char *path, const char *device, md_dtype input_dtype,
                                md_torch_model **out, md_err *err)
@@ -132,8 +174,19 @@ md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const i
     int64_t rows = shape[0], per = 1;
     for (int d = 1; d < ndim; d++)
         per *= shape[d];
-    int gate = 0, fail = 0, badrows = 0, wide = 0;
+    int gate = 0, fail = 0, badrows = 0, wide = 0, xnnfail = 0;
+    if (m->replica) {
+        pthread_mutex_lock(&g_mu);
+        if (!m->owned) {
+            m->owner = pthread_self();
+            m->owned = 1;
+        } else if (!pthread_equal(m->owner, pthread_self())) {
+            g_replica_shared++;
+        }
+        pthread_mutex_unlock(&g_mu);
+    }
     for (int64_t r = 0; r < rows; r++) {
+        xnnfail |= m->replica && input[r * per] == XNNFAIL;
         gate |= input[r * per] == GATE;
         fail |= input[r * per] == FAIL;
         badrows |= input[r * per] == BADROWS;
@@ -144,6 +197,7 @@ md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const i
         if (g_nbatches < MAX_BATCHES) {
             batch_rec *b = &g_batches[g_nbatches++];
             b->model = m->id;
+            b->replica = m->replica;
             b->rows = rows;
             b->t = mono();
             for (int64_t r = 0; r < rows && r < 64; r++)
@@ -164,6 +218,8 @@ md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const i
     }
     if (fail)
         return md_err_setc(err, MD_EUNPROC, "forward_failed", "fake forward failed");
+    if (xnnfail)
+        return md_err_setc(err, MD_EUNPROC, "forward_failed", "fake replica refused the input");
     if (g_need_width && per != g_need_width)
         return md_err_setc(err, MD_EUNPROC, "forward_failed",
                            "fake forward: mat1 and mat2 shapes cannot be multiplied (%lldx%lld "
@@ -207,6 +263,13 @@ void __wrap_md_torch_free(md_torch_model *m)
     if (!m)
         return;
     pthread_mutex_lock(&g_mu);
+    if (m->replica) {
+        g_replica_frees++;
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+        free(m);
+        return;
+    }
     g_frees++;
     if (m->id < 64)
         g_free_seq[m->id] = ++g_seq;
@@ -384,7 +447,8 @@ static md_model *load_ex(const char *name, int version, const char *config, int 
                              .max_delay_us = delay_us,
                              .queue_limit = queue_limit,
                              .timeout_ms = timeout_ms,
-                             .job_nice = g_job_nice};
+                             .job_nice = g_job_nice,
+                             .prepack_max_bytes = g_prepack_max};
     char path[64];
     snprintf(path, sizeof path, "fake-%s-v%d", name, version);
     int calls_before = locked_int(&g_load_calls);
@@ -451,6 +515,9 @@ static int setup(void **state)
     g_gate_entered = 0;
     g_forward_sleep_us = 0;
     g_need_width = 0;
+    g_prepack_max = 0;
+    g_replica_refuse = 0;
+    g_replica_calls = g_replicas = g_replica_frees = g_replica_shared = 0;
     pthread_mutex_unlock(&g_mu);
     memset(g_held, 0, sizeof g_held);
     g_reg = NULL;
@@ -471,10 +538,11 @@ static int teardown(void **state)
     md_registry_free(g_reg);
     g_reg = NULL;
     int ok;
-    WAIT_FOR(ok, g_frees == g_loads, WAIT_S);
+    WAIT_FOR(ok, g_frees == g_loads && g_replica_frees == g_replicas, WAIT_S);
     if (!ok) {
-        fprintf(stderr, "teardown: %d of %d fake models freed after %.0f s\n",
-                locked_int(&g_frees), locked_int(&g_loads), WAIT_S);
+        fprintf(stderr, "teardown: %d of %d fake models and %d of %d replicas freed after "
+                "%.0f s\n", locked_int(&g_frees), locked_int(&g_loads),
+                locked_int(&g_replica_frees), locked_int(&g_replicas), WAIT_S);
         return -1;
     }
     return 0;
@@ -497,7 +565,7 @@ static void test_fake_backend_linked(void **state)
     /* a load that the backend refuses reports its message */
     md_model *bad = NULL;
     md_err err;
-    md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0};
+    md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0, 0};
     assert_int_equal(md_model_load("x", 1, "fail-me", NULL, &def, &bad, &err), MD_EUNPROC);
     assert_null(bad);
     assert_non_null(strstr(err.msg, "fake load of fail-me failed"));
@@ -1220,7 +1288,7 @@ static void test_configless_shape_learned_from_success_only(void **state)
 static void test_sizes_checked(void **state)
 {
     (void)state;
-    md_model_defaults def = {1, 4, 0, 100, 10000, 0, 0};
+    md_model_defaults def = {1, 4, 0, 100, 10000, 0, 0, 0};
     const char *huge[] = {
         "{\"input\": {\"shape\": [1073741824, 1073741824, 4]}}",
         "{\"input\": {\"shape\": [1073741824, 1073741824, 1073741824, 1073741824]}}",
@@ -1475,7 +1543,7 @@ static void test_eight_dim_row_shape(void **state)
         signal(SIGILL, SIG_DFL);
         signal(SIGFPE, SIG_DFL);
         json_t *cfg = json_loads("{\"input\": {\"shape\": [1, 1, 1, 1, 1, 1, 1, 2]}}", 0, NULL);
-        md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0};
+        md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0, 0};
         md_model *m = NULL;
         md_err err;
         g_loading = 1;
@@ -1518,6 +1586,144 @@ static void test_eight_dim_row_shape(void **state)
         fail_msg("an 8-dim row shape: the child exited %d", WEXITSTATUS(status));
 }
 
+
+/* ---- prepacked replicas ---- */
+
+/* Poll a stat (its counters are not signalled) until it reads `want`, bounded. */
+static void wait_stat(md_model *m, const char *key, json_int_t want)
+{
+    double until = mono() + WAIT_S;
+    json_int_t v;
+    while ((v = stat_int(m, key)) != want && mono() < until)
+        usleep(1000);
+    if (v != want)
+        fail_msg("stat %s is %lld after %.0f s, not %lld", key, (long long)v, WAIT_S,
+                 (long long)want);
+}
+
+static int batches_where(int replica)
+{
+    int n = 0;
+    for (int i = 0; i < g_nbatches; i++)
+        n += g_batches[i].replica == replica;
+    return n;
+}
+
+/* Each online worker makes its replica before its first request and every
+ * forward runs on one; two threads never share one; job workers make theirs
+ * at their first chunk; all are freed with the model. */
+static void test_prepack_each_worker_has_its_own_replica(void **state)
+{
+    (void)state;
+    g_prepack_max = 1 << 20;
+    md_model *m = load(ROW2, 2, 64, 0, 1000, 10000);
+    ASSERT_WAIT(g_replicas == 2);
+    wait_stat(m, "prepacked_workers", 2);
+    /* hold both online workers in a forward at once */
+    submit_ok(m, 0, 1, 2, (const float[]){GATE, 0});
+    ASSERT_WAIT(g_gate_entered == 1);
+    submit_ok(m, 1, 1, 2, (const float[]){GATE, 1});
+    ASSERT_WAIT(g_gate_entered == 2);
+    open_gate();
+    for (int i = 2; i < 200; i++)
+        submit_ok(m, i, 1, 2, (const float[]){(float)i, 1});
+    ASSERT_WAIT(reqs_done(0, 200));
+    for (int i = 2; i < 200; i++) {
+        assert_int_equal(g_req[i].st, MD_OK);
+        assert_true(g_req[i].out[0] == 2.0f * (float)i);
+    }
+    md_err err;
+    assert_int_equal(submit_prio(m, 200, 1, 2, (const float[]){7, 0}, MD_PRIO_BATCH, &err), MD_OK);
+    ASSERT_WAIT(reqs_done(200, 201));
+    assert_int_equal(g_req[200].st, MD_OK);
+    pthread_mutex_lock(&g_mu);
+    int on_base = batches_where(0), shared = g_replica_shared, made = g_replicas;
+    pthread_mutex_unlock(&g_mu);
+    assert_int_equal(on_base, 0);
+    assert_int_equal(shared, 0);
+    assert_int_equal(made, 3); /* two online workers, the job worker that ran */
+    assert_int_equal(stat_int(m, "prepacked_workers"), 3);
+    drop(m);
+    ASSERT_WAIT(g_replica_frees == 3);
+}
+
+/* config "prepack": false, prepack_max_bytes 0, or weights over the bound:
+ * no replica is used, the module itself computes */
+static void test_prepack_off(void **state)
+{
+    (void)state;
+    g_prepack_max = 1 << 20;
+    md_model *m = load("{\"input\": {\"shape\": [2]}, \"prepack\": false}", 1, 64, 0, 100, 10000);
+    submit_ok(m, 0, 1, 2, (const float[]){3, 1});
+    ASSERT_WAIT(reqs_done(0, 1));
+    g_prepack_max = 999; /* the fake's weights are 1000 bytes */
+    md_model *m2 = load_ex("m2", 1, ROW2, 1, 64, 0, 100, 10000, NULL);
+    submit_ok(m2, 1, 1, 2, (const float[]){4, 1});
+    ASSERT_WAIT(reqs_done(1, 2));
+    g_prepack_max = 0;
+    md_model *m3 = load_ex("m3", 1, ROW2, 1, 64, 0, 100, 10000, NULL);
+    submit_ok(m3, 2, 1, 2, (const float[]){5, 1});
+    ASSERT_WAIT(reqs_done(2, 3));
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(g_req[i].st, MD_OK);
+        assert_true(g_req[i].out[0] == 2.0f * (float)(i + 3));
+    }
+    pthread_mutex_lock(&g_mu);
+    int on_replica = batches_where(1), made = g_replicas, calls = g_replica_calls;
+    pthread_mutex_unlock(&g_mu);
+    assert_int_equal(on_replica, 0);
+    assert_int_equal(made, 0);
+    assert_int_equal(calls, 1); /* m2 asked, and was told its weights are too large */
+    assert_int_equal(stat_int(m, "prepacked_workers"), 0);
+    assert_int_equal(stat_int(m2, "prepacked_workers"), 0);
+}
+
+/* A replica that cannot be made: the worker forwards on the module. */
+static void test_prepack_refused_forwards_on_the_module(void **state)
+{
+    (void)state;
+    g_prepack_max = 1 << 20;
+    g_replica_refuse = 1;
+    md_model *m = load(ROW2, 1, 64, 0, 100, 10000);
+    submit_ok(m, 0, 1, 2, (const float[]){6, 1});
+    ASSERT_WAIT(reqs_done(0, 1));
+    assert_int_equal(g_req[0].st, MD_OK);
+    assert_true(g_req[0].out[0] == 12.0f);
+    assert_int_equal(locked_int(&g_replica_calls), 1);
+    assert_int_equal(stat_int(m, "prepacked_workers"), 0);
+}
+
+/* A replica's forward that fails where the module succeeds: the request is
+ * answered by the module, and that worker drops its replica for good. A
+ * request the module fails too still fails, with the module's reason. */
+static void test_prepack_forward_falls_back(void **state)
+{
+    (void)state;
+    g_prepack_max = 1 << 20;
+    md_model *m = load(ROW2, 1, 64, 0, 100, 10000);
+    wait_stat(m, "prepacked_workers", 1);
+    submit_ok(m, 0, 1, 2, (const float[]){FAIL, 1});
+    ASSERT_WAIT(reqs_done(0, 1));
+    assert_int_equal(g_req[0].st, MD_EUNPROC);
+    assert_string_equal(g_req[0].msg, "fake forward failed");
+    assert_int_equal(stat_int(m, "prepacked_workers"), 1); /* the module failed too: kept */
+    submit_ok(m, 1, 1, 2, (const float[]){XNNFAIL, 1});
+    ASSERT_WAIT(reqs_done(1, 2));
+    assert_int_equal(g_req[1].st, MD_OK);
+    assert_true(g_req[1].out[0] == 2.0f * XNNFAIL);
+    assert_int_equal(stat_int(m, "prepacked_workers"), 0);
+    ASSERT_WAIT(g_replica_frees == 1);
+    int before = locked_int(&g_nbatches);
+    submit_ok(m, 2, 1, 2, (const float[]){8, 1});
+    ASSERT_WAIT(reqs_done(2, 3));
+    pthread_mutex_lock(&g_mu);
+    int last_on_replica = g_batches[g_nbatches - 1].replica, n = g_nbatches;
+    pthread_mutex_unlock(&g_mu);
+    assert_int_equal(n, before + 1);
+    assert_int_equal(last_on_replica, 0);
+    assert_true(g_req[2].out[0] == 16.0f);
+}
+
 int main(void)
 {
     pthread_condattr_t ca;
@@ -1528,7 +1734,7 @@ int main(void)
     /* without the linker seam every test would fail the same way: say so once */
     md_model *probe = NULL;
     md_err perr;
-    md_model_defaults pdef = {1, 1, 0, 1, 1000, 0, 0};
+    md_model_defaults pdef = {1, 1, 0, 1, 1000, 0, 0, 0};
     md_model_load("probe", 1, "fail-probe", NULL, &pdef, &probe, &perr);
     if (g_load_calls == 0) {
         fprintf(stderr, "test_batcher: the fake backend is not linked in; link with "
@@ -1567,6 +1773,10 @@ int main(void)
         T(test_concurrent_submitters),
         T(test_release_drains_queue),
         T(test_eight_dim_row_shape),
+        T(test_prepack_each_worker_has_its_own_replica),
+        T(test_prepack_off),
+        T(test_prepack_refused_forwards_on_the_module),
+        T(test_prepack_forward_falls_back),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
