@@ -9,7 +9,9 @@
  *    "rows":...,"rows_per_s":...,"forwards_per_s":...,"p50_ms":...,"p99_ms":...}
  *
  * Each thread runs single-threaded forwards (intra-op 1, OpenBLAS 1), the
- * way modeld runs one worker per core, so rows_per_s is what the machine can
+ * way modeld runs one worker per core, on its own prepacked copy of the
+ * model (md_torch_replica, as each modeld worker makes one; --prepack-max-bytes
+ * as modeld's setting, 0 = forward on the loaded module as PyTorch would), so rows_per_s is what the machine can
  * do when the model is the only work. Input values are uniform in [0,1):
  * already scaled, as modeld's preprocess.scale would leave them.
  *
@@ -60,6 +62,23 @@ typedef struct worker {
     md_err err;
 } worker;
 
+static size_t g_prepack_max = 268435456; /* --prepack-max-bytes, modeld's default */
+static int g_prepacked = -1;             /* whether thread 0 got a replica (for the report) */
+
+/* The model a thread forwards on: its own replica when one can be made. */
+static md_torch_model *thread_model(md_torch_model *base, md_torch_model **mine)
+{
+    *mine = NULL;
+    size_t bytes = 0;
+    md_err err;
+    md_err_clear(&err);
+    if (g_prepack_max > 0 && md_torch_replica(base, g_prepack_max, mine, &bytes, &err) != MD_OK)
+        fprintf(stderr, "inprocess: not prepacked: %s\n", err.msg);
+    if (g_prepacked < 0)
+        g_prepacked = *mine != NULL;
+    return *mine ? *mine : base;
+}
+
 static double now_s(void)
 {
     struct timespec ts;
@@ -98,6 +117,8 @@ static int run_forward(worker *w, const float *in, double *ms)
 static void *worker_main(void *arg)
 {
     worker *w = arg;
+    md_torch_model *mine;
+    w->model = thread_model(w->model, &mine);
     size_t n = (size_t)(w->batch * w->features);
     float *in = malloc(n * sizeof(float));
     if (!in) {
@@ -139,6 +160,7 @@ static void *worker_main(void *arg)
         w->forwards++;
     }
     free(in);
+    md_torch_free(mine);
     return NULL;
 }
 
@@ -272,13 +294,18 @@ static int run_images(md_torch_model *model, const char *dir, long threads)
                        .max_pixels = MD_IMAGE_MAX_PIXELS_DEFAULT};
     img_worker ws[MAX_THREADS];
     memset(ws, 0, sizeof ws);
+    /* each thread's replica is made before the clock starts, as modeld's
+     * workers make theirs at load */
+    md_torch_model *mine[MAX_THREADS] = {0}, *use[MAX_THREADS];
+    for (long t = 0; t < threads; t++)
+        use[t] = thread_model(model, &mine[t]);
     /* warm-up forwards: the profiling executor optimizes after the first runs */
-    img_worker warm = {.model = model, .v = l.v, .from = 0, .to = l.n < 256 ? l.n : 256, .o = &o};
+    img_worker warm = {.model = use[0], .v = l.v, .from = 0, .to = l.n < 256 ? l.n : 256, .o = &o};
     img_worker_main(&warm);
     double t0 = now_s();
     int rc = 0;
     for (long t = 0; t < threads; t++) {
-        ws[t] = (img_worker){.model = model, .v = l.v, .o = &o,
+        ws[t] = (img_worker){.model = use[t], .v = l.v, .o = &o,
                              .from = l.n * (size_t)t / (size_t)threads,
                              .to = l.n * (size_t)(t + 1) / (size_t)threads};
         if (pthread_create(&ws[t].tid, NULL, img_worker_main, &ws[t]) != 0)
@@ -298,14 +325,16 @@ static int run_images(md_torch_model *model, const char *dir, long threads)
     if (rc == 0)
         printf("{\"bench\":\"inprocess_images\",\"images\":%zu,\"threads\":%ld,"
                "\"seconds\":%.3f,\"rows_per_s\":%.1f,\"decode_us_per_image\":%.2f,"
-               "\"forward_us_per_image\":%.2f}\n",
+               "\"forward_us_per_image\":%.2f,\"prepacked\":%s}\n",
                l.n, threads, wall, (double)l.n / wall, decode / (double)l.n * 1e6,
-               forward / (double)l.n * 1e6);
+               forward / (double)l.n * 1e6, g_prepacked > 0 ? "true" : "false");
     for (size_t i = 0; i < l.n; i++) {
         free(l.v[i].path);
         free(l.v[i].data);
     }
     free(l.v);
+    for (long t = 0; t < threads; t++)
+        md_torch_free(mine[t]);
     return rc;
 }
 
@@ -335,6 +364,8 @@ static void usage(FILE *f)
                "  --features  values per row (default 784)\n"
                "  --device    cpu, cuda, cuda:N or auto, as a model's config says (default cpu)\n"
                "  --images    a folder of PNG/JPEG files: decode (mode L, 28x28) and forward them\n"
+               "  --prepack-max-bytes  each thread packs linear weights up to this size, as\n"
+               "              modeld's workers do (default 268435456; 0 = plain module)\n"
                "              in batches of 64 instead (the image-folder job's work)\n");
 }
 
@@ -400,6 +431,8 @@ int main(int argc, char **argv)
             device = v;
         else if (strcmp(a, "--images") == 0)
             images_dir = v;
+        else if (strcmp(a, "--prepack-max-bytes") == 0 && v)
+            g_prepack_max = (size_t)strtoull(v, NULL, 10);
         else {
             usage(stderr);
             return 2;
@@ -478,10 +511,12 @@ int main(int argc, char **argv)
                 int64_t rows = forwards * batches[b];
                 printf("{\"bench\":\"inprocess\",\"batch\":%lld,\"threads\":%ld,"
                        "\"seconds\":%.2f,\"forwards\":%lld,\"rows\":%lld,\"rows_per_s\":%.1f,"
-                       "\"forwards_per_s\":%.1f,\"p50_ms\":%.3f,\"p99_ms\":%.3f}\n",
+                       "\"forwards_per_s\":%.1f,\"p50_ms\":%.3f,\"p99_ms\":%.3f,"
+                       "\"prepacked\":%s}\n",
                        (long long)batches[b], threads, seconds, (long long)forwards,
                        (long long)rows, (double)rows / seconds, (double)forwards / seconds,
-                       percentile(all, total_n, 50), percentile(all, total_n, 99));
+                       percentile(all, total_n, 50), percentile(all, total_n, 99),
+                       g_prepacked > 0 ? "true" : "false");
                 fflush(stdout);
                 free(all);
             }

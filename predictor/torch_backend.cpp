@@ -17,6 +17,7 @@
 #include <torch/cuda.h>
 #include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/ir/subgraph_matcher.h>
+#include <torch/csrc/jit/passes/constant_propagation.h>
 #include <torch/csrc/jit/passes/subgraph_rewrite.h>
 #include <torch/csrc/jit/passes/xnnpack_rewrite.h>
 #include <caffe2/serialize/inline_container.h>
@@ -426,8 +427,14 @@ graph(%input, %weight, %bias):
                                   R"(
 graph(%input, %weight, %bias):
     %none : None = prim::Constant()
+    %one : int = prim::Constant[value=1]()
+    %last : int = prim::Constant[value=-1]()
+    %width : int = aten::size(%weight, %one)
+    %sizes : int[] = prim::ListConstruct(%width)
+    %parts : Tensor[] = aten::split_with_sizes(%input, %sizes, %last)
+    %x : Tensor = prim::ListUnpack(%parts)
     %ctx = prepacked::linear_clamp_prepack(%weight, %bias, %none, %none)
-    %r = prepacked::linear_clamp_run(%input, %ctx)
+    %r = prepacked::linear_clamp_run(%x, %ctx)
     return (%r))");
         rw.runOnGraph(graph, [](const torch::jit::Match &match,
                                 const std::unordered_map<std::string, torch::jit::Value *> &vm) {
@@ -435,6 +442,14 @@ graph(%input, %weight, %bias):
             return constant_f32_matrix(match.values_map.at(vm.at("weight")), &b) &&
                    constant_f32_bias(match.values_map.at(vm.at("bias")));
         });
+        /* XNNPACK's linear (libtorch 1.13) never compares the input's last
+         * dimension with the weight's: a row of another width would be read
+         * past its end. split_with_sizes([in_features]) is an exact check
+         * (its sizes must sum to that dimension) that returns a view; the
+         * size becomes a constant below. A mismatch fails the forward, and
+         * the worker then answers with the module's own reason (the
+         * fallback in batcher.c), as PyTorch would say it. */
+        torch::jit::ConstantPropagation(graph);
         /* a ReLU or hardtanh after a linear becomes its output clamp, then
          * the packing runs once, here, and its result is a constant */
         torch::jit::fusePrePackedLinearConvWithClamp(frozen);

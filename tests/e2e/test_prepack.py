@@ -215,3 +215,30 @@ def test_prepack_must_be_a_boolean(server, value):
     assert err["code"] == "invalid_config", err
     assert "prepack" in err["message"] and "true" in err["message"], err
     assert server.get("/models/fashion").status_code == 404
+
+
+def test_rows_of_another_width_are_refused_not_read_past_their_end(server, tmp_path):
+    """libtorch 1.13's XNNPACK linear never compares the input's width with the
+    weight's, so a row of 3 values into Linear(4, 3) would be read past its
+    end; the packed copy checks the width, and the answer is PyTorch's own
+    error. The worker keeps its packed copy (the module fails such rows too)."""
+    torch.manual_seed(6)
+    path = tmp_path / "lin.pt"
+    torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()).eval()).save(
+        str(path))
+    # no input.shape: a model learns its row width from its first successful
+    # forward, so until then rows of any width reach the forward
+    deployed(server, "lin", path, {})
+    good = np.random.default_rng(7).standard_normal((2, 4)).astype(np.float32)
+    assert prepacked_workers(server, "lin", 2) == 2
+    for width in (1, 3, 5, 8):
+        r = requests.post(server.url + "/models/lin/predict",
+                          data=json.dumps({"instances": [[0.5] * width] * 2}),
+                          headers={"Content-Type": "application/json"}, timeout=30 * TSCALE)
+        assert r.status_code == 422, (width, r.text)
+        msg = r.json()["error"]["message"]
+        assert "mat1 and mat2 shapes cannot be multiplied" in msg, (width, msg)
+    np.testing.assert_allclose(predict(server, "lin", good.tolist()), eager(path, good),
+                               rtol=1e-5, atol=1e-6)
+    assert prepacked_workers(server, "lin") == 2
+    assert "forwarding without prepacking" not in server.stderr
