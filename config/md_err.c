@@ -314,3 +314,22 @@ void md_now_iso(char out[32])
     size_t n = strftime(out, 32, "%Y-%m-%dT%H:%M:%S", &tm);
     snprintf(out + n, 32 - n, ".%03ldZ", ts.tv_nsec / 1000000L);
 }
+
+#include <errno.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+void md_thread_nice(int steps, const char *who)
+{
+    if (steps <= 0)
+        return;
+    errno = 0;
+    int base = getpriority(PRIO_PROCESS, 0);
+    if (errno)
+        base = 0;
+    int target = base + steps > 19 ? 19 : base + steps;
+    if (target > base && setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), target) != 0)
+        md_log(MD_LOG_WARN, "%s: cannot lower the priority to nice %d: %s", who, target,
+               strerror(errno));
+}

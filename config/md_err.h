@@ -140,6 +140,13 @@ void md_log(md_log_level level, const char *fmt, ...) __attribute__((format(prin
  * "2024-01-31T12:00:00.000Z", the form every timestamp in the store and the
  * API takes. Thread-safe. */
 void md_now_iso(char out[32]);
+
+/* Lower the calling thread's priority `steps` nice levels below the
+ * process's own (under `nice -n 10 modeld` too), capped at 19: batch work
+ * that yields the CPU to online work. steps <= 0 changes nothing. A refusal
+ * by the kernel is logged as a warning naming `who` ("model fashion: the job
+ * workers"). */
+void md_thread_nice(int steps, const char *who);
 #ifdef __cplusplus
 }
 #endif

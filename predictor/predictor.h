@@ -96,6 +96,12 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
 void md_model_retain(md_model *m);
 void md_model_release(md_model *m);
 
+/* Wait until every worker thread of every model has exited (after the last
+ * releases), at most timeout_s; returns how many are still alive. main()
+ * calls it before returning: exit() must not run libtorch's destructors
+ * under a worker still inside libtorch. Thread-safe. */
+int md_models_wait_stopped(double timeout_s);
+
 /* The accessors below read fields fixed at load (name, version, max_batch,
  * labels, logits), the input shape (published once, with release/acquire)
  * or atomic counters: thread-safe for any caller holding a reference. */
