@@ -3,7 +3,9 @@
 #
 # On loopback only, in about 2 minutes:
 #   1. in-process ceiling: build/bench/inprocess runs md_torch_forward on the
-#      FashionMNIST model from one thread per core (batch 64, then batch 1);
+#      FashionMNIST model from one thread per core (batch 64, then batch 1),
+#      each thread on its own prepacked copy (md_torch_replica), as each
+#      modeld worker forwards;
 #   2. modeld (temp store, access log off, workers = cores) with the model
 #      deployed: wrk POSTs a 1-row JSON body (32 connections), a 64-row JSON
 #      body and a 64-row NPY body (8 connections) to /models/fashion/predict.
@@ -565,6 +567,9 @@ core = os.environ.get("BENCH_OPENBLAS_CORE") or "unknown"
 print(f"OpenBLAS sgemm kernel: {core}"
       + (" (a generic SSE3 fallback: OPENBLAS_CORETYPE=SkylakeX makes forward several times faster "
          "on AVX-512 CPUs)" if core == "Prescott" and not os.environ.get("OPENBLAS_CORETYPE") else ""))
+prepacked = inproc_a[0].get("prepacked")
+print("linear layers prepacked (XNNPACK, one copy per worker / thread), in modeld and in the "
+      f"in-process ceiling alike: {'yes' if prepacked else 'no'}")
 print("cpu srv/wrk/other: CPU cores used during the run by the server / wrk / everything else "
       f"(other tenants); the machine has {cores}")
 print()
