@@ -101,7 +101,8 @@ static const setting settings[] = {
      "each worker of a CPU model packs its float32 linear layers once (XNNPACK) instead of "
      "the BLAS packing them on every forward: 2-3x faster forwards of 1-16 rows; a model "
      "whose linear weights are larger is not packed, since each worker holds its own copy "
-     "(0 = never; a version opts out with config \"prepack\": false)"},
+     "(a bound per copy: online and job workers may hold 2 x workers copies; 0 = never; a "
+     "version opts out with config \"prepack\": false)"},
     {"job_nice", T_INT, OFF(job_nice), 0, 19, "19", NULL,
      "nice of the workers computing batch jobs: 0 = equal to online work, 19 = spare CPU only"},
     {"job_max_files", T_INT, OFF(job_max_files), 1, 100000000, "1000000", NULL,

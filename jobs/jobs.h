@@ -121,11 +121,9 @@ typedef void (*md_default_moved)(void *ctx, const char *name, int version);
  * test_chunk_delay_ms (for tests only, else 0): commit after every chunk and
  * pause this long after each, so a test can act in the middle of a job.
  * image_max_files and image_max_bytes bound images inputs (md_reader_opts'
- * max_files and max_file_bytes; 0: the defaults). The runners run job_nice
- * nice levels below the process (md_thread_nice), as the job workers do.
+ * max_files and max_file_bytes; 0: the defaults).
  */
-md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int job_nice,
-                        int test_chunk_delay_ms,
+md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_chunk_delay_ms,
                         int64_t image_max_files, long long image_max_bytes,
                         const md_fetch_opts *fetch, md_model_resolver resolve,
                         md_default_moved moved, void *resolve_ctx, md_jobs **out, md_err *err);

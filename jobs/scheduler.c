@@ -70,7 +70,6 @@ struct md_jobs {
     char owner[160];      /* this process in jobs.owner: "host|pid|nonce" */
     char host[128];
     double lease_s;
-    int job_nice;         /* the runners' nice, as the job workers' (job_nice) */
     int chunk_delay_ms;   /* for tests only: pause after each committed chunk */
     int64_t image_max_files;     /* images inputs: entries listed at most */
     long long image_max_bytes;   /* images inputs: the largest file read */
@@ -923,11 +922,6 @@ static void *runner_main(void *arg)
     char tname[16];
     snprintf(tname, sizeof tname, "md-job%d", slot);
     pthread_setname_np(pthread_self(), tname);
-    /* a runner reads, decodes and inflates the dataset and writes the
-     * output: batch work, at the job workers' priority, so it takes no CPU
-     * from online requests (measured: 1-row p99 6.6 ms during a job with
-     * the runner at nice 0). Its lease keeper stays at the process's. */
-    md_thread_nice(J->job_nice, "jobs: a runner");
     while (!atomic_load(&J->stopping)) {
         /* the oldest job nobody (alive) holds: made here, through another
          * replica, or left by a process that stopped or died */
@@ -1002,8 +996,7 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
     return md_store_job_request_cancel(J->store, id, &now, err);
 }
 
-md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int job_nice,
-                        int test_chunk_delay_ms,
+md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_chunk_delay_ms,
                         int64_t image_max_files, long long image_max_bytes,
                         const md_fetch_opts *fetch, md_model_resolver resolve,
                         md_default_moved moved, void *ctx,
@@ -1020,7 +1013,6 @@ md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int job_n
     J->moved = moved;
     J->resolve_ctx = ctx;
     J->lease_s = lease_s > 0 ? lease_s : 30;
-    J->job_nice = job_nice;
     J->chunk_delay_ms = test_chunk_delay_ms > 0 ? test_chunk_delay_ms : 0;
     J->image_max_files = image_max_files;
     J->image_max_bytes = image_max_bytes;

@@ -115,7 +115,8 @@ struct md_model {
     json_t *labels;
     int max_batch, max_delay_us, queue_limit, timeout_ms, workers, job_nice;
     size_t prepack_max;        /* md_torch_replica's bound; 0: workers forward on torch */
-    atomic_int prepack_warned; /* the fallback to torch is logged once */
+    atomic_int prepack_logged; /* make_replica's refusal or size bound is logged once */
+    atomic_int fallback_logged; /* forward's fallback to torch is logged once */
     atomic_int prepacked;      /* workers forwarding on a replica now (stats) */
     md_image_opts image; /* preprocess.image, when has_image */
     int has_image;
@@ -319,7 +320,7 @@ static md_status forward(md_model *m, md_torch_model **replica, const float *inp
     md_err rerr = *err;
     st = md_torch_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
     if (st == MD_OK) {
-        if (atomic_exchange(&m->prepack_warned, 1) == 0)
+        if (atomic_exchange(&m->fallback_logged, 1) == 0)
             md_log(MD_LOG_WARN, "model %s version %d: the prepacked forward failed where the "
                    "model's own succeeded (%s); forwarding without prepacking",
                    m->name, m->version, rerr.msg);
@@ -489,13 +490,20 @@ static md_torch_model *make_replica(md_model *m)
 {
     if (m->prepack_max == 0)
         return NULL;
+    /* released before its workers got here (a SIGTERM right after a
+     * deploy): no freeze, so the exit is not kept waiting */
+    pthread_mutex_lock(&m->mu);
+    int stopping = m->stopping;
+    pthread_mutex_unlock(&m->mu);
+    if (stopping)
+        return NULL;
     md_torch_model *r = NULL;
     size_t bytes = 0;
     md_err err;
     md_err_clear(&err);
     double t0 = now_s();
     if (md_torch_replica(m->torch, m->prepack_max, &r, &bytes, &err) != MD_OK) {
-        if (atomic_exchange(&m->prepack_warned, 1) == 0)
+        if (atomic_exchange(&m->prepack_logged, 1) == 0)
             md_log(MD_LOG_WARN, "model %s version %d: forwarding without prepacking: %s",
                    m->name, m->version, err.msg);
         return NULL;
@@ -505,7 +513,7 @@ static md_torch_model *make_replica(md_model *m)
     if (r)
         md_log(MD_LOG_DEBUG, "model %s version %d: a worker packed %zu bytes of linear weights "
                "in %.1f ms", m->name, m->version, bytes, (now_s() - t0) * 1e3);
-    else if (bytes > m->prepack_max && atomic_exchange(&m->prepack_warned, 1) == 0)
+    else if (bytes > m->prepack_max && atomic_exchange(&m->prepack_logged, 1) == 0)
         md_log(MD_LOG_INFO, "model %s version %d: not prepacked: its linear weights are %zu "
                "bytes, more than prepack_max_bytes (%zu)", m->name, m->version, bytes,
                m->prepack_max);
@@ -529,14 +537,18 @@ static void worker_loop(md_model *m, int qi)
         while (!q->head && !m->stopping)
             pthread_cond_wait(&m->cv[qi], &m->mu);
         if (!q->head) {
-            int last = --m->live_workers == 0;
             pthread_mutex_unlock(&m->mu);
-            free(pieces);
-            free(batch);
+            /* the replica goes first: once live_workers is down, the last
+             * worker may free m (review: a use-after-free of m->prepacked) */
             if (replica) {
                 md_torch_free(replica);
                 atomic_fetch_sub(&m->prepacked, 1);
             }
+            free(pieces);
+            free(batch);
+            pthread_mutex_lock(&m->mu);
+            int last = --m->live_workers == 0;
+            pthread_mutex_unlock(&m->mu);
             if (last)
                 model_free(m);
             live_add(-1);

@@ -16,9 +16,7 @@
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
 #include <torch/csrc/jit/api/module.h>
-#include <torch/csrc/jit/ir/subgraph_matcher.h>
-#include <torch/csrc/jit/passes/constant_propagation.h>
-#include <torch/csrc/jit/passes/subgraph_rewrite.h>
+#include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/passes/xnnpack_rewrite.h>
 #include <caffe2/serialize/inline_container.h>
 #ifdef WITH_CUDA
@@ -32,6 +30,16 @@ struct md_torch_model {
     torch::Device device;
     torch::ScalarType dtype;
     std::string device_name;
+    md_torch_model(torch::jit::script::Module m, torch::Device d, torch::ScalarType t,
+                   std::string name)
+        : module(std::move(m)), device(d), dtype(t), device_name(std::move(name))
+    {
+    }
+    /* md_torch_replica: one at a time per model, and its verdict when there
+     * is nothing to pack (-1), so later workers skip the freeze */
+    mutable std::mutex replica_mu;
+    mutable int replica_verdict = 0;
+    mutable size_t verdict_bytes = 0;
 };
 
 static torch::ScalarType scalar_type(md_dtype d)
@@ -357,9 +365,9 @@ extern "C" void md_torch_free(md_torch_model *m) { delete m; }
  * OpenBLAS's sgemm packs the whole weight matrix on every call, which at
  * batches of 1 to 16 rows costs more than the arithmetic (measured on the
  * FashionMNIST MLP: 197 -> 58 us a forward at batch 1, 315 -> 126 at 8,
- * 664 -> 598 at 64). A weight computed in forward is left to aten::linear:
- * packing it on every call would be slower. */
-static bool constant_f32_matrix(torch::jit::Value *v, size_t *bytes)
+ * 664 -> 598 at 64 on one thread). A weight computed in forward is left to
+ * aten::linear: packing it on every call would be slower. */
+static bool constant_f32_matrix(torch::jit::Value *v, size_t *bytes, int64_t *width)
 {
     if (v->node()->kind() != c10::prim::Constant)
         return false;
@@ -367,9 +375,11 @@ static bool constant_f32_matrix(torch::jit::Value *v, size_t *bytes)
     if (!iv || !iv->isTensor())
         return false;
     const torch::Tensor &t = iv->toTensor();
-    if (t.dim() != 2 || t.scalar_type() != torch::kFloat32 || !t.device().is_cpu())
+    if (t.dim() != 2 || t.scalar_type() != torch::kFloat32 || !t.device().is_cpu() ||
+        t.size(0) == 0 || t.size(1) == 0)
         return false;
     *bytes += (size_t)t.numel() * sizeof(float);
+    *width = t.size(1);
     return true;
 }
 
@@ -388,6 +398,48 @@ static bool constant_f32_bias(torch::jit::Value *v)
     return t.dim() == 1 && t.scalar_type() == torch::kFloat32 && t.device().is_cpu();
 }
 
+/* Whether `n` is a linear this file packs; adds its weight bytes and width. */
+static bool packable(torch::jit::Node *n, size_t *bytes, int64_t *width)
+{
+    return n->kind() == c10::aten::linear && n->inputs().size() == 3 &&
+           constant_f32_matrix(n->input(1), bytes, width) && constant_f32_bias(n->input(2));
+}
+
+/*
+ * Replace the linear node `n` in place: the new nodes go exactly where it
+ * was, so an in-place write to its input before it (x[:, 0] = 42) or after
+ * it keeps its order (a pattern rewriter would put them after the input's
+ * definition, before such a write: seen in review). They are
+ *   parts = aten::split_with_sizes(x, [width], -1); x2 = prim::ListUnpack(parts)
+ *   ctx = prepacked::linear_clamp_prepack(w, b, None, None)
+ *   y = prepacked::linear_clamp_run(x2, ctx)
+ * XNNPACK's linear (libtorch 1.13) never compares the input's last dimension
+ * with the weight's, and reads a narrower row past its end:
+ * split_with_sizes([width]) is an exact check (its sizes must sum to that
+ * dimension) that returns a view. A mismatch fails the forward, and the
+ * worker answers with the module's own reason (the fallback in batcher.c).
+ */
+static void pack_linear(torch::jit::Graph &g, torch::jit::Node *n, int64_t width)
+{
+    torch::jit::WithInsertPoint at(n);
+    torch::jit::Value *x = n->input(0), *w = n->input(1), *b = n->input(2);
+    torch::jit::Value *parts = g.insert(
+        c10::aten::split_with_sizes,
+        {torch::jit::NamedValue(x), torch::jit::NamedValue(c10::IValue(std::vector<int64_t>{width})),
+         torch::jit::NamedValue(c10::IValue((int64_t)-1))});
+    torch::jit::Value *x2 = g.insertNode(g.createListUnpack(parts, 1))->output();
+    torch::jit::Value *none = g.insertConstant(c10::IValue());
+    torch::jit::Value *ctx =
+        g.insert(c10::Symbol::fromQualString("prepacked::linear_clamp_prepack"),
+                 {torch::jit::NamedValue(w), torch::jit::NamedValue(b),
+                  torch::jit::NamedValue(none), torch::jit::NamedValue(none)});
+    torch::jit::Value *y =
+        g.insert(c10::Symbol::fromQualString("prepacked::linear_clamp_run"),
+                 {torch::jit::NamedValue(x2), torch::jit::NamedValue(ctx)});
+    n->output()->replaceAllUsesWith(y);
+    n->destroy();
+}
+
 extern "C" md_status md_torch_replica(const md_torch_model *base, size_t max_weight_bytes,
                                       md_torch_model **out, size_t *packed_bytes, md_err *err)
 {
@@ -395,79 +447,56 @@ extern "C" md_status md_torch_replica(const md_torch_model *base, size_t max_wei
     *packed_bytes = 0;
     if (!base->device.is_cpu())
         return MD_OK;
+    /* one replica at a time per model: a clone registers its types in the
+     * model's own compilation unit (each torch::jit::load makes its own),
+     * which is not safe to change from two threads at once */
+    std::lock_guard<std::mutex> lock(base->replica_mu);
+    if (base->replica_verdict < 0) { /* a worker found nothing to pack, or too much */
+        *packed_bytes = base->verdict_bytes;
+        return MD_OK;
+    }
     try {
-        /* a clone registers its types in the module's compilation unit,
-         * which is not safe to change from two threads at once */
-        static std::mutex clone_mu;
-        std::lock_guard<std::mutex> lock(clone_mu);
         torch::NoGradGuard no_grad;
         /* freeze: attributes become graph constants; optimize_numerics off
          * keeps the graph's arithmetic as written (no conv-bn folding) */
         torch::jit::Module frozen = torch::jit::freeze(base->module, c10::nullopt, false);
         std::shared_ptr<torch::jit::Graph> graph = frozen.get_method("forward").graph();
+        /* the top-level block only: a linear inside an If or a Loop runs as
+         * written (counted and packed by the same walk) */
+        std::vector<std::pair<torch::jit::Node *, int64_t>> todo;
         size_t bytes = 0;
-        int layers = 0;
-        for (torch::jit::Node *n : graph->nodes()) /* top level only, as the rewrite */
-            if (n->kind() == c10::aten::linear && n->inputs().size() == 3) {
-                size_t b = 0;
-                if (constant_f32_matrix(n->input(1), &b) && constant_f32_bias(n->input(2))) {
-                    bytes += b;
-                    layers++;
-                }
-            }
-        if (layers == 0 || bytes > max_weight_bytes) {
-            *packed_bytes = bytes;
+        for (torch::jit::Node *n : graph->nodes()) {
+            int64_t width = 0;
+            if (packable(n, &bytes, &width))
+                todo.emplace_back(n, width);
+        }
+        *packed_bytes = bytes;
+        if (todo.empty() || bytes > max_weight_bytes) {
+            base->replica_verdict = -1;
+            base->verdict_bytes = bytes;
             return MD_OK;
         }
-        torch::jit::SubgraphRewriter rw;
-        rw.RegisterRewritePattern(R"(
-graph(%input, %weight, %bias):
-    %r = aten::linear(%input, %weight, %bias)
-    return (%r))",
-                                  R"(
-graph(%input, %weight, %bias):
-    %none : None = prim::Constant()
-    %one : int = prim::Constant[value=1]()
-    %last : int = prim::Constant[value=-1]()
-    %width : int = aten::size(%weight, %one)
-    %sizes : int[] = prim::ListConstruct(%width)
-    %parts : Tensor[] = aten::split_with_sizes(%input, %sizes, %last)
-    %x : Tensor = prim::ListUnpack(%parts)
-    %ctx = prepacked::linear_clamp_prepack(%weight, %bias, %none, %none)
-    %r = prepacked::linear_clamp_run(%x, %ctx)
-    return (%r))");
-        rw.runOnGraph(graph, [](const torch::jit::Match &match,
-                                const std::unordered_map<std::string, torch::jit::Value *> &vm) {
-            size_t b = 0;
-            return constant_f32_matrix(match.values_map.at(vm.at("weight")), &b) &&
-                   constant_f32_bias(match.values_map.at(vm.at("bias")));
-        });
-        /* XNNPACK's linear (libtorch 1.13) never compares the input's last
-         * dimension with the weight's: a row of another width would be read
-         * past its end. split_with_sizes([in_features]) is an exact check
-         * (its sizes must sum to that dimension) that returns a view; the
-         * size becomes a constant below. A mismatch fails the forward, and
-         * the worker then answers with the module's own reason (the
-         * fallback in batcher.c), as PyTorch would say it. */
-        torch::jit::ConstantPropagation(graph);
-        /* a ReLU or hardtanh after a linear becomes its output clamp, then
-         * the packing runs once, here, and its result is a constant */
+        for (auto &t : todo)
+            pack_linear(*graph, t.first, t.second);
+        /* a ReLU or hardtanh right after a linear becomes its output clamp,
+         * then the packing runs once, here, and its result is a constant */
         torch::jit::fusePrePackedLinearConvWithClamp(frozen);
         torch::jit::FoldPrePackingOps(frozen);
         md_torch_model *m = new (std::nothrow) md_torch_model{std::move(frozen), base->device,
                                                               base->dtype, base->device_name};
         if (!m)
             return md_err_set(err, MD_ENOMEM, "out of memory for a worker's copy of the model");
-        *packed_bytes = bytes;
         *out = m;
         return MD_OK;
     } catch (const std::bad_alloc &) {
         return md_err_set(err, MD_ENOMEM, "out of memory for a worker's copy of the model");
     } catch (const std::exception &e) {
+        base->replica_verdict = -1; /* the same for every worker: try once */
         set_torch_err(err, MD_EUNPROC, "the model's linear layers could not be prepacked",
                       error_text(e));
         return MD_EUNPROC;
     } catch (...) {
+        base->replica_verdict = -1;
         return md_err_set(err, MD_EUNPROC, "the model's linear layers could not be prepacked");
     }
 }

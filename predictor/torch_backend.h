@@ -67,8 +67,9 @@ void md_torch_free(md_torch_model *m);
 
 /*
  * A copy of `base` for ONE worker thread, frozen, with its linear layers
- * prepacked: each aten::linear of the forward graph whose weight is a
- * float32 CPU constant runs as XNNPACK's prepacked linear (weights packed
+ * prepacked: each aten::linear of the forward graph's top-level block (not
+ * inside an If or a Loop) whose weight is a float32 CPU constant runs as
+ * XNNPACK's prepacked linear, behind an exact check of the input's width (weights packed
  * once here instead of by the BLAS on every call: 2-3x faster forwards at
  * 1-16 rows, ~10% at 64). The results differ from `base`'s by float
  * rounding, and a row's result no longer depends on the rows batched with
@@ -79,7 +80,8 @@ void md_torch_free(md_torch_model *m);
  * replica holds its own packed copy); `*packed_bytes` says how many bytes
  * of weights were (or would have been) packed. MD_EUNPROC/MD_ENOMEM when
  * libtorch refuses: forward on `base` then. Reads `base` only (safe beside
- * forwards on it).
+ * forwards on it); calls on one `base` run one at a time, and once one found
+ * nothing to pack (or failed) the later ones answer at once.
  */
 md_status md_torch_replica(const md_torch_model *base, size_t max_weight_bytes,
                            md_torch_model **out, size_t *packed_bytes, md_err *err);

@@ -161,8 +161,7 @@ int main(int argc, char **argv)
     /* Jobs start before the HTTP threads exist, so app.jobs is set (or NULL
      * for good, answered 503) before any handler can read it. */
     md_fetch_opts job_fetch = md_fetch_opts_from_cfg(&cfg);
-    if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, cfg.job_nice,
-                      cfg.test_job_chunk_delay_ms,
+    if (md_jobs_start(app.store, cfg.max_jobs, cfg.job_lease_s, cfg.test_job_chunk_delay_ms,
                       cfg.job_max_files, cfg.job_max_image_bytes, &job_fetch, md_app_resolve, md_app_default_moved, &app, &app.jobs, &err) !=
         MD_OK)
         md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);

@@ -264,6 +264,13 @@ void __wrap_md_torch_free(md_torch_model *m)
         return;
     pthread_mutex_lock(&g_mu);
     if (m->replica) {
+        /* freeing a real replica takes a while (libtorch): a worker that
+         * touched its model after this while another worker, the last,
+         * freed the model was a use-after-free (review; ASan sees it with
+         * this pause, make asan runs this test) */
+        pthread_mutex_unlock(&g_mu);
+        usleep(20000);
+        pthread_mutex_lock(&g_mu);
         g_replica_frees++;
         pthread_cond_broadcast(&g_cv);
         pthread_mutex_unlock(&g_mu);

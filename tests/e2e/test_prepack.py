@@ -124,6 +124,7 @@ def test_prepacked_answers_match_pytorch_under_concurrent_clients(server):
 
 def test_prepacked_row_is_the_same_alone_or_batched(server):
     deployed(server, "fashion", FASHION_PT, FASHION_CONFIG)
+    assert prepacked_workers(server, "fashion", 2) == 2
     x = fashion_rows(64).tolist()
     batch = predict(server, "fashion", x)
     for i in (0, 7, 31, 63):
@@ -168,6 +169,46 @@ class Computed(torch.nn.Module):
         return torch.nn.functional.linear(x, self.w * (x.size(0) // x.size(0)), self.b)
 
 
+class InPlace(torch.nn.Module):
+    """In-place writes to a linear's input right before it and to its output
+    right after: the packed linear must run exactly where the linear was."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(8)
+        self.a = torch.nn.Linear(4, 5)
+        self.b = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        x = x * 1.0
+        x[:, 0] = 42.0
+        h = self.a(x)
+        h.add_(100.0)
+        h.mul_(0.5)
+        y = self.b(h)
+        y[:, 1] = -1.0
+        return y
+
+
+class Branches(torch.nn.Module):
+    """Linears inside If branches (chosen by the input's width) stay as they
+    are; the one outside is packed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(9)
+        self.a = torch.nn.Linear(4, 3)
+        self.b = torch.nn.Linear(3, 3)
+        self.out = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        if x.size(1) == 4:
+            h = self.a(x)
+        else:
+            h = self.b(x)
+        return self.out(torch.relu(h))
+
+
 class Mixed(torch.nn.Module):
     """A packable linear, then one computed from the input."""
 
@@ -182,11 +223,13 @@ class Mixed(torch.nn.Module):
         return torch.nn.functional.linear(h, self.w * (h.size(0) // h.size(0)), None)
 
 
-def test_models_that_cannot_be_packed_fully_still_answer_right(server, tmp_path):
+def test_packing_keeps_every_kind_of_model_s_answers(server, tmp_path):
     x = np.random.default_rng(5).standard_normal((6, 4)).astype(np.float32)
     for name, module, dtype, cfg in [
         ("computed", Computed(), torch.float32, {"input": {"shape": [4]}}),
         ("mixed", Mixed(), torch.float32, {"input": {"shape": [4]}}),
+        ("inplace", InPlace(), torch.float32, {"input": {"shape": [4]}}),
+        ("branches", Branches(), torch.float32, {"input": {"shape": [4]}}),
         ("double", torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()).double(),
          torch.float64, {"input": {"shape": [4], "dtype": "float64"}}),
     ]:
@@ -202,9 +245,12 @@ def test_models_that_cannot_be_packed_fully_still_answer_right(server, tmp_path)
     # the CNN fixture (conv layers are left alone, its linear is packed)
     deployed(server, "cnn", CNN_PT, {"input": {"shape": [1, 8, 8]}})
     np.testing.assert_allclose(predict(server, "cnn", CNN_IN), CNN_OUT, rtol=0, atol=1e-5)
+    for name in ("mixed", "inplace", "branches", "cnn"):
+        assert prepacked_workers(server, name, 2) == 2, name
     assert prepacked_workers(server, "double") == 0
     assert prepacked_workers(server, "computed") == 0
     assert "the model's linear layers could not be prepacked" not in server.stderr, server.stderr
+    assert "forwarding without prepacking" not in server.stderr, server.stderr
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None, [True]])
