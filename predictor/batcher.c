@@ -97,7 +97,7 @@ typedef struct queue {
 
 struct md_model {
     char name[72];
-    int version;
+    atomic_int version;        /* set again after the load (md_model_set_version) */
     md_torch_model *torch;
     /* config. The row shape is declared (config.input.shape, set at load) or
      * learned by the first successful forward (written once, under mu, by a
@@ -323,7 +323,7 @@ static md_status forward(md_model *m, md_torch_model **replica, const float *inp
         if (atomic_exchange(&m->fallback_logged, 1) == 0)
             md_log(MD_LOG_WARN, "model %s version %d: the prepacked forward failed where the "
                    "model's own succeeded (%s); forwarding without prepacking",
-                   m->name, m->version, rerr.msg);
+                   m->name, md_model_version(m), rerr.msg);
         md_torch_free(*replica);
         *replica = NULL;
         atomic_fetch_sub(&m->prepacked, 1);
@@ -505,17 +505,17 @@ static md_torch_model *make_replica(md_model *m)
     if (md_torch_replica(m->torch, m->prepack_max, &r, &bytes, &err) != MD_OK) {
         if (atomic_exchange(&m->prepack_logged, 1) == 0)
             md_log(MD_LOG_WARN, "model %s version %d: forwarding without prepacking: %s",
-                   m->name, m->version, err.msg);
+                   m->name, md_model_version(m), err.msg);
         return NULL;
     }
     if (r)
         atomic_fetch_add(&m->prepacked, 1);
     if (r)
         md_log(MD_LOG_DEBUG, "model %s version %d: a worker packed %zu bytes of linear weights "
-               "in %.1f ms", m->name, m->version, bytes, (now_s() - t0) * 1e3);
+               "in %.1f ms", m->name, md_model_version(m), bytes, (now_s() - t0) * 1e3);
     else if (bytes > m->prepack_max && atomic_exchange(&m->prepack_logged, 1) == 0)
         md_log(MD_LOG_INFO, "model %s version %d: not prepacked: its linear weights are %zu "
-               "bytes, more than prepack_max_bytes (%zu)", m->name, m->version, bytes,
+               "bytes, more than prepack_max_bytes (%zu)", m->name, md_model_version(m), bytes,
                m->prepack_max);
     return r;
 }
@@ -901,8 +901,8 @@ void md_model_release(md_model *m)
 }
 
 const char *md_model_name(const md_model *m) { return m->name; }
-int md_model_version(const md_model *m) { return m->version; }
-void md_model_set_version(md_model *m, int version) { m->version = version; }
+int md_model_version(const md_model *m) { return atomic_load(&((md_model *)m)->version); }
+void md_model_set_version(md_model *m, int version) { atomic_store(&m->version, version); }
 json_t *md_model_labels(const md_model *m) { return m->labels; }
 int md_model_output_logits(const md_model *m) { return m->logits; }
 
@@ -930,7 +930,7 @@ json_t *md_model_stats(const md_model *m)
     pthread_mutex_unlock(&mm->mu);
     return json_pack("{s:s,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:i,s:o,s:i,s:i,s:i,s:i,s:i,s:i}",
                      "model", m->name,
-                     "version", m->version, "batches", (json_int_t)atomic_load(&m->n_batches),
+                     "version", md_model_version(m), "batches", (json_int_t)atomic_load(&m->n_batches),
                      "rows", (json_int_t)atomic_load(&m->n_rows), "requests",
                      (json_int_t)atomic_load(&m->n_requests), "timeouts",
                      (json_int_t)atomic_load(&m->n_timeouts), "client_closed",
@@ -949,7 +949,7 @@ static void model_labels(const md_model *m, char *out, size_t size)
     char v[16];
     out[0] = '\0';
     md_prom_label(out, size, "model", m->name);
-    snprintf(v, sizeof v, "%d", m->version);
+    snprintf(v, sizeof v, "%d", md_model_version(m));
     md_prom_label(out, size, "version", v);
 }
 
@@ -1055,7 +1055,7 @@ static md_status shape_input(md_model *m, md_tensor *in, md_err *err)
     return md_err_setc(err, MD_EINVAL, "wrong_shape",
                        "each row has %lld values but model %s version %d expects rows of shape "
                        "%s (%lld values)",
-                       in->ndim >= 2 ? (long long)per : (long long)in->count, m->name, m->version,
+                       in->ndim >= 2 ? (long long)per : (long long)in->count, m->name, md_model_version(m),
                        want, (long long)m->row_size);
 }
 
