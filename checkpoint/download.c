@@ -304,8 +304,11 @@ md_status md_path_open_dir(const md_strlist *allowed, const char *what, const ch
                        what, path);
 }
 
-md_status md_path_open_file(const md_strlist *allowed, const char *what, const char *path,
-                            const char *notfound_code, int *fd, md_err *err)
+/* Open the last component of `path` under allowed_paths with `flags` (always
+ * O_NOFOLLOW), mapping a refusal to the error for files and directories
+ * alike: missing, a symlink (never followed), not a directory, or another. */
+static md_status open_leaf(const md_strlist *allowed, const char *what, const char *path,
+                           const char *notfound_code, int flags, int *fd, md_err *err)
 {
     *fd = -1;
     int dirfd;
@@ -313,22 +316,41 @@ md_status md_path_open_file(const md_strlist *allowed, const char *what, const c
     md_status st = md_path_open_dir(allowed, what, path, notfound_code, &dirfd, &leaf, err);
     if (st != MD_OK)
         return st;
-    /* O_NONBLOCK: a FIFO planted here must not hang the open */
-    int f = openat(dirfd, leaf, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    int f = openat(dirfd, leaf, flags | O_NOFOLLOW | O_CLOEXEC);
     int e = errno;
+    struct stat sb;
+    /* O_DIRECTORY | O_NOFOLLOW on a symlink says ENOTDIR: tell them apart */
+    if (f < 0 && e == ENOTDIR && fstatat(dirfd, leaf, &sb, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISLNK(sb.st_mode))
+        e = ELOOP;
     close(dirfd);
-    if (f < 0) {
-        if (e == ENOENT)
-            return md_err_setc(err, MD_EINVAL, notfound_code, "%s %.200s does not exist", what,
-                               path);
-        if (e == ELOOP)
-            return md_err_setc(err, MD_EINVAL, "path_not_allowed",
-                               "%s %.200s is a symlink; modeld follows no symlink under "
-                               "allowed_paths, give the real path",
-                               what, path);
-        return md_err_setc(err, MD_EINVAL, "path_not_allowed", "%s %.200s cannot be opened: %s",
-                           what, path, strerror(e));
+    if (f >= 0) {
+        *fd = f;
+        return MD_OK;
     }
+    if (e == ENOENT)
+        return md_err_setc(err, MD_EINVAL, notfound_code, "%s %.200s does not exist", what, path);
+    if (e == ELOOP)
+        return md_err_setc(err, MD_EINVAL, "path_not_allowed",
+                           "%s %.200s is a symlink; modeld follows no symlink under "
+                           "allowed_paths, give the real path",
+                           what, path);
+    if (e == ENOTDIR)
+        return md_err_setc(err, MD_EINVAL, "invalid_path", "%s %.200s is not a directory", what,
+                           path);
+    return md_err_setc(err, MD_EINVAL, "path_not_allowed", "%s %.200s cannot be opened: %s", what,
+                       path, strerror(e));
+}
+
+md_status md_path_open_file(const md_strlist *allowed, const char *what, const char *path,
+                            const char *notfound_code, int *fd, md_err *err)
+{
+    int f;
+    *fd = -1;
+    /* O_NONBLOCK: a FIFO planted here must not hang the open */
+    md_status st = open_leaf(allowed, what, path, notfound_code, O_RDONLY | O_NONBLOCK, &f, err);
+    if (st != MD_OK)
+        return st;
     struct stat sb;
     if (fstat(f, &sb) != 0 || !S_ISREG(sb.st_mode)) {
         close(f);
@@ -347,37 +369,7 @@ md_status md_path_open_file(const md_strlist *allowed, const char *what, const c
 md_status md_path_open_directory(const md_strlist *allowed, const char *what, const char *path,
                                  const char *notfound_code, int *fd, md_err *err)
 {
-    *fd = -1;
-    int dirfd;
-    const char *leaf;
-    md_status st = md_path_open_dir(allowed, what, path, notfound_code, &dirfd, &leaf, err);
-    if (st != MD_OK)
-        return st;
-    int d = openat(dirfd, leaf, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    int e = errno;
-    struct stat sb;
-    /* O_DIRECTORY | O_NOFOLLOW on a symlink says ENOTDIR: tell them apart */
-    if (d < 0 && e == ENOTDIR && fstatat(dirfd, leaf, &sb, AT_SYMLINK_NOFOLLOW) == 0 &&
-        S_ISLNK(sb.st_mode))
-        e = ELOOP;
-    close(dirfd);
-    if (d < 0) {
-        if (e == ENOENT)
-            return md_err_setc(err, MD_EINVAL, notfound_code, "%s %.200s does not exist", what,
-                               path);
-        if (e == ELOOP)
-            return md_err_setc(err, MD_EINVAL, "path_not_allowed",
-                               "%s %.200s is a symlink; modeld follows no symlink under "
-                               "allowed_paths, give the real path",
-                               what, path);
-        if (e == ENOTDIR)
-            return md_err_setc(err, MD_EINVAL, "invalid_path",
-                               "%s %.200s is not a directory", what, path);
-        return md_err_setc(err, MD_EINVAL, "path_not_allowed", "%s %.200s cannot be opened: %s",
-                           what, path, strerror(e));
-    }
-    *fd = d;
-    return MD_OK;
+    return open_leaf(allowed, what, path, notfound_code, O_RDONLY | O_DIRECTORY, fd, err);
 }
 
 md_status md_fsync_dir(int dirfd, const char *what, md_err *err)

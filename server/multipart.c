@@ -100,17 +100,29 @@ static int next_param(const char **s, const char *end, const char **name, size_t
 }
 
 /* The boundary of a multipart/form-data Content-Type into out (NUL-terminated). */
-static md_status parse_boundary(const char *ct, char *out, size_t *out_len, md_err *err)
+/* The first ';'-delimited token of a header value, without the white space
+ * around it: returns its start, sets *tok_end past its last character and
+ * *rest at the ';' (or the end) where the parameters begin. */
+static const char *first_token(const char *s, const char *end, const char **tok_end,
+                               const char **rest)
 {
-    const char *end = ct + strlen(ct), *p = ct;
-    while (p < end && is_ws(*p))
-        p++;
-    const char *t = p;
+    while (s < end && is_ws(*s))
+        s++;
+    const char *p = s;
     while (p < end && *p != ';')
         p++;
     const char *te = p;
-    while (te > t && is_ws(te[-1]))
+    while (te > s && is_ws(te[-1]))
         te--;
+    *tok_end = te;
+    *rest = p;
+    return s;
+}
+
+static md_status parse_boundary(const char *ct, char *out, size_t *out_len, md_err *err)
+{
+    const char *end = ct + strlen(ct), *p, *te;
+    const char *t = first_token(ct, end, &te, &p);
     if (!md_multipart_eq(t, (size_t)(te - t), "multipart/form-data"))
         return md_err_setc(err, MD_EMEDIA, "unsupported_media_type",
                            "Content-Type %.60s is not multipart/form-data", ct);
@@ -238,12 +250,8 @@ md_status md_multipart_begin(md_multipart *mp, const char *content_type, const c
 static md_status parse_disposition(const char *v, const char *end, size_t n,
                                    md_multipart_part *part, md_err *err)
 {
-    const char *p = v;
-    while (p < end && *p != ';')
-        p++;
-    const char *te = p;
-    while (te > v && is_ws(te[-1]))
-        te--;
+    const char *p, *te;
+    v = first_token(v, end, &te, &p);
     if (!md_multipart_eq(v, (size_t)(te - v), "form-data"))
         return md_err_setc(err, MD_EINVAL, "invalid_multipart",
                            "part %zu's Content-Disposition is \"%.*s\", not form-data" HELP, n,
