@@ -97,6 +97,9 @@ static const setting settings[] = {
     {"max_image_pixels", T_SIZE, OFF(max_image_pixels), 1, 1LL << 40, "40000000", NULL,
      "largest image (width x height, also after resize) a prediction or job decodes; "
      "checked from the file's header before decoding (413 past it)"},
+    {"max_jpeg_scans", T_INT, OFF(max_jpeg_scans), 1, 1000000, "500", NULL,
+     "most scans a progressive JPEG may have (each costs a pass over the image; encoders "
+     "write about 10); past it the image is refused (422)"},
     {"prepack_max_bytes", T_SIZE, OFF(prepack_max_bytes), 0, 1LL << 40, "268435456", NULL,
      "each worker of a CPU model packs its float32 linear layers once (XNNPACK) instead of "
      "the BLAS packing them on every forward: 2-3x faster forwards of 1-16 rows; a model "

@@ -759,6 +759,8 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
         model_free(m);
         return st;
     }
+    if (def->max_jpeg_scans > 0)
+        m->image.max_scans = def->max_jpeg_scans;
     const char *output = json_string_value(json_object_get(config, "output"));
     m->logits = output && strcmp(output, "logits") == 0;
     /* a private copy: the config belongs to the request that deployed it, and

@@ -170,6 +170,7 @@ md_status md_image_opts_from_config(json_t *config, int64_t max_pixels, md_image
                                (long long)out->width);
     }
     out->max_pixels = max_pixels > 0 ? max_pixels : MD_IMAGE_MAX_PIXELS_DEFAULT;
+    out->max_scans = MD_IMAGE_MAX_JPEG_SCANS_DEFAULT;
     *declared = 1;
     return MD_OK;
 }
@@ -343,7 +344,28 @@ typedef struct jpeg_err {
     jmp_buf jmp;
     char msg[JMSG_LENGTH_MAX];
     int truncated;
+    int max_scans, too_many_scans;
+    struct jpeg_progress_mgr progress;
 } jpeg_err;
+
+/* Each scan of a progressive JPEG costs a pass over the whole image's
+ * coefficients, and libjpeg takes any number of them (redundant ones only
+ * warn), so a few kilobytes of scans can keep a decoder busy for minutes.
+ * libjpeg-turbo's own advice (djpeg -maxscans, TurboJPEG's scan limit) is a
+ * bound; encoders write about 10 (PIL and libjpeg's default script). */
+static void jpeg_on_progress(j_common_ptr c)
+{
+    j_decompress_ptr d = (j_decompress_ptr)(void *)c;
+    jpeg_err *e = (jpeg_err *)c->err;
+    if (c->is_decompressor && d->input_scan_number > e->max_scans) {
+        snprintf(e->msg, sizeof e->msg,
+                 "a progressive JPEG of more than %d scans (max_jpeg_scans), which no "
+                 "encoder writes (about 10); re-encode it",
+                 e->max_scans);
+        e->too_many_scans = 1;
+        longjmp(e->jmp, 1);
+    }
+}
 
 static void jpeg_on_error(j_common_ptr c)
 {
@@ -365,11 +387,12 @@ static void jpeg_on_message(j_common_ptr c, int level)
 static void jpeg_no_output(j_common_ptr c) { (void)c; }
 
 static md_status decode_jpeg(const unsigned char *data, size_t len, int64_t max_pixels,
-                             const char *name, pix *out, md_err *err)
+                             int max_scans, const char *name, pix *out, md_err *err)
 {
     struct jpeg_decompress_struct cinfo;
     jpeg_err je;
     memset(&je, 0, sizeof je);
+    je.max_scans = max_scans > 0 ? max_scans : MD_IMAGE_MAX_JPEG_SCANS_DEFAULT;
     cinfo.err = jpeg_std_error(&je.mgr);
     je.mgr.error_exit = jpeg_on_error;
     je.mgr.emit_message = jpeg_on_message;
@@ -380,9 +403,13 @@ static md_status decode_jpeg(const unsigned char *data, size_t len, int64_t max_
         jpeg_destroy_decompress(&cinfo);
         free(px->p);
         px->p = NULL;
+        if (je.too_many_scans)
+            return invalid(err, name, "%s", je.msg);
         return invalid(err, name, "not a readable JPEG (corrupt or truncated): %s; send the whole, unmodified file", je.msg);
     }
     jpeg_create_decompress(&cinfo);
+    je.progress.progress_monitor = jpeg_on_progress;
+    cinfo.progress = &je.progress;
     jpeg_mem_src(&cinfo, data, (unsigned long)len);
     jpeg_read_header(&cinfo, TRUE);
     int64_t w = cinfo.image_width, h = cinfo.image_height;
@@ -695,7 +722,7 @@ md_status md_image_to_tensor(const void *data, size_t len, const md_image_opts *
         st = decode_png(data, len, o->max_pixels, name, &px, err);
         break;
     case MD_IMAGE_JPEG:
-        st = decode_jpeg(data, len, o->max_pixels, name, &px, err);
+        st = decode_jpeg(data, len, o->max_pixels, o->max_scans, name, &px, err);
         break;
     default:
         return invalid(err, name,

@@ -37,6 +37,10 @@ extern "C" {
  * header before anything is decoded (setting max_image_pixels). */
 #define MD_IMAGE_MAX_PIXELS_DEFAULT (40LL * 1000 * 1000)
 
+/* The default bound on a progressive JPEG's scans (setting max_jpeg_scans):
+ * each scan costs a pass over the whole image, encoders write about 10. */
+#define MD_IMAGE_MAX_JPEG_SCANS_DEFAULT 500
+
 typedef enum md_image_kind { MD_IMAGE_NONE = 0, MD_IMAGE_PNG, MD_IMAGE_JPEG } md_image_kind;
 
 /* PNG or JPEG by the file's first bytes (never by name or Content-Type). */
@@ -53,6 +57,7 @@ typedef struct md_image_opts {
     int crop;            /* 1: center crop to crop_h x crop_w */
     int64_t crop_h, crop_w;
     int64_t max_pixels;  /* width x height bound checked before decoding */
+    int max_scans;       /* a JPEG's scans at most (0: the default) */
 } md_image_opts;
 
 /*

@@ -155,6 +155,7 @@ int main(int argc, char **argv)
         .timeout_ms = cfg.timeout_ms,
         .job_nice = cfg.job_nice,
         .max_image_pixels = cfg.max_image_pixels,
+        .max_jpeg_scans = cfg.max_jpeg_scans,
         .prepack_max_bytes = cfg.prepack_max_bytes,
     };
 

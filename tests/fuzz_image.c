@@ -63,6 +63,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int resize = (data[0] >> 1) & 3;
     o.crop = (data[0] >> 3) & 1;
     o.max_pixels = 1 << 20;
+    o.max_scans = 64; /* a scan bomb is refused early, not decoded 500 times */
     if (resize == 1) {
         o.resize = 1;
         /* without a crop the smaller edge must be the input's (as the config requires) */

@@ -572,7 +572,7 @@ static void test_fake_backend_linked(void **state)
     /* a load that the backend refuses reports its message */
     md_model *bad = NULL;
     md_err err;
-    md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0, 0};
+    md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0, 0, 0};
     assert_int_equal(md_model_load("x", 1, "fail-me", NULL, &def, &bad, &err), MD_EUNPROC);
     assert_null(bad);
     assert_non_null(strstr(err.msg, "fake load of fail-me failed"));
@@ -1295,7 +1295,7 @@ static void test_configless_shape_learned_from_success_only(void **state)
 static void test_sizes_checked(void **state)
 {
     (void)state;
-    md_model_defaults def = {1, 4, 0, 100, 10000, 0, 0, 0};
+    md_model_defaults def = {1, 4, 0, 100, 10000, 0, 0, 0, 0};
     const char *huge[] = {
         "{\"input\": {\"shape\": [1073741824, 1073741824, 4]}}",
         "{\"input\": {\"shape\": [1073741824, 1073741824, 1073741824, 1073741824]}}",
@@ -1550,7 +1550,7 @@ static void test_eight_dim_row_shape(void **state)
         signal(SIGILL, SIG_DFL);
         signal(SIGFPE, SIG_DFL);
         json_t *cfg = json_loads("{\"input\": {\"shape\": [1, 1, 1, 1, 1, 1, 1, 2]}}", 0, NULL);
-        md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0, 0};
+        md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0, 0, 0};
         md_model *m = NULL;
         md_err err;
         g_loading = 1;
@@ -1741,7 +1741,7 @@ int main(void)
     /* without the linker seam every test would fail the same way: say so once */
     md_model *probe = NULL;
     md_err perr;
-    md_model_defaults pdef = {1, 1, 0, 1, 1000, 0, 0, 0};
+    md_model_defaults pdef = {1, 1, 0, 1, 1000, 0, 0, 0, 0};
     md_model_load("probe", 1, "fail-probe", NULL, &pdef, &probe, &perr);
     if (g_load_calls == 0) {
         fprintf(stderr, "test_batcher: the fake backend is not linked in; link with "

@@ -673,6 +673,82 @@ static void test_config_errors(void **state)
 #undef SHAPE3
 }
 
+/* ---- progressive JPEG scans ---- */
+
+/* progressive_64x48.jpg (10 scans) with its last scan repeated `extra` times
+ * before EOI: libjpeg only warns about the repeats and decodes each one,
+ * a pass over the whole image per scan, which is what a scan bomb does. */
+static unsigned char *with_repeated_last_scan(size_t extra, size_t *len_out)
+{
+    size_t len;
+    unsigned char *d = slurp("cases/progressive_64x48.jpg", &len);
+    size_t i = 2, last_sos = 0, eoi = 0;
+    while (i + 1 < len) {
+        assert_int_equal(d[i], 0xFF);
+        unsigned char m = d[i + 1];
+        if (m == 0xD9) {
+            eoi = i;
+            break;
+        }
+        assert_true(i + 3 < len);
+        size_t seg = 2 + ((size_t)d[i + 2] << 8 | d[i + 3]);
+        if (m != 0xDA) {
+            i += seg;
+            continue;
+        }
+        last_sos = i;
+        i += seg; /* then the entropy-coded data, up to the next marker */
+        while (i + 1 < len && !(d[i] == 0xFF && d[i + 1] != 0 && (d[i + 1] < 0xD0 || d[i + 1] > 0xD7)))
+            i++;
+    }
+    assert_true(last_sos > 0 && eoi > last_sos);
+    size_t scan = eoi - last_sos, n = len + extra * scan;
+    unsigned char *out = malloc(n);
+    assert_non_null(out);
+    memcpy(out, d, eoi);
+    for (size_t k = 0; k < extra; k++)
+        memcpy(out + eoi + k * scan, d + last_sos, scan);
+    memcpy(out + eoi + extra * scan, d + eoi, len - eoi);
+    free(d);
+    *len_out = n;
+    return out;
+}
+
+static void test_jpeg_scan_limit(void **state)
+{
+    (void)state;
+    md_image_opts o = opts_from("{\"input\": {\"shape\": [1, 20, 20]}, "
+                                "\"preprocess\": {\"image\": {\"center_crop\": 20}}}",
+                                0);
+    assert_int_equal(o.max_scans, MD_IMAGE_MAX_JPEG_SCANS_DEFAULT);
+    float out[400];
+    md_err err;
+    size_t len;
+    /* the file itself: 10 scans, read under a limit of 10, refused under 9 */
+    unsigned char *d = with_repeated_last_scan(0, &len);
+    o.max_scans = 10;
+    md_err_clear(&err);
+    assert_int_equal(md_image_to_tensor(d, len, &o, "p.jpg", out, &err), MD_OK);
+    o.max_scans = 9;
+    md_err_clear(&err);
+    assert_int_equal(md_image_to_tensor(d, len, &o, "p.jpg", out, &err), MD_EUNPROC);
+    assert_string_equal(md_err_code(&err), "invalid_image");
+    assert_msg_has(err.msg, "p.jpg", "more than 9 scans", "max_jpeg_scans", NULL);
+    free(d);
+    /* 10 + 600 scans: refused under the default limit of 500, and read when
+     * the limit allows them (so the limit is what refuses it, not the bytes) */
+    d = with_repeated_last_scan(600, &len);
+    o.max_scans = 0; /* the default */
+    md_err_clear(&err);
+    assert_int_equal(md_image_to_tensor(d, len, &o, "bomb.jpg", out, &err), MD_EUNPROC);
+    assert_string_equal(md_err_code(&err), "invalid_image");
+    assert_msg_has(err.msg, "bomb.jpg", "more than 500 scans", NULL);
+    o.max_scans = 1000;
+    md_err_clear(&err);
+    assert_int_equal(md_image_to_tensor(d, len, &o, "bomb.jpg", out, &err), MD_OK);
+    free(d);
+}
+
 int main(void)
 {
     /* the per-case lines interleave with cmocka's own (stderr) in order */
@@ -690,6 +766,7 @@ int main(void)
         cmocka_unit_test(test_values),
         cmocka_unit_test(test_config_not_declared),
         cmocka_unit_test(test_config_errors),
+        cmocka_unit_test(test_jpeg_scan_limit),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -181,3 +181,58 @@ def test_refusals_name_the_image_and_leave_the_server_well(srv):
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(r.json()["predictions"], json_answer(srv, path)["predictions"],
                                atol=TOL)
+
+
+def scan_bomb(extra):
+    """A 28x28 progressive JPEG (PIL writes 6 scans for grayscale) with its last scan
+    repeated `extra` times: libjpeg only warns about the repeats and decodes each
+    one, a pass over the whole image per scan, as a scan bomb makes it do."""
+    from PIL import Image
+    a = (np.arange(28 * 28, dtype=np.uint32) * 7 % 251).astype(np.uint8).reshape(28, 28)
+    buf = io.BytesIO()
+    Image.fromarray(a, mode="L").save(buf, "JPEG", progressive=True, quality=90)
+    d = buf.getvalue()
+    i, sos, eoi = 2, [], None
+    while i + 1 < len(d):
+        assert d[i] == 0xFF
+        m = d[i + 1]
+        if m == 0xD9:
+            eoi = i
+            break
+        seg = 2 + (d[i + 2] << 8 | d[i + 3])
+        if m != 0xDA:
+            i += seg
+            continue
+        sos.append(i)
+        i += seg  # then the entropy-coded data, up to the next marker
+        while not (d[i] == 0xFF and d[i + 1] != 0 and not 0xD0 <= d[i + 1] <= 0xD7):
+            i += 1
+    assert eoi and len(sos) >= 2, (eoi, sos)
+    return d[:eoi] + d[sos[-1]:eoi] * extra + d[eoi:], len(sos) + extra
+
+
+def test_jpeg_scan_bomb_is_refused_under_max_jpeg_scans(tmp_path):
+    bomb, scans = scan_bomb(700)
+    plain, _ = scan_bomb(0)
+    for limit, want in ((None, 422), (scans - 1, 422), (scans, 200)):
+        (tmp_path / f"limit{limit}").mkdir()
+        s = Server(tmp_path / f"limit{limit}",
+                   args=() if limit is None else ("--max-jpeg-scans", limit))
+        try:
+            s.start()
+            deploy(s, "fimg", FASHION_PT, IMAGE_CONFIG)
+            r = s.request("POST", "/models/fimg/predict", data=bomb,
+                          headers={"Content-Type": "image/jpeg"})
+            assert r.status_code == want, (limit, r.text)
+            if want == 422:
+                e = r.json()["error"]
+                assert e["code"] == "invalid_image", e
+                shown = 500 if limit is None else limit
+                assert f"more than {shown} scans" in e["message"], e
+                assert "max_jpeg_scans" in e["message"], e
+            # the same image without the repeats answers under every limit
+            r = s.request("POST", "/models/fimg/predict", files=[
+                ("image", ("ok.jpg", plain, "image/jpeg"))])
+            assert r.status_code == 200, r.text
+        finally:
+            s.finish()
