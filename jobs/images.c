@@ -141,8 +141,10 @@ static md_status walk(md_images *im, int fd, char *rel, int depth, md_err *err)
     errno = 0;
     while (st == MD_OK && (e = readdir(d)) != NULL) {
         const char *name = e->d_name;
-        if (name[0] == '.')
-            continue; /* ".", "..", and hidden files and folders */
+        if (name[0] == '.' && (name[1] == '\0' || (name[1] == '.' && name[2] == '\0')))
+            continue;
+        /* hidden files count too: a folder of millions of dot-files must
+         * not be listed without bound */
         if (++im->entries > im->max_files) {
             st = dataset_error(err, MD_ETOOBIG,
                                "%s holds more than %lld files and folders, the limit of one "
@@ -151,6 +153,8 @@ static md_status walk(md_images *im, int fd, char *rel, int depth, md_err *err)
                                im->name, (long long)im->max_files);
             break;
         }
+        if (name[0] == '.')
+            continue; /* hidden files and folders are not read */
         size_t len = strlen(name);
         if (base + len + 2 > PATH_MAX) {
             st = dataset_error(err, MD_EINVAL, "%s: the path %.100s/%.100s... is longer than %d "

@@ -1281,6 +1281,16 @@ static void test_images_folder(void **state)
     o.max_files = 3;
     assert_int_equal(md_reader_open(&o, &r, &err), MD_ETOOBIG);
     assert_msg_has(err.msg, "job_max_files", NULL);
+    /* 13 entries are looked at (5 at the top, 4 in a, 1 in a/sub, 2 in b, 1
+     * in c), the hidden .hidden and a/.x.png among them: a folder of
+     * dot-files is bounded too (11 without them, which 12 would let by) */
+    o.max_files = 12;
+    assert_int_equal(md_reader_open(&o, &r, &err), MD_ETOOBIG);
+    assert_msg_has(err.msg, "more than 12 files", NULL);
+    o.max_files = 13;
+    assert_int_equal(md_reader_open(&o, &r, &err), MD_OK);
+    assert_int_equal(md_reader_total_rows(r), 5);
+    md_reader_close(r);
     char file[256];
     snprintf(file, sizeof file, "%s/top.png", img_dir);
     o.path = file;
