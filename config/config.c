@@ -100,6 +100,9 @@ static const setting settings[] = {
     {"max_jpeg_scans", T_INT, OFF(max_jpeg_scans), 1, 1000000, "500", NULL,
      "most scans a progressive JPEG may have (each costs a pass over the image; encoders "
      "write about 10); past it the image is refused (422)"},
+    {"max_large_decodes", T_INT, OFF(max_large_decodes), 0, 1024, "0", NULL,
+     "images over 1 Mpx decoded at once, in requests and jobs together (each holds up to ~12 "
+     "bytes a pixel while it decodes); the others wait for their turn. 0 = the number of cores"},
     {"prepack_max_bytes", T_SIZE, OFF(prepack_max_bytes), 0, 1LL << 40, "268435456", NULL,
      "each worker of a CPU model packs its float32 linear layers once (XNNPACK) instead of "
      "the BLAS packing them on every forward: 2-3x faster forwards of 1-16 rows; a model "

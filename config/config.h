@@ -58,6 +58,7 @@ typedef struct md_cfg {
     int max_batch_size;         /* default rows per forward */
     long long max_image_pixels; /* width x height bound of a decoded image */
     int max_jpeg_scans;         /* scans of a progressive JPEG at most */
+    int max_large_decodes;      /* images over 1 Mpx decoded at once (0: cores) */
     long long prepack_max_bytes; /* largest linear weights a worker prepacks; 0 = none */
     int max_delay_us;           /* default wait for more rows after a batch's first */
     int queue_limit;            /* default queued requests per version before 503 */

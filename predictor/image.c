@@ -26,6 +26,7 @@
 #include <jerror.h>
 #include <math.h>
 #include <png.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -182,7 +183,68 @@ typedef struct pix {
     unsigned char *p;
     int64_t w, h;
     int ch;
+    int gated; /* holds one of the large-decode slots (gate_enter) */
 } pix;
+
+/* ---- the large-decode gate ----
+ * A decoded image holds up to ~12 bytes a pixel on its way (decoded,
+ * converted, two resize passes), 40 Mpx at most: ~0.5 GB. Requests decode on
+ * deferred threads (64) and job runners, so without a bound a burst of large
+ * images could hold tens of GB at once. Images past GATE_PIXELS decode at
+ * most g_slots at a time (setting max_large_decodes); the others wait for a
+ * slot, holding only their compressed bytes. Small images never wait, so the
+ * HTTP threads (which decode only small ones) never block here. */
+#define GATE_PIXELS ((int64_t)1 << 20)
+static pthread_mutex_t g_gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_gate_cv = PTHREAD_COND_INITIALIZER;
+static int g_slots = 2, g_busy, g_peak;
+static void (*g_gate_hook)(void);
+
+void md_image_set_large_decodes(int slots)
+{
+    pthread_mutex_lock(&g_gate_mu);
+    g_slots = slots > 0 ? slots : 1;
+    g_peak = g_busy;
+    pthread_cond_broadcast(&g_gate_cv);
+    pthread_mutex_unlock(&g_gate_mu);
+}
+
+void md_image_large_decodes(int *busy, int *peak)
+{
+    pthread_mutex_lock(&g_gate_mu);
+    *busy = g_busy;
+    *peak = g_peak;
+    pthread_mutex_unlock(&g_gate_mu);
+}
+
+void md_image_set_gate_hook(void (*hook)(void)) { g_gate_hook = hook; }
+
+static void gate_enter(pix *px, int64_t pixels)
+{
+    if (pixels <= GATE_PIXELS)
+        return;
+    pthread_mutex_lock(&g_gate_mu);
+    while (g_busy >= g_slots)
+        pthread_cond_wait(&g_gate_cv, &g_gate_mu);
+    g_busy++;
+    if (g_busy > g_peak)
+        g_peak = g_busy;
+    pthread_mutex_unlock(&g_gate_mu);
+    px->gated = 1;
+    if (g_gate_hook)
+        g_gate_hook();
+}
+
+static void gate_leave(pix *px)
+{
+    if (!px->gated)
+        return;
+    px->gated = 0;
+    pthread_mutex_lock(&g_gate_mu);
+    g_busy--;
+    pthread_cond_signal(&g_gate_cv);
+    pthread_mutex_unlock(&g_gate_mu);
+}
 
 static md_status too_large(md_err *err, const char *name, int64_t w, int64_t h, int64_t max,
                            const char *what)
@@ -217,6 +279,7 @@ static md_status pix_alloc(pix *px, int64_t w, int64_t h, int ch, int64_t max_pi
     px->w = w;
     px->h = h;
     px->ch = ch;
+    gate_enter(px, w * h); /* left by md_image_to_tensor, whatever happens next */
     px->p = md_mallocarray_checked((size_t)(w * h), (size_t)ch, "the image's pixels", err);
     return px->p ? MD_OK : MD_ENOMEM;
 }
@@ -731,8 +794,10 @@ md_status md_image_to_tensor(const void *data, size_t len, const md_image_opts *
                                   "or JPEG (convert other formats first)",
                        NULL);
     }
-    if (st != MD_OK)
+    if (st != MD_OK) {
+        gate_leave(&px);
         return st;
+    }
     if ((st = convert(&px, o->channels, err)) != MD_OK)
         goto out;
     if (o->resize) {
@@ -757,5 +822,6 @@ md_status md_image_to_tensor(const void *data, size_t len, const md_image_opts *
     }
 out:
     free(px.p);
+    gate_leave(&px);
     return st;
 }

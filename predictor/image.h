@@ -88,6 +88,15 @@ size_t md_image_values(const md_image_opts *o);
 md_status md_image_to_tensor(const void *data, size_t len, const md_image_opts *o,
                              const char *name, float *out, md_err *err);
 
+/* Images of more than 1 Mpx decode at most `slots` at a time in the process
+ * (setting max_large_decodes, default the number of cores); the others wait
+ * in md_image_to_tensor. Thread-safe; main() sets it once. */
+void md_image_set_large_decodes(int slots);
+/* Slots held now, and the most held at once since the last set (tests). */
+void md_image_large_decodes(int *busy, int *peak);
+/* Test only: called by a decode right after it took a slot. */
+void md_image_set_gate_hook(void (*hook)(void));
+
 #ifdef __cplusplus
 }
 #endif

@@ -21,6 +21,7 @@
 
 #include "../config/config.h"
 #include "../handlers/handlers.h"
+#include "../predictor/image.h"
 #include "../predictor/torch_backend.h"
 #include "server.h"
 
@@ -147,6 +148,8 @@ int main(int argc, char **argv)
 
     md_torch_init(cfg.intra_op_threads);
     app.registry = md_registry_new();
+    md_image_set_large_decodes(cfg.max_large_decodes > 0 ? cfg.max_large_decodes
+                                                         : md_cfg_cores());
     app.model_defaults = (md_model_defaults){
         .workers = cfg.workers > 0 ? cfg.workers : md_cfg_cores(),
         .max_batch_size = cfg.max_batch_size,

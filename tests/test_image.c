@@ -29,12 +29,15 @@
 
 #include <jansson.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../predictor/image.h"
 #include "test_util.h"
+#include <time.h>
+#include <zlib.h>
 
 #define IMAGES "tests/fixtures/images/"
 
@@ -749,6 +752,128 @@ static void test_jpeg_scan_limit(void **state)
     free(d);
 }
 
+/* ---- the large-decode gate ---- */
+
+static void put_chunk(FILE *f, const char *type, const unsigned char *data, uint32_t len)
+{
+    unsigned char n[4] = {len >> 24, len >> 16, len >> 8, len};
+    fwrite(n, 1, 4, f);
+    fwrite(type, 1, 4, f);
+    if (len)
+        fwrite(data, 1, len, f);
+    uLong crc = crc32(0, (const unsigned char *)type, 4);
+    crc = crc32(crc, data, len);
+    unsigned char c[4] = {crc >> 24, crc >> 16, crc >> 8, crc};
+    fwrite(c, 1, 4, f);
+}
+
+/* A w x h 8-bit grayscale PNG of one gray value, in memory (a few KB). */
+static unsigned char *gray_png(uint32_t w, uint32_t h, size_t *len)
+{
+    char *buf = NULL;
+    FILE *f = open_memstream(&buf, len);
+    assert_non_null(f);
+    fwrite("\x89PNG\r\n\x1a\n", 1, 8, f);
+    unsigned char ihdr[13] = {w >> 24, w >> 16, w >> 8, w, h >> 24, h >> 16, h >> 8, h, 8, 0, 0, 0, 0};
+    put_chunk(f, "IHDR", ihdr, 13);
+    size_t rawlen = (size_t)(w + 1) * h;
+    unsigned char *raw = malloc(rawlen);
+    assert_non_null(raw);
+    memset(raw, 77, rawlen);
+    for (uint32_t y = 0; y < h; y++)
+        raw[(size_t)y * (w + 1)] = 0; /* filter none */
+    uLongf zlen = compressBound((uLong)rawlen);
+    unsigned char *z = malloc(zlen);
+    assert_non_null(z);
+    assert_int_equal(compress(z, &zlen, raw, (uLong)rawlen), Z_OK);
+    put_chunk(f, "IDAT", z, (uint32_t)zlen);
+    put_chunk(f, "IEND", (const unsigned char *)"", 0);
+    fclose(f);
+    free(raw);
+    free(z);
+    return (unsigned char *)buf;
+}
+
+static const unsigned char *g_big;
+static size_t g_big_len;
+static md_image_opts g_big_opts;
+static int g_gate_fail;
+
+/* Inside a slot: stay a while, so a gate letting two in would show them
+ * both in (the peak); with one slot the others can only wait, whatever the
+ * machine's speed. */
+static void hold_slot(void)
+{
+    struct timespec ts = {0, 5 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+}
+
+static void *decode_big(void *arg)
+{
+    (void)arg;
+    float out[16];
+    for (int k = 0; k < 4; k++) {
+        md_err err;
+        md_err_clear(&err);
+        if (md_image_to_tensor(g_big, g_big_len, &g_big_opts, "big.png", out, &err) != MD_OK ||
+            out[0] != 77.0f / 255.0f)
+            __atomic_add_fetch(&g_gate_fail, 1, __ATOMIC_SEQ_CST);
+    }
+    return NULL;
+}
+
+static void test_large_decode_gate(void **state)
+{
+    (void)state;
+    size_t len;
+    unsigned char *big = gray_png(1100, 1000, &len); /* 1.1 Mpx: past the gate */
+    g_big = big;
+    g_big_len = len;
+    g_big_opts = opts_from("{\"input\": {\"shape\": [1, 4, 4]}, "
+                           "\"preprocess\": {\"image\": {\"center_crop\": 4}}}",
+                           0);
+    md_image_set_gate_hook(hold_slot);
+    for (int slots = 1; slots <= 2; slots++) {
+        md_image_set_large_decodes(slots);
+        g_gate_fail = 0;
+        pthread_t t[4];
+        for (int i = 0; i < 4; i++)
+            assert_int_equal(pthread_create(&t[i], NULL, decode_big, NULL), 0);
+        for (int i = 0; i < 4; i++)
+            pthread_join(t[i], NULL);
+        int busy, peak;
+        md_image_large_decodes(&busy, &peak);
+        printf("max_large_decodes %d: peak %d, now %d\n", slots, peak, busy);
+        assert_int_equal(g_gate_fail, 0);
+        assert_int_equal(busy, 0); /* every slot given back */
+        assert_true(peak >= 1 && peak <= slots);
+    }
+    /* failures give their slot back too: a truncated big image, refused */
+    md_image_set_large_decodes(1);
+    float out[16];
+    md_err err;
+    for (int k = 0; k < 3; k++) {
+        md_err_clear(&err);
+        assert_int_equal(md_image_to_tensor(big, len - 20, &g_big_opts, "cut.png", out, &err),
+                         MD_EUNPROC);
+    }
+    int busy, peak;
+    md_image_large_decodes(&busy, &peak);
+    assert_int_equal(busy, 0);
+    /* small images never take a slot */
+    md_image_set_large_decodes(1);
+    size_t slen;
+    unsigned char *small = gray_png(8, 8, &slen);
+    md_err_clear(&err);
+    assert_int_equal(md_image_to_tensor(small, slen, &g_big_opts, "small.png", out, &err), MD_OK);
+    md_image_large_decodes(&busy, &peak);
+    assert_int_equal(peak, 0);
+    md_image_set_gate_hook(NULL);
+    md_image_set_large_decodes(2);
+    free(small);
+    free(big);
+}
+
 int main(void)
 {
     /* the per-case lines interleave with cmocka's own (stderr) in order */
@@ -767,6 +892,7 @@ int main(void)
         cmocka_unit_test(test_config_not_declared),
         cmocka_unit_test(test_config_errors),
         cmocka_unit_test(test_jpeg_scan_limit),
+        cmocka_unit_test(test_large_decode_gate),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
