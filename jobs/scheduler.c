@@ -12,7 +12,9 @@
  * A job streams its input through a reader in chunks of batch_size rows,
  * each chunk one forward, and keeps up to PIPELINE chunks (at most
  * PIPELINE_BYTES of input) queued on the model, so the workers never wait
- * for the reader or for a commit. Chunks are written strictly in input order
+ * for the reader or for a commit; it refills only when half of them are
+ * done, so it wakes (and preempts a worker) once per half pipeline, not once
+ * per chunk. Chunks are written strictly in input order
  * to <output>.partial; at most every COMMIT_INTERVAL_S (and at the end, on
  * cancel and on shutdown) the file is fdatasync'ed and then ONE SQLite
  * statement commits rows_done (input rows consumed, good and skipped),
