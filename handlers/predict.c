@@ -200,6 +200,8 @@ static void submit(md_req *req, md_model *m, md_tensor *t, pctx *c)
  * image's own header against max_image_pixels before decoding. */
 
 #define INLINE_PIXELS ((int64_t)1 << 16)
+/* an image decoded inline never waits for a large-decode slot */
+_Static_assert(INLINE_PIXELS < MD_IMAGE_GATE_PIXELS, "inline decodes must stay under the gate");
 
 /* The media type of a Content-Type value (before ';', trimmed) into out. */
 static void media_type(const char *ct, char *out, size_t size)
@@ -280,6 +282,8 @@ static int64_t pixels_hint(const unsigned char *d, size_t len)
             i++;
             continue;
         }
+        if (m == 0x00)
+            return -1; /* libjpeg skips such bytes; where it resumes is not told here */
         if (m == 0x01 || (m >= 0xD0 && m <= 0xD8)) { /* markers without a length */
             i += 2;
             continue;
@@ -478,8 +482,21 @@ static int images_to_tensor(md_req *req, pending *pd, md_model *m, int may_defer
         md_req_defer(req, images_deferred);
         return 0;
     }
-    if (st == MD_OK)
+    if (st == MD_OK && may_defer) {
+        /* the headers are only a hint (a JPEG may hide its real size from
+         * it): the decoder itself refuses more than INLINE_PIXELS an image
+         * here, and then the request goes to a deferred thread after all */
+        md_image_opts inl = *o;
+        inl.inline_max = INLINE_PIXELS;
+        st = decode_images(req, pd, &inl, scan.count, &pd->t, &err);
+        if (st == MD_EBUSY && strcmp(md_err_code(&err), "image_not_inline") == 0) {
+            pd->model = m;
+            md_req_defer(req, images_deferred);
+            return 0;
+        }
+    } else if (st == MD_OK) {
         st = decode_images(req, pd, o, scan.count, &pd->t, &err);
+    }
     if (st != MD_OK) {
         md_model_release(m);
         md_reply_error(req, &err);

@@ -183,7 +183,9 @@ typedef struct pix {
     unsigned char *p;
     int64_t w, h;
     int ch;
-    int gated; /* holds one of the large-decode slots (gate_enter) */
+    int gated;          /* took a large-decode slot (gate_enter); md_image_to_tensor
+                         * moves it to a local before a resize replaces the pix */
+    int64_t inline_max; /* md_image_opts.inline_max, for pix_alloc */
 } pix;
 
 /* ---- the large-decode gate ----
@@ -194,7 +196,7 @@ typedef struct pix {
  * most g_slots at a time (setting max_large_decodes); the others wait for a
  * slot, holding only their compressed bytes. Small images never wait, so the
  * HTTP threads (which decode only small ones) never block here. */
-#define GATE_PIXELS ((int64_t)1 << 20)
+#define GATE_PIXELS MD_IMAGE_GATE_PIXELS
 static pthread_mutex_t g_gate_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_gate_cv = PTHREAD_COND_INITIALIZER;
 static int g_slots = 2, g_busy, g_peak;
@@ -235,11 +237,10 @@ static void gate_enter(pix *px, int64_t pixels)
         g_gate_hook();
 }
 
-static void gate_leave(pix *px)
+static void gate_leave(int held)
 {
-    if (!px->gated)
+    if (!held)
         return;
-    px->gated = 0;
     pthread_mutex_lock(&g_gate_mu);
     g_busy--;
     pthread_cond_signal(&g_gate_cv);
@@ -276,6 +277,10 @@ static md_status pix_alloc(pix *px, int64_t w, int64_t h, int ch, int64_t max_pi
         return invalid(err, name, "the image has no pixels (width or height 0)%s", NULL);
     if (w > MAX_EDGE || h > MAX_EDGE || w * h > max_pixels)
         return too_large(err, name, w, h, max_pixels, what);
+    if (px->inline_max > 0 && w * h > px->inline_max)
+        return md_err_setc(err, MD_EBUSY, "image_not_inline",
+                           "%s is %lldx%lld pixels, more than is decoded inline", name,
+                           (long long)w, (long long)h);
     px->w = w;
     px->h = h;
     px->ch = ch;
@@ -778,7 +783,7 @@ static void crop_to_tensor(const pix *px, int64_t chh, int64_t cw, float *out)
 md_status md_image_to_tensor(const void *data, size_t len, const md_image_opts *o,
                              const char *name, float *out, md_err *err)
 {
-    pix px = {0};
+    pix px = {.inline_max = o->inline_max};
     md_status st;
     switch (md_image_sniff(data, len)) {
     case MD_IMAGE_PNG:
@@ -794,8 +799,11 @@ md_status md_image_to_tensor(const void *data, size_t len, const md_image_opts *
                                   "or JPEG (convert other formats first)",
                        NULL);
     }
+    /* the slot is this call's, not the pix's: a resize replaces the pix */
+    int held = px.gated;
+    px.gated = 0;
     if (st != MD_OK) {
-        gate_leave(&px);
+        gate_leave(held);
         return st;
     }
     if ((st = convert(&px, o->channels, err)) != MD_OK)
@@ -822,6 +830,6 @@ md_status md_image_to_tensor(const void *data, size_t len, const md_image_opts *
     }
 out:
     free(px.p);
-    gate_leave(&px);
+    gate_leave(held);
     return st;
 }

@@ -37,6 +37,10 @@ extern "C" {
  * header before anything is decoded (setting max_image_pixels). */
 #define MD_IMAGE_MAX_PIXELS_DEFAULT (40LL * 1000 * 1000)
 
+/* Images past this many pixels wait for a large-decode slot
+ * (md_image_set_large_decodes); smaller ones never wait. */
+#define MD_IMAGE_GATE_PIXELS ((int64_t)1 << 20)
+
 /* The default bound on a progressive JPEG's scans (setting max_jpeg_scans):
  * each scan costs a pass over the whole image, encoders write about 10. */
 #define MD_IMAGE_MAX_JPEG_SCANS_DEFAULT 500
@@ -58,6 +62,9 @@ typedef struct md_image_opts {
     int64_t crop_h, crop_w;
     int64_t max_pixels;  /* width x height bound checked before decoding */
     int max_scans;       /* a JPEG's scans at most (0: the default) */
+    int64_t inline_max;  /* > 0: an image whose header says more pixels is not
+                          * decoded (MD_EBUSY, code "image_not_inline"), so a
+                          * thread that must never wait can hand it on */
 } md_image_opts;
 
 /*
@@ -88,7 +95,7 @@ size_t md_image_values(const md_image_opts *o);
 md_status md_image_to_tensor(const void *data, size_t len, const md_image_opts *o,
                              const char *name, float *out, md_err *err);
 
-/* Images of more than 1 Mpx decode at most `slots` at a time in the process
+/* Images of more than MD_IMAGE_GATE_PIXELS decode at most `slots` at a time in the process
  * (setting max_large_decodes, default the number of cores); the others wait
  * in md_image_to_tensor. Thread-safe; main() sets it once. */
 void md_image_set_large_decodes(int slots);

@@ -99,7 +99,6 @@ static int next_param(const char **s, const char *end, const char **name, size_t
     return 1;
 }
 
-/* The boundary of a multipart/form-data Content-Type into out (NUL-terminated). */
 /* The first ';'-delimited token of a header value, without the white space
  * around it: returns its start, sets *tok_end past its last character and
  * *rest at the ';' (or the end) where the parameters begin. */
@@ -119,6 +118,7 @@ static const char *first_token(const char *s, const char *end, const char **tok_
     return s;
 }
 
+/* The boundary of a multipart/form-data Content-Type into out (NUL-terminated). */
 static md_status parse_boundary(const char *ct, char *out, size_t *out_len, md_err *err)
 {
     const char *end = ct + strlen(ct), *p, *te;
@@ -331,13 +331,10 @@ md_status md_multipart_next(md_multipart *mp, md_multipart_part *part, int *more
             if ((st = parse_disposition(v, ve, n, part, err)) != MD_OK)
                 return st;
         } else if (md_multipart_eq(hn, (size_t)(hne - hn), "content-type")) {
-            const char *t = v;
-            while (t < ve && *t != ';')
-                t++;
-            while (t > v && is_ws(t[-1]))
-                t--;
-            part->content_type = v;
-            part->content_type_len = (size_t)(t - v);
+            const char *te, *rest;
+            const char *t = first_token(v, ve, &te, &rest);
+            part->content_type = t;
+            part->content_type_len = (size_t)(te - t);
         }
         p = eol + 2;
     }

@@ -860,6 +860,27 @@ static void test_large_decode_gate(void **state)
     int busy, peak;
     md_image_large_decodes(&busy, &peak);
     assert_int_equal(busy, 0);
+    /* a resize replaces the decoded pixels: the slot is still given back
+     * (review: it was lost, and the next large decode waited for ever) */
+    md_image_opts rs = opts_from("{\"input\": {\"shape\": [1, 4, 4]}, "
+                                 "\"preprocess\": {\"image\": {\"resize\": 4}}}",
+                                 0);
+    for (int k = 0; k < 3; k++) {
+        md_err_clear(&err);
+        assert_int_equal(md_image_to_tensor(big, len, &rs, "big.png", out, &err), MD_OK);
+        md_image_large_decodes(&busy, &peak);
+        assert_int_equal(busy, 0);
+    }
+    /* inline_max: refused from the header, before a slot or a pixel */
+    md_image_set_large_decodes(1);
+    md_image_opts inl = g_big_opts;
+    inl.inline_max = 1 << 16;
+    md_err_clear(&err);
+    assert_int_equal(md_image_to_tensor(big, len, &inl, "big.png", out, &err), MD_EBUSY);
+    assert_string_equal(md_err_code(&err), "image_not_inline");
+    md_image_large_decodes(&busy, &peak);
+    assert_int_equal(busy, 0);
+    assert_int_equal(peak, 0);
     /* small images never take a slot */
     md_image_set_large_decodes(1);
     size_t slen;
