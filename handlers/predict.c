@@ -197,7 +197,10 @@ static void submit(md_req *req, md_model *m, md_tensor *t, pctx *c)
  * cannot be told cheaply) is decoded on a deferred thread (md_req_defer), so
  * a large photo or a burst of them never holds the HTTP threads; the pixel
  * count read here only chooses the thread, md_image_to_tensor checks every
- * image's own header against max_image_pixels before decoding. */
+ * image's own header against max_image_pixels before decoding. Should the
+ * hint be wrong, the inline decoder itself refuses any one image over
+ * INLINE_PIXELS by its real header (inline_max) and the request is deferred
+ * then, so an HTTP thread never waits for a large-decode slot. */
 
 #define INLINE_PIXELS ((int64_t)1 << 16)
 /* an image decoded inline never waits for a large-decode slot */
