@@ -192,11 +192,10 @@ typedef struct pix {
  * A decoded image holds up to ~12 bytes a pixel on its way (decoded,
  * converted, two resize passes), 40 Mpx at most: ~0.5 GB. Requests decode on
  * deferred threads (64) and job runners, so without a bound a burst of large
- * images could hold tens of GB at once. Images past GATE_PIXELS decode at
+ * images could hold tens of GB at once. Images past MD_IMAGE_GATE_PIXELS decode at
  * most g_slots at a time (setting max_large_decodes); the others wait for a
  * slot, holding only their compressed bytes. Small images never wait, so the
  * HTTP threads (which decode only small ones) never block here. */
-#define GATE_PIXELS MD_IMAGE_GATE_PIXELS
 static pthread_mutex_t g_gate_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_gate_cv = PTHREAD_COND_INITIALIZER;
 static int g_slots = 2, g_busy, g_peak;
@@ -223,7 +222,7 @@ void md_image_set_gate_hook(void (*hook)(void)) { g_gate_hook = hook; }
 
 static void gate_enter(pix *px, int64_t pixels)
 {
-    if (pixels <= GATE_PIXELS)
+    if (pixels <= MD_IMAGE_GATE_PIXELS)
         return;
     pthread_mutex_lock(&g_gate_mu);
     while (g_busy >= g_slots)

@@ -37,7 +37,6 @@
 #include "../predictor/image.h"
 #include "test_util.h"
 #include <time.h>
-#include <zlib.h>
 
 #define IMAGES "tests/fixtures/images/"
 
@@ -754,19 +753,6 @@ static void test_jpeg_scan_limit(void **state)
 
 /* ---- the large-decode gate ---- */
 
-static void put_chunk(FILE *f, const char *type, const unsigned char *data, uint32_t len)
-{
-    unsigned char n[4] = {len >> 24, len >> 16, len >> 8, len};
-    fwrite(n, 1, 4, f);
-    fwrite(type, 1, 4, f);
-    if (len)
-        fwrite(data, 1, len, f);
-    uLong crc = crc32(0, (const unsigned char *)type, 4);
-    crc = crc32(crc, data, len);
-    unsigned char c[4] = {crc >> 24, crc >> 16, crc >> 8, crc};
-    fwrite(c, 1, 4, f);
-}
-
 /* A w x h 8-bit grayscale PNG of one gray value, in memory (a few KB). */
 static unsigned char *gray_png(uint32_t w, uint32_t h, size_t *len)
 {
@@ -775,7 +761,7 @@ static unsigned char *gray_png(uint32_t w, uint32_t h, size_t *len)
     assert_non_null(f);
     fwrite("\x89PNG\r\n\x1a\n", 1, 8, f);
     unsigned char ihdr[13] = {w >> 24, w >> 16, w >> 8, w, h >> 24, h >> 16, h >> 8, h, 8, 0, 0, 0, 0};
-    put_chunk(f, "IHDR", ihdr, 13);
+    png_chunk(f, "IHDR", ihdr, 13);
     size_t rawlen = (size_t)(w + 1) * h;
     unsigned char *raw = malloc(rawlen);
     assert_non_null(raw);
@@ -786,8 +772,8 @@ static unsigned char *gray_png(uint32_t w, uint32_t h, size_t *len)
     unsigned char *z = malloc(zlen);
     assert_non_null(z);
     assert_int_equal(compress(z, &zlen, raw, (uLong)rawlen), Z_OK);
-    put_chunk(f, "IDAT", z, (uint32_t)zlen);
-    put_chunk(f, "IEND", (const unsigned char *)"", 0);
+    png_chunk(f, "IDAT", z, (uint32_t)zlen);
+    png_chunk(f, "IEND", (const unsigned char *)"", 0);
     fclose(f);
     free(raw);
     free(z);

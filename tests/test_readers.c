@@ -1150,17 +1150,6 @@ static int remove_img_dir(void **state)
     return 0;
 }
 
-static void png_chunk(FILE *f, const char *type, const unsigned char *body, uint32_t len)
-{
-    unsigned char be[4] = {len >> 24, len >> 16, len >> 8, len};
-    fwrite(be, 1, 4, f);
-    fwrite(type, 1, 4, f);
-    fwrite(body, 1, len, f);
-    uLong crc = crc32(crc32(0, (const Bytef *)type, 4), body, len);
-    unsigned char c[4] = {crc >> 24, crc >> 16, crc >> 8, crc};
-    fwrite(c, 1, 4, f);
-}
-
 /* A 4x4 8-bit grayscale PNG, every pixel `v`, at img_dir/rel. */
 static void write_png(const char *rel, unsigned char v)
 {

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <zlib.h>
 
 /* Assert that `msg` contains every one of the NULL-terminated substrings
  * after it, failing with the message and the first one it lacks. */
@@ -90,6 +91,19 @@ static inline void write_temp_n(char *path, const char *data, size_t len)
 static inline void write_temp(char *path, const char *text)
 {
     write_temp_n(path, text, strlen(text));
+}
+
+/* One PNG chunk (length, type, body, CRC) written to f: the tests build
+ * small PNG files byte by byte with it (test_readers, test_image). */
+static inline void png_chunk(FILE *f, const char *type, const unsigned char *body, uint32_t len)
+{
+    unsigned char be[4] = {len >> 24, len >> 16, len >> 8, len};
+    fwrite(be, 1, 4, f);
+    fwrite(type, 1, 4, f);
+    fwrite(body, 1, len, f);
+    uLong crc = crc32(crc32(0, (const Bytef *)type, 4), body, len);
+    unsigned char c[4] = {crc >> 24, crc >> 16, crc >> 8, crc};
+    fwrite(c, 1, 4, f);
 }
 
 #endif
