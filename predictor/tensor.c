@@ -89,17 +89,12 @@ static const double pow10_tab[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1
                                      1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
                                      1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
 
-/* Eight ASCII digits at once (SWAR): whether the 8 bytes of `v` (little-endian
- * load) are all '0'..'9', and their value. What clients send are float32s
- * printed by Python with 17 significant digits; taking them 8 at a time
- * halves the decoder's time per number (perf: number() was 21% of a 64-row
+/* Eight ASCII digits at once (SWAR): the value of the 8 bytes of `v`
+ * (little-endian load), all '0'..'9'. What clients send are float32s printed
+ * by Python with 17 significant digits; taking them 8 at a time halves the
+ * decoder's time per number (perf: number() was 21% of a 64-row
  * full-precision request's CPU). tests/fuzz_number.c checks the results
  * against strtod. */
-static inline int eight_digits(uint64_t v)
-{
-    return !(((v + 0x4646464646464646ull) | (v - 0x3030303030303030ull)) & 0x8080808080808080ull);
-}
-
 static inline uint64_t eight_value(uint64_t v)
 {
     v -= 0x3030303030303030ull;
@@ -121,67 +116,109 @@ static inline uint64_t load8(const char *p)
 
 static inline int is_digit(char c) { return (unsigned)(c - '0') < 10u; }
 
+/* How many of the 8 bytes of `v` (little-endian load) are digits before the
+ * first that is not, 0..8. A byte below '0' borrows into the bytes after it
+ * only, and a carry runs upward only from a byte already flagged, so the
+ * lowest flagged byte is exactly the first non-digit. */
+static inline int digit_run(uint64_t v)
+{
+    uint64_t nd = ((v + 0x4646464646464646ull) | (v - 0x3030303030303030ull)) & 0x8080808080808080ull;
+    return nd ? __builtin_ctzll(nd) >> 3 : 8;
+}
+
+/* The value of the first k (1..7) digits of `v`: shifted to the top, with
+ * '0's filled in before them, they read as eight digits. */
+static inline uint64_t run_value(uint64_t v, int k)
+{
+    return eight_value((v << (8 * (8 - k))) | (0x3030303030303030ull >> (8 * k)));
+}
+
+static const uint64_t pow10_u64[9] = {1, 10, 100, 1000, 10000, 100000, 1000000, 10000000,
+                                      100000000};
+
+/* A run of digits at p into mant (while it has fewer than 19 digits):
+ * eight at a time, and the rest of the run, up to seven, in one step more,
+ * so a number's length costs no mispredicted loop exit. `frac`: digits after
+ * the point, which lower exp10, where digits dropped past the 19th raise it
+ * in the integer part. Returns the end of the run. */
+static inline __attribute__((always_inline)) const char *
+digits(const char *p, const char *end, int frac, unsigned long long *mant, int *ndig, int *exp10,
+       int *dropped)
+{
+    while (end - p >= 8) {
+        uint64_t w = load8(p);
+        int k = digit_run(w);
+        if (*ndig + k > 19)
+            break; /* more digits than a uint64 holds: one by one below */
+        if (k == 8) {
+            *mant = *mant * 100000000ull + eight_value(w);
+        } else if (k > 0) {
+            *mant = *mant * pow10_u64[k] + run_value(w, k);
+        }
+        *ndig += k;
+        if (frac)
+            *exp10 -= k;
+        p += k;
+        if (k < 8)
+            return p;
+    }
+    while (p < end && is_digit(*p)) {
+        if (*ndig < 19) {
+            *mant = *mant * 10 + (unsigned)(*p - '0');
+            ++*ndig;
+            if (frac)
+                --*exp10;
+        } else {
+            if (!frac)
+                ++*exp10;
+            *dropped |= *p != '0';
+        }
+        p++;
+    }
+    return p;
+}
+
 /* Parse a JSON number at s->p into *v. Returns 0 or -1 if not a number. */
 static inline __attribute__((always_inline)) int number(scan *s, double *v)
 {
-    const char *p = s->p, *start = p;
+    const char *p = s->p, *start = p, *end = s->end;
     int neg = 0;
-    if (p < s->end && *p == '-')
+    if (p < end && *p == '-')
         neg = 1, p++;
-    if (p >= s->end || !is_digit(*p))
+    if (p >= end || !is_digit(*p))
         return -1;
     unsigned long long mant = 0;
-    int digits = 0, exp10 = 0, dropped = 0; /* dropped: a nonzero digit past the 19th */
-    if (*p == '0') {
+    int ndig = 0, exp10 = 0, dropped = 0; /* dropped: a nonzero digit past the 19th */
+    if (*p == '0')
         p++;
-    } else {
-        while (digits <= 11 && s->end - p >= 8 && is_digit(p[7]) && eight_digits(load8(p))) {
-            mant = mant * 100000000ull + eight_value(load8(p));
-            digits += 8;
-            p += 8;
-        }
-        while (p < s->end && is_digit(*p)) {
-            if (digits < 19)
-                mant = mant * 10 + (unsigned)(*p - '0'), digits++;
-            else
-                exp10++, dropped |= *p != '0';
-            p++;
-        }
-    }
-    if (p < s->end && *p == '.') {
+    else
+        p = digits(p, end, 0, &mant, &ndig, &exp10, &dropped);
+    if (p < end && *p == '.') {
         p++;
-        if (p >= s->end || !is_digit(*p))
+        if (p >= end || !is_digit(*p))
             return -1;
-        if (mant == 0) /* leading zeros of the fraction do not count */
-            while (p < s->end && *p == '0')
-                p++, exp10--;
-        while (digits <= 11 && s->end - p >= 8 && is_digit(p[7]) && eight_digits(load8(p))) {
-            mant = mant * 100000000ull + eight_value(load8(p));
-            /* the zeros before the first nonzero digit were skipped above,
-             * so all eight count */
-            digits += 8;
-            exp10 -= 8;
-            p += 8;
-        }
-        while (p < s->end && is_digit(*p)) {
-            if (digits < 19) {
-                mant = mant * 10 + (unsigned)(*p - '0');
-                digits += mant != 0; /* leading zeros do not count */
-                exp10--;
-            } else {
-                dropped |= *p != '0';
+        if (mant == 0) { /* leading zeros of the fraction do not count */
+            while (end - p >= 8) {
+                uint64_t z = load8(p) ^ 0x3030303030303030ull;
+                int k = z ? __builtin_ctzll(z) >> 3 : 8;
+                p += k;
+                exp10 -= k;
+                if (k < 8)
+                    break;
             }
-            p++;
+            while (p < end && *p == '0')
+                p++, exp10--;
         }
+        p = digits(p, end, 1, &mant, &ndig, &exp10, &dropped);
     }
-    if (p < s->end && (*p == 'e' || *p == 'E')) {
+    if (p < end && (*p == 'e' || *p == 'E')) {
         p++;
         int eneg = 0, e = 0;
-        if (p < s->end && (*p == '+' || *p == '-'))
+        if (p < end && (*p == '+' || *p == '-'))
             eneg = *p == '-', p++;
-        if (p >= s->end || !isdigit((unsigned char)*p))
+        if (p >= end || !is_digit(*p))
             return -1;
-        while (p < s->end && isdigit((unsigned char)*p)) {
+        while (p < end && is_digit(*p)) {
             if (e < 100000)
                 e = e * 10 + (*p - '0');
             p++;
@@ -189,7 +226,11 @@ static inline __attribute__((always_inline)) int number(scan *s, double *v)
         exp10 += eneg ? -e : e;
     }
     s->p = p;
-    if (digits <= 15 && mant < (1ULL << 53) && exp10 >= -22 && exp10 <= 22) {
+    if (mant == 0) { /* half the pixels of an image: no division for them */
+        *v = neg ? -0.0 : 0.0;
+        return 0;
+    }
+    if (ndig <= 15 && mant < (1ULL << 53) && exp10 >= -22 && exp10 <= 22) {
         double d = (double)mant;
         d = exp10 < 0 ? d / pow10_tab[-exp10] : d * pow10_tab[exp10];
         *v = neg ? -d : d;
@@ -200,9 +241,12 @@ static inline __attribute__((always_inline)) int number(scan *s, double *v)
      * by Python (numparse.h). Its Eisel-Lemire step takes the significand
      * accumulated above when no digit was dropped; the digits are read again
      * only when that cannot decide. */
-    if (!dropped && md_double_from_parts(mant, exp10, neg, v) == 0)
-        return 0;
-    return md_parse_double(start, p, v);
+    double r; /* not v: its address would keep the caller's value in memory */
+    if ((dropped || md_double_from_parts(mant, exp10, neg, &r) != 0) &&
+        md_parse_double(start, p, &r) != 0)
+        return -1;
+    *v = r;
+    return 0;
 }
 
 static md_status push(scan *s, float v)

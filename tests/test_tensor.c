@@ -412,6 +412,61 @@ static void test_decode_eight_digit_steps(void **state)
     }
 }
 
+/* Every length of digit run the decoder reads in one step (1..8 digits of
+ * an 8-byte load, then the rest) in the integer part, after leading zeros of
+ * the fraction and in the fraction, with blanks or a comma or the body's end
+ * after the number: each decodes to (float)strtod of its text. */
+static void test_decode_digit_runs(void **state)
+{
+    (void)state;
+    static const char digits[] = "9876543210123456789098765432101234567";
+    int checked = 0;
+    for (int ints = 0; ints <= 24; ints++)
+        for (int zeros = 0; zeros <= 11; zeros++)
+            for (int frac = 0; frac <= 24; frac++) {
+                if (ints == 0 && zeros == 0 && frac == 0)
+                    continue;
+                if (frac == 0 && zeros > 0)
+                    continue;
+                char num[96];
+                int n = 0;
+                if (ints == 0)
+                    num[n++] = '0';
+                else
+                    for (int i = 0; i < ints; i++)
+                        num[n++] = digits[i];
+                if (zeros + frac > 0) {
+                    num[n++] = '.';
+                    for (int i = 0; i < zeros; i++)
+                        num[n++] = '0';
+                    for (int i = 0; i < frac; i++)
+                        num[n++] = digits[(i + ints + 3) % 30];
+                }
+                num[n] = '\0';
+                float want = (float)strtod(num, NULL);
+                for (int tail = 0; tail < 3; tail++) {
+                    char body[160];
+                    snprintf(body, sizeof body, tail == 0 ? "[%s]" : tail == 1 ? "[%s,7]" : "[%s  ]",
+                             num);
+                    md_tensor t;
+                    md_err err;
+                    md_status st = decode_ct(body, strlen(body), NULL, BIG, &t, &err);
+                    if (!isfinite(want)) {
+                        assert_int_not_equal(st, MD_OK);
+                        continue;
+                    }
+                    if (st != MD_OK)
+                        fail_msg("%s: %s", body, err.msg);
+                    if (memcmp(&t.data[0], &want, 4) != 0)
+                        fail_msg("%s decoded as %.9g, strtod says %.9g", body,
+                                 (double)t.data[0], (double)want);
+                    md_tensor_free(&t);
+                    checked++;
+                }
+            }
+    assert_true(checked > 3000);
+}
+
 static void test_parse_double_matches_strtod(void **state)
 {
     (void)state;
@@ -1406,6 +1461,7 @@ int main(void)
         cmocka_unit_test(test_float_format_random),
         cmocka_unit_test(test_parse_double_matches_strtod),
         cmocka_unit_test(test_decode_eight_digit_steps),
+        cmocka_unit_test(test_decode_digit_runs),
         cmocka_unit_test(test_float_format_subnormal_shortest),
         cmocka_unit_test(test_float_format_small_buffer),
         cmocka_unit_test(test_top_k_matches_reference),
