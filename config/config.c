@@ -80,6 +80,9 @@ static const setting settings[] = {
      "most rows in one forward"},
     {"max_delay_us", T_INT, OFF(max_delay_us), 0, 10000000, "0", NULL,
      "wait for more rows until this long after a batch's first request"},
+    {"coalesce_us", T_INT, OFF(coalesce_us), 0, 10000000, "500", NULL,
+     "while a worker computes and its forwards average at most this long, requests of "
+     "less than half a batch wait for it instead of waking another worker; 0 = never"},
     {"queue_limit", T_INT, OFF(queue_limit), 1, 10000000, "1024", NULL,
      "queued requests per model version before answering 503"},
     {"timeout_ms", T_INT, OFF(timeout_ms), 1, 3600000, "30000", NULL,

@@ -61,6 +61,7 @@ typedef struct md_cfg {
     int max_large_decodes;      /* images over 1 Mpx decoded at once (0: cores) */
     long long prepack_max_bytes; /* largest linear weights a worker prepacks; 0 = none */
     int max_delay_us;           /* default wait for more rows after a batch's first */
+    int coalesce_us;            /* default batching.coalesce_us */
     int queue_limit;            /* default queued requests per version before 503 */
     int timeout_ms;             /* default request deadline before 504 */
     char *default_model;        /* model answering POST /predict; "" = the only one */

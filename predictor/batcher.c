@@ -21,12 +21,20 @@
  * the job workers have the cores to themselves.
  * A free worker takes what is queued at once, up to max_batch_size rows:
  * under load batches grow by themselves while the other workers compute.
+ * Online rows wake an idle worker only when it is worth it (wake_online):
+ * while another computes a small batch and the version's batches take at
+ * most coalesce_us on average, fewer than half a batch of rows wait for
+ * that worker, which takes them all when it comes back (measured on two
+ * cores, 1-row JSON at 32 connections: 4 -> 7.5 rows a forward, ~18% less
+ * CPU a request, bench/RESULTS.md); half a batch, a big batch computing,
+ * slow forwards or coalesce_us 0 wake the next idle worker at once.
  * Only when max_delay_us > 0 does an online worker wait for more, and then
  * only until max_delay_us after the batch's FIRST request arrived (the clock
  * starts at arrival, not when a worker polls), so a fixed delay never stacks
  * on top of queueing time.
  * A request larger than max_batch_size is taken in pieces, by several
- * workers at once (a worker that leaves rows queued wakes another); each
+ * workers at once (a worker that leaves rows queued wakes another, as above:
+ * a leftover under half a batch waits for it); each
  * piece writes its rows of the shared output
  * and the piece that completes the last row answers. An online request whose
  * deadline passed before any row was taken is answered 504 and never
@@ -114,6 +122,7 @@ struct md_model {
     int logits;
     json_t *labels;
     int max_batch, max_delay_us, queue_limit, timeout_ms, workers, job_nice;
+    int coalesce_us;           /* see wake_online */
     size_t prepack_max;        /* md_torch_replica's bound; 0: workers forward on torch */
     atomic_int prepack_logged; /* make_replica's refusal or size bound is logged once */
     atomic_int fallback_logged; /* forward's fallback to torch is logged once */
@@ -126,6 +135,13 @@ struct md_model {
     queue q[2];
     int stopping;
     int live_workers;
+    /* online pool, under mu (see wake_online) */
+    int busy;                  /* workers that took rows and have not come back */
+    int idle;                  /* workers waiting for rows */
+    int wakes;                 /* signals sent that no waiter has consumed yet */
+    int64_t busy_rows;         /* rows the busy workers are computing */
+    double fwd_avg_s;          /* a worker's time per batch (forward and answers), moving
+                                * average; INFINITY until one is measured */
     atomic_int refs;
     /* stats */
     atomic_llong n_batches, n_rows, n_requests, n_timeouts, n_rejected, n_dropped;
@@ -520,6 +536,27 @@ static md_torch_model *make_replica(md_model *m)
     return r;
 }
 
+/* Rows were queued online (under mu): wake an idle worker if one should
+ * take them. Not when a worker is already computing a small batch (or is on
+ * its way), fewer than half a batch wait, and batches take at most
+ * coalesce_us on average: those rows wait for that worker, which takes them
+ * all when it comes back, so small requests make fewer, fuller batches and
+ * fewer wake-ups, and wait at most about one short batch. */
+static void wake_online(md_model *m)
+{
+    if (m->max_delay_us > 0) {
+        pthread_cond_broadcast(&m->cv[0]); /* the worker waiting for more re-checks */
+        return;
+    }
+    if (m->coalesce_us > 0 && m->busy + m->wakes > 0 && m->q[0].rows * 2 < m->max_batch &&
+        m->busy_rows * 2 < m->max_batch && m->fwd_avg_s * 1e6 <= m->coalesce_us)
+        return;
+    if (m->wakes < m->idle) {
+        m->wakes++;
+        pthread_cond_signal(&m->cv[0]);
+    }
+}
+
 /* The loop of one worker of pool `qi` (0: online, 1: batch jobs). Online
  * workers make their replica before the first request; job workers when
  * their first chunk comes (many versions never run a job). */
@@ -532,10 +569,25 @@ static void worker_loop(md_model *m, int qi)
     queue *q = &m->q[qi];
     md_torch_model *replica = qi == 0 ? make_replica(m) : NULL;
     int replica_tried = qi == 0;
+    double fwd_s = -1; /* this worker's last online batch: < 0 none */
+    int64_t fwd_rows = 0;
     for (;;) {
         pthread_mutex_lock(&m->mu);
-        while (!q->head && !m->stopping)
+        if (fwd_s >= 0) {
+            m->busy--;
+            m->busy_rows -= fwd_rows;
+            m->fwd_avg_s = isfinite(m->fwd_avg_s) ? 0.875 * m->fwd_avg_s + 0.125 * fwd_s : fwd_s;
+            fwd_s = -1;
+        }
+        if (qi == 0)
+            m->idle++;
+        while (!q->head && !m->stopping) {
             pthread_cond_wait(&m->cv[qi], &m->mu);
+            if (qi == 0 && m->wakes > 0)
+                m->wakes--; /* any return consumes one: a count never outlives its waiters */
+        }
+        if (qi == 0)
+            m->idle--;
         if (!q->head) {
             pthread_mutex_unlock(&m->mu);
             /* the replica goes first: once live_workers is down, the last
@@ -617,8 +669,14 @@ static void worker_loop(md_model *m, int qi)
             atomic_store(&m->depth[qi], q->count);
             if (!q->head)
                 q->tail = NULL;
-            else /* rows left (a split request, a backlog): an idle worker takes them now */
-                pthread_cond_signal(&m->cv[qi]);
+            else if (qi == 1) /* rows left (a split request, a backlog) */
+                pthread_cond_signal(&m->cv[1]);
+            if (qi == 0 && n > 0) {
+                m->busy++;
+                m->busy_rows += fwd_rows = rows;
+            }
+            if (qi == 0 && q->head)
+                wake_online(m);
         }
         pthread_mutex_unlock(&m->mu);
 
@@ -645,7 +703,10 @@ static void worker_loop(md_model *m, int qi)
             replica = make_replica(m);
             replica_tried = 1;
         }
+        double t0 = qi == 0 ? now_s() : 0;
         run_pieces(m, &replica, pieces, n, rows, &batch, &batch_cap);
+        if (qi == 0)
+            fwd_s = now_s() - t0;
     }
 }
 
@@ -706,6 +767,7 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
         return st;
     double load_t0 = now_s();
     md_model *m = md_xcalloc(1, sizeof *m);
+    m->fwd_avg_s = INFINITY; /* no coalescing before a forward was timed */
     snprintf(m->name, sizeof m->name, "%s", name);
     m->version = version;
     md_hist_init(&m->rows_hist, md_rows_bounds, md_rows_nbounds);
@@ -770,6 +832,7 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
     json_t *b = json_object_get(config, "batching");
     m->max_batch = cfg_int(b, "max_batch_size", def->max_batch_size);
     m->max_delay_us = cfg_int(b, "max_delay_us", def->max_delay_us);
+    m->coalesce_us = cfg_int(b, "coalesce_us", def->coalesce_us);
     m->queue_limit = cfg_int(b, "queue_limit", def->queue_limit);
     m->timeout_ms = cfg_int(b, "timeout_ms", def->timeout_ms);
     m->workers = cfg_int(config, "workers", def->workers);
@@ -813,7 +876,13 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
         o = NULL;
         if (st == MD_OK) {
             s[0] = 2;
+            double t0 = now_s();
             st = md_torch_forward(m->torch, zeros, s, m->row_ndim + 1, &o, os2, &on2, &ferr);
+            /* the first estimate of the batch time wake_online goes by (on
+             * the unpacked module: on the high side, so a slow model spreads
+             * its first requests over the workers; a config-less model has
+             * no test forward and coalesces nothing until its first batch) */
+            m->fwd_avg_s = now_s() - t0;
             free(o);
         }
         free(zeros);
@@ -928,9 +997,9 @@ json_t *md_model_stats(const md_model *m)
         json_array_append_new(hist, json_integer(atomic_load(&m->batch_hist[i])));
     md_model *mm = (md_model *)m;
     pthread_mutex_lock(&mm->mu);
-    int queued = m->q[0].count + m->q[1].count, job_chunks = m->q[1].count;
+    int queued = m->q[0].count + m->q[1].count, job_chunks = m->q[1].count, idle = m->idle;
     pthread_mutex_unlock(&mm->mu);
-    return json_pack("{s:s,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:i,s:o,s:i,s:i,s:i,s:i,s:i,s:i}",
+    return json_pack("{s:s,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:i,s:o,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
                      "model", m->name,
                      "version", md_model_version(m), "batches", (json_int_t)atomic_load(&m->n_batches),
                      "rows", (json_int_t)atomic_load(&m->n_rows), "requests",
@@ -942,6 +1011,7 @@ json_t *md_model_stats(const md_model *m)
                      "queued_job_chunks", job_chunks, "batch_size_histogram", hist, "workers",
                      m->workers, "job_workers", m->workers, "job_nice", m->job_nice,
                      "max_batch_size", m->max_batch, "max_delay_us", m->max_delay_us,
+                     "coalesce_us", m->coalesce_us, "idle_workers", idle,
                      "prepacked_workers", atomic_load(&m->prepacked));
 }
 
@@ -1161,13 +1231,10 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
     atomic_store(&m->depth[prio == MD_PRIO_BATCH ? 1 : 0], q->count);
     q->rows += it->rows;
     atomic_fetch_add(&m->n_requests, 1);
-    /* wake one worker of the queue's pool, or all when a delay is pending so
-     * the waiter re-checks */
-    int qi = prio == MD_PRIO_BATCH ? 1 : 0;
-    if (m->max_delay_us > 0 && qi == 0)
-        pthread_cond_broadcast(&m->cv[0]);
+    if (prio == MD_PRIO_BATCH)
+        pthread_cond_signal(&m->cv[1]);
     else
-        pthread_cond_signal(&m->cv[qi]);
+        wake_online(m);
     pthread_mutex_unlock(&m->mu);
     return MD_OK;
 }

@@ -139,13 +139,14 @@ md_status md_model_config_check(json_t *c, md_err *err)
             }
         } else if (strcmp(key, "batching") == 0) {
             if (!json_is_object(v))
-                return bad(err, "batching", "give an object with max_batch_size, max_delay_us, queue_limit, timeout_ms");
+                return bad(err, "batching", "give an object with max_batch_size, max_delay_us, "
+                                            "coalesce_us, queue_limit, timeout_ms");
             const char *k2;
             json_t *v2;
             json_object_foreach(v, k2, v2)
             {
                 json_int_t lo = 1, hi = 1000000;
-                if (strcmp(k2, "max_delay_us") == 0)
+                if (strcmp(k2, "max_delay_us") == 0 || strcmp(k2, "coalesce_us") == 0)
                     lo = 0, hi = 10000000;
                 else if (strcmp(k2, "queue_limit") == 0)
                     hi = 10000000;
@@ -154,7 +155,8 @@ md_status md_model_config_check(json_t *c, md_err *err)
                 else if (strcmp(k2, "max_batch_size") != 0)
                     return md_err_setc(err, MD_EUNPROC, "invalid_config",
                                        "config has an unknown key \"batching.%s\"; batching allows "
-                                       "max_batch_size, max_delay_us, queue_limit, timeout_ms",
+                                       "max_batch_size, max_delay_us, coalesce_us, queue_limit, "
+                                       "timeout_ms",
                                        k2);
                 if (!int_in(v2, lo, hi)) {
                     char k[96], allowed[96];

@@ -70,6 +70,7 @@ typedef struct md_model_defaults {
     long long max_image_pixels; /* bound on an image's width x height (0: the default) */
     long long prepack_max_bytes; /* largest float32 linear weights a worker packs (0: never) */
     int max_jpeg_scans;         /* bound on a progressive JPEG's scans (0: the default) */
+    int coalesce_us;            /* batching.coalesce_us (0: a free worker takes every request) */
 } md_model_defaults;
 
 /*

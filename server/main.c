@@ -154,6 +154,7 @@ int main(int argc, char **argv)
         .workers = cfg.workers > 0 ? cfg.workers : md_cfg_cores(),
         .max_batch_size = cfg.max_batch_size,
         .max_delay_us = cfg.max_delay_us,
+        .coalesce_us = cfg.coalesce_us,
         .queue_limit = cfg.queue_limit,
         .timeout_ms = cfg.timeout_ms,
         .job_nice = cfg.job_nice,

@@ -92,6 +92,7 @@ static int g_forward_sleep_us;
 static int64_t g_need_width;     /* nonzero: the forward fails rows of another width */
 static _Thread_local int g_loading; /* set around md_model_load: its test forward is not recorded */
 static long long g_prepack_max;  /* prepack_max_bytes of the models load_ex makes (0: off) */
+static int g_coalesce_us;        /* batching.coalesce_us of the models load_ex makes (0: off) */
 static int g_replica_refuse;     /* md_torch_replica fails */
 static int g_replica_calls, g_replicas, g_replica_frees, g_replica_shared;
 
@@ -455,7 +456,8 @@ static md_model *load_ex(const char *name, int version, const char *config, int 
                              .queue_limit = queue_limit,
                              .timeout_ms = timeout_ms,
                              .job_nice = g_job_nice,
-                             .prepack_max_bytes = g_prepack_max};
+                             .prepack_max_bytes = g_prepack_max,
+                             .coalesce_us = g_coalesce_us};
     char path[64];
     snprintf(path, sizeof path, "fake-%s-v%d", name, version);
     int calls_before = locked_int(&g_load_calls);
@@ -523,6 +525,7 @@ static int setup(void **state)
     g_forward_sleep_us = 0;
     g_need_width = 0;
     g_prepack_max = 0;
+    g_coalesce_us = 0;
     g_replica_refuse = 0;
     g_replica_calls = g_replicas = g_replica_frees = g_replica_shared = 0;
     pthread_mutex_unlock(&g_mu);
@@ -572,7 +575,7 @@ static void test_fake_backend_linked(void **state)
     /* a load that the backend refuses reports its message */
     md_model *bad = NULL;
     md_err err;
-    md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0, 0, 0};
+    md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0, 0, 0, 0};
     assert_int_equal(md_model_load("x", 1, "fail-me", NULL, &def, &bad, &err), MD_EUNPROC);
     assert_null(bad);
     assert_non_null(strstr(err.msg, "fake load of fail-me failed"));
@@ -632,6 +635,120 @@ static void test_greedy_take(void **state)
     assert_int_equal(stat_int(m, "batches"), 2);
     assert_int_equal(stat_int(m, "rows"), 11);
     assert_int_equal(stat_int(m, "requests"), 11);
+}
+
+/* Wait until `n` online workers of m wait for requests. */
+static void wait_idle(md_model *m, int n);
+
+/* batching.coalesce_us: while a worker computes a small batch and forwards
+ * are short, requests of less than half a batch wait for it instead of
+ * waking the idle worker (fewer, fuller batches); half a batch queued wakes
+ * it, and what is left when the busy worker comes back, it takes. */
+static void test_coalesce_small_requests(void **state)
+{
+    (void)state;
+    g_coalesce_us = 1000000; /* the fake's forwards take microseconds */
+    md_model *m = load(ROW2, 2, 8, 0, 100, 10000);
+    int id = locked_int(&g_next_id) - 1;
+    wait_idle(m, 2); /* both workers past their start, waiting */
+    submit_ok(m, 0, 1, 2, (const float[]){GATE, 0});
+    ASSERT_WAIT(g_gate_entered == 1);
+    submit_ok(m, 1, 1, 2, (const float[]){1, 1});
+    submit_ok(m, 2, 1, 2, (const float[]){2, 2});
+    /* two rows, a quarter of a batch: they wait for the busy worker, however
+     * long it computes (a wrongly woken worker would take them at once) */
+    usleep(100 * 1000);
+    assert_int_equal(stat_int(m, "queued"), 2);
+    assert_int_equal(locked_int(&g_req[1].calls), 0);
+    /* two more rows make half a batch: the idle worker takes all four */
+    submit_ok(m, 3, 2, 2, (const float[]){3, 3, 4, 4});
+    ASSERT_WAIT(reqs_done(1, 4));
+    assert_int_equal(locked_int(&g_req[0].calls), 0); /* still in its forward */
+    int64_t rows[4];
+    assert_int_equal(batches_of(id, 0, rows, 4), 2);
+    assert_int_equal(rows[0], 1);
+    assert_int_equal(rows[1], 4);
+    assert_true(g_req[3].out[2] == 8.0f);
+    /* one more row, while the first worker is still held: it waits for a
+     * worker to come back, and is computed when the gate opens */
+    wait_idle(m, 1);
+    submit_ok(m, 4, 1, 2, (const float[]){5, 5});
+    usleep(100 * 1000);
+    assert_int_equal(locked_int(&g_req[4].calls), 0);
+    open_gate();
+    ASSERT_WAIT(reqs_done(0, 5));
+    assert_int_equal(g_req[0].st, MD_OK);
+    assert_true(g_req[4].out[0] == 10.0f);
+}
+
+/* A worker computing half a batch or more, or a model whose batches were
+ * never timed (no input.shape: no test forward), does not make small
+ * requests wait: the idle worker takes them. */
+static void test_coalesce_not_behind_big_or_untimed_batches(void **state)
+{
+    (void)state;
+    g_coalesce_us = 1000000;
+    md_model *m = load_ex("big", 1, ROW2, 2, 8, 0, 100, 10000, NULL);
+    wait_idle(m, 2);
+    submit_ok(m, 0, 4, 2, (const float[]){GATE, 0, 1, 1, 2, 2, 3, 3});
+    ASSERT_WAIT(g_gate_entered == 1);
+    submit_ok(m, 1, 1, 2, (const float[]){GATE, 1});
+    ASSERT_WAIT(g_gate_entered == 2);
+    open_gate();
+    ASSERT_WAIT(reqs_done(0, 2));
+
+    pthread_mutex_lock(&g_mu);
+    g_gate_open = 0;
+    g_gate_entered = 0;
+    pthread_mutex_unlock(&g_mu);
+    md_model *u = load_ex("untimed", 1, NULL, 2, 8, 0, 100, 10000, NULL);
+    wait_idle(u, 2);
+    submit_ok(u, 2, 1, 2, (const float[]){GATE, 2});
+    ASSERT_WAIT(g_gate_entered == 1);
+    submit_ok(u, 3, 1, 2, (const float[]){GATE, 3});
+    ASSERT_WAIT(g_gate_entered == 2);
+    open_gate();
+    ASSERT_WAIT(reqs_done(2, 4));
+}
+
+/* coalesce_us 0, or forwards slower than coalesce_us: a free worker takes
+ * each request at once, so two one-row requests compute side by side. */
+static void test_coalesce_off_or_slow_forwards(void **state)
+{
+    (void)state;
+    for (int slow = 0; slow < 2; slow++) {
+        pthread_mutex_lock(&g_mu);
+        g_gate_open = 0;
+        g_gate_entered = 0;
+        pthread_mutex_unlock(&g_mu);
+        g_coalesce_us = slow ? 1000 : 0;
+        md_model *m = load_ex(slow ? "slow" : "off", 1, ROW2, 2, 8, 0, 100, 10000, NULL);
+        int base = slow ? 10 : 0;
+        if (slow) {
+            /* one forward of 20 ms: its moving average passes 1 ms on any machine */
+            g_forward_sleep_us = 20000;
+            submit_ok(m, base + 5, 1, 2, (const float[]){5, 5});
+            ASSERT_WAIT(reqs_done(base + 5, base + 6));
+            g_forward_sleep_us = 0;
+        }
+        submit_ok(m, base, 1, 2, (const float[]){GATE, 0});
+        ASSERT_WAIT(g_gate_entered == 1);
+        submit_ok(m, base + 1, 1, 2, (const float[]){GATE, 1});
+        ASSERT_WAIT(g_gate_entered == 2);
+        /* side by side: the first still in its forward (the fake's gate gives
+         * up after WAIT_S, which would let one worker take both in turn) */
+        assert_int_equal(locked_int(&g_req[base].calls), 0);
+        open_gate();
+        ASSERT_WAIT(reqs_done(base, base + 2));
+    }
+}
+
+static void wait_idle(md_model *m, int n)
+{
+    double until = mono() + WAIT_S;
+    while (stat_int(m, "idle_workers") != n && mono() < until)
+        usleep(1000);
+    assert_int_equal(stat_int(m, "idle_workers"), n);
 }
 
 static void test_delay_from_first_arrival(void **state)
@@ -1295,7 +1412,7 @@ static void test_configless_shape_learned_from_success_only(void **state)
 static void test_sizes_checked(void **state)
 {
     (void)state;
-    md_model_defaults def = {1, 4, 0, 100, 10000, 0, 0, 0, 0};
+    md_model_defaults def = {1, 4, 0, 100, 10000, 0, 0, 0, 0, 0};
     const char *huge[] = {
         "{\"input\": {\"shape\": [1073741824, 1073741824, 4]}}",
         "{\"input\": {\"shape\": [1073741824, 1073741824, 1073741824, 1073741824]}}",
@@ -1550,7 +1667,7 @@ static void test_eight_dim_row_shape(void **state)
         signal(SIGILL, SIG_DFL);
         signal(SIGFPE, SIG_DFL);
         json_t *cfg = json_loads("{\"input\": {\"shape\": [1, 1, 1, 1, 1, 1, 1, 2]}}", 0, NULL);
-        md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0, 0, 0};
+        md_model_defaults def = {1, 64, 0, 100, 10000, 0, 0, 0, 0, 0};
         md_model *m = NULL;
         md_err err;
         g_loading = 1;
@@ -1741,7 +1858,7 @@ int main(void)
     /* without the linker seam every test would fail the same way: say so once */
     md_model *probe = NULL;
     md_err perr;
-    md_model_defaults pdef = {1, 1, 0, 1, 1000, 0, 0, 0, 0};
+    md_model_defaults pdef = {1, 1, 0, 1, 1000, 0, 0, 0, 0, 0};
     md_model_load("probe", 1, "fail-probe", NULL, &pdef, &probe, &perr);
     if (g_load_calls == 0) {
         fprintf(stderr, "test_batcher: the fake backend is not linked in; link with "
@@ -1755,6 +1872,9 @@ int main(void)
         T(test_fake_backend_linked),
         T(test_single_request_roundtrip),
         T(test_greedy_take),
+        T(test_coalesce_small_requests),
+        T(test_coalesce_off_or_slow_forwards),
+        T(test_coalesce_not_behind_big_or_untimed_batches),
         T(test_delay_from_first_arrival),
         T(test_delay_not_stacked_on_queue_wait),
         T(test_size_cap),

@@ -66,7 +66,7 @@ static const char *const all_keys[] = {
     "drain_seconds", "access_log", "log_level", "store", "max_checkpoint_bytes", "max_average_bytes",
     "allowed_paths",
     "allowed_urls", "download_connect_timeout_s", "download_timeout_s", "download_max_redirects",
-    "workers", "intra_op_threads", "max_batch_size", "max_delay_us", "queue_limit", "timeout_ms",
+    "workers", "intra_op_threads", "max_batch_size", "max_delay_us", "coalesce_us", "queue_limit", "timeout_ms",
     "default_model", "max_request_images", "max_jobs", "job_lease_s", "job_nice",
     "max_image_pixels", "max_jpeg_scans", "max_large_decodes", "prepack_max_bytes", "job_max_files", "job_max_image_bytes",
     "store_poll_ms",
@@ -80,6 +80,7 @@ static void assert_defaults(const md_cfg *cfg)
     assert_string_equal(cfg->host, "127.0.0.1");
     assert_int_equal(cfg->port, 8080);
     assert_int_equal(cfg->threads, 0);
+    assert_int_equal(cfg->coalesce_us, 500);
     assert_int_equal(cfg->max_body_bytes, 67108864LL);
     assert_int_equal(cfg->connection_timeout_s, 30);
     assert_int_equal(cfg->keepalive_timeout_s, 75);
