@@ -142,8 +142,8 @@ static const uint64_t pow10_u64[9] = {1, 10, 100, 1000, 10000, 100000, 1000000, 
  * the point, which lower exp10, where digits dropped past the 19th raise it
  * in the integer part. Returns the end of the run. */
 static inline __attribute__((always_inline)) const char *
-digits(const char *p, const char *end, int frac, unsigned long long *mant, int *ndig, int *exp10,
-       int *dropped)
+digits(const char *p, const char *end, int frac, unsigned long long *mant, int *ndig,
+       int64_t *exp10, int *dropped)
 {
     while (end - p >= 8) {
         uint64_t w = load8(p);
@@ -188,7 +188,8 @@ static inline __attribute__((always_inline)) int number(scan *s, double *v)
     if (p >= end || !is_digit(*p))
         return -1;
     unsigned long long mant = 0;
-    int ndig = 0, exp10 = 0, dropped = 0; /* dropped: a nonzero digit past the 19th */
+    int ndig = 0, dropped = 0; /* dropped: a nonzero digit past the 19th */
+    int64_t exp10 = 0; /* 64 bits: a body of 2^31 digits is possible (max_body_bytes) */
     if (*p == '0')
         p++;
     else

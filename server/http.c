@@ -143,8 +143,11 @@ static void set_request_id(md_http *h, md_req *r, const char *client)
     snprintf(r->id, sizeof r->id, "%08lx%08lx", h->id_seed & 0xffffffffUL, seq & 0xffffffffUL);
 }
 
-/* Largest body buffer allocated from a Content-Length before its bytes come. */
-#define BODY_PRESIZE_MAX ((size_t)8 << 20)
+/* Largest body buffer allocated from a Content-Length before its bytes come:
+ * a 64-row JSON body of full-precision floats is ~0.6 MB; larger bodies grow
+ * as their bytes arrive, so a client that only sends headers holds at most
+ * this much a connection. */
+#define BODY_PRESIZE_MAX ((size_t)1 << 20)
 
 /* ---- trace context ---- */
 
@@ -732,7 +735,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
              * 200 KB body 1.3 times more); bounded, as the bytes may never come.
              * Failing here is no error: md_body_append grows it as before. */
             if (errno == 0 && end != cl && n > 0 && !r->body.data) {
-                size_t want = n < BODY_PRESIZE_MAX ? (size_t)n + 1 : BODY_PRESIZE_MAX;
+                size_t want = n + 1 <= BODY_PRESIZE_MAX ? (size_t)n + 1 : BODY_PRESIZE_MAX;
                 if ((r->body.data = malloc(want)) != NULL)
                     r->body.cap = want;
             }
