@@ -14,7 +14,7 @@ ARGS    ?=
 # BUILD_PACKAGES build ./modeld (the Docker build stage installs only these).
 BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
 	libcurl4-openssl-dev libssl-dev zlib1g-dev libtorch-dev libopenblas0-pthread \
-	libfast-float-dev libpng-dev libjpeg62-turbo-dev
+	libfast-float-dev libpng-dev libjpeg62-turbo-dev libisal-dev
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
 	python3-numpy python3-yaml python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist \
 	git jq nginx python3-pil python3-torchvision
@@ -62,7 +62,7 @@ WARN      := -Wall -Wextra -Werror
 CFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(OPT) $(VECT) $(WARN) -pthread $(SAN_FLAGS) $(EXTRA_CFLAGS)
 CXXFLAGS  := -std=c++17 $(OPT) $(WARN) -Wno-unused-parameter -pthread $(TORCH_CFLAGS) $(SAN_FLAGS) \
 	$(EXTRA_CFLAGS)
-LIBS      := $(EXTRA_LDFLAGS) -lmicrohttpd -ljansson -lsqlite3 -lcurl -lcrypto -lz -lpng -ljpeg $(TORCH_LIBS) -lstdc++ -lm -pthread
+LIBS      := $(EXTRA_LDFLAGS) -lmicrohttpd -ljansson -lsqlite3 -lcurl -lcrypto -lz -lisal -lpng -ljpeg $(TORCH_LIBS) -lstdc++ -lm -pthread
 
 BUILD := build$(if $(SAN_FLAGS),-asan,)
 
@@ -79,6 +79,8 @@ LIB_C   := config/md_err.c config/md_metrics.c config/config.c server/router.c s
 LIB_C   += predictor/weights.c handlers/training.c handlers/metrics.c
 # jobs over image folders (issue 15)
 LIB_C   += jobs/images.c
+# IDX.gz inflated by ISA-L (issue 14: the runner's cost of an IDX.gz row)
+LIB_C   += jobs/gzstream.c
 LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
@@ -267,8 +269,8 @@ fuzz:
 	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
-	  jobs/readers.c jobs/images.c predictor/image.c predictor/tensor.c build-fuzz/numparse.o \
-	  config/md_err.c -ljansson -lpng -ljpeg -lz -lstdc++ -lm
+	  jobs/readers.c jobs/gzstream.c jobs/images.c predictor/image.c predictor/tensor.c \
+	  build-fuzz/numparse.o config/md_err.c -ljansson -lpng -ljpeg -lz -lisal -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \
 	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm
@@ -295,7 +297,11 @@ fuzz:
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_multipart tests/fuzz_multipart.c \
 	  server/multipart.c config/md_err.c -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_gzstream tests/fuzz_gzstream.c \
+	  jobs/gzstream.c -lisal -lz
 	mkdir -p build-fuzz/corpus_number && cp tests/fuzz_corpus_number/* build-fuzz/corpus_number/
+	mkdir -p build-fuzz/corpus_gzstream && cp tests/fuzz_corpus_gzstream/* build-fuzz/corpus_gzstream/
 	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers build-fuzz/corpus_config \
 	  build-fuzz/corpus_router build-fuzz/corpus_pickle build-fuzz/corpus_safetensors
 	cp tests/fuzz_corpus/* build-fuzz/corpus/
@@ -322,6 +328,7 @@ fuzz:
 	  build-fuzz/corpus_safetensors
 	build-fuzz/fuzz_image $(FUZZ_LIMIT) -max_len=16384 build-fuzz/corpus_image
 	build-fuzz/fuzz_multipart $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_multipart
+	build-fuzz/fuzz_gzstream $(FUZZ_LIMIT) -max_len=65536 build-fuzz/corpus_gzstream
 
 # The CUDA path of the backend must keep compiling even where no CUDA libtorch
 # exists to link it: compile it against Debian's libtorch headers and the CUDA

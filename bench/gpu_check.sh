@@ -6,7 +6,7 @@
 #
 # DEPS: a folder holding Debian 12 packages unpacked with `dpkg -x` (the -dev
 #   and runtime packages of libmicrohttpd, jansson, sqlite3, libcurl and its
-#   runtime deps, openssl, zlib, cmocka), for machines without them; empty or
+#   runtime deps, openssl, zlib, isa-l, cmocka), for machines without them; empty or
 #   "-": use the system's.
 # LIBTORCH: a CUDA libtorch; default: the folder of the python3 torch package
 #   (pip's torch holds include/ and lib/ of a CUDA libtorch).

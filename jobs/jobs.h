@@ -39,7 +39,7 @@ extern "C" {
  *         flattened), or an object whose field `features` (default
  *         "features") holds them and whose field `label` holds the label
  *   npy   float32/float64/int64/int32/uint8, C order, 2-D or N-D (rows = dim 0)
- *   idx   the MNIST family, plain or gzip (zlib); `label` is the path of the
+ *   idx   the MNIST family, plain or gzip (gzstream.h); `label` is the path of the
  *         matching labels file (idx1), optional
  *   images `path` is a directory: its PNG and JPEG files, recursively, in
  *         byte order of their relative paths, one row each, decoded and

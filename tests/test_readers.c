@@ -36,6 +36,7 @@
 
 #include <zlib.h>
 
+#include "../jobs/gzstream.h"
 #include "../jobs/jobs.h"
 #include "test_util.h"
 
@@ -763,6 +764,272 @@ static void test_idx_errors(void **state)
     for (int i = 0; i < 6 && st == MD_OK; i++)
         st = md_reader_next(r, row, &label, &err);
     assert_int_equal(st, MD_EIO);
+    assert_msg_has(err.msg, "modeld_test_", " row ", ": unexpected end of file", NULL);
+    md_reader_close(r);
+}
+
+/* ---- gzstream.c: gzip files read as zlib's gzread reads them ---- */
+
+/* One gzip member of data[0, n) at `level`; `fancy`: a header with FEXTRA,
+ * FNAME, FCOMMENT and FHCRC (Python's gzip writes FNAME; other tools the
+ * rest). Appended to *buf (grown), *len updated. */
+static void gz_member(unsigned char **buf, size_t *len, const unsigned char *data, size_t n,
+                      int level, int fancy)
+{
+    z_stream z;
+    memset(&z, 0, sizeof z);
+    assert_int_equal(deflateInit2(&z, level, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY), Z_OK);
+    gz_header h;
+    memset(&h, 0, sizeof h);
+    unsigned char extra[] = "AB\x02\x00xy";
+    if (fancy) {
+        h.extra = extra, h.extra_len = 6;
+        h.name = (Bytef *)"images.idx3", h.comment = (Bytef *)"a comment";
+        h.hcrc = 1;
+        assert_int_equal(deflateSetHeader(&z, &h), Z_OK);
+    }
+    size_t cap = deflateBound(&z, (uLong)n) + 64;
+    *buf = realloc(*buf, *len + cap);
+    assert_non_null(*buf);
+    z.next_in = (Bytef *)data, z.avail_in = (uInt)n;
+    z.next_out = *buf + *len, z.avail_out = (uInt)cap;
+    assert_int_equal(deflate(&z, Z_FINISH), Z_STREAM_END);
+    *len += cap - z.avail_out;
+    deflateEnd(&z);
+}
+
+/* Everything md_gz reads from `path`, `step` bytes a call; *failed: the read
+ * ended on an error (its message in msg). Returns the bytes (caller frees). */
+static unsigned char *gz_slurp(const char *path, size_t step, size_t *n, int *failed, char *msg,
+                               size_t msg_size)
+{
+    md_gz *g = md_gz_open(path);
+    assert_non_null(g);
+    size_t cap = 1 << 16, len = 0;
+    unsigned char *out = malloc(cap);
+    for (;;) {
+        if (len + step > cap) {
+            cap = (len + step) * 2;
+            out = realloc(out, cap);
+            assert_non_null(out);
+        }
+        size_t got = md_gz_read(g, out + len, step);
+        len += got;
+        if (got < step)
+            break;
+    }
+    const char *e = md_gz_error(g, NULL);
+    *failed = e != NULL;
+    snprintf(msg, msg_size, "%s", e ? e : "");
+    /* the end stays the end */
+    unsigned char b;
+    assert_int_equal(md_gz_read(g, &b, 1), 0);
+    md_gz_close(g);
+    *n = len;
+    return out;
+}
+
+/* The same file through zlib's gzread: the reference the reader replaced. */
+static unsigned char *zlib_slurp(const char *path, size_t *n, int *failed)
+{
+    gzFile z = gzopen(path, "rb");
+    assert_non_null(z);
+    size_t cap = 1 << 16, len = 0;
+    unsigned char *out = malloc(cap);
+    int r;
+    for (;;) {
+        if (len + 4096 > cap)
+            out = realloc(out, cap *= 2);
+        r = gzread(z, out + len, 4096);
+        if (r <= 0)
+            break;
+        len += (size_t)r;
+    }
+    int zerr = Z_OK;
+    gzerror(z, &zerr);
+    *failed = r < 0 || (zerr != Z_OK && zerr != Z_STREAM_END);
+    gzclose(z);
+    *n = len;
+    return out;
+}
+
+/* `file` read by md_gz at several call sizes: `want` (n bytes) exactly, then
+ * the end with no error; zlib reads the same. */
+static void expect_gz_reads(const unsigned char *file, size_t flen, const unsigned char *want,
+                            size_t n)
+{
+    char path[64], msg[128];
+    write_temp_n(path, (const char *)file, flen);
+    static const size_t steps[] = {1, 7, 784, 65536, 3 << 20};
+    for (size_t i = 0; i < sizeof steps / sizeof steps[0]; i++) {
+        size_t got;
+        int failed;
+        unsigned char *out = gz_slurp(path, steps[i], &got, &failed, msg, sizeof msg);
+        if (failed)
+            fail_msg("step %zu: %s", steps[i], msg);
+        assert_int_equal(got, n);
+        assert_memory_equal(out, want, n);
+        free(out);
+    }
+    size_t zn;
+    int zfailed;
+    unsigned char *z = zlib_slurp(path, &zn, &zfailed);
+    assert_false(zfailed);
+    assert_int_equal(zn, n);
+    assert_memory_equal(z, want, n);
+    free(z);
+}
+
+/* `file` ends on an error whose message holds `has`; zlib fails on it too.
+ * `good` (a file cut short): what md_gz gave before the error is a prefix of
+ * it; NULL for damaged data, which inflates to garbage until a check fails
+ * (zlib's too: that is what the CRC-32 at a member's end is for). */
+static void expect_gz_fails(const unsigned char *file, size_t flen, const unsigned char *good,
+                            size_t n, const char *has)
+{
+    char path[64], msg[128];
+    write_temp_n(path, (const char *)file, flen);
+    size_t got;
+    int failed;
+    unsigned char *out = gz_slurp(path, 784, &got, &failed, msg, sizeof msg);
+    if (!failed)
+        fail_msg("%zu bytes of %zu read with no error", got, n);
+    if (has && !strstr(msg, has))
+        fail_msg("message \"%s\" lacks \"%s\"", msg, has);
+    assert_true(got <= n);
+    if (good)
+        assert_memory_equal(out, good, got);
+    free(out);
+    size_t zn;
+    int zfailed;
+    unsigned char *z = zlib_slurp(path, &zn, &zfailed);
+    assert_true(zfailed);
+    free(z);
+}
+
+static void test_gzstream(void **state)
+{
+    (void)state;
+    /* 600 KB that compress to several deflate blocks and more than the
+     * stream's 128 KiB input and output buffers */
+    size_t n = 600 * 1000;
+    unsigned char *data = malloc(n);
+    uint32_t x = 12345;
+    for (size_t i = 0; i < n; i++) {
+        x = x * 1103515245u + 12345u;
+        data[i] = (unsigned char)(i % 784 < 300 ? 0 : (x >> 16) % 40);
+    }
+    unsigned char *f = NULL;
+    size_t flen = 0;
+
+    for (int level = 0; level <= 9; level += 3) { /* 0: stored blocks */
+        flen = 0;
+        gz_member(&f, &flen, data, n, level, level == 6);
+        assert_true(flen > 128 * 1024 || level == 9 || level == 6 || level == 3);
+        expect_gz_reads(f, flen, data, n);
+    }
+
+    /* members one after another (an empty one among them), then trailing
+     * bytes that start no member: ignored, as gzread ignores them */
+    flen = 0;
+    gz_member(&f, &flen, data, 1000, 6, 0);
+    gz_member(&f, &flen, data + 1000, 0, 6, 1);
+    gz_member(&f, &flen, data + 1000, 199000, 1, 0);
+    gz_member(&f, &flen, data + 200000, n - 200000, 9, 1);
+    expect_gz_reads(f, flen, data, n);
+    expect_gz_fails(f, flen - 5, data, n, "unexpected end of file"); /* the last member cut */
+    f = realloc(f, flen + 16);
+    memcpy(f + flen, "\0\0\0\0junk\n", 10);
+    expect_gz_reads(f, flen + 10, data, n);
+    f[flen] = 0x1f; /* a lone magic byte is no member either */
+    expect_gz_reads(f, flen + 1, data, n);
+
+    /* cut short: inside the header, inside the data, inside the trailer */
+    flen = 0;
+    gz_member(&f, &flen, data, n, 6, 0);
+    expect_gz_fails(f, 2, data, n, "unexpected end of file");
+    expect_gz_fails(f, 9, data, n, "unexpected end of file");
+    expect_gz_fails(f, flen / 2, data, n, "unexpected end of file");
+    expect_gz_fails(f, flen - 3, data, n, "unexpected end of file");
+    /* a wrong CRC-32, a wrong length, a damaged block, a bad method */
+    f[flen - 8] ^= 1;
+    expect_gz_fails(f, flen, NULL, n, "incorrect data check");
+    f[flen - 8] ^= 1;
+    f[flen - 2] ^= 1;
+    expect_gz_fails(f, flen, NULL, n, NULL);
+    f[flen - 2] ^= 1;
+    f[flen / 3] ^= 0x55;
+    expect_gz_fails(f, flen, NULL, n, NULL);
+    f[flen / 3] ^= 0x55;
+    f[2] = 7;
+    expect_gz_fails(f, flen, NULL, n, "compression method");
+    f[2] = 8;
+    expect_gz_reads(f, flen, data, n); /* and back to good */
+
+    /* not gzip: the bytes as they are, whatever their size */
+    expect_gz_reads(data, n, data, n);
+    expect_gz_reads((const unsigned char *)"\x1f", 1, (const unsigned char *)"\x1f", 1);
+    expect_gz_reads(data, 0, data, 0);
+
+    /* what cannot be opened or read */
+    errno = 0;
+    assert_null(md_gz_open(DATASETS "no such file"));
+    assert_int_equal(errno, ENOENT);
+    md_gz *g = md_gz_open(DATASETS);
+    assert_non_null(g);
+    unsigned char b;
+    assert_int_equal(md_gz_read(g, &b, 1), 0);
+    int e = 0;
+    assert_non_null(strstr(md_gz_error(g, &e), "read failed: Is a directory"));
+    assert_int_equal(e, EISDIR);
+    md_gz_close(g);
+    md_gz_close(NULL);
+    free(f);
+    free(data);
+}
+
+/* The reader names the row where a gzip file goes wrong, and why. */
+static void test_idx_gzip_errors(void **state)
+{
+    (void)state;
+    FILE *in = fopen(DATASETS "images.idx3.gz", "rb");
+    assert_non_null(in);
+    unsigned char gz[512];
+    size_t n = fread(gz, 1, sizeof gz, in);
+    fclose(in);
+    assert_true(n > 20 && n < sizeof gz);
+    char path[64];
+    md_err err;
+    /* the CRC-32 is checked at the member's end, after the last row's bytes */
+    gz[n - 8] ^= 0xff;
+    write_temp_n(path, (const char *)gz, n);
+    md_reader *r = open_ok(path, "idx", NULL, NULL);
+    float row[6];
+    int64_t label;
+    md_status st = MD_OK;
+    int rows = 0;
+    while ((st = md_reader_next(r, row, &label, &err)) == MD_OK)
+        rows++;
+    assert_int_equal(st, MD_EIO);
+    assert_int_equal(rows, 5);
+    assert_msg_has(err.msg, "modeld_test_", ", after its last row (5): incorrect data check (CRC-32); "
+                   "the file is damaged", NULL);
+    md_reader_close(r);
+
+    /* the labels file is checked the same way */
+    in = fopen(DATASETS "labels.idx1.gz", "rb");
+    assert_non_null(in);
+    n = fread(gz, 1, sizeof gz, in);
+    fclose(in);
+    assert_true(n > 20 && n < sizeof gz);
+    gz[n - 8] ^= 0xff;
+    write_temp_n(path, (const char *)gz, n);
+    r = open_ok(DATASETS "images.idx3", "idx", NULL, path);
+    rows = 0;
+    while ((st = md_reader_next(r, row, &label, &err)) == MD_OK)
+        rows++;
+    assert_int_equal(st, MD_EIO);
+    assert_int_equal(rows, 5);
     md_reader_close(r);
 }
 
@@ -1309,6 +1576,8 @@ int main(void)
         cmocka_unit_test_teardown(test_npy_wide_rows, remove_temps),
         cmocka_unit_test_teardown(test_idx, remove_temps),
         cmocka_unit_test_teardown(test_idx_errors, remove_temps),
+        cmocka_unit_test_teardown(test_gzstream, remove_temps),
+        cmocka_unit_test_teardown(test_idx_gzip_errors, remove_temps),
         cmocka_unit_test_teardown(test_fashion_mnist, remove_temps),
         cmocka_unit_test_teardown(test_open_errors, remove_temps),
         cmocka_unit_test_teardown(test_resume_by_skipping, remove_temps),

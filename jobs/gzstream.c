@@ -1,0 +1,249 @@
+/*
+ * gzstream.c - see gzstream.h.
+ *
+ * DESIGN
+ * Two buffers: `in` holds file bytes (the two bytes sniffed at open first),
+ * `out` what the inflater wrote and the caller has not taken yet. A plain
+ * file's bytes go from `in` to the caller; a gzip file's through
+ * isal_inflate, which is told the gzip wrapper (ISAL_GZIP), so it parses
+ * each member's header and checks its CRC-32 itself. When a member ends,
+ * the next two input bytes decide: gzip's magic starts another member (the
+ * inflater is reset), anything else is ignored, as zlib's gzread does.
+ * The inflater keeps no pointer into `in` between calls, so `in` may be
+ * compacted between them. Input that ends inside a member is an error
+ * ("unexpected end of file"), never a silent short file: the reader says
+ * which row it cut.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <isa-l/igzip_lib.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "gzstream.h"
+
+#define IN_SIZE (128 * 1024)
+#define OUT_SIZE (128 * 1024)
+
+struct md_gz {
+    int fd;
+    int gzip;
+    int in_eof;        /* read() gave 0: no more file bytes */
+    int done;          /* no more data: the end, or an error */
+    int sys_errno;
+    const char *err;   /* NULL, or a static message */
+    char errbuf[96];
+    unsigned char *in;
+    size_t in_pos, in_len;   /* unread file bytes: in[in_pos, in_len) */
+    unsigned char *out;
+    size_t out_pos, out_len; /* inflated bytes not taken: out[out_pos, out_len) */
+    struct inflate_state *st;
+};
+
+static void fail_errno(md_gz *g, int e)
+{
+    g->sys_errno = e;
+    snprintf(g->errbuf, sizeof g->errbuf, "read failed: %s", strerror(e));
+    g->err = g->errbuf;
+    g->done = 1;
+}
+
+static void fail(md_gz *g, const char *msg)
+{
+    g->err = msg;
+    g->done = 1;
+}
+
+/* Move the unread bytes to the front and read more behind them. 0, or -1
+ * on a read error (recorded). Sets in_eof at the end of the file. */
+static int fill(md_gz *g)
+{
+    if (g->in_pos > 0) {
+        memmove(g->in, g->in + g->in_pos, g->in_len - g->in_pos);
+        g->in_len -= g->in_pos;
+        g->in_pos = 0;
+    }
+    while (!g->in_eof && g->in_len < IN_SIZE) {
+        ssize_t r = read(g->fd, g->in + g->in_len, IN_SIZE - g->in_len);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            fail_errno(g, errno);
+            return -1;
+        }
+        if (r == 0)
+            g->in_eof = 1;
+        g->in_len += (size_t)r;
+        break; /* one read a call: a pipe or a slow disk need not fill it */
+    }
+    return 0;
+}
+
+md_gz *md_gz_open(const char *path)
+{
+    md_gz *g = calloc(1, sizeof *g);
+    if (!g) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    g->fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (g->fd < 0) {
+        int e = errno;
+        free(g);
+        errno = e;
+        return NULL;
+    }
+    g->in = malloc(IN_SIZE);
+    if (!g->in) {
+        md_gz_close(g);
+        errno = ENOMEM;
+        return NULL;
+    }
+    /* sniff the magic: a directory or an unreadable file reads as plain,
+     * and its error comes with the first read */
+    while (g->in_len < 2 && !g->in_eof && !g->done)
+        fill(g);
+    if (g->in_len >= 2 && g->in[0] == 0x1f && g->in[1] == 0x8b) {
+        g->out = malloc(OUT_SIZE);
+        g->st = malloc(sizeof *g->st);
+        if (!g->out || !g->st) {
+            md_gz_close(g);
+            errno = ENOMEM;
+            return NULL;
+        }
+        isal_inflate_init(g->st);
+        g->st->crc_flag = ISAL_GZIP;
+        g->gzip = 1;
+    }
+    return g;
+}
+
+static const char *inflate_message(int ret)
+{
+    switch (ret) {
+    case ISAL_INVALID_BLOCK: return "invalid compressed data (a bad deflate block)";
+    case ISAL_INVALID_SYMBOL: return "invalid compressed data (a bad deflate symbol)";
+    case ISAL_INVALID_LOOKBACK: return "invalid compressed data (a distance too far back)";
+    case ISAL_INVALID_WRAPPER: return "invalid gzip header";
+    case ISAL_UNSUPPORTED_METHOD: return "unknown compression method in the gzip header";
+    case ISAL_INCORRECT_CHECKSUM: return "incorrect data check (CRC-32)";
+    default: return "invalid compressed data";
+    }
+}
+
+/* Inflate into `out` until it holds something, the data ends or an error
+ * stops it (then done is set). */
+static void inflate_some(md_gz *g)
+{
+    struct inflate_state *st = g->st;
+    g->out_pos = g->out_len = 0;
+    while (!g->done) {
+        if (st->block_state == ISAL_BLOCK_FINISH) {
+            /* a member ended: does another follow? */
+            while (g->in_len - g->in_pos < 2 && !g->in_eof)
+                if (fill(g) != 0)
+                    return;
+            if (g->in_len - g->in_pos >= 2 && g->in[g->in_pos] == 0x1f &&
+                g->in[g->in_pos + 1] == 0x8b) {
+                isal_inflate_reset(st);
+                st->crc_flag = ISAL_GZIP;
+            } else {
+                g->done = 1; /* the end; trailing bytes are ignored */
+                return;
+            }
+        }
+        if (g->in_pos == g->in_len && !g->in_eof && fill(g) != 0)
+            return;
+        size_t avail = g->in_len - g->in_pos;
+        st->next_in = g->in + g->in_pos;
+        st->avail_in = (uint32_t)avail;
+        st->next_out = g->out;
+        st->avail_out = OUT_SIZE;
+        int ret = isal_inflate(st);
+        g->in_pos += avail - st->avail_in;
+        g->out_len = OUT_SIZE - st->avail_out;
+        if (ret != ISAL_DECOMP_OK) {
+            fail(g, inflate_message(ret)); /* what came before the error is still read */
+            return;
+        }
+        if (g->out_len > 0)
+            return;
+        if (st->block_state == ISAL_BLOCK_FINISH)
+            continue;
+        if (g->in_pos == g->in_len || avail == st->avail_in) {
+            /* it wants more input (it took none of what it had: a gzip
+             * header split across reads); never spin on the same bytes */
+            if (g->in_eof) {
+                fail(g, "unexpected end of file");
+                return;
+            }
+            if (g->in_len - g->in_pos == IN_SIZE) {
+                fail(g, "invalid gzip header");
+                return;
+            }
+            if (fill(g) != 0)
+                return;
+        }
+    }
+}
+
+size_t md_gz_read(md_gz *g, void *buf, size_t n)
+{
+    unsigned char *dst = buf;
+    size_t got = 0;
+    while (got < n) {
+        if (g->gzip) {
+            if (g->out_pos == g->out_len) {
+                if (g->done)
+                    break;
+                inflate_some(g);
+                continue;
+            }
+            size_t k = g->out_len - g->out_pos;
+            if (k > n - got)
+                k = n - got;
+            memcpy(dst + got, g->out + g->out_pos, k);
+            g->out_pos += k;
+            got += k;
+        } else {
+            if (g->in_pos == g->in_len) {
+                if (g->done || g->in_eof)
+                    break;
+                if (fill(g) != 0)
+                    break;
+                continue;
+            }
+            size_t k = g->in_len - g->in_pos;
+            if (k > n - got)
+                k = n - got;
+            memcpy(dst + got, g->in + g->in_pos, k);
+            g->in_pos += k;
+            got += k;
+        }
+    }
+    return got;
+}
+
+const char *md_gz_error(const md_gz *g, int *sys_errno)
+{
+    if (sys_errno)
+        *sys_errno = g->sys_errno;
+    return g->err;
+}
+
+int md_gz_compressed(const md_gz *g) { return g->gzip; }
+
+void md_gz_close(md_gz *g)
+{
+    if (!g)
+        return;
+    if (g->fd >= 0)
+        close(g->fd);
+    free(g->in);
+    free(g->out);
+    free(g->st);
+    free(g);
+}
