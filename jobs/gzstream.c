@@ -190,6 +190,16 @@ static void inflate_some(md_gz *g)
     }
 }
 
+/* Copy up to `want` of the bytes from[*pos, len) to dst; returns how many. */
+static size_t take(unsigned char *dst, size_t want, const unsigned char *from, size_t *pos,
+                   size_t len)
+{
+    size_t k = len - *pos < want ? len - *pos : want;
+    memcpy(dst, from + *pos, k);
+    *pos += k;
+    return k;
+}
+
 size_t md_gz_read(md_gz *g, void *buf, size_t n)
 {
     unsigned char *dst = buf;
@@ -202,26 +212,14 @@ size_t md_gz_read(md_gz *g, void *buf, size_t n)
                 inflate_some(g);
                 continue;
             }
-            size_t k = g->out_len - g->out_pos;
-            if (k > n - got)
-                k = n - got;
-            memcpy(dst + got, g->out + g->out_pos, k);
-            g->out_pos += k;
-            got += k;
+            got += take(dst + got, n - got, g->out, &g->out_pos, g->out_len);
         } else {
             if (g->in_pos == g->in_len) {
-                if (g->done || g->in_eof)
-                    break;
-                if (fill(g) != 0)
+                if (g->done || g->in_eof || fill(g) != 0)
                     break;
                 continue;
             }
-            size_t k = g->in_len - g->in_pos;
-            if (k > n - got)
-                k = n - got;
-            memcpy(dst + got, g->in + g->in_pos, k);
-            g->in_pos += k;
-            got += k;
+            got += take(dst + got, n - got, g->in, &g->in_pos, g->in_len);
         }
     }
     return got;
