@@ -297,11 +297,6 @@ static md_status leaf(scan *s, int d, int64_t *count, int *closed)
     size_t n = s->n;
     int64_t c = 0;
     for (;;) {
-        if (n == s->cap) {
-            s->n = n;
-            if ((st = grow(s)) != MD_OK)
-                return st;
-        }
         const char *q = p;
         double v;
         if (number(&q, end, &v) != 0)
@@ -309,6 +304,11 @@ static md_status leaf(scan *s, int d, int64_t *count, int *closed)
         float f = (float)v;
         if (!isfinite(f))
             break;
+        if (n == s->cap) { /* after the number: a bad one is named as push() names it */
+            s->n = n;
+            if ((st = grow(s)) != MD_OK)
+                return st;
+        }
         s->buf[n++] = f;
         c++;
         p = q;

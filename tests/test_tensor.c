@@ -715,6 +715,23 @@ static void test_max_values(void **state)
     assert_int_equal(decode_ct(body, strlen(body), NULL, 5, &t, &e), MD_ETOOBIG);
     assert_msg_has(e.msg, "more than 5", NULL);
     assert_int_equal(decode_ct(body, strlen(body), NULL, 0, &t, &e), MD_ETOOBIG);
+    /* a bad element where the values are exactly at the limit is named as
+     * itself, not as one value too many (a row after the first goes through
+     * the scanner's fast path: it must check the limit only for a number) */
+    static const struct {
+        const char *body, *has;
+        size_t max;
+    } at_limit[] = {
+        {"[[1, 2], [NaN]]", "row 1, column 0: NaN and Infinity are not allowed", 2},
+        {"[[1, 2], [\"a\"]]", "row 1, column 0: a string is not a number", 2},
+        {"[[1, 2], [1e39]]", "row 1, column 0: the number is outside the float32 range", 2},
+        {"[[1, 2], [3, 4, ]]", "row 1, column 2: expected a number", 4},
+    };
+    for (size_t i = 0; i < sizeof at_limit / sizeof at_limit[0]; i++) {
+        const char *b = at_limit[i].body;
+        assert_int_equal(decode_ct(b, strlen(b), NULL, at_limit[i].max, &t, &e), MD_EINVAL);
+        assert_msg_has(e.msg, at_limit[i].has, NULL);
+    }
     /* past the first 1024-value chunk */
     size_t n = 3000;
     char *big = malloc(n * 3 + 8);
