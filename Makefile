@@ -298,8 +298,8 @@ fuzz:
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_multipart tests/fuzz_multipart.c \
 	  server/multipart.c config/md_err.c -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
-	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_gzstream tests/fuzz_gzstream.c \
-	  jobs/gzstream.c -lisal -lz
+	  -fsanitize=fuzzer,address,undefined -DMD_GZ_IN_SIZE=32 -DMD_GZ_OUT_SIZE=32 \
+	  -o build-fuzz/fuzz_gzstream tests/fuzz_gzstream.c jobs/gzstream.c -lisal -lz
 	mkdir -p build-fuzz/corpus_number && cp tests/fuzz_corpus_number/* build-fuzz/corpus_number/
 	mkdir -p build-fuzz/corpus_gzstream && cp tests/fuzz_corpus_gzstream/* build-fuzz/corpus_gzstream/
 	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers build-fuzz/corpus_config \

@@ -5,11 +5,17 @@
  * Two buffers: `in` holds file bytes (the two bytes sniffed at open first),
  * `out` what the inflater wrote and the caller has not taken yet. A plain
  * file's bytes go from `in` to the caller; a gzip file's through
- * isal_inflate, which is told the gzip wrapper (ISAL_GZIP), so it parses
- * each member's header and checks its CRC-32 itself. When a member ends,
- * the next two input bytes decide: gzip's magic starts another member (the
- * inflater is reset), anything else is ignored, as zlib's gzread does.
- * The inflater keeps no pointer into `in` between calls, so `in` may be
+ * isal_inflate. Each member's header (RFC 1952: the fixed ten bytes, then
+ * FEXTRA, FNAME, FCOMMENT, FHCRC as its flags say) is parsed here, as a
+ * stream, with the same checks as zlib's (method 8, no reserved flag, the
+ * header CRC when FHCRC is set); the inflater then gets the raw deflate data
+ * and checks the trailer, CRC-32 and length (ISAL_GZIP_NO_HDR_VER). ISA-L's
+ * own header parser (ISAL_GZIP) was not kept: it cannot resume a header cut
+ * by a read boundary (its flags come from an uninitialised local; isa-l
+ * issue 224), and every 128 KiB of a multi-member file is such a boundary.
+ * When a member ends, the next two input bytes decide: gzip's magic starts
+ * another member, anything else is ignored, as zlib's gzread does. The
+ * inflater keeps no pointer into `in` between calls, so `in` may be
  * compacted between them. Input that ends inside a member is an error
  * ("unexpected end of file"), never a silent short file: the reader says
  * which row it cut.
@@ -22,11 +28,20 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "gzstream.h"
 
-#define IN_SIZE (128 * 1024)
-#define OUT_SIZE (128 * 1024)
+/* The buffers; tests/fuzz_gzstream.c builds with tiny ones (>= 16), so that
+ * every header field and trailer is cut by a read somewhere. */
+#ifndef MD_GZ_IN_SIZE
+#define MD_GZ_IN_SIZE (128 * 1024)
+#endif
+#ifndef MD_GZ_OUT_SIZE
+#define MD_GZ_OUT_SIZE (128 * 1024)
+#endif
+#define IN_SIZE MD_GZ_IN_SIZE
+#define OUT_SIZE MD_GZ_OUT_SIZE
 
 struct md_gz {
     int fd;
@@ -41,6 +56,7 @@ struct md_gz {
     unsigned char *out;
     size_t out_pos, out_len; /* inflated bytes not taken: out[out_pos, out_len) */
     struct inflate_state *st;
+    int in_member;     /* gzip: a member's header is parsed and its data inflating */
 };
 
 static void fail_errno(md_gz *g, int e)
@@ -114,8 +130,6 @@ md_gz *md_gz_open(const char *path)
             errno = ENOMEM;
             return NULL;
         }
-        isal_inflate_init(g->st);
-        g->st->crc_flag = ISAL_GZIP;
         g->gzip = 1;
     }
     return g;
@@ -129,9 +143,105 @@ static const char *inflate_message(int ret)
     case ISAL_INVALID_LOOKBACK: return "invalid compressed data (a distance too far back)";
     case ISAL_INVALID_WRAPPER: return "invalid gzip header";
     case ISAL_UNSUPPORTED_METHOD: return "unknown compression method in the gzip header";
-    case ISAL_INCORRECT_CHECKSUM: return "incorrect data check (CRC-32)";
+    case ISAL_INCORRECT_CHECKSUM: return "incorrect data check (CRC-32 or length)";
     default: return "invalid compressed data";
     }
+}
+
+/* At least k (<= IN_SIZE) unread bytes in `in`. 0, or -1 (recorded: a
+ * read error, or the file ends first). */
+static int need(md_gz *g, size_t k)
+{
+    while (g->in_len - g->in_pos < k) {
+        if (g->in_eof) {
+            fail(g, "unexpected end of file");
+            return -1;
+        }
+        if (fill(g) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Pass over `count` header bytes (FEXTRA's), into the header CRC. */
+static int skip_bytes(md_gz *g, size_t count, uLong *crc)
+{
+    while (count > 0) {
+        if (need(g, 1) != 0)
+            return -1;
+        size_t k = g->in_len - g->in_pos < count ? g->in_len - g->in_pos : count;
+        *crc = crc32(*crc, g->in + g->in_pos, (uInt)k);
+        g->in_pos += k;
+        count -= k;
+    }
+    return 0;
+}
+
+/* Pass over a NUL-terminated header string (FNAME, FCOMMENT), of any length. */
+static int skip_string(md_gz *g, uLong *crc)
+{
+    for (;;) {
+        if (need(g, 1) != 0)
+            return -1;
+        size_t avail = g->in_len - g->in_pos;
+        const unsigned char *nul = memchr(g->in + g->in_pos, 0, avail);
+        size_t k = nul ? (size_t)(nul - (g->in + g->in_pos)) + 1 : avail;
+        *crc = crc32(*crc, g->in + g->in_pos, (uInt)k);
+        g->in_pos += k;
+        if (nul)
+            return 0;
+    }
+}
+
+/* Parse the header of the member at in[in_pos] and set the inflater up for
+ * its data. 0, or -1 (recorded). */
+static int member_header(md_gz *g)
+{
+    if (need(g, 10) != 0)
+        return -1;
+    const unsigned char *h = g->in + g->in_pos;
+    if (h[0] != 0x1f || h[1] != 0x8b) {
+        fail(g, "invalid gzip header");
+        return -1;
+    }
+    if (h[2] != 8) {
+        fail(g, "unknown compression method in the gzip header");
+        return -1;
+    }
+    int flags = h[3];
+    if (flags & 0xe0) {
+        fail(g, "unknown flags set in the gzip header");
+        return -1;
+    }
+    uLong crc = crc32(0L, h, 10);
+    g->in_pos += 10;
+    if (flags & 4) { /* FEXTRA: a little-endian length, then that many bytes */
+        if (need(g, 2) != 0)
+            return -1;
+        size_t xlen = g->in[g->in_pos] | (size_t)g->in[g->in_pos + 1] << 8;
+        crc = crc32(crc, g->in + g->in_pos, 2);
+        g->in_pos += 2;
+        if (skip_bytes(g, xlen, &crc) != 0)
+            return -1;
+    }
+    if ((flags & 8) && skip_string(g, &crc) != 0) /* FNAME */
+        return -1;
+    if ((flags & 16) && skip_string(g, &crc) != 0) /* FCOMMENT */
+        return -1;
+    if (flags & 2) { /* FHCRC: the low 16 bits of the CRC-32 of the header so far */
+        if (need(g, 2) != 0)
+            return -1;
+        unsigned stored = g->in[g->in_pos] | (unsigned)g->in[g->in_pos + 1] << 8;
+        if (stored != (crc & 0xffff)) {
+            fail(g, "incorrect header check in the gzip header");
+            return -1;
+        }
+        g->in_pos += 2;
+    }
+    isal_inflate_init(g->st);
+    g->st->crc_flag = ISAL_GZIP_NO_HDR_VER; /* raw deflate, then the trailer checked */
+    g->in_member = 1;
+    return 0;
 }
 
 /* Inflate into `out` until it holds something, the data ends or an error
@@ -141,19 +251,21 @@ static void inflate_some(md_gz *g)
     struct inflate_state *st = g->st;
     g->out_pos = g->out_len = 0;
     while (!g->done) {
-        if (st->block_state == ISAL_BLOCK_FINISH) {
+        if (!g->in_member) {
+            if (member_header(g) != 0)
+                return;
+        } else if (st->block_state == ISAL_BLOCK_FINISH) {
             /* a member ended: does another follow? */
             while (g->in_len - g->in_pos < 2 && !g->in_eof)
                 if (fill(g) != 0)
                     return;
             if (g->in_len - g->in_pos >= 2 && g->in[g->in_pos] == 0x1f &&
                 g->in[g->in_pos + 1] == 0x8b) {
-                isal_inflate_reset(st);
-                st->crc_flag = ISAL_GZIP;
-            } else {
-                g->done = 1; /* the end; trailing bytes are ignored */
-                return;
+                g->in_member = 0;
+                continue;
             }
+            g->done = 1; /* the end; trailing bytes are ignored */
+            return;
         }
         if (g->in_pos == g->in_len && !g->in_eof && fill(g) != 0)
             return;
@@ -181,7 +293,7 @@ static void inflate_some(md_gz *g)
                 return;
             }
             if (g->in_len - g->in_pos == IN_SIZE) {
-                fail(g, "invalid gzip header");
+                fail(g, "invalid compressed data (no progress)");
                 return;
             }
             if (fill(g) != 0)

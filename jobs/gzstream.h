@@ -29,7 +29,8 @@ size_t md_gz_read(md_gz *g, void *buf, size_t n);
 /* NULL when the last short read was the end of the data. Otherwise what
  * went wrong, for a message: "read failed: <strerror>" (sys_errno set to the
  * errno), or a gzip problem such as "unexpected end of file" or "invalid
- * compressed data (incorrect CRC-32)" (sys_errno 0). */
+ * compressed data (a bad deflate block)" or "incorrect data check (CRC-32 or
+ * length)" (sys_errno 0). */
 const char *md_gz_error(const md_gz *g, int *sys_errno);
 
 /* Whether the file is being inflated (gzip) rather than read as it is. */

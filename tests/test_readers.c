@@ -944,6 +944,37 @@ static void test_gzstream(void **state)
     f[flen] = 0x1f; /* a lone magic byte is no member either */
     expect_gz_reads(f, flen + 1, data, n);
 
+    /* a second member whose header (every field, FHCRC too) or trailer is
+     * cut by the stream's 128 KiB reads: the first member is stored
+     * (level 0), so its size follows its length, and is sized to end k bytes
+     * before the boundary, for every k up to past the header's length */
+    for (size_t k = 0; k <= 40; k++) {
+        size_t want_end = 128 * 1024 - k, first = want_end - 40;
+        for (int tries = 0; tries < 4; tries++) {
+            flen = 0;
+            gz_member(&f, &flen, data, first, 0, 0);
+            if (flen == want_end)
+                break;
+            first += want_end - flen; /* stored: one more input byte, one more output byte */
+        }
+        assert_int_equal(flen, want_end);
+        gz_member(&f, &flen, data + first, 5000, 6, 1);
+        expect_gz_reads(f, flen, data, first + 5000);
+    }
+    for (size_t k = 1; k <= 12; k++) { /* the first member's trailer cut */
+        size_t first = 128 * 1024 - 40;
+        for (int tries = 0; tries < 4; tries++) {
+            flen = 0;
+            gz_member(&f, &flen, data, first, 0, 1);
+            if (flen == 128 * 1024 + 8 - k)
+                break;
+            first += 128 * 1024 + 8 - k - flen;
+        }
+        assert_int_equal(flen, 128 * 1024 + 8 - k);
+        gz_member(&f, &flen, data + first, 5000, 6, 1);
+        expect_gz_reads(f, flen, data, first + 5000);
+    }
+
     /* cut short: inside the header, inside the data, inside the trailer */
     flen = 0;
     gz_member(&f, &flen, data, n, 6, 0);
@@ -1012,8 +1043,8 @@ static void test_idx_gzip_errors(void **state)
         rows++;
     assert_int_equal(st, MD_EIO);
     assert_int_equal(rows, 5);
-    assert_msg_has(err.msg, "modeld_test_", ", after its last row (5): incorrect data check (CRC-32); "
-                   "the file is damaged", NULL);
+    assert_msg_has(err.msg, "modeld_test_", ", after its last row (5): incorrect data check (CRC-32 "
+                   "or length); the file is damaged", NULL);
     md_reader_close(r);
 
     /* the labels file is checked the same way */
