@@ -518,8 +518,22 @@ static void images_deferred(md_req *req)
     go_on(req, pd, m, 0);
 }
 
+/* On the decode pool: decode the rows, then submit. */
+static void rows_offloaded(md_req *req)
+{
+    pending *pd = md_req_state(req);
+    md_model *m = pd->model;
+    pd->model = NULL;
+    go_on(req, pd, m, 0);
+}
+
 /* Decode the body if not done yet and submit to `m` (a reference, taken).
- * `may_defer`: on the handler thread, so big images may go to a deferred one. */
+ * `may_defer`: on the handler thread, so big images may go to a deferred
+ * one, and a JSON body of OFFLOAD_BYTES or more is decoded on the decode
+ * pool (md_req_offload): its parse (~10 ns a byte) would hold this
+ * libmicrohttpd thread, and every connection it serves, meanwhile. NPY is a
+ * copy, cheaper than the hand-off. */
+#define OFFLOAD_BYTES (64 * 1024)
 static void go_on(md_req *req, pending *pd, md_model *m, int may_defer)
 {
     md_err err;
@@ -529,6 +543,11 @@ static void go_on(md_req *req, pending *pd, md_model *m, int may_defer)
     if (!pd->have_tensor) {
         size_t len;
         const char *body = md_req_body(req, &len);
+        if (may_defer && len >= OFFLOAD_BYTES && body[0] != '\x93') { /* not NPY's magic */
+            pd->model = m; /* the request's state owns it until rows_offloaded takes it */
+            md_req_offload(req, rows_offloaded);
+            return;
+        }
         if (md_tensor_decode(body, len, pd->has_content_type ? pd->content_type : NULL,
                              max_values(req), &pd->t, &err) != MD_OK) {
             md_model_release(m);

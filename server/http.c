@@ -110,6 +110,7 @@ struct md_req {
     md_err *form_err;
     void (*deferred)(md_req *);
     int in_deferred;          /* its deferred function is running (the connection is suspended) */
+    struct md_req *offload_next; /* the decode pool's queue (md_req_offload) */
     /* the reply */
     reply_kind reply;
     int status;
@@ -493,19 +494,22 @@ static int max_deferred(void)
     return n;
 }
 
-static void *defer_main(void *arg)
+/* Run r->deferred on this thread, the connection suspended; then reply if
+ * it did not and resume, unless it handed the request on. `done` runs before
+ * r may be freed by another thread (the bound's count, for deferred threads). */
+static void run_deferred(md_req *r, void (*done)(void))
 {
-    md_req *r = arg;
-    pthread_setname_np(pthread_self(), "md-deferred");
     handed_off = 0;
     r->in_deferred = 1;
     r->deferred(r);
     if (handed_off) {
-        atomic_fetch_sub(&deferred_running, 1);
-        return NULL; /* r belongs to whoever took it (it may be freed already) */
+        if (done)
+            done();
+        return; /* r belongs to whoever took it (it may be freed already) */
     }
     r->in_deferred = 0;
-    atomic_fetch_sub(&deferred_running, 1);
+    if (done)
+        done();
     if (r->reply == REPLY_NONE) {
         md_err err;
         md_err_set(&err, MD_EINTERNAL, "the handler for %s %s produced no response", r->method,
@@ -513,7 +517,76 @@ static void *defer_main(void *arg)
         md_reply_error(r, &err);
     }
     md_req_resume(r);
+}
+
+static void deferred_done(void) { atomic_fetch_sub(&deferred_running, 1); }
+
+static void *defer_main(void *arg)
+{
+    pthread_setname_np(pthread_self(), "md-deferred");
+    run_deferred(arg, deferred_done);
     return NULL;
+}
+
+/* ---- the decode pool (md_req_offload) ----
+ * A fixed set of `cores` threads started on the first use, taking requests
+ * in arrival order from one queue. No bound: each request is in it at most
+ * once, so the connections bound it. */
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static md_req *pool_head, *pool_tail;
+static int pool_threads; /* started; under pool_mu */
+static atomic_llong pool_taken;
+
+static void *pool_main(void *arg)
+{
+    (void)arg;
+    pthread_setname_np(pthread_self(), "md-decode");
+    for (;;) {
+        pthread_mutex_lock(&pool_mu);
+        while (!pool_head)
+            pthread_cond_wait(&pool_cv, &pool_mu);
+        md_req *r = pool_head;
+        pool_head = r->offload_next;
+        if (!pool_head)
+            pool_tail = NULL;
+        pthread_mutex_unlock(&pool_mu);
+        run_deferred(r, NULL);
+    }
+    return NULL;
+}
+
+void md_req_offload(md_req *r, void (*fn)(md_req *req))
+{
+    r->deferred = fn;
+    r->offload_next = NULL;
+    md_req_suspend(r);
+    pthread_mutex_lock(&pool_mu);
+    int want = md_cfg_cores();
+    while (pool_threads < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &attr, pool_main, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc != 0)
+            break;
+        pool_threads++;
+    }
+    if (pool_threads == 0) { /* no thread could start: run it here, as before */
+        pthread_mutex_unlock(&pool_mu);
+        run_deferred(r, NULL);
+        return;
+    }
+    if (pool_tail)
+        pool_tail->offload_next = r;
+    else
+        pool_head = r;
+    pool_tail = r;
+    atomic_fetch_add(&pool_taken, 1);
+    pthread_cond_signal(&pool_cv);
+    pthread_mutex_unlock(&pool_mu);
 }
 
 void md_req_defer(md_req *r, void (*fn)(md_req *req))
@@ -1002,6 +1075,11 @@ void md_http_write_metrics(md_http *h, FILE *f)
         MHD_get_daemon_info(h->daemon, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
     md_prom_family(f, "modeld_http_connections", "gauge", "Open client connections.");
     md_prom_sample(f, "modeld_http_connections", "", info ? (double)info->num_connections : 0);
+    md_prom_family(f, "modeld_http_decoded_off_thread_total", "counter",
+                   "Requests whose large body was decoded on the decode pool instead of the "
+                   "HTTP thread that received it.");
+    md_prom_sample(f, "modeld_http_decoded_off_thread_total", "",
+                   (double)atomic_load(&pool_taken));
     md_prom_family(f, "modeld_http_requests_in_flight", "gauge",
                    "Requests received and not yet completed.");
     md_prom_sample(f, "modeld_http_requests_in_flight", "", (double)atomic_load(&h->in_flight));

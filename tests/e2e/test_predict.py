@@ -793,3 +793,70 @@ def test_state_dict_upload_says_what_it_is(server):
     assert "torch.save()" in err["message"] and "torch.jit.script(model).save" in err["message"], err
     assert "constants.pkl" not in err["message"], err
     assert requests.get(server.url + "/models/sd", timeout=10 * TSCALE).status_code == 404
+
+
+# ---------------------------------------------------------------- large JSON bodies
+
+
+def decoded_off_thread(srv):
+    """modeld_http_decoded_off_thread_total from /metrics."""
+    for line in srv.get("/metrics", timeout=10 * TSCALE).text.splitlines():
+        if line.startswith("modeld_http_decoded_off_thread_total "):
+            return float(line.split()[1])
+    raise AssertionError("/metrics has no modeld_http_decoded_off_thread_total")
+
+
+def test_large_json_bodies_decode_off_the_http_thread(server):
+    """A JSON body of 64 KiB or more is parsed on the decode pool, not on the
+    libmicrohttpd thread that received it: the answer is the same as for the
+    same rows in NPY (which, a copy, is decoded in place), errors still name
+    their row and column, and many at once from several connections all
+    answer right. The counter in /metrics says which path each one took."""
+    raw_config = {k: v for k, v in FASHION_CONFIG.items() if k != "preprocess"}
+    deployed(server, "fashion_raw", FASHION_PT, raw_config)
+    x = (read_idx(f"{DATASET}/t10k-images-idx3-ubyte.gz", "images", 64) /
+         np.float32(255)).astype(np.float32)
+    body = json.dumps(x.tolist())  # what clients send: full-precision floats
+    assert len(body) > 64 * 1024
+    buf = io.BytesIO()
+    np.save(buf, x)
+    npy = buf.getvalue()
+    assert len(npy) > 64 * 1024
+
+    before = decoded_off_thread(server)
+    want = np.load(io.BytesIO(requests.post(
+        server.url + "/models/fashion_raw/predict", data=npy, timeout=10 * TSCALE,
+        headers={"Content-Type": "application/x-npy", "Accept": "application/x-npy"}).content))
+    assert decoded_off_thread(server) == before, "an NPY body went to the decode pool"
+    small = json.dumps(x[:2].tolist())
+    assert len(small) < 64 * 1024
+    assert_close(predictions(post_json(server, "/models/fashion_raw/predict", small), rows=2),
+                 want[:2], "2 rows")
+    assert decoded_off_thread(server) == before, "a small body went to the decode pool"
+
+    assert_close(predictions(post_json(server, "/models/fashion_raw/predict", body),
+                             "fashion_raw", 64), want, "64 rows")
+    assert decoded_off_thread(server) == before + 1
+
+    bad = x.tolist()
+    bad[63][700] = "x"
+    r = post_json(server, "/models/fashion_raw/predict", json.dumps(bad))
+    expect_error(r, 400, "invalid_input")
+    assert "row 63, column 700" in r.json()["error"]["message"], r.text
+    assert decoded_off_thread(server) == before + 2
+
+    # 6 connections x 4 large bodies, small ones between them on another
+    def client(i):
+        with requests.Session() as s:
+            for _ in range(4):
+                got = predictions(post_json(server, "/models/fashion_raw/predict", body,
+                                            session=s), rows=64)
+                assert_close(got, want, f"client {i}")
+        return i
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(client, i) for i in range(6)]
+        for _ in range(10):
+            assert_close(predictions(post_json(server, "/models/fashion_raw/predict", small),
+                                     rows=2), want[:2], "small beside large")
+        assert sorted(f.result(timeout=60 * TSCALE) for f in futures) == list(range(6))
+    assert decoded_off_thread(server) == before + 2 + 24
