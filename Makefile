@@ -205,7 +205,8 @@ soak: all
 # traffic, replicas sharing a store, drains. TSAN_E2E=1 stops every server with
 # SIGTERM and fails a test whose server printed a ThreadSanitizer report.
 TSAN_E2E_TESTS := concurrent or split or max_delay or hot_swap or queue_full or timeout or \
-	client_disconnect or replica or job_and_online or cancel or drain or in_flight
+	client_disconnect or replica or job_and_online or cancel or drain or in_flight or \
+	off_the_http_thread
 tsan: deps
 	$(MAKE) SAN_FLAGS="-fsanitize=thread" OPT="-O1 -g" BUILD=build-tsan TSAN_E2E=1 \
 	  UNIT_TESTS="test_batcher test_store test_readers" \

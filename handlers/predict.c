@@ -518,21 +518,37 @@ static void images_deferred(md_req *req)
     go_on(req, pd, m, 0);
 }
 
-/* On the decode pool: decode the rows, then submit. */
+/* On the decode pool: decode the rows, then submit; a client that hung up
+ * while its body waited is not parsed for (499 in the access log). */
 static void rows_offloaded(md_req *req)
 {
     pending *pd = md_req_state(req);
     md_model *m = pd->model;
     pd->model = NULL;
+    if (md_req_client_gone(req)) {
+        md_model_release(m);
+        md_reply_bytes(req, 499, "application/json", NULL, 0);
+        return;
+    }
     go_on(req, pd, m, 0);
+}
+
+/* Whether md_tensor_decode reads a body of this Content-Type as JSON. */
+static int json_rows(const pending *pd)
+{
+    const char *ct = pd->has_content_type ? pd->content_type : NULL;
+    return !ct || strncasecmp(ct, "application/json", 16) == 0 ||
+           strncasecmp(ct, "application/x-www-form-urlencoded", 33) == 0 ||
+           strncasecmp(ct, "text/plain", 10) == 0;
 }
 
 /* Decode the body if not done yet and submit to `m` (a reference, taken).
  * `may_defer`: on the handler thread, so big images may go to a deferred
  * one, and a JSON body of OFFLOAD_BYTES or more is decoded on the decode
- * pool (md_req_offload): its parse (~10 ns a byte) would hold this
+ * pool (md_req_offload): its parse (~1 ns a byte) would hold this
  * libmicrohttpd thread, and every connection it serves, meanwhile. NPY is a
- * copy, cheaper than the hand-off. */
+ * copy, cheaper than the hand-off. (V2 bodies are parsed by jansson before
+ * the lookup, on this thread still.) */
 #define OFFLOAD_BYTES (64 * 1024)
 static void go_on(md_req *req, pending *pd, md_model *m, int may_defer)
 {
@@ -543,10 +559,11 @@ static void go_on(md_req *req, pending *pd, md_model *m, int may_defer)
     if (!pd->have_tensor) {
         size_t len;
         const char *body = md_req_body(req, &len);
-        if (may_defer && len >= OFFLOAD_BYTES && body[0] != '\x93') { /* not NPY's magic */
+        if (may_defer && len >= OFFLOAD_BYTES && json_rows(pd)) {
             pd->model = m; /* the request's state owns it until rows_offloaded takes it */
-            md_req_offload(req, rows_offloaded);
-            return;
+            if (md_req_offload(req, rows_offloaded))
+                return;
+            pd->model = NULL; /* no room in the pool: decode here */
         }
         if (md_tensor_decode(body, len, pd->has_content_type ? pd->content_type : NULL,
                              max_values(req), &pd->t, &err) != MD_OK) {

@@ -529,19 +529,25 @@ static void *defer_main(void *arg)
 }
 
 /* ---- the decode pool (md_req_offload) ----
- * A fixed set of `cores` threads started on the first use, taking requests
- * in arrival order from one queue. No bound: each request is in it at most
- * once, so the connections bound it. */
+ * As many threads as HTTP threads (pool_size, set at start), started on the
+ * first use, taking requests in arrival order from one queue of at most
+ * POOL_QUEUE_PER_THREAD a thread: past that the handler decodes inline, as
+ * before the pool, so a flood of large bodies meets libmicrohttpd's own
+ * back-pressure (its threads stop reading) instead of a queue without end.
+ * A thread that cannot start is not tried again (a pids limit would fail
+ * every try, under the lock). */
+#define POOL_QUEUE_PER_THREAD 4
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
 static md_req *pool_head, *pool_tail;
-static int pool_threads; /* started; under pool_mu */
+static int pool_threads, pool_queued, pool_start_failed; /* under pool_mu */
+static atomic_int pool_size;
 static atomic_llong pool_taken;
 
 static void *pool_main(void *arg)
 {
     (void)arg;
-    pthread_setname_np(pthread_self(), "md-decode");
+    pthread_setname_np(pthread_self(), "md:decode");
     for (;;) {
         pthread_mutex_lock(&pool_mu);
         while (!pool_head)
@@ -550,43 +556,45 @@ static void *pool_main(void *arg)
         pool_head = r->offload_next;
         if (!pool_head)
             pool_tail = NULL;
+        pool_queued--;
         pthread_mutex_unlock(&pool_mu);
         run_deferred(r, NULL);
     }
     return NULL;
 }
 
-void md_req_offload(md_req *r, void (*fn)(md_req *req))
+int md_req_offload(md_req *r, void (*fn)(md_req *req))
 {
-    r->deferred = fn;
-    r->offload_next = NULL;
-    md_req_suspend(r);
     pthread_mutex_lock(&pool_mu);
-    int want = md_cfg_cores();
-    while (pool_threads < want) {
+    int want = atomic_load(&pool_size);
+    while (pool_threads < want && !pool_start_failed) {
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&t, &attr, pool_main, NULL);
+        if (pthread_create(&t, &attr, pool_main, NULL) != 0)
+            pool_start_failed = 1;
+        else
+            pool_threads++;
         pthread_attr_destroy(&attr);
-        if (rc != 0)
-            break;
-        pool_threads++;
     }
-    if (pool_threads == 0) { /* no thread could start: run it here, as before */
+    if (pool_threads == 0 || pool_queued >= POOL_QUEUE_PER_THREAD * pool_threads) {
         pthread_mutex_unlock(&pool_mu);
-        run_deferred(r, NULL);
-        return;
+        return 0; /* the caller does the work itself */
     }
+    r->deferred = fn;
+    r->offload_next = NULL;
+    md_req_suspend(r);
     if (pool_tail)
         pool_tail->offload_next = r;
     else
         pool_head = r;
     pool_tail = r;
+    pool_queued++;
     atomic_fetch_add(&pool_taken, 1);
     pthread_cond_signal(&pool_cv);
     pthread_mutex_unlock(&pool_mu);
+    return 1;
 }
 
 void md_req_defer(md_req *r, void (*fn)(md_req *req))
@@ -978,6 +986,7 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
     }
 
     unsigned threads = (unsigned)(cfg->threads > 0 ? cfg->threads : md_cfg_cores());
+    atomic_store(&pool_size, (int)threads); /* the decode pool: one thread per HTTP thread */
     h->daemon = MHD_start_daemon(
         MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
             MHD_USE_ERROR_LOG,

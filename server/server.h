@@ -208,9 +208,9 @@ void md_http_stop(md_http *http);
 /* ---- the request, for handlers ----
  *
  * Threads: a request belongs to one thread at a time: the libmicrohttpd
- * thread running its handler, then (md_req_defer) the deferred thread
- * running `fn`, or (md_req_suspend) the one thread that will reply and
- * resume it. Calls that read or change the request are made from the
+ * thread running its handler, then (md_req_defer, md_req_offload) the
+ * deferred or decode-pool thread running `fn`, or (md_req_suspend) the one
+ * thread that will reply and resume it. Calls that read or change the request are made from the
  * thread it belongs to, unless they say otherwise; calls that need the
  * connection (query arguments, headers) only from the handler itself.
  */
@@ -276,18 +276,21 @@ md_status md_req_form_feed(md_req *req, md_form_fn field_fn, const char *data, s
                            md_err *err);
 
 /* Run `fn(req)` on a background thread with the connection suspended; `fn`
- * must reply; the connection is resumed when it returns. For work that may
+ * replies (the connection is resumed when it returns) or hands the request
+ * on with md_req_suspend (its new owner replies and resumes). For work that may
  * block (downloads, fsync, loading a model). Call from the handler only. */
 void md_req_defer(md_req *req, void (*fn)(md_req *req));
 
-/* Run `fn(req)` on the decode pool (one thread per core, started on first
- * use), with the connection suspended; `fn` replies or hands the request on
- * (md_req_suspend), as with md_req_defer. For CPU work on a large body
- * (parsing a 64-row JSON body takes ~0.6 ms): libmicrohttpd keeps each
- * connection on one of its threads, so such parses done there queue behind
- * each other on one core when the connections happen to share a thread.
- * Never for work that blocks. Call from the handler only. */
-void md_req_offload(md_req *req, void (*fn)(md_req *req));
+/* Run `fn(req)` on the decode pool (as many threads as HTTP threads,
+ * started on first use), with the connection suspended; `fn` replies or
+ * hands the request on (md_req_suspend), as with md_req_defer. For CPU work
+ * on a large body (parsing a 64-row JSON body takes ~0.6 ms): libmicrohttpd
+ * keeps each connection on one of its threads, so such parses done there
+ * queue behind each other on one core when the connections happen to share
+ * a thread. Returns 1 when queued; 0 when the pool has no thread or its
+ * queue is full (4 a thread), and the caller does the work itself, nothing
+ * suspended. Never for work that blocks. Call from the handler only. */
+int md_req_offload(md_req *req, void (*fn)(md_req *req));
 
 /* Suspend the connection: the handler returns without replying; another
  * thread later replies and calls md_req_resume. Call from the handler only. */
