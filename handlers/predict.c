@@ -533,14 +533,6 @@ static void rows_offloaded(md_req *req)
     go_on(req, pd, m, 0);
 }
 
-/* Whether md_tensor_decode reads a body of this Content-Type as JSON. */
-static int json_rows(const pending *pd)
-{
-    const char *ct = pd->has_content_type ? pd->content_type : NULL;
-    return !ct || strncasecmp(ct, "application/json", 16) == 0 ||
-           strncasecmp(ct, "application/x-www-form-urlencoded", 33) == 0 ||
-           strncasecmp(ct, "text/plain", 10) == 0;
-}
 
 /* Decode the body if not done yet and submit to `m` (a reference, taken).
  * `may_defer`: on the handler thread, so big images may go to a deferred
@@ -559,14 +551,14 @@ static void go_on(md_req *req, pending *pd, md_model *m, int may_defer)
     if (!pd->have_tensor) {
         size_t len;
         const char *body = md_req_body(req, &len);
-        if (may_defer && len >= OFFLOAD_BYTES && json_rows(pd)) {
+        const char *ct = pd->has_content_type ? pd->content_type : NULL;
+        if (may_defer && len >= OFFLOAD_BYTES && md_tensor_json_type(ct)) {
             pd->model = m; /* the request's state owns it until rows_offloaded takes it */
             if (md_req_offload(req, rows_offloaded))
                 return;
             pd->model = NULL; /* no room in the pool: decode here */
         }
-        if (md_tensor_decode(body, len, pd->has_content_type ? pd->content_type : NULL,
-                             max_values(req), &pd->t, &err) != MD_OK) {
+        if (md_tensor_decode(body, len, ct, max_values(req), &pd->t, &err) != MD_OK) {
             md_model_release(m);
             md_reply_error(req, &err);
             return;

@@ -286,8 +286,8 @@ static void inflate_some(md_gz *g)
         if (st->block_state == ISAL_BLOCK_FINISH)
             continue;
         if (g->in_pos == g->in_len || avail == st->avail_in) {
-            /* it wants more input (it took none of what it had: a gzip
-             * header split across reads); never spin on the same bytes */
+            /* it wants more input (it took none of what it had: deflate
+             * data it cannot decode yet); never spin on the same bytes */
             if (g->in_eof) {
                 fail(g, "unexpected end of file");
                 return;
@@ -343,8 +343,6 @@ const char *md_gz_error(const md_gz *g, int *sys_errno)
         *sys_errno = g->sys_errno;
     return g->err;
 }
-
-int md_gz_compressed(const md_gz *g) { return g->gzip; }
 
 void md_gz_close(md_gz *g)
 {

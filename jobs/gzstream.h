@@ -33,9 +33,6 @@ size_t md_gz_read(md_gz *g, void *buf, size_t n);
  * length)" (sys_errno 0). */
 const char *md_gz_error(const md_gz *g, int *sys_errno);
 
-/* Whether the file is being inflated (gzip) rather than read as it is. */
-int md_gz_compressed(const md_gz *g);
-
 void md_gz_close(md_gz *g);
 
 #endif

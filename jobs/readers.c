@@ -26,8 +26,9 @@
  * Binary formats (NPY, IDX) read exactly one row's bytes per call into a row
  * buffer sized at open (float32 NPY rows straight into the caller's row),
  * from stdio (NPY) or gzstream.c (IDX: ISA-L's inflate for gzip files, twice
- * zlib's speed; other files are read as they are), then convert with one vectorizable loop per element type: a job
- * converts every row on a thread that shares the cores with the workers.
+ * zlib's speed; other files are read as they are), then convert with one
+ * vectorizable loop per element type: a job converts every row on a thread
+ * that shares the cores with the workers.
  *
  * Row numbers in messages are 0-based data rows: the CSV header and blank
  * lines are not rows. They equal md_reader_position() before the call, the

@@ -285,6 +285,11 @@ struct md_tensor {
 /* Free the data of `t` and zero it. Accepts NULL. */
 void md_tensor_free(md_tensor *t);
 
+/* Whether md_tensor_decode reads a body of this Content-Type (NULL: none
+ * given) as JSON rows: application/json, x-www-form-urlencoded (curl -d),
+ * text/plain. Any thread. */
+int md_tensor_json_type(const char *content_type);
+
 /*
  * Decode a prediction request body into a tensor: a JSON array of rows,
  * {"instances": rows} (TF Serving), {"array": data, "shape"?: [...]} (Ray

@@ -51,9 +51,11 @@ typedef struct scan {
     md_err *err;
 } scan;
 
+static inline int blank(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
+
 static void ws(scan *s)
 {
-    while (s->p < s->end && (*s->p == ' ' || *s->p == '\n' || *s->p == '\r' || *s->p == '\t'))
+    while (s->p < s->end && blank(*s->p))
         s->p++;
 }
 
@@ -277,8 +279,6 @@ static md_status push(scan *s, float v)
     s->buf[s->n++] = v;
     return MD_OK;
 }
-
-static inline int blank(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
 
 /* The fast path of an innermost array, once the depth of numbers is known
  * (every row after the first): number after number, with the cursor, the
@@ -547,15 +547,20 @@ static md_status object(scan *s, md_tensor *out)
     return MD_OK;
 }
 
+int md_tensor_json_type(const char *content_type)
+{
+    return !content_type || strncasecmp(content_type, "application/json", 16) == 0 ||
+           strncasecmp(content_type, "application/x-www-form-urlencoded", 33) == 0 ||
+           strncasecmp(content_type, "text/plain", 10) == 0;
+}
+
 md_status md_tensor_decode(const char *body, size_t len, const char *content_type,
                            size_t max_values, md_tensor *out, md_err *err)
 {
     memset(out, 0, sizeof *out);
     if (content_type && strncasecmp(content_type, "application/x-npy", 17) == 0)
         return md_npy_decode(body, len, max_values, out, err);
-    if (content_type && strncasecmp(content_type, "application/json", 16) != 0 &&
-        strncasecmp(content_type, "application/x-www-form-urlencoded", 33) != 0 &&
-        strncasecmp(content_type, "text/plain", 10) != 0)
+    if (!md_tensor_json_type(content_type))
         return md_err_setc(err, MD_EMEDIA, "unsupported_media_type",
                            "Content-Type %.60s is not accepted; send application/json or "
                            "application/x-npy",

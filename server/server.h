@@ -210,9 +210,10 @@ void md_http_stop(md_http *http);
  * Threads: a request belongs to one thread at a time: the libmicrohttpd
  * thread running its handler, then (md_req_defer, md_req_offload) the
  * deferred or decode-pool thread running `fn`, or (md_req_suspend) the one
- * thread that will reply and resume it. Calls that read or change the request are made from the
- * thread it belongs to, unless they say otherwise; calls that need the
- * connection (query arguments, headers) only from the handler itself.
+ * thread that will reply and resume it. Calls that read or change the
+ * request are made from the thread it belongs to, unless they say
+ * otherwise; calls that need the connection (query arguments, headers) only
+ * from the handler itself.
  */
 
 /* The `app` given to md_http_start. Any thread. */
