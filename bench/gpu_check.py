@@ -18,7 +18,10 @@ Python torch of the same machine, on the CPU, in float32:
      (NPY out) and, when the FashionMNIST test set is at FMNIST_DIR, the
      example model over its IDX.gz (accuracy must be PyTorch's 8675/10000,
      logits against the CPU reference);
-  4. throughput of 64-row NPY requests to the FashionMNIST example on cuda
+  4. the FashionMNIST model on cuda over what clients send: 64 full-precision
+     JSON rows (decoded on the pool), NPY in and out, the V2 binary tensor
+     data extension (FP32, FP16) and KServe V1;
+  5. throughput of 64-row NPY requests to the FashionMNIST example on cuda
      and on cpu (client processes, BENCH_SECONDS each).
 
 Exit status: 0 when every check passed.
@@ -364,6 +367,78 @@ def check_jobs(srv, refs):
         report(d <= TOL, "job fashion cuda NPY logits vs CPU torch", f"max abs diff {d:.3g}")
 
 
+def off_thread_decodes(srv):
+    for line in requests.get(f"{srv.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("modeld_http_decoded_off_thread_total"):
+            return float(line.split()[-1])
+    return None
+
+
+def check_protocols(srv, refs):
+    """The bodies real clients send, answered by the FashionMNIST model on cuda:
+    full-precision JSON floats as json.dumps(x.tolist()) writes them (64 rows,
+    past 64 KiB, so decoded on the pool), NPY in and out, the Open Inference
+    Protocol's binary tensor data extension (FP32 and FP16 in, binary out, as
+    tritonclient.http sends them) and the KServe V1 data plane."""
+    name = "fashion_cuda"
+    scale = np.float32(FASHION_CONFIG["preprocess"]["scale"])
+    x = (np.random.default_rng(5).random((64, 784), dtype=np.float32) * 255).astype(np.float32)
+    want = cpu_ref(refs["fashion"], x * scale)
+    url = f"{srv.url}/models/{name}/predict"
+    try:
+        before = off_thread_decodes(srv)
+        body = json.dumps({"instances": x.tolist()})
+        r = requests.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=60)
+        after = off_thread_decodes(srv)
+        got = np.array(r.json()["predictions"], np.float32) if r.status_code == 200 else None
+        d = maxdiff(got, want) if got is not None else float("inf")
+        report(d <= TOL and before is not None and after == before + 1,
+               "64 full-precision JSON rows on cuda, decoded off the HTTP thread",
+               f"{r.status_code}, {len(body)} bytes, max abs diff {d:.3g}, "
+               f"decoded_off_thread {before} -> {after}")
+
+        buf = io.BytesIO()
+        np.save(buf, x)
+        r = requests.post(url, data=buf.getvalue(), timeout=60,
+                          headers={"Content-Type": "application/x-npy",
+                                   "Accept": "application/x-npy"})
+        ok = r.status_code == 200 and r.headers.get("Content-Type", "").startswith(
+            "application/x-npy")
+        d = maxdiff(np.load(io.BytesIO(r.content)), want) if ok else float("inf")
+        report(ok and d <= TOL, "64 NPY rows in, NPY out on cuda",
+               f"{r.status_code} {r.headers.get('Content-Type')}, max abs diff {d:.3g}")
+
+        for dtype, typed in (("FP32", x), ("FP16", x.astype(np.float16))):
+            raw = typed.tobytes()
+            head = json.dumps({"id": "g1", "inputs": [{
+                "name": "input0", "shape": list(typed.shape), "datatype": dtype,
+                "parameters": {"binary_data_size": len(raw)}}],
+                "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]}).encode()
+            r = requests.post(f"{srv.url}/v2/models/{name}/infer", data=head + raw, timeout=60,
+                              headers={"Content-Type": "application/octet-stream",
+                                       "Inference-Header-Content-Length": str(len(head))})
+            d, detail = float("inf"), f"{r.status_code} {r.text[:200] if r.status_code != 200 else ''}"
+            if r.status_code == 200 and "Inference-Header-Content-Length" in r.headers:
+                n = int(r.headers["Inference-Header-Content-Length"])
+                out = json.loads(r.content[:n])["outputs"][0]
+                vals = np.frombuffer(r.content[n:], dtype="<f4").reshape(out["shape"])
+                ref = cpu_ref(refs["fashion"], typed.astype(np.float32) * scale)
+                d = maxdiff(vals, ref)
+                detail = f"{out['datatype']} {out['shape']}, max abs diff {d:.3g}"
+            report(d <= TOL, f"V2 binary tensor data {dtype} in, binary out on cuda", detail)
+
+        r = requests.post(f"{srv.url}/v1/models/{name}:predict", json={"instances": x[:3].tolist()},
+                          timeout=60)
+        got = np.array(r.json()["predictions"], np.float32) if r.status_code == 200 else None
+        d = maxdiff(got, want[:3]) if got is not None else float("inf")
+        ready = requests.get(f"{srv.url}/v1/models/{name}", timeout=10)
+        report(d <= TOL and ready.status_code == 200, "KServe V1 :predict and readiness on cuda",
+               f"{r.status_code}, max abs diff {d:.3g}; GET /v1/models/{name} {ready.status_code} "
+               f"{ready.text[:120]}")
+    except (requests.RequestException, ValueError, KeyError) as e:
+        report(False, "protocol checks on cuda", repr(e))
+
+
 def bench_client(url, body, seconds, q):
     s = requests.Session()
     lat = []
@@ -433,6 +508,7 @@ def main():
             check_concurrent(srv, refs)
             check_errors(srv)
             check_jobs(srv, refs)
+            check_protocols(srv, refs)
             if os.environ.get("GPU_CHECK_MIXED", "1") == "1" and \
                     (FMNIST_DIR / "t10k-images-idx3-ubyte.gz").exists():
                 check_job_beside_online(srv, tmp)
