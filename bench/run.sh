@@ -138,6 +138,13 @@ for name, n in (("json1", 1), ("json64", 64)):
     with open(f"{out}/{name}_full.json", "w") as f:
         f.write(json.dumps({"instances": scaled.tolist()}))  # json.dumps(x.tolist())
 np.save(f"{out}/npy64.npy", images[:64].astype(np.float32))
+# the same rows as tritonclient.http sends them (V2 binary tensor data, binary out)
+raw = images[:64].astype("<f4").tobytes()
+head = json.dumps({"inputs": [{"name": "input0", "shape": [64, 784], "datatype": "FP32",
+                               "parameters": {"binary_data_size": len(raw)}}],
+                   "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]}).encode()
+open(f"{out}/v2bin64.bin", "wb").write(head + raw)
+open(f"{out}/v2bin64.hlen", "w").write(f"{len(head)}\n")
 # the model without preprocess.scale, for the scaled bodies
 cfg = json.load(open(config))
 cfg.get("preprocess", {}).pop("scale", None)
@@ -279,6 +286,24 @@ for st in $STYLES; do
     check_predict "$BASE/models/$(model_of "$st")/predict" "$OUT/json64_$st.json" application/json 64
 done
 check_predict "$BASE/models/fashion/predict" "$OUT/npy64.npy" application/x-npy 64
+# the V2 binary body answers 64 x 10 binary FP32 logits, the NPY body's
+"$PY" - "$BASE" "$OUT" <<'EOF' || die "POST /v2/models/fashion/infer (v2bin64.bin): wrong answer"
+import json, sys, urllib.request
+import numpy as np
+base, out = sys.argv[1:]
+hlen = open(f"{out}/v2bin64.hlen").read().strip()
+req = urllib.request.Request(f"{base}/v2/models/fashion/infer", open(f"{out}/v2bin64.bin", "rb").read(),
+                             {"Content-Type": "application/octet-stream",
+                              "Inference-Header-Content-Length": hlen})
+with urllib.request.urlopen(req, timeout=30) as r:
+    body, n = r.read(), int(r.headers["Inference-Header-Content-Length"])
+got = np.frombuffer(body[n:], "<f4").reshape(json.loads(body[:n])["outputs"][0]["shape"])
+req = urllib.request.Request(f"{base}/models/fashion/predict", open(f"{out}/npy64.npy", "rb").read(),
+                             {"Content-Type": "application/x-npy"})
+with urllib.request.urlopen(req, timeout=30) as r:
+    want = np.array(json.load(r)["predictions"], np.float32)
+sys.exit(0 if got.shape == (64, 10) and np.abs(got - want).max() < 1e-5 else f"{got.shape} {got[:1]}")
+EOF
 export BENCH_BODY=json1_int.json
 warm bench/post_json1.lua "$BASE"
 for st in $STYLES; do
@@ -288,6 +313,7 @@ for st in $STYLES; do
 done
 unset BENCH_PATH BENCH_BODY
 run_wrk modeld_npy64 bench/post_npy64.lua "$BASE" "$C64" "$MODELD_PID"
+run_wrk modeld_v2bin64 bench/post_v2bin64.lua "$BASE" "$C64" "$MODELD_PID"
 # one PNG per request; the online image path may not be there yet: skip cleanly
 code=$(curl -s -o "$RAW/png1_check.json" -w '%{http_code}' -H 'Content-Type: image/png' \
     --data-binary @"$OUT/png1.png" "$BASE/models/fashionimg/predict" || true)
@@ -410,12 +436,13 @@ scen = ([(f"modeld 1-row JSON {st}", f"modeld_json1_{st}", 1) for st in STYLES]
         + [("modeld 1-row JSON full during a job", "modeld_json1_job", 1)]
         + [(f"modeld 64-row JSON {st}", f"modeld_json64_{st}", 64) for st in STYLES]
         + [("modeld 64-row NPY", "modeld_npy64", 64)]
+        + [("modeld 64-row V2 binary", "modeld_v2bin64", 64)]
         + [(f"FastAPI 1-row JSON {st}", f"fastapi_json1_{st}", 1) for st in STYLES])
 png_skipped = None
 if os.path.exists(os.path.join(raw, "png1_skipped")):
     png_skipped = open(os.path.join(raw, "png1_skipped")).read().strip()
 else:
-    scen.insert(scen.index(("modeld 64-row NPY", "modeld_npy64", 64)) + 1,
+    scen.insert(scen.index(("modeld 64-row V2 binary", "modeld_v2bin64", 64)) + 1,
                 ("modeld 1-image PNG", "modeld_png1", 1))
 http = {}
 for label, key, rows in scen:
@@ -562,6 +589,10 @@ print(f"PNG decode cost (md_image_to_tensor, 28x28 grayscale, one thread): "
       "ratio is against the in-process decode + forward of the same files (\"img\")")
 if png_skipped:
     print(f"modeld 1-image PNG: skipped: server answers {png_skipped} to an image/png body")
+print(f"64-row V2 binary tensor data (tritonclient.http's request) against 64-row NPY: "
+      f"{http['modeld_v2bin64']['req_per_s'] / http['modeld_npy64']['req_per_s']:.2f}x the req/s, "
+      f"p99 {http['modeld_v2bin64']['latency_ms']['p99']:.2f} against "
+      f"{http['modeld_npy64']['latency_ms']['p99']:.2f} ms")
 print("1-row JSON modeld/FastAPI req/s: " + ", ".join(f"{st} {speedups[st]:.1f}x" for st in STYLES))
 core = os.environ.get("BENCH_OPENBLAS_CORE") or "unknown"
 print(f"OpenBLAS sgemm kernel: {core}"
