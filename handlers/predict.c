@@ -121,6 +121,7 @@ typedef enum body_kind {
     BODY_ROWS = 0, /* JSON rows or NPY: md_tensor_decode */
     BODY_IMAGE,    /* one PNG or JPEG */
     BODY_FORM,     /* multipart/form-data: one image per file part */
+    BODY_V2,       /* a large V2 JSON request, read after the lookup (v2_read) */
 } body_kind;
 
 typedef struct pending {
@@ -518,8 +519,9 @@ static void images_deferred(md_req *req)
     go_on(req, pd, m, 0);
 }
 
-/* On the decode pool: decode the rows, then submit; a client that hung up
- * while its body waited is not parsed for (499 in the access log). */
+/* On the decode pool: decode the rows (or read the V2 request), then
+ * submit; a client that hung up while its body waited is not parsed for
+ * (499 in the access log). */
 static void rows_offloaded(md_req *req)
 {
     pending *pd = md_req_state(req);
@@ -534,18 +536,36 @@ static void rows_offloaded(md_req *req)
 }
 
 
+static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json_len,
+                         const char *bin, size_t bin_len, md_err *err);
+
 /* Decode the body if not done yet and submit to `m` (a reference, taken).
  * `may_defer`: on the handler thread, so big images may go to a deferred
  * one, and a JSON body of OFFLOAD_BYTES or more is decoded on the decode
  * pool (md_req_offload): its parse (~1 ns a byte) would hold this
- * libmicrohttpd thread, and every connection it serves, meanwhile. NPY is a
- * copy, cheaper than the hand-off. (V2 bodies are parsed by jansson before
- * the lookup, on this thread still.) */
+ * libmicrohttpd thread, and every connection it serves, meanwhile; so is a
+ * V2 JSON request of that size (BODY_V2). NPY is a copy, cheaper than the
+ * hand-off, and so is the JSON header of a binary V2 request. */
 #define OFFLOAD_BYTES (64 * 1024)
 static void go_on(md_req *req, pending *pd, md_model *m, int may_defer)
 {
     md_err err;
     md_err_clear(&err);
+    if (!pd->have_tensor && pd->body == BODY_V2) {
+        if (may_defer) {
+            pd->model = m;
+            if (md_req_offload(req, rows_offloaded))
+                return;
+            pd->model = NULL;
+        }
+        size_t len;
+        const char *body = md_req_body(req, &len);
+        if (v2_read(req, pd, body, len, NULL, 0, &err) != MD_OK) {
+            md_model_release(m);
+            md_reply_error(req, &err);
+            return;
+        }
+    }
     if (!pd->have_tensor && pd->body != BODY_ROWS && !images_to_tensor(req, pd, m, may_defer))
         return;
     if (!pd->have_tensor) {
@@ -744,57 +764,59 @@ static int v2_wants_binary(json_t *root)
                                         "binary_data_output"));
 }
 
-static void v2_infer(md_req *req, int version)
+/* Read a V2 request (its JSON part, and the binary data after it with the
+ * extension) into `pd`: the input tensor, the id and output name to answer
+ * with, whether the output goes back as binary. The JSON part of a request
+ * without binary data goes through md_v2_parse, which reads a large "data"
+ * array with the row scanner. MD_OK, or the error to answer. Any thread. */
+static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json_len,
+                         const char *bin, size_t bin_len, md_err *err)
 {
-    md_err err;
-    md_err_clear(&err);
-    const char *name = md_req_param(req, "name");
-    size_t len, json_len, bin_len;
-    const char *body = md_req_body(req, &len), *bin;
-    if (!v2_split(req, body, len, &json_len, &bin, &bin_len))
-        return;
     json_error_t jerr;
-    json_t *root = body ? json_loadb(body, json_len, 0, &jerr) : NULL;
+    int decoded = 0;
+    md_tensor t;
+    memset(&t, 0, sizeof t);
+    json_t *root = NULL;
+    if (bin)
+        root = body ? json_loadb(body, json_len, 0, &jerr) : NULL;
+    else
+        root = md_v2_parse(body, json_len, max_values(req), &t, &decoded, &jerr);
     json_t *inputs = json_object_get(root, "inputs");
     if (!root || !json_is_array(inputs) || json_array_size(inputs) != 1) {
-        md_err_set(&err, MD_EINVAL,
-                   root ? "the request needs \"inputs\": an array with one tensor"
-                        : "the body is not a JSON inference request");
+        md_tensor_free(&t);
         json_decref(root);
-        md_reply_error(req, &err);
-        return;
+        return md_err_set(err, MD_EINVAL,
+                          root ? "the request needs \"inputs\": an array with one tensor"
+                               : "the body is not a JSON inference request");
     }
     json_t *in = json_array_get(inputs, 0);
     json_t *bsize = json_object_get(json_object_get(in, "parameters"), "binary_data_size");
-    md_tensor t;
     md_status st;
-    if (bsize) {
+    if (decoded) {
+        st = MD_OK; /* no binary data, no binary_data_size: md_v2_parse read it */
+    } else if (bsize) {
         if (!json_is_integer(bsize) || json_integer_value(bsize) < 0 ||
             (unsigned long long)json_integer_value(bsize) != bin_len)
-            st = md_err_set(&err, MD_EINVAL,
+            st = md_err_set(err, MD_EINVAL,
                             bin ? "input binary_data_size must be the %zu bytes that follow the "
                                   "JSON header"
                                 : "input binary_data_size needs the Inference-Header-Content-"
                                   "Length header (%zu bytes of binary data follow no header)",
                             bin_len);
         else
-            st = md_v2_decode_binary(in, bin, bin_len, max_values(req), &t, &err);
+            st = md_v2_decode_binary(in, bin, bin_len, max_values(req), &t, err);
     } else if (bin_len) {
-        st = md_err_set(&err, MD_EINVAL,
+        st = md_err_set(err, MD_EINVAL,
                         "%zu bytes follow the JSON header but no input has "
                         "\"parameters\": {\"binary_data_size\": N}",
                         bin_len);
     } else {
-        st = md_v2_decode(in, max_values(req), &t, &err);
+        st = md_v2_decode(in, max_values(req), &t, err);
     }
     if (st != MD_OK) {
         json_decref(root);
-        md_reply_error(req, &err);
-        return;
+        return st;
     }
-    pending *pd = md_xcalloc(1, sizeof *pd);
-    snprintf(pd->name, sizeof pd->name, "%s", name);
-    pd->version = version;
     pd->v2 = 1;
     pd->v2_binary = v2_wants_binary(root);
     pd->t = t;
@@ -805,6 +827,30 @@ static void v2_infer(md_req *req, int version)
     const char *oname = json_string_value(json_object_get(json_array_get(outs, 0), "name"));
     snprintf(pd->v2_output, sizeof pd->v2_output, "%s", oname ? oname : "output0");
     json_decref(root);
+    return MD_OK;
+}
+
+static void v2_infer(md_req *req, int version)
+{
+    md_err err;
+    md_err_clear(&err);
+    const char *name = md_req_param(req, "name");
+    size_t len, json_len, bin_len;
+    const char *body = md_req_body(req, &len), *bin;
+    if (!v2_split(req, body, len, &json_len, &bin, &bin_len))
+        return;
+    pending *pd = md_xcalloc(1, sizeof *pd);
+    snprintf(pd->name, sizeof pd->name, "%s", name);
+    pd->version = version;
+    pd->v2 = 1;
+    if (!bin && json_len >= OFFLOAD_BYTES) {
+        /* read after the lookup, on the decode pool (go_on) */
+        pd->body = BODY_V2;
+    } else if (v2_read(req, pd, body, json_len, bin, bin_len, &err) != MD_OK) {
+        pending_free(pd);
+        md_reply_error(req, &err);
+        return;
+    }
     find_and_go(req, pd);
 }
 

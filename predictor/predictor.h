@@ -311,6 +311,18 @@ md_status md_tensor_decode(const char *body, size_t len, const char *content_typ
  */
 md_status md_v2_decode(json_t *in, size_t max_values, md_tensor *out, md_err *err);
 
+/*
+ * Parse a V2 inference request's JSON (`len` bytes): its root, or NULL when
+ * it is not JSON (*jerr says why). When the first input's "data" is one
+ * array the row scanner reads (numbers, rectangular when nested, as many as
+ * the shape holds), it is read that way, ~15x faster than jansson, into `t`
+ * in the input's shape, and *decoded is 1: the root then holds "data": []
+ * in its place. Otherwise *decoded is 0 and the root is the whole body's,
+ * for md_v2_decode to read and report on exactly as before. Thread-safe.
+ */
+json_t *md_v2_parse(const char *body, size_t len, size_t max_values, md_tensor *t, int *decoded,
+                    json_error_t *jerr);
+
 /* The same for an input sent with the binary tensor data extension: `bytes`
  * (`nbytes`, the input's binary_data_size) hold its values little-endian in
  * C order, of any numeric datatype (FP16 and BF16 too); they are converted to

@@ -553,6 +553,10 @@ static void test_non_numbers(void **state)
     EXPECT_FAIL("[[0, false]]", MD_EINVAL, "row 0, column 1", "true/false");
     EXPECT_FAIL("[[1], [{\"a\": 1}]]", MD_EINVAL, "row 1, column 0", "object");
     EXPECT_FAIL("[[1, x]]", MD_EINVAL, "row 0, column 1", "expected a number");
+    /* the first row goes fast after its first number: the same positions */
+    EXPECT_FAIL("[[1, 2 3]]", MD_EINVAL, "row 0, column 1", "expected ',' or ']'");
+    EXPECT_FAIL("[[1, 2, 3, [4]]]", MD_EINVAL, "row 0, column 3", "ragged");
+    EXPECT_FAIL("[1, 2, 3, x]", MD_EINVAL, "row 3", "expected a number");
     /* JSON number grammar: no '+', no leading '.', no bare '-', digits after '.' and 'e' */
     EXPECT_FAIL("[[+1]]", MD_EINVAL, "row 0, column 0");
     EXPECT_FAIL("[[.5]]", MD_EINVAL, "row 0, column 0");
@@ -1340,6 +1344,90 @@ static void test_v2_decode(void **state)
                      MD_EINVAL);
 }
 
+/* md_v2_parse on a whole request: *decoded and, when decoded, the tensor. */
+static json_t *v2p(const char *body, md_tensor *t, int *decoded)
+{
+    json_error_t jerr;
+    return md_v2_parse(body, strlen(body), 1000, t, decoded, &jerr);
+}
+
+static void test_v2_parse(void **state)
+{
+    (void)state;
+    md_tensor t;
+    int decoded;
+    /* a flat data array, read by the row scanner into the input's shape; the
+     * root keeps everything else, with "data": [] */
+    json_t *root = v2p("{\"id\":\"7\", \"inputs\" : [ {\"name\":\"x\",\"shape\":[2,3],"
+                       "\"datatype\":\"FP32\",\"data\" :[1, 2.5,-0.0039215688593685627,4,5e1,"
+                       "-0]}],\"outputs\":[{\"name\":\"y\",\"parameters\":{\"binary_data\":true}}]}",
+                       &t, &decoded);
+    assert_non_null(root);
+    assert_int_equal(decoded, 1);
+    assert_int_equal(t.ndim, 2);
+    assert_int_equal(t.shape[0], 2);
+    assert_int_equal(t.shape[1], 3);
+    assert_int_equal(t.count, 6);
+    assert_true(t.data[1] == 2.5f && t.data[2] == (float)-0.0039215688593685627 &&
+                t.data[4] == 50.0f && t.data[5] == 0.0f && signbit(t.data[5]));
+    json_t *in = json_array_get(json_object_get(root, "inputs"), 0);
+    assert_int_equal(json_array_size(json_object_get(in, "data")), 0);
+    assert_string_equal(json_string_value(json_object_get(root, "id")), "7");
+    assert_true(json_is_true(json_object_get(
+        json_object_get(json_array_get(json_object_get(root, "outputs"), 0), "parameters"),
+        "binary_data")));
+    md_tensor_free(&t);
+    json_decref(root);
+    /* nested data, in the input's shape whatever the nesting */
+    root = v2p("{\"inputs\":[{\"shape\":[4],\"datatype\":\"FP32\",\"data\":[[1,2],[3,4]]}]}",
+               &t, &decoded);
+    assert_int_equal(decoded, 1);
+    assert_int_equal(t.ndim, 1);
+    assert_int_equal(t.shape[0], 4);
+    assert_true(t.data[3] == 4.0f);
+    md_tensor_free(&t);
+    json_decref(root);
+    /* everything else is the whole body's, through jansson, as before: the
+     * root holds the data for md_v2_decode to read and report on */
+    const char *whole[] = {
+        /* booleans, ragged rows, a wrong count, a string */
+        "{\"inputs\":[{\"shape\":[2],\"datatype\":\"BOOL\",\"data\":[true,false]}]}",
+        "{\"inputs\":[{\"shape\":[3],\"datatype\":\"FP32\",\"data\":[[1],[2,3]]}]}",
+        "{\"inputs\":[{\"shape\":[3],\"datatype\":\"FP32\",\"data\":[1,2]}]}",
+        "{\"inputs\":[{\"shape\":[2],\"datatype\":\"FP32\",\"data\":[1,\"2\"]}]}",
+        /* "d\u0061ta" is "data" to jansson, which keeps the last of two keys */
+        "{\"inputs\":[{\"shape\":[2],\"datatype\":\"FP32\",\"data\":[1,2],\"d\\u0061ta\":[3,4]}]}",
+        "{\"inputs\":[{\"shape\":[2],\"datatype\":\"FP32\",\"data\":[1,2],\"data\":[3,4]}]}",
+        /* two inputs; binary data announced; a value that rounds to FLT_MAX */
+        "{\"inputs\":[{\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1]},{\"data\":[2]}]}",
+        "{\"inputs\":[{\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1],"
+        "\"parameters\":{\"binary_data_size\":4}}]}",
+        "{\"inputs\":[{\"shape\":[1],\"datatype\":\"FP32\",\"data\":[3.4028235e38]}]}",
+    };
+    for (size_t i = 0; i < sizeof whole / sizeof *whole; i++) {
+        root = v2p(whole[i], &t, &decoded);
+        assert_non_null(root);
+        assert_int_equal(decoded, 0);
+        assert_null(t.data);
+        assert_true(json_array_size(json_object_get(
+                        json_array_get(json_object_get(root, "inputs"), 0), "data")) > 0);
+        json_decref(root);
+    }
+    /* jansson keeps the last "data": [3, 4] */
+    root = v2p(whole[5], &t, &decoded);
+    md_err err;
+    assert_int_equal(md_v2_decode(json_array_get(json_object_get(root, "inputs"), 0), 100, &t,
+                                  &err), MD_OK);
+    assert_true(t.data[0] == 3.0f);
+    md_tensor_free(&t);
+    json_decref(root);
+    /* not JSON at all: NULL, with jansson's reason */
+    json_error_t jerr;
+    assert_null(md_v2_parse("{\"inputs\":[{\"data\":[1,2]}", 24, 100, &t, &decoded, &jerr));
+    assert_int_equal(decoded, 0);
+    assert_true(jerr.text[0] != '\0');
+}
+
 /* md_v2_decode_binary on `n` raw bytes for an input of `dt` and `shape`. */
 static md_status v2bin(const char *dt, const char *shape, const void *raw, size_t n,
                        md_tensor *t, md_err *err)
@@ -1485,6 +1573,7 @@ int main(void)
         cmocka_unit_test(test_top_k_large),
         cmocka_unit_test(test_checked_sizes),
         cmocka_unit_test(test_v2_decode),
+        cmocka_unit_test(test_v2_parse),
         cmocka_unit_test(test_v2_decode_binary),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

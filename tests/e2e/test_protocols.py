@@ -211,6 +211,69 @@ def test_binary_errors(server):
                   - MLP_OUT).max() <= TOL
 
 
+def decoded_off_thread(srv):
+    for line in srv.request("GET", "/metrics").text.splitlines():
+        if line.startswith("modeld_http_decoded_off_thread_total "):
+            return float(line.split()[1])
+    raise AssertionError("/metrics has no modeld_http_decoded_off_thread_total")
+
+
+def test_large_json_requests(server):
+    """A V2 request with its data in JSON (what a client without the binary
+    extension sends: 4000 rows of full-precision floats, over 64 KiB) is read
+    on the decode pool, its data array by the row scanner: the answer is the
+    binary path's bit for bit, flat or nested, and every error names what it
+    did before."""
+    deploy_mlp(server)
+    url = "/v2/models/mlp/infer"
+    x = np.random.default_rng(7).standard_normal((4000, 4)).astype(np.float32)
+    body, headers = binary_request(x, "FP32")
+    want = binary_response(server.request("POST", url, data=body, headers=headers))[1]
+    assert want.shape == (4000, 3)
+
+    before = decoded_off_thread(server)
+    for data in (x.flatten().tolist(), x.tolist()):  # the spec's flat form, and nested
+        req = {"id": "big", "inputs": [{"name": "input0", "shape": [4000, 4],
+                                        "datatype": "FP32", "data": data}],
+               "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]}
+        text = json.dumps(req)
+        assert len(text) > 64 * 1024
+        r = server.request("POST", url, data=text, headers={"Content-Type": "application/json"})
+        head, got = binary_response(r)
+        assert head["id"] == "big" and head["outputs"][0]["name"] == "logits"
+        assert got.tobytes() == want.tobytes()
+    assert decoded_off_thread(server) == before + 2
+
+    # JSON out too, and the data last in its object
+    req = {"inputs": [{"shape": [4000, 4], "datatype": "FP32", "name": "input0",
+                       "data": x.flatten().tolist()}]}
+    r = server.request("POST", url, json=req)
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"][0]
+    assert np.array_equal(np.array(out["data"], np.float32).reshape(out["shape"]), want)
+
+    # errors are those of the whole-body reading, as for a small request
+    data = x.flatten().tolist()
+    data[9999] = "x"
+    req = {"inputs": [{"name": "input0", "shape": [4000, 4], "datatype": "FP32", "data": data}]}
+    v2_error(server.request("POST", url, json=req), 400, "value 9999 is not a number")
+    req["inputs"][0]["data"] = x.flatten().tolist()[:-1]
+    v2_error(server.request("POST", url, json=req), 400, "15999 values but its shape needs 16000")
+    req["inputs"][0]["data"] = [[1.0] * 4] * 3999 + [[1.0] * 3]  # ragged, 15999 values
+    v2_error(server.request("POST", url, json=req), 400, "15999 values")
+    text = json.dumps({"inputs": [{"shape": [4000, 4], "datatype": "FP32",
+                                   "data": x.flatten().tolist()}]})
+    v2_error(server.request("POST", url, data=text[:-2],
+                            headers={"Content-Type": "application/json"}), 400,
+             "not a JSON inference request")
+    # a model that is not there: 404, the body unread
+    v2_error(server.request("POST", "/v2/models/nope/infer", data=text,
+                            headers={"Content-Type": "application/json"}), 404)
+    # the server still answers
+    assert binary_response(server.request("POST", url, data=body, headers=headers))[1].tobytes() \
+        == want.tobytes()
+
+
 # ---------------------------------------------------------------- KServe V1
 
 
