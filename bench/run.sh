@@ -137,6 +137,11 @@ for name, n in (("json1", 1), ("json64", 64)):
             "[" + ",".join(f"{v:.4f}" for v in row) + "]" for row in scaled.tolist()) + "]}")
     with open(f"{out}/{name}_full.json", "w") as f:
         f.write(json.dumps({"instances": scaled.tolist()}))  # json.dumps(x.tolist())
+    if n == 64:  # the same values as a V2 request without the binary extension
+        with open(f"{out}/v2json64_full.json", "w") as f:
+            f.write(json.dumps({"inputs": [{"name": "input0", "shape": list(scaled.shape),
+                                            "datatype": "FP32",
+                                            "data": scaled.flatten().tolist()}]}))
 np.save(f"{out}/npy64.npy", images[:64].astype(np.float32))
 # the same rows as tritonclient.http sends them (V2 binary tensor data, binary out)
 raw = images[:64].astype("<f4").tobytes()
@@ -304,6 +309,20 @@ with urllib.request.urlopen(req, timeout=30) as r:
     want = np.array(json.load(r)["predictions"], np.float32)
 sys.exit(0 if got.shape == (64, 10) and np.abs(got - want).max() < 1e-5 else f"{got.shape} {got[:1]}")
 EOF
+"$PY" - "$BASE" "$OUT" <<'EOF' || die "POST /v2/models/fashionf/infer (v2json64_full.json): wrong answer"
+import json, sys, urllib.request
+import numpy as np
+base, out = sys.argv[1:]
+def post(path, body):
+    req = urllib.request.Request(base + path, open(f"{out}/{body}", "rb").read(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)
+o = post("/v2/models/fashionf/infer", "v2json64_full.json")["outputs"][0]
+got = np.array(o["data"], np.float32).reshape(o["shape"])
+want = np.array(post("/models/fashionf/predict", "json64_full.json")["predictions"], np.float32)
+sys.exit(0 if got.shape == (64, 10) and np.array_equal(got, want) else f"{got.shape} {got[:1]}")
+EOF
 export BENCH_BODY=json1_int.json
 warm bench/post_json1.lua "$BASE"
 for st in $STYLES; do
@@ -314,6 +333,7 @@ done
 unset BENCH_PATH BENCH_BODY
 run_wrk modeld_npy64 bench/post_npy64.lua "$BASE" "$C64" "$MODELD_PID"
 run_wrk modeld_v2bin64 bench/post_v2bin64.lua "$BASE" "$C64" "$MODELD_PID"
+run_wrk modeld_v2json64 bench/post_v2json64.lua "$BASE" "$C64" "$MODELD_PID"
 # one PNG per request; the online image path may not be there yet: skip cleanly
 code=$(curl -s -o "$RAW/png1_check.json" -w '%{http_code}' -H 'Content-Type: image/png' \
     --data-binary @"$OUT/png1.png" "$BASE/models/fashionimg/predict" || true)
@@ -437,12 +457,13 @@ scen = ([(f"modeld 1-row JSON {st}", f"modeld_json1_{st}", 1) for st in STYLES]
         + [(f"modeld 64-row JSON {st}", f"modeld_json64_{st}", 64) for st in STYLES]
         + [("modeld 64-row NPY", "modeld_npy64", 64)]
         + [("modeld 64-row V2 binary", "modeld_v2bin64", 64)]
+        + [("modeld 64-row V2 JSON full", "modeld_v2json64", 64)]
         + [(f"FastAPI 1-row JSON {st}", f"fastapi_json1_{st}", 1) for st in STYLES])
 png_skipped = None
 if os.path.exists(os.path.join(raw, "png1_skipped")):
     png_skipped = open(os.path.join(raw, "png1_skipped")).read().strip()
 else:
-    scen.insert(scen.index(("modeld 64-row V2 binary", "modeld_v2bin64", 64)) + 1,
+    scen.insert(scen.index(("modeld 64-row V2 JSON full", "modeld_v2json64", 64)) + 1,
                 ("modeld 1-image PNG", "modeld_png1", 1))
 http = {}
 for label, key, rows in scen:
@@ -593,6 +614,8 @@ print(f"64-row V2 binary tensor data (tritonclient.http's request) against 64-ro
       f"{http['modeld_v2bin64']['req_per_s'] / http['modeld_npy64']['req_per_s']:.2f}x the req/s, "
       f"p99 {http['modeld_v2bin64']['latency_ms']['p99']:.2f} against "
       f"{http['modeld_npy64']['latency_ms']['p99']:.2f} ms")
+print(f"64-row V2 JSON (full precision, flat data) against 64-row JSON rows (the same numbers): "
+      f"{http['modeld_v2json64']['req_per_s'] / http['modeld_json64_full']['req_per_s']:.2f}x the req/s")
 print("1-row JSON modeld/FastAPI req/s: " + ", ".join(f"{st} {speedups[st]:.1f}x" for st in STYLES))
 core = os.environ.get("BENCH_OPENBLAS_CORE") or "unknown"
 print(f"OpenBLAS sgemm kernel: {core}"
