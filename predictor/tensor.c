@@ -1251,6 +1251,13 @@ static size_t v2_members(const char *s, size_t len, size_t i, v2_member_fn on_me
     }
 }
 
+/* on_member's answer for a member whose value is only skipped */
+static size_t v2_skip_member(const char *s, size_t len, size_t value)
+{
+    size_t end = v2_skip_value(s, len, value);
+    return end > value ? end : 0;
+}
+
 typedef struct v2_span {
     int inputs, data;  /* how many "inputs" (top level) and "data" (inputs[0]) keys */
     size_t a, b;       /* the data value: s[a..b) */
@@ -1262,10 +1269,8 @@ static size_t v2_input_member(void *ctx, const char *s, size_t len, const char *
                               size_t key_len, size_t value)
 {
     v2_span *sp = ctx;
-    if (key_len != 4 || memcmp(key, "data", 4) != 0) {
-        size_t end = v2_skip_value(s, len, value);
-        return end > value ? end : 0;
-    }
+    if (key_len != 4 || memcmp(key, "data", 4) != 0)
+        return v2_skip_member(s, len, value);
     /* the array is read where it lies, and the scanner says where it ends */
     if (++sp->data > 1 || value >= len || s[value] != '[')
         return 0;
@@ -1285,10 +1290,8 @@ static size_t v2_top_member(void *ctx, const char *s, size_t len, const char *ke
                             size_t key_len, size_t value)
 {
     v2_span *sp = ctx;
-    if (key_len != 6 || memcmp(key, "inputs", 6) != 0) {
-        size_t end = v2_skip_value(s, len, value);
-        return end > value ? end : 0;
-    }
+    if (key_len != 6 || memcmp(key, "inputs", 6) != 0)
+        return v2_skip_member(s, len, value);
     sp->inputs++;
     if (value >= len || s[value] != '[')
         return 0;
@@ -1304,10 +1307,8 @@ static size_t v2_top_member(void *ctx, const char *s, size_t len, const char *ke
             return i + 1;
         if (s[i] != ',')
             return 0;
-        size_t end = v2_skip_value(s, len, v2_skip_blank(s, len, i + 1));
-        if (end <= i + 1)
+        if ((i = v2_skip_member(s, len, v2_skip_blank(s, len, i + 1))) == 0)
             return 0;
-        i = end;
     }
 }
 
