@@ -21,17 +21,8 @@ PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); p
 B=http://127.0.0.1:$PORT
 D=/usr/share/datasets/fashion-mnist
 
-job() { # input-json: POST, wait until it is done (at most 60 s), print rows_per_s
-    local id st
-    id=$(curl -sf "$B/jobs" -d "{\"model\":\"fashion\",\"batch_size\":64,\"input\":$1,\"output\":{\"format\":\"npy\"}}" |
-        sed -n 's/.*"id": *"\([^"]*\)".*/\1/p')
-    for _ in $(seq 600); do
-        sleep 0.1
-        st=$(curl -sf "$B/jobs/$id")
-        case $st in *'"status": "succeeded"'* | *'"status":"succeeded"'*) break ;; esac
-    done
-    sed -n 's/.*"rows_per_s": *\([0-9]*\).*/\1/p' <<<"$st"
-}
+. bench/job_lib.sh
+job() { bench_job "$B" "$1" 0.1; } # input-json: print the job's rows_per_s
 
 one() { # bin: a fresh server, a warm-up job, the two timed ones
     rm -rf "$TMP/store"
