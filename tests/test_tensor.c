@@ -1387,6 +1387,15 @@ static void test_v2_parse(void **state)
     assert_true(t.data[3] == 4.0f);
     md_tensor_free(&t);
     json_decref(root);
+    /* UINT64's largest values, past jansson's integers (which refused the
+     * whole body), read as numbers like everywhere else */
+    root = v2p("{\"inputs\":[{\"shape\":[2],\"datatype\":\"UINT64\","
+               "\"data\":[18446744073709551615,9223372036854775808]}]}", &t, &decoded);
+    assert_non_null(root);
+    assert_int_equal(decoded, 1);
+    assert_true(t.data[0] == 18446744073709551615.0f && t.data[1] == 9223372036854775808.0f);
+    md_tensor_free(&t);
+    json_decref(root);
     /* everything else is the whole body's, through jansson, as before: the
      * root holds the data for md_v2_decode to read and report on */
     const char *whole[] = {
