@@ -987,8 +987,16 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
 
     unsigned threads = (unsigned)(cfg->threads > 0 ? cfg->threads : md_cfg_cores());
     atomic_store(&pool_size, (int)threads); /* the decode pool: one thread per HTTP thread */
+    /* poll(), not epoll: with a thread pool on epoll, MHD_quiesce_daemon
+     * (SIGTERM's drain) and a worker's event loop can both take the listener
+     * out of the worker's epoll set, and libmicrohttpd (0.9.75 and later)
+     * aborts the process in whichever loses (MHD_PANIC on ENOENT,
+     * daemon.c:5531 and :4976). Seen once: a server killed by SIGABRT in its
+     * drain, in-flight requests lost. With poll() the quiesce is a flag and
+     * a wake-up; each worker polls its own connections (a load balancer's
+     * pool of them, not thousands). */
     h->daemon = MHD_start_daemon(
-        MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
+        MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL | MHD_ALLOW_SUSPEND_RESUME |
             MHD_USE_ERROR_LOG,
         0, NULL, NULL, on_access, h, MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_THREAD_POOL_SIZE,
         threads, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)cfg->keepalive_timeout_s,
@@ -1016,8 +1024,15 @@ void md_http_quiesce(md_http *h)
     if (!h || atomic_exchange(&h->quiesced, 1))
         return;
     MHD_socket fd = MHD_quiesce_daemon(h->daemon);
-    if (fd != MHD_INVALID_SOCKET)
-        close(fd);
+    if (fd == MHD_INVALID_SOCKET)
+        return;
+    /* New connections are refused from now on (a listener shut down resets
+     * them), but the descriptor stays open until libmicrohttpd has stopped:
+     * a worker may still hold it in a poll() it entered before the quiesce,
+     * and a number closed now could be reused under it (the library's own
+     * rule for the socket MHD_quiesce_daemon returns). */
+    shutdown(fd, SHUT_RDWR);
+    h->listen_fd = fd;
 }
 
 long md_http_in_flight(const md_http *h) { return atomic_load(&h->in_flight); }

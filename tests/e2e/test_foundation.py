@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import requests
@@ -537,6 +538,53 @@ def test_request_after_the_last_one_drained_is_answered_not_suspended(start_serv
     assert json.loads(resp.body)["error"]["code"] == "draining", resp.raw
     assert resp.headers.get("connection", "").lower() == "close", resp.raw
     assert s.proc.wait(15 * TSCALE) == 0, s.stderr
+
+
+def test_sigterm_under_load_exits_0_and_refuses_new_connections(start_server):
+    """SIGTERM while clients keep sending, five times: every server exits 0.
+    (On epoll, libmicrohttpd's quiesce raced its workers for the listener
+    and could abort the process in its drain: seen once as SIGABRT under
+    ASan. modeld's HTTP threads poll instead.) Once the listener is closed
+    a new connection is refused at once, while a request in flight is
+    still answered."""
+    for _ in range(5):
+        s = start_server(drain_seconds=0)
+        stop = threading.Event()
+
+        def client():
+            session = requests.Session()
+            while not stop.is_set():
+                try:
+                    session.get(s.url + "/healthz", timeout=2 * TSCALE)
+                except requests.RequestException:
+                    time.sleep(0.01)  # refused or reset once the listener is closed
+
+        clients = [threading.Thread(target=client) for _ in range(4)]
+        for t in clients:
+            t.start()
+        try:
+            with raw_connect(s.port, timeout=10) as sock:
+                sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\na")
+                time.sleep(0.2)
+                s.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 5 * TSCALE
+                refused = False
+                while not refused and time.monotonic() < deadline:
+                    try:
+                        socket.create_connection(("127.0.0.1", s.port), timeout=1).close()
+                        time.sleep(0.02)
+                    except ConnectionRefusedError:
+                        refused = True
+                assert refused, f"new connections still accepted after SIGTERM:\n{s.stderr}"
+                assert s.proc.poll() is None, s.stderr  # the request in flight holds it
+                sock.sendall(b"b")
+                resp = read_http_response(sock, timeout=5.0 * TSCALE)
+            assert resp.status == 503 and json.loads(resp.body)["error"]["code"] == "draining"
+        finally:
+            stop.set()
+            for t in clients:
+                t.join()
+        assert s.proc.wait(10 * TSCALE) == 0, s.stderr
 
 
 def test_second_signal_exits_at_once(start_server):
