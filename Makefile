@@ -206,7 +206,7 @@ soak: all
 # SIGTERM and fails a test whose server printed a ThreadSanitizer report.
 TSAN_E2E_TESTS := concurrent or split or max_delay or hot_swap or queue_full or timeout or \
 	client_disconnect or replica or job_and_online or cancel or drain or in_flight or \
-	off_the_http_thread or large_json_requests
+	off_the_http_thread or large_json_requests or sigterm_under_load
 tsan: deps
 	$(MAKE) SAN_FLAGS="-fsanitize=thread" OPT="-O1 -g" BUILD=build-tsan TSAN_E2E=1 \
 	  UNIT_TESTS="test_batcher test_store test_readers" \
