@@ -817,7 +817,6 @@ static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json
         json_decref(root);
         return st;
     }
-    pd->v2 = 1;
     pd->v2_binary = v2_wants_binary(root);
     pd->t = t;
     pd->have_tensor = 1;

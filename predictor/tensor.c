@@ -378,7 +378,6 @@ static md_status array(scan *s, int d)
             goto shape;
     }
     for (;;) {
-        int number_taken = 0;
         ws(s);
         s->idx[d] = count;
         if (s->p < s->end && *s->p == '[') {
@@ -403,11 +402,10 @@ static md_status array(scan *s, int d)
                 return fail_at(s, d, "the number is outside the float32 range");
             if ((st = push(s, (float)v)) != MD_OK)
                 return st;
-            number_taken = 1;
         }
         count++;
         int more = separator(s, ']');
-        if (more == 1 && number_taken) {
+        if (more == 1 && s->ndim == d + 1) { /* the element was a number */
             /* the first row's depth is known now: the rest of it goes fast */
             int closed;
             ws(s);
@@ -980,7 +978,7 @@ static md_status v2_header(json_t *in, size_t max_vals, md_tensor *t, size_t *co
     return MD_OK;
 }
 
-/* IEEE half and bfloat16 bits to float. */
+/* IEEE half-precision bits to float. */
 static float half_to_float(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -992,6 +990,15 @@ static float half_to_float(uint16_t h)
     } else {
         bits = sign | ((exp + 112) << 23) | (man << 13);
     }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* bfloat16 bits to float: the upper half of a float32. */
+static float bf16_to_float(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
     float f;
     memcpy(&f, &bits, 4);
     return f;
@@ -1036,10 +1043,7 @@ md_status md_v2_decode_binary(json_t *in, const void *bytes, size_t nbytes, size
     } else if (!strcmp(dt, "FP16")) {
         V2_CONVERT(uint16_t, half_to_float(v))
     } else if (!strcmp(dt, "BF16")) {
-        for (size_t i = 0; i < count; i++) {
-            uint32_t b = (uint32_t)src[2 * i] << 16 | (uint32_t)src[2 * i + 1] << 24;
-            memcpy(&buf[i], &b, 4);
-        }
+        V2_CONVERT(uint16_t, bf16_to_float(v))
     } else if (!strcmp(dt, "INT64")) {
         V2_CONVERT(int64_t, (float)v)
     } else if (!strcmp(dt, "INT32")) {
