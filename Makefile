@@ -81,6 +81,8 @@ LIB_C   += predictor/weights.c handlers/training.c handlers/metrics.c
 LIB_C   += jobs/images.c
 # IDX.gz inflated by ISA-L (issue 14: the runner's cost of an IDX.gz row)
 LIB_C   += jobs/gzstream.c
+# one rule for how an output row reads as classes (issue 29: binary, multi-label)
+LIB_C   += predictor/classes.c
 LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)

@@ -46,7 +46,9 @@ int main(void)
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         md_answer_opts o = {.kind = cases[c].kind, .model = "fashion", .version = 3,
-                            .labels = labels, .logits = 1, .top_k = cases[c].top_k};
+                            .labels = labels, .top_k = cases[c].top_k,
+                            .classes = {.kind = MD_CLASSES_ARGMAX, .width = CLASSES,
+                                        .classes = CLASSES, .logits = 1}};
         size_t len = 0, jl;
         int iters = 0;
         double t0 = now(), t;

@@ -125,6 +125,9 @@ static const char *const migrations[] = {
     /* 6: jobs over image folders (issue 15): the directory's files that are
      * not rows (symlinks, neither PNG nor JPEG); NULL for other inputs */
     "ALTER TABLE jobs ADD COLUMN files_skipped INTEGER;",
+    /* 7: why a job over a labelled dataset counts no accuracy (issue 29: a
+     * one-column output of undeclared meaning); NULL when it counts one */
+    "ALTER TABLE jobs ADD COLUMN accuracy_note TEXT;",
 };
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof migrations[0]))
 

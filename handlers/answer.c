@@ -132,60 +132,57 @@ static const float *sb_nested(sbuf *b, const float *data, const int64_t *shape, 
     return data;
 }
 
-/* ,"labels":[[...],...],"scores":[[...],...]: the top k (1 when not asked)
- * of each row, labelled with the version's labels or the class index. */
+/* ,"labels":[[...],...],"scores":[[...],...] by the version's rule
+ * (md_classes): the top k classes of each row (1 when not asked), best first,
+ * or for a multi-label output without top_k every class present; each named
+ * by the version's labels or its index. */
 static void add_labels_scores(sbuf *b, const md_answer_opts *o, const float *out,
                               const int64_t *shape, int ndim)
 {
-    int k = o->top_k ? o->top_k : 1;
-    int64_t rows = shape[0], classes = ndim >= 2 ? shape[1] : 1;
+    const md_classes *c = &o->classes;
+    int64_t rows = shape[0], width = ndim >= 2 ? shape[1] : 1;
     for (int d = 2; d < ndim; d++)
-        classes *= shape[d];
-    if (k > classes)
-        k = (int)classes;
-    if (k < 0)
-        k = 0;
+        width *= shape[d];
+    int64_t n = c->classes > 0 ? c->classes : 1;
+    int64_t k = o->top_k ? o->top_k : 1;
+    int all_present = c->kind == MD_CLASSES_MULTI && !o->top_k;
+    if (all_present)
+        k = n;
+    if (k > n)
+        k = n;
     sbuf sco = {0};
-    float *p = malloc(sizeof(float) * (size_t)(classes > 0 ? classes : 1));
-    int64_t *top = malloc(sizeof(int64_t) * (size_t)(k > 0 ? k : 1));
-    if (!p || !top) {
+    float *p = malloc(sizeof(float) * (size_t)n), *score = malloc(sizeof(float) * (size_t)n);
+    int64_t *top = malloc(sizeof(int64_t) * (size_t)n);
+    if (!p || !top || !score) {
         b->oom = 1;
         goto out;
     }
     sb_str(b, ",\"labels\":[");
     sb_str(&sco, ",\"scores\":[");
     for (int64_t r = 0; r < rows; r++) {
-        const float *x = out + r * classes;
-        if (o->logits && classes > 0) {
-            float mx = x[0];
-            for (int64_t j = 1; j < classes; j++)
-                mx = x[j] > mx ? x[j] : mx;
-            double sum = 0;
-            for (int64_t j = 0; j < classes; j++)
-                sum += (p[j] = expf(x[j] - mx));
-            for (int64_t j = 0; j < classes; j++)
-                p[j] = (float)(p[j] / sum);
-        } else {
-            memcpy(p, x, sizeof(float) * (size_t)classes);
-        }
-        md_top_k(p, classes, k, top);
+        const float *x = out + r * width;
+        int64_t got = md_classes_top_k(c, x, k, p, top, score);
         if (r) {
             sb_char(b, ',');
             sb_char(&sco, ',');
         }
         sb_char(b, '[');
         sb_char(&sco, '[');
-        for (int t = 0; t < k; t++) {
-            if (t) {
+        int first = 1;
+        for (int64_t t = 0; t < got; t++) {
+            if (all_present && !md_classes_present(c, x, top[t]))
+                break; /* ranked best first: the rest are below the threshold too */
+            if (!first) {
                 sb_char(b, ',');
                 sb_char(&sco, ',');
             }
+            first = 0;
             json_t *name = o->labels ? json_array_get(o->labels, (size_t)top[t]) : NULL;
             if (json_is_string(name))
                 sb_json_string(b, json_string_value(name));
             else
                 sb_int(b, (long long)top[t]);
-            sb_float(&sco, p[top[t]]);
+            sb_float(&sco, score[t]);
         }
         sb_char(b, ']');
         sb_char(&sco, ']');
@@ -199,6 +196,7 @@ static void add_labels_scores(sbuf *b, const md_answer_opts *o, const float *out
 out:
     free(sco.p);
     free(p);
+    free(score);
     free(top);
 }
 
@@ -257,7 +255,7 @@ char *md_answer_encode(const md_answer_opts *o, const float *out, const int64_t 
         sb_int(&b, o->version);
         sb_str(&b, ",\"predictions\":");
         sb_nested(&b, out, shape, ndim, 0);
-        if (o->top_k || o->labels)
+        if ((o->top_k || o->labels) && o->classes.kind != MD_CLASSES_NONE)
             add_labels_scores(&b, o, out, shape, ndim);
         sb_str(&b, "}\n");
     }

@@ -18,6 +18,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../predictor/predictor.h"
+
 typedef enum md_answer_kind {
     MD_ANSWER_PREDICT = 0, /* POST /predict and the model routes */
     MD_ANSWER_V1,          /* KServe V1: {"predictions": ...} */
@@ -29,7 +31,7 @@ typedef struct md_answer_opts {
     const char *model;      /* the model's name */
     int version;
     json_t *labels;         /* the version's labels (borrowed) or NULL */
-    int logits;             /* scores are the softmax of the outputs */
+    md_classes classes;     /* how a row reads as classes (labels, scores, top_k) */
     int top_k;              /* 0: not asked */
     const char *v2_id;      /* V2: the request's id ("" or NULL: none) */
     const char *v2_output;  /* V2: the output's name ("" or NULL: output0) */

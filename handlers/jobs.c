@@ -311,6 +311,8 @@ static json_t *job_view(json_t *job)
     json_int_t correct = json_integer_value(json_object_get(job, "correct"));
     if (labeled > 0)
         json_object_set_new(job, "accuracy", json_real((double)correct / (double)labeled));
+    else if (json_is_string(json_object_get(job, "accuracy_note")))
+        json_object_set_new(job, "accuracy", json_null()); /* and accuracy_note says why */
     json_t *total = json_object_get(job, "rows_total");
     double rps = json_number_value(json_object_get(job, "rows_per_s"));
     const char *status = json_string_value(json_object_get(job, "status"));

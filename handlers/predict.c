@@ -74,17 +74,30 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
         finish(c);
         return;
     }
+    int64_t width = ndim >= 2 ? 1 : ndim == 1;
+    for (int d = 1; d < ndim; d++)
+        width *= shape[d];
     md_answer_opts o = {
         .kind = c->v2 ? MD_ANSWER_V2 : c->v1 ? MD_ANSWER_V1 : MD_ANSWER_PREDICT,
         .model = md_model_name(c->model),
         .version = md_model_version(c->model),
         .labels = md_model_labels(c->model),
-        .logits = md_model_output_logits(c->model),
+        .classes = md_model_classes(c->model, width),
         .top_k = c->top_k,
         .v2_id = c->v2_id,
         .v2_output = c->v2_output,
         .v2_binary = c->v2_binary,
     };
+    if (c->top_k && o.kind == MD_ANSWER_PREDICT && o.classes.kind == MD_CLASSES_NONE) {
+        md_err e;
+        md_err_setc(&e, MD_EINVAL, "no_classes",
+                    "top_k needs classes, and model %s version %d has none: %s (in the "
+                    "config of a new version)",
+                    o.model, o.version, md_classes_none_reason());
+        md_reply_error(c->req, &e);
+        finish(c);
+        return;
+    }
     size_t len, json_len;
     char *body = md_answer_encode(&o, out, shape, ndim, &len, &json_len);
     if (!body) {

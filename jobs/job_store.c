@@ -15,7 +15,7 @@
 #define JOB_COLS                                                                              \
     "id, model, version, spec, status, rows_done, rows_total, rows_skipped, output_path, "   \
     "output_bytes, correct, labeled, confusion, rows_per_s, partial, error, created_at, "    \
-    "started_at, finished_at, updated_at, owner, files_skipped "
+    "started_at, finished_at, updated_at, owner, files_skipped, accuracy_note "
 
 static json_t *col_or_null(sqlite3_stmt *st, int i)
 {
@@ -37,9 +37,9 @@ static json_t *job_json(sqlite3_stmt *st)
                                   "rows_total", "rows_skipped", "output_path", "output_bytes",
                                   "correct", "labeled", "confusion", "rows_per_s", "partial",
                                   "error", "created_at", "started_at", "finished_at",
-                                  "updated_at", "owner", "files_skipped"};
+                                  "updated_at", "owner", "files_skipped", "accuracy_note"};
     json_t *j = json_object();
-    for (int i = 0; i < 22; i++) {
+    for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++) {
         if (i == 3 || i == 12) {
             json_object_set_new(j, names[i], sqlite3_column_type(st, i) == SQLITE_NULL
                                                  ? json_null()
@@ -162,7 +162,8 @@ static md_status job_update(md_store *s, const char *id, const char *owner, doub
     static const char *allowed[] = {"status", "rows_done", "rows_total", "rows_skipped",
                                     "output_bytes", "correct", "labeled", "confusion",
                                     "rows_per_s", "partial", "error", "started_at",
-                                    "finished_at", "version", "spec", "files_skipped", NULL};
+                                    "finished_at", "version", "spec", "files_skipped",
+                                    "accuracy_note", NULL};
     char sql[1200];
     size_t n = (size_t)snprintf(sql, sizeof sql, "UPDATE jobs SET updated_at = ?1");
     const char *key;

@@ -417,6 +417,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     int64_t correct = json_integer_value(json_object_get(job, "correct"));
     int64_t labeled = json_integer_value(json_object_get(job, "labeled"));
     int64_t skipped = json_integer_value(json_object_get(job, "rows_skipped"));
+    char accuracy_note[400] = ""; /* why a labelled job counts no accuracy */
     char out_path[4096], partial[4200], input_path[4200];
     snprintf(out_path, sizeof out_path, "%s", json_string_value(json_object_get(job, "output_path")));
     snprintf(partial, sizeof partial, "%s.partial", out_path);
@@ -732,8 +733,19 @@ static void run_job(md_jobs *J, int slot, const char *id)
             int64_t ow = 1;
             for (int d = 1; d < c->out_ndim; d++)
                 ow *= c->out_shape[d];
-            if (has_labels && !conf && ow > 1 && ow <= 1000) {
-                classes = ow;
+            md_classes cls = md_model_classes(m, ow);
+            /* a row's class and its accuracy by the version's rule (one
+             * column: a binary classifier); no rule, no number, and why */
+            int scored = has_labels && (cls.kind == MD_CLASSES_ARGMAX ||
+                                        cls.kind == MD_CLASSES_BINARY);
+            if (has_labels && !scored && !accuracy_note[0])
+                snprintf(accuracy_note, sizeof accuracy_note, "no accuracy: %s",
+                         cls.kind == MD_CLASSES_MULTI
+                             ? "the output is multi-label (config multi_label): each row has "
+                               "a set of classes, not the one class a label column gives"
+                             : md_classes_none_reason());
+            if (scored && !conf && cls.classes > 1 && cls.classes <= 1000) {
+                classes = cls.classes;
                 conf = md_xcalloc((size_t)(classes * classes), sizeof(int64_t));
                 if (json_is_array(confusion) && (int64_t)json_array_size(confusion) == classes)
                     for (int64_t a = 0; a < classes; a++)
@@ -750,16 +762,16 @@ static void run_job(md_jobs *J, int slot, const char *id)
             }
             for (int64_t i = 0; i < c->rows; i++) {
                 const float *y = c->out + i * ow;
-                if (has_labels) {
-                    int cls = md_job_argmax(y, ow);
+                if (scored) {
+                    int64_t top = md_classes_top(&cls, y);
                     labeled++;
-                    correct += cls == c->labels[i];
+                    correct += top == c->labels[i];
                     if (conf && c->labels[i] >= 0 && c->labels[i] < classes)
-                        conf[c->labels[i] * classes + cls]++;
+                        conf[c->labels[i] * classes + top]++;
                 }
                 if (o.kind != 2)
                     md_job_format_row(&text, &len, &text_cap, &o, m, c->index[i],
-                                      md_reader_row_name(r, c->index[i]), y, ow, has_labels,
+                                      md_reader_row_name(r, c->index[i]), y, &cls, has_labels,
                                       c->labels[i]);
             }
             if (o.kind != 2 && md_job_write_all(fd, text, len) != 0) {
@@ -791,6 +803,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
                       "output_bytes", (json_int_t)out_bytes, "correct", (json_int_t)correct,
                       "labeled", (json_int_t)labeled, "rows_skipped", (json_int_t)written_skipped,
                       "rows_per_s", el > 0 ? (double)rows_this_run / el : 0.0);
+        if (accuracy_note[0])
+            json_object_set_new(f, "accuracy_note", json_string(accuracy_note));
         if (conf) {
             json_t *cm = json_array();
             for (int64_t a = 0; a < classes; a++) {
@@ -836,6 +850,9 @@ static void run_job(md_jobs *J, int slot, const char *id)
      * the job reads as succeeded, so a client that saw it succeed finds it */
     const char *record = json_string_value(json_object_get(spec, "record_metric"));
     int promoted = 0;
+    if (record && labeled == 0 && accuracy_note[0])
+        md_log(MD_LOG_WARN, "job %s: metrics.%s not recorded on model %s version %d: %s", id,
+               record, model_name, md_model_version(m), accuracy_note);
     if (record && labeled > 0 &&
         md_store_record_metric(J->store, model_name, md_model_version(m), record,
                                (double)correct / (double)labeled, &promoted, &err) != MD_OK)

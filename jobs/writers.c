@@ -51,21 +51,13 @@ int md_job_include_has(json_t *include, const char *what, int dflt)
     return 0;
 }
 
-/* The top class, ranked as top_k ranks (md_top_k: NaN last, ties to the
- * lower index), so a row's prediction and its top_k always agree. */
-int md_job_argmax(const float *x, int64_t n)
-{
-    int64_t best = 0;
-    md_top_k(x, n, 1, &best);
-    return (int)best;
-}
-
 /* Append one output row as text to `b`. */
 void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *o, md_model *m,
-                       int64_t index, const char *path, const float *y, int64_t width,
+                       int64_t index, const char *path, const float *y, const md_classes *cls,
                        int has_label, int64_t label)
 {
     json_t *labels = md_model_labels(m);
+    int64_t width = cls->width;
     char num[40];
 #define ADD(s)                                                                                \
     do {                                                                                      \
@@ -78,7 +70,22 @@ void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *
         memcpy(*b + *len, s, l_ + 1);                                                         \
         *len += l_;                                                                           \
     } while (0)
-    int cls = md_job_argmax(y, width);
+    /* a class by name (JSON: a JSON string) or by index */
+#define ADD_CLASS(k)                                                                          \
+    do {                                                                                      \
+        json_t *name_ = labels ? json_array_get(labels, (size_t)(k)) : NULL;                  \
+        if (json_is_string(name_) && o->kind == 0) {                                          \
+            char *t_ = json_dumps(name_, JSON_ENCODE_ANY);                                    \
+            ADD(t_);                                                                          \
+            free(t_);                                                                         \
+        } else if (json_is_string(name_)) {                                                   \
+            ADD(json_string_value(name_));                                                    \
+        } else {                                                                              \
+            snprintf(num, sizeof num, "%lld", (long long)(k));                                \
+            ADD(num);                                                                         \
+        }                                                                                     \
+    } while (0)
+    int64_t cl = md_classes_top(cls, y);
     const char *sep = o->kind == 1 ? "," : ",";
     int first = 1;
     if (o->kind == 0)
@@ -125,46 +132,49 @@ void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *
         }
         first = 0;
     }
+    float *p = NULL;
+    if (cls->kind != MD_CLASSES_NONE && cls->classes > 0) {
+        p = md_xmalloc(sizeof(float) * (size_t)cls->classes);
+        md_classes_probs(cls, y, p);
+    }
     if (o->inc_pred) {
         if (!first)
             ADD(sep);
         if (o->kind == 0)
             ADD("\"prediction\":");
-        if (o->top_k > 0 && width > 1) {
-            /* the k most likely classes, best first */
-            int k = o->top_k < width ? o->top_k : (int)width;
+        int multi = cls->kind == MD_CLASSES_MULTI;
+        if ((o->top_k > 0 && cls->classes > 1) || (multi && o->top_k == 0)) {
+            /* the k most likely classes, best first; or, multi-label, every
+             * class present, best first (ranked on the values: a class is
+             * present when its value passes the cut, so they lead) */
+            int64_t k = o->top_k > 0 ? o->top_k : cls->classes;
+            k = k < cls->classes ? k : cls->classes;
+            int64_t *top = md_xmalloc(sizeof(int64_t) * (size_t)k);
+            float *scratch = md_xmalloc(sizeof(float) * (size_t)cls->classes * 2);
+            k = md_classes_top_k(cls, y, k, scratch, top, scratch + cls->classes);
             if (o->kind == 0)
                 ADD("[");
-            int64_t *top = md_xmalloc(sizeof(int64_t) * (size_t)k);
-            md_top_k(y, width, k, top);
-            for (int t = 0; t < k; t++) {
-                int best = (int)top[t];
+            for (int64_t t = 0; t < k; t++) {
+                if (multi && o->top_k == 0 && !md_classes_present(cls, y, top[t]))
+                    break;
                 if (t)
                     ADD(o->kind == 0 ? "," : ";");
-                json_t *name = labels ? json_array_get(labels, (size_t)best) : NULL;
-                if (json_is_string(name) && o->kind == 0) {
-                    char *t2 = json_dumps(name, JSON_ENCODE_ANY);
-                    ADD(t2);
-                    free(t2);
-                } else if (json_is_string(name)) {
-                    ADD(json_string_value(name));
-                } else {
-                    snprintf(num, sizeof num, "%d", best);
-                    ADD(num);
-                }
+                ADD_CLASS(top[t]);
             }
             free(top);
+            free(scratch);
             if (o->kind == 0)
                 ADD("]");
-        } else if (labels && json_is_string(json_array_get(labels, (size_t)cls))) {
-            json_t *s = json_array_get(labels, (size_t)cls);
-            char *t = json_dumps(s, JSON_ENCODE_ANY);
-            ADD(t);
-            free(t);
-        } else if (width > 1 && (labels || md_model_output_logits(m))) {
-            snprintf(num, sizeof num, "%d", cls);
+        } else if (cls->kind == MD_CLASSES_BINARY ||
+                   (cls->kind == MD_CLASSES_ARGMAX && labels &&
+                    json_is_string(json_array_get(labels, (size_t)cl)))) {
+            ADD_CLASS(cl);
+        } else if (cls->kind == MD_CLASSES_ARGMAX && width > 1 &&
+                   (labels || md_model_output_logits(m))) {
+            snprintf(num, sizeof num, "%lld", (long long)cl);
             ADD(num);
         } else {
+            /* no class to name: the values as they are */
             if (o->kind == 0)
                 ADD("[");
             for (int64_t j = 0; j < width; j++) {
@@ -191,25 +201,25 @@ void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *
         first = 0;
     }
     if (o->inc_scores) {
+        /* each class's probability (md_classes_probs); a row without
+         * classes: its values */
         if (!first)
             ADD(sep);
         if (o->kind == 0)
             ADD("\"scores\":[");
-        float mx = y[cls];
-        double sum = 0;
-        for (int64_t j = 0; j < width; j++)
-            sum += md_model_output_logits(m) ? exp((double)(y[j] - mx)) : 0;
-        for (int64_t j = 0; j < width; j++) {
+        int64_t n = p ? cls->classes : width;
+        for (int64_t j = 0; j < n; j++) {
             if (j)
                 ADD(o->kind == 0 ? "," : ";");
-            float v = md_model_output_logits(m) ? (float)(exp((double)(y[j] - mx)) / sum) : y[j];
-            md_float_format(v, num, sizeof num);
+            md_float_format(p ? p[j] : y[j], num, sizeof num);
             ADD(num);
         }
         if (o->kind == 0)
             ADD("]");
     }
+    free(p);
     ADD(o->kind == 0 ? "}\n" : "\n");
+#undef ADD_CLASS
 #undef ADD
 }
 

@@ -38,16 +38,12 @@ typedef struct md_job_outfmt {
     int header_written;
 } md_job_outfmt;
 
-/* The top class of one row (md_top_k's ranking: NaN last, ties to the
- * lower index). */
-int md_job_argmax(const float *x, int64_t n);
-
 /* Append one output row (JSON Lines or CSV per `o`) to the growing buffer
  * `*b` (`*len` used of `*cap`, grown with realloc). `m` is borrowed for its
  * labels; `path` names the row's file (images; NULL: none); `y` holds the
- * row's `width` outputs. */
+ * row's cls->width outputs, read as classes by `cls` (md_model_classes). */
 void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *o, md_model *m,
-                       int64_t index, const char *path, const float *y, int64_t width,
+                       int64_t index, const char *path, const float *y, const md_classes *cls,
                        int has_label, int64_t label);
 
 /* An NPY (<f4) header of `rows` x shape[1..ndim) into `out`, padded to the

@@ -121,6 +121,7 @@ struct md_model {
     int64_t norm_inner;        /* floats per channel within a row */
     int logits;
     json_t *labels;
+    json_t *classes_cfg;       /* config's output, threshold, multi_label (md_model_classes) */
     int max_batch, max_delay_us, queue_limit, timeout_ms, workers, job_nice;
     int coalesce_us;           /* see wake_online */
     size_t prepack_max;        /* md_torch_replica's bound; 0: workers forward on torch */
@@ -194,6 +195,7 @@ static void model_free(md_model *m)
 {
     md_torch_free(m->torch);
     json_decref(m->labels);
+    json_decref(m->classes_cfg);
     free(m->mean);
     free(m->std);
     pthread_mutex_destroy(&m->mu);
@@ -829,6 +831,10 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
      * jansson's reference counts are not safe to share across threads (TSan:
      * the request freed the config while a worker released its labels) */
     m->labels = json_deep_copy(json_object_get(config, "labels"));
+    m->classes_cfg = json_object();
+    for (const char **k = (const char *[]){"output", "threshold", "multi_label", NULL}; *k; k++)
+        if (json_object_get(config, *k))
+            json_object_set_new(m->classes_cfg, *k, json_deep_copy(json_object_get(config, *k)));
     json_t *b = json_object_get(config, "batching");
     m->max_batch = cfg_int(b, "max_batch_size", def->max_batch_size);
     m->max_delay_us = cfg_int(b, "max_delay_us", def->max_delay_us);
@@ -917,10 +923,26 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
             model_free(m);
             return MD_EUNPROC;
         }
-        if (m->labels && (on != 2 || os[1] != (int64_t)json_array_size(m->labels))) {
+        md_classes cls = md_classes_from_config(m->classes_cfg, on == 2 ? os[1] : 0);
+        if (m->labels && on == 2 && cls.kind == MD_CLASSES_NONE) {
             md_err_setc(err, MD_EUNPROC, "invalid_config",
-                        "config.labels has %zu names but the model outputs %lld values per row",
-                        json_array_size(m->labels), on >= 2 ? (long long)os[1] : 1LL);
+                        "config.labels names %zu classes, but %s",
+                        json_array_size(m->labels), md_classes_none_reason());
+            model_free(m);
+            return MD_EUNPROC;
+        }
+        if (m->labels && (on != 2 || cls.classes != (int64_t)json_array_size(m->labels))) {
+            if (cls.kind == MD_CLASSES_BINARY)
+                md_err_setc(err, MD_EUNPROC, "invalid_config",
+                            "config.labels has %zu names but the model's one output column is "
+                            "a binary classifier: give two, the class below the threshold "
+                            "first, e.g. [\"benign\", \"malignant\"]",
+                            json_array_size(m->labels));
+            else
+                md_err_setc(err, MD_EUNPROC, "invalid_config",
+                            "config.labels has %zu names but the model outputs %lld values per "
+                            "row",
+                            json_array_size(m->labels), on >= 2 ? (long long)os[1] : 1LL);
             model_free(m);
             return MD_EUNPROC;
         }
@@ -976,6 +998,10 @@ int md_model_version(const md_model *m) { return atomic_load(&((md_model *)m)->v
 void md_model_set_version(md_model *m, int version) { atomic_store(&m->version, version); }
 json_t *md_model_labels(const md_model *m) { return m->labels; }
 int md_model_output_logits(const md_model *m) { return m->logits; }
+md_classes md_model_classes(const md_model *m, int64_t width)
+{
+    return md_classes_from_config(m->classes_cfg, width);
+}
 
 const md_image_opts *md_model_image(const md_model *m)
 {

@@ -127,6 +127,14 @@ md_status md_model_config_check(json_t *c, md_err *err)
             const char *t = json_string_value(v);
             if (!t || (strcmp(t, "logits") && strcmp(t, "probabilities") && strcmp(t, "raw")))
                 return bad(err, "output", "allowed: logits, probabilities, raw");
+        } else if (strcmp(key, "threshold") == 0) {
+            if (!is_num(v) || !(json_number_value(v) > 0 && json_number_value(v) < 1))
+                return bad(err, "threshold", "give the probability above which a class is "
+                                             "predicted, a number between 0 and 1 such as 0.5");
+        } else if (strcmp(key, "multi_label") == 0) {
+            if (!json_is_boolean(v))
+                return bad(err, "multi_label", "give true (every output column is a class of "
+                                               "its own, an independent sigmoid) or false");
         } else if (strcmp(key, "labels") == 0) {
             size_t i;
             json_t *x;
@@ -187,10 +195,23 @@ md_status md_model_config_check(json_t *c, md_err *err)
         } else {
             return md_err_setc(err, MD_EUNPROC, "invalid_config",
                                "config has an unknown key \"%s\"; allowed: input, preprocess, "
-                               "output, labels, batching, workers, device, prepack",
+                               "output, threshold, multi_label, labels, batching, workers, "
+                               "device, prepack",
                                key);
         }
     }
+    /* threshold and multi_label read a probability: of the outputs
+     * themselves or of their sigmoid */
+    const char *output = json_string_value(json_object_get(c, "output"));
+    int sigmoid_like = output && (!strcmp(output, "probabilities") || !strcmp(output, "logits"));
+    if (!sigmoid_like && json_object_get(c, "threshold"))
+        return bad(err, "threshold", "a threshold applies to probabilities: declare \"output\": "
+                                     "\"probabilities\" (the model ends in a sigmoid) or "
+                                     "\"logits\" (modeld applies one) with it");
+    if (!sigmoid_like && json_is_true(json_object_get(c, "multi_label")))
+        return bad(err, "multi_label", "independent classes are probabilities: declare "
+                                       "\"output\": \"probabilities\" (the model ends in "
+                                       "sigmoids) or \"logits\" (modeld applies them) with it");
     /* preprocess.image, with the input.shape it must end at */
     md_image_opts io;
     int declared;

@@ -10,6 +10,7 @@
  *   preprocess {scale, mean: [], std: []}   (torchvision ToTensor + Normalize)
  *     preprocess.image {mode: L|RGB, resize, center_crop}   (image.h)
  *   output: logits | probabilities | raw
+ *   threshold: 0 < t < 1, multi_label: bool   (how outputs read as classes: classes.c)
  *   labels: ["class", ...]
  *   batching {max_batch_size, max_delay_us, queue_limit, timeout_ms}
  *   workers, device: cpu | cuda | cuda:N | auto
@@ -125,6 +126,62 @@ json_t *md_model_labels(const md_model *m);
 const md_image_opts *md_model_image(const md_model *m);
 /* 1 when the output is declared logits (softmax before scores). */
 int md_model_output_logits(const md_model *m);
+
+/* ---- how an output row reads as classes (classes.c) ----
+ *
+ * One rule for online labels, scores and top_k and for a job's predictions,
+ * accuracy and confusion matrix, so they never disagree:
+ * - several columns: one class per row, the largest (ARGMAX); scores are the
+ *   softmax when config.output is "logits", else the values as they are;
+ * - multi_label: every column is a class of its own, present when its
+ *   probability passes the threshold (MULTI): sigmoid of logits, or the
+ *   probabilities as they are;
+ * - one column declared "probabilities" or "logits": a binary classifier
+ *   (BINARY), class 1 when the probability passes the threshold (0.5 unless
+ *   config.threshold says otherwise; for logits the same test on the logit,
+ *   so 0 by default), class 0 otherwise, as PyTorch's (p > 0.5) == y;
+ * - one column of undeclared meaning ("raw" or no output): no classes
+ *   (NONE): a job counts no accuracy and says why, top_k is refused.
+ */
+typedef enum md_classes_kind {
+    MD_CLASSES_ARGMAX = 0, /* the largest of several columns */
+    MD_CLASSES_BINARY,     /* one column against a threshold: classes 0 and 1 */
+    MD_CLASSES_MULTI,      /* multi_label: each column against the threshold */
+    MD_CLASSES_NONE,       /* one column of undeclared meaning: no classes */
+} md_classes_kind;
+
+typedef struct md_classes {
+    md_classes_kind kind;
+    int64_t width;     /* values per output row */
+    int64_t classes;   /* ARGMAX, MULTI: width; BINARY: 2; NONE: 0 */
+    int logits;        /* the values are logits (softmax or sigmoid for scores) */
+    double threshold;  /* BINARY, MULTI: a probability in (0, 1) */
+    double cut;        /* the threshold on the values themselves (its logit for logits) */
+} md_classes;
+
+/* The rule for output rows `width` values wide from a version's config
+ * (output, threshold, multi_label); pure, thread-safe. */
+md_classes md_classes_from_config(json_t *config, int64_t width);
+/* The same from a loaded version (thread-safe for a holder of a reference). */
+md_classes md_model_classes(const md_model *m, int64_t width);
+/* Why a NONE rule has no classes, with the fix: a sentence for a job's
+ * accuracy_note or an error. */
+const char *md_classes_none_reason(void);
+/* The probability of each class of one row into p[0..c->classes): ARGMAX
+ * softmax (logits) or the values, BINARY {1 - p, p}, MULTI each column's
+ * sigmoid (logits) or its value. Not for NONE. */
+void md_classes_probs(const md_classes *c, const float *y, float *p);
+/* The class of one row: ARGMAX the largest (NaN last, ties to the lower
+ * index, as md_top_k), BINARY 1 when past the threshold; -1 for MULTI and
+ * NONE, which have no single class. */
+int64_t md_classes_top(const md_classes *c, const float *y);
+/* MULTI: 1 when column j of row y is present. */
+int md_classes_present(const md_classes *c, const float *y, int64_t j);
+/* The k most likely classes of one row, best first, into idx (k <= classes),
+ * with their probabilities into score: for BINARY the decided class first,
+ * whatever the threshold. Returns k. `p` is scratch of c->classes floats. */
+int64_t md_classes_top_k(const md_classes *c, const float *y, int64_t k, float *p, int64_t *idx,
+                         float *score);
 /* The declared per-row input shape into `shape` (room for MD_MAX_DIMS);
  * returns its dims, 0 when not declared (nor learned from a first request). */
 int md_model_input_shape(const md_model *m, int64_t *shape);

@@ -1246,6 +1246,93 @@ static void test_top_k_matches_reference(void **state)
 /* Counting comparisons is not possible from outside, so bound the work by
  * size instead: k = 1000 over 200,000 classes, which the former loop would
  * take k*k*n = 2e11 steps for, must answer the same as a sort would. */
+/* How an output row reads as classes (issue 29): one column is a binary
+ * classifier on a threshold, never a one-class argmax. */
+static md_classes classes_of(const char *config_json, int64_t width)
+{
+    json_t *c = json_loads(config_json, 0, NULL);
+    assert_non_null(c);
+    md_classes r = md_classes_from_config(c, width);
+    json_decref(c);
+    return r;
+}
+
+static void test_classes_rule(void **state)
+{
+    (void)state;
+    float p[3], score[3];
+    int64_t idx[3];
+    /* several columns: argmax, softmax scores for logits */
+    md_classes c = classes_of("{\"output\": \"logits\"}", 3);
+    assert_int_equal(c.kind, MD_CLASSES_ARGMAX);
+    assert_int_equal(c.classes, 3);
+    float y3[3] = {1.0f, 3.0f, 2.0f};
+    assert_int_equal(md_classes_top(&c, y3), 1);
+    assert_int_equal(md_classes_top_k(&c, y3, 5, p, idx, score), 3);
+    assert_int_equal(idx[0], 1);
+    assert_int_equal(idx[1], 2);
+    assert_true(fabsf(score[0] + score[1] + score[2] - 1.0f) < 1e-6f);
+    /* one column of undeclared meaning: no classes */
+    c = classes_of("{}", 1);
+    assert_int_equal(c.kind, MD_CLASSES_NONE);
+    assert_int_equal(c.classes, 0);
+    float y1 = 0.9f;
+    assert_int_equal(md_classes_top(&c, &y1), -1);
+    assert_int_equal(md_classes_top_k(&c, &y1, 1, p, idx, score), 0);
+    c = classes_of("{\"output\": \"raw\"}", 1);
+    assert_int_equal(c.kind, MD_CLASSES_NONE);
+    /* probabilities: class 1 strictly above 0.5, as PyTorch's p > 0.5 */
+    c = classes_of("{\"output\": \"probabilities\"}", 1);
+    assert_int_equal(c.kind, MD_CLASSES_BINARY);
+    assert_int_equal(c.classes, 2);
+    float half = 0.5f, above = 0.50001f, low = 0.2f;
+    assert_int_equal(md_classes_top(&c, &half), 0);
+    assert_int_equal(md_classes_top(&c, &above), 1);
+    assert_int_equal(md_classes_top_k(&c, &low, 2, p, idx, score), 2);
+    assert_int_equal(idx[0], 0);
+    assert_int_equal(idx[1], 1);
+    assert_true(fabsf(score[0] - 0.8f) < 1e-6f && fabsf(score[1] - 0.2f) < 1e-6f);
+    /* logits: the same test on the logit, 0 by default, logit(t) declared */
+    c = classes_of("{\"output\": \"logits\"}", 1);
+    float z0 = 0.0f, zp = 1e-30f, zn = -1e-30f;
+    assert_int_equal(md_classes_top(&c, &z0), 0);
+    assert_int_equal(md_classes_top(&c, &zp), 1);
+    assert_int_equal(md_classes_top(&c, &zn), 0);
+    c = classes_of("{\"output\": \"logits\", \"threshold\": 0.3}", 1);
+    float zl = -0.84f, zh = -0.85f; /* logit(0.3) = -0.8473 */
+    assert_int_equal(md_classes_top(&c, &zl), 1);
+    assert_int_equal(md_classes_top(&c, &zh), 0);
+    md_classes_probs(&c, &z0, p);
+    assert_true(fabsf(p[1] - 0.5f) < 1e-7f);
+    /* NaN is never past a threshold */
+    float nan = NAN;
+    assert_int_equal(md_classes_top(&c, &nan), 0);
+    /* multi-label: each column on its own */
+    c = classes_of("{\"output\": \"probabilities\", \"multi_label\": true}", 3);
+    assert_int_equal(c.kind, MD_CLASSES_MULTI);
+    float ym[3] = {0.7f, 0.2f, 0.9f};
+    assert_int_equal(md_classes_top(&c, ym), -1);
+    assert_true(md_classes_present(&c, ym, 0) && !md_classes_present(&c, ym, 1) &&
+                md_classes_present(&c, ym, 2));
+    assert_int_equal(md_classes_top_k(&c, ym, 3, p, idx, score), 3);
+    assert_int_equal(idx[0], 2);
+    assert_int_equal(idx[1], 0);
+    assert_true(fabsf(score[0] - 0.9f) < 1e-7f);
+    /* the config check: a threshold needs probabilities or logits */
+    md_err err;
+    json_t *bad = json_loads("{\"threshold\": 0.4}", 0, NULL);
+    assert_int_equal(md_model_config_check(bad, &err), MD_EUNPROC);
+    assert_non_null(strstr(err.msg, "config.threshold"));
+    json_decref(bad);
+    bad = json_loads("{\"output\": \"logits\", \"threshold\": 0}", 0, NULL);
+    assert_int_equal(md_model_config_check(bad, &err), MD_EUNPROC);
+    json_decref(bad);
+    json_t *good = json_loads("{\"output\": \"logits\", \"threshold\": 0.25, \"multi_label\": true}",
+                              0, NULL);
+    assert_int_equal(md_model_config_check(good, &err), MD_OK);
+    json_decref(good);
+}
+
 static void test_top_k_large(void **state)
 {
     (void)state;
@@ -1580,6 +1667,7 @@ int main(void)
         cmocka_unit_test(test_float_format_small_buffer),
         cmocka_unit_test(test_top_k_matches_reference),
         cmocka_unit_test(test_top_k_large),
+        cmocka_unit_test(test_classes_rule),
         cmocka_unit_test(test_checked_sizes),
         cmocka_unit_test(test_v2_decode),
         cmocka_unit_test(test_v2_parse),
