@@ -347,6 +347,29 @@ def test_replacing_the_architecture_keeps_versions_loading_across_restart(start_
 
 # ---------------------------------------------------------------- export
 
+def test_download_is_named_after_the_stored_format(server, tmp_path):
+    """GET .../checkpoint answers the stored file; its name says what opens it,
+    so `curl -OJ` then torch.load / safetensors works on the file as named."""
+    assert put_arch(server, "m", CK / "mlp_arch.pt").status_code == 200
+    assert created(upload(server, "m", (CK / "mlp.safetensors").read_bytes()))["format"] == \
+        "safetensors"
+    assert created(upload(server, "m", (CK / "mlp_sd.pt").read_bytes()))["format"] == "torch_save"
+    created(upload(server, "ts", (FIX / "mlp.pt").read_bytes()))
+    for name, version, filename, data in [("m", 1, "m-v1.safetensors", CK / "mlp.safetensors"),
+                                          ("m", 2, "m-v2.pt", CK / "mlp_sd.pt"),
+                                          ("ts", 1, "ts-v1.pt", FIX / "mlp.pt")]:
+        r = server.get(f"/models/{name}/versions/{version}/checkpoint")
+        assert r.status_code == 200, r.text
+        assert r.headers["Content-Disposition"] == f'attachment; filename="{filename}"'
+        assert r.content == data.read_bytes()
+    # the safetensors export of a torch.save version is named as safetensors too
+    r = server.get("/models/m/versions/2/checkpoint?format=safetensors")
+    assert r.headers["Content-Disposition"] == 'attachment; filename="m-v2.safetensors"'
+    # and the file as named opens with what its extension says
+    (tmp_path / "m-v2.pt").write_bytes(server.get("/models/m/versions/2/checkpoint").content)
+    assert set(torch.load(tmp_path / "m-v2.pt")) >= {"fc1.weight", "fc2.bias"}
+
+
 def test_export_round_trips_bit_for_bit(server):
     assert put_arch(server, "m", CK / "mlp_arch.pt").status_code == 200
     for name in ("mlp_sd.pt", "mlp_sd_module.pt", "mlp.safetensors"):
