@@ -1,7 +1,8 @@
 #!/bin/bash
 # serve.sh - what `make run` runs: start ./modeld, deploy the committed
 # FashionMNIST classifier as `fashion` when the store does not have it yet,
-# then wait on the server, forwarding SIGINT/SIGTERM to it.
+# then wait on the server, forwarding SIGINT/SIGTERM to it. A port something
+# already listens on: exit 1 at once, starting and deploying nothing.
 #
 #   examples/serve.sh [modeld flags...]      e.g. examples/serve.sh --port 9000
 #
@@ -34,8 +35,22 @@ fi
 port=$(printf '%s\n' "$config" | sed -n 's/^ *"port": *\([0-9]*\).*/\1/p')
 host=$(printf '%s\n' "$config" | sed -n 's/^ *"host": *"\([^"]*\)".*/\1/p')
 case "$host" in "" | 0.0.0.0 | "::" | "[::]") host=127.0.0.1 ;; esac
+probe=$host
 case "$host" in *:*) host="[$host]" ;; esac
 url="http://$host:$port"
+
+# A port someone already listens on (another `make run`, any server): stop
+# here. Started anyway, modeld would fail to bind, but the readiness loop
+# below could first reach the other server, deploy into it and call it ours.
+# A TCP connect is the test: it needs no answer from whatever holds the port.
+# (A server that takes the port between this check and modeld's bind is not
+# caught; that takes two starts within milliseconds.)
+if timeout 5 bash -c 'exec 3<>"/dev/tcp/$1/$2"' probe "$probe" "$port" 2>/dev/null; then
+    echo "serve.sh: port $port on $probe is already in use (another modeld, or a second" \
+        "\`make run\`?); nothing was started. Stop that server, or pick another port:" \
+        "make run PORT=$((port + 1))" >&2
+    exit 1
+fi
 
 "$bin" "$@" &
 pid=$!

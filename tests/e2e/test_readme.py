@@ -47,6 +47,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -397,6 +398,52 @@ def test_serve_sh_deploys_once_and_stops_on_sigint(tmp_path):
         assert [v["version"] for v in r.json()["versions"]] == [1]
     finally:
         assert s.stop() == 0
+
+
+def run_serve_sh(tmp_path, *args, env=None, timeout=60.0):
+    """examples/serve.sh run to completion, for the cases where it must exit
+    by itself: (exit status, its output). Its store is tmp_path/mine."""
+    env = child_env({"MODELD_STORE": tmp_path / "mine", "MODELD_DRAIN_SECONDS": 0,
+                     "MODELD": modeld_bin(), **(env or {})})
+    proc = subprocess.Popen([str(REPO / "examples/serve.sh"), *args], cwd=str(REPO), env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout * TSCALE)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"serve.sh {' '.join(args)} still running after {timeout * TSCALE:.0f} s:\n{out}")
+    return proc.returncode, out
+
+
+def test_serve_sh_refuses_a_port_in_use(tmp_path, server):
+    """A second `make run` on a taken port stops before starting anything: it
+    says the port is busy, exits non-zero, and the server that holds the port
+    gets no model (it used to get `fashion`, and serve.sh said it was serving)."""
+    rc, out = run_serve_sh(tmp_path, "--port", str(server.port))
+    assert rc != 0, out
+    assert f"port {server.port}" in out and "already in use" in out, out
+    assert "serving" not in out, out
+    assert server.get("/models").json()["models"] == []
+    assert not (tmp_path / "mine").exists(), "serve.sh started modeld on its store"
+    # the port set through the environment
+    rc, out = run_serve_sh(tmp_path, env={"MODELD_PORT": server.port})
+    assert rc != 0 and f"port {server.port}" in out, out
+    assert server.get("/models").json()["models"] == []
+
+
+def test_serve_sh_refuses_a_port_held_by_any_socket(tmp_path):
+    """Whatever listens on the port (here a socket that never answers), not
+    only a modeld."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(8)
+        port = held.getsockname()[1]
+        rc, out = run_serve_sh(tmp_path, "--port", str(port))
+    assert rc != 0, out
+    assert f"port {port}" in out and "already in use" in out, out
+    assert not (tmp_path / "mine").exists(), "serve.sh started modeld on its store"
 
 
 @pytest.mark.parametrize("rel", READMES)
