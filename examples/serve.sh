@@ -11,7 +11,8 @@
 # works against this one server:
 #   allowed_paths  Debian's FashionMNIST directory (dataset-fashion-mnist) and
 #                  this repository's examples/, unless MODELD_ALLOWED_PATHS or
-#                  --allowed-paths says otherwise
+#                  --allowed-paths says otherwise; DATA=DIR[,DIR...] (what
+#                  `make run DATA=DIR` sets) adds directories to that list
 #   store          ./modeld-data of the directory it is started from (modeld's
 #                  default; git-ignored in this repository)
 # MODELD (no underscore) names another binary, e.g. a sanitizer build.
@@ -25,6 +26,21 @@ if [ -z "${MODELD_ALLOWED_PATHS+set}" ]; then
     datasets=$(dpkg -L dataset-fashion-mnist 2>/dev/null | grep -m1 'idx3-ubyte' || true)
     datasets=$(dirname "${datasets:-/usr/share/datasets/fashion-mnist/x}")
     export MODELD_ALLOWED_PATHS="$datasets,$here"
+fi
+# DATA appends, so README's commands keep working beside the user's own
+# data (--allowed-paths replaces the list, flags winning over MODELD_*).
+# Relative directories are taken from where serve.sh (make run) starts.
+if [ -n "${DATA:-}" ]; then
+    IFS=, read -ra data_dirs <<< "$DATA"
+    for dir in "${data_dirs[@]}"; do
+        [ -n "$dir" ] || continue
+        if ! abs=$(cd "$dir" 2>/dev/null && pwd); then
+            echo "serve.sh: DATA=$DATA: $dir is not a directory" >&2
+            exit 2
+        fi
+        MODELD_ALLOWED_PATHS="${MODELD_ALLOWED_PATHS:+$MODELD_ALLOWED_PATHS,}$abs"
+    done
+    export MODELD_ALLOWED_PATHS
 fi
 
 # The effective port and host, from the same settings the server will use. A

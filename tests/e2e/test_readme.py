@@ -312,13 +312,13 @@ def test_readme_parser(tmp_path):
 class ServeSh:
     """examples/serve.sh on a free port with a store under tmp_path."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, env=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / "serve.log"
         env = child_env({"MODELD_PORT": self.port, "MODELD_STORE": tmp_path / "store",
                          "MODELD_ACCESS_LOG": tmp_path / "access.log",
-                         "MODELD_DRAIN_SECONDS": 0, "MODELD": modeld_bin()})
+                         "MODELD_DRAIN_SECONDS": 0, "MODELD": modeld_bin(), **(env or {})})
         self._log = open(self.log, "wb")
         self.proc = subprocess.Popen([str(REPO / "examples/serve.sh")], cwd=str(REPO), env=env,
                                      stdin=subprocess.DEVNULL, stdout=self._log,
@@ -444,6 +444,51 @@ def test_serve_sh_refuses_a_port_held_by_any_socket(tmp_path):
     assert rc != 0, out
     assert f"port {port}" in out and "already in use" in out, out
     assert not (tmp_path / "mine").exists(), "serve.sh started modeld on its store"
+
+
+def test_serve_sh_data_adds_to_allowed_paths(tmp_path):
+    """`make run DATA=DIR` (serve.sh with DATA set): a file:// deploy and a job
+    read under DIR, while the defaults README's commands use still hold and
+    a directory named nowhere stays refused."""
+    data, other = tmp_path / "data", tmp_path / "other"
+    data.mkdir()
+    other.mkdir()
+    model = REPO / "examples/fashion_mnist/model.pt"
+    (data / "model.pt").write_bytes(model.read_bytes())
+    (other / "model.pt").write_bytes(model.read_bytes())
+    row = json.loads((REPO / "examples/fashion_mnist/row.json").read_text())[0]
+    (data / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    s = ServeSh(tmp_path, env={"DATA": str(data)})
+    try:
+        s.wait_deployed()
+
+        def register(path):
+            return requests.post(s.url + "/models", timeout=60 * TSCALE, json={
+                "name": "fashion", "make_default": False, "source": f"file://{path}"})
+
+        r = register(data / "model.pt")
+        assert r.status_code == 201, r.text
+        r = register(model)  # README's own: examples/ is still allowed
+        assert r.status_code == 201, r.text
+        r = register(other / "model.pt")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "source_not_allowed", r.text
+        r = requests.post(s.url + "/jobs", timeout=10 * TSCALE, json={
+            "model": "fashion", "input": {"path": str(data / "rows.jsonl"), "format": "jsonl"}})
+        assert r.status_code in (201, 202), r.text
+        job = r.json()
+        deadline = time.monotonic() + 60 * TSCALE
+        while job["status"] in ("queued", "running") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            job = requests.get(s.url + f"/jobs/{job['id']}", timeout=10).json()
+        assert job["status"] == "succeeded" and job["rows_done"] == 1, job
+    finally:
+        assert s.stop() == 0
+
+
+def test_serve_sh_data_must_be_a_directory(tmp_path):
+    rc, out = run_serve_sh(tmp_path, env={"DATA": str(tmp_path / "missing")})
+    assert rc != 0 and "missing is not a directory" in out, out
+    assert not (tmp_path / "mine").exists()
 
 
 @pytest.mark.parametrize("rel", READMES)
