@@ -23,7 +23,9 @@ How a README is written so that this test reads it (the convention):
     lines, the whole output is parsed as JSON; otherwise line by line, with
     the same number of lines, unless the last expected line is `...`
     (more lines may follow).
-  - A line starting with `{` or `[` is JSON: objects match by the keys shown
+  - A line starting with `{` or `[` is JSON, shown as it is printed (when the
+    output line has no space outside its strings, as `jq -c` prints, the
+    README's has none either): objects match by the keys shown
     (the real one may have more), arrays element by element (a final "..."
     element: more may follow), integers and strings exactly, other numbers
     within a relative 1e-4 (BLAS differs between machines in the last bits),
@@ -207,6 +209,25 @@ def text_match(exp, act):
     return None if re.fullmatch(pattern, act) else f"expected {exp!r}, got {act!r}"
 
 
+def spaced(text):
+    """Whether JSON text has whitespace outside its strings (`jq -c` and
+    modeld's own answers have none)."""
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch.isspace():
+            return True
+    return False
+
+
 def line_match(exp, act):
     if exp.startswith(("{", "[")):
         try:
@@ -217,6 +238,9 @@ def line_match(exp, act):
             got = json.loads(act)
         except ValueError:
             return f"expected JSON like {exp!r}, got {act!r}"
+        # the README shows a compact line as it comes, not re-spaced
+        if spaced(exp) and not spaced(act):
+            return f"expected {exp!r} has spaces that the output has not: {act!r}"
         return json_match(want, got)
     return text_match(exp, act)
 
@@ -261,6 +285,12 @@ def test_output_convention_can_fail():
     assert output_match(['[1, "..."]'], "[1, 2, 3]") is None
     assert output_match(['[1, 2]'], "[1, 2, 3]") is not None
     assert output_match(['{"a": true}'], '{"a": 1}') is not None
+    # a compact line (jq -c) is shown as it comes: no spaces added
+    assert output_match(['{"a": 1, "b": [2, 3]}'], '{"a":1,"b":[2,3]}') is not None
+    assert output_match(['{"a":1,"b":[2,3]}'], '{"a":1,"b":[2,3]}') is None
+    assert output_match(['["x y", "..."]'], '["x y","z"]') is not None
+    assert output_match(['["x y","..."]'], '["x y","z"]') is None
+    assert output_match(['{"a": 1}'], '{"a": 1}') is None  # spaced output, spaced line
 
 
 PARSER_SAMPLE = r"""text
