@@ -470,6 +470,24 @@ def test_texts_say_what_is_served(run_modeld, server):
     assert r.json() == example["example"]
 
 
+def test_v2_server_metadata_matches_openapi(shared_server):
+    """GET /v2 lists binary_tensor_data; openapi.yaml said `extensions: []`
+    ("none"). The contract's example, schema and description say what the
+    server says."""
+    import yaml
+    doc = yaml.safe_load((REPO / "openapi.yaml").read_text())
+    served = shared_server.get("/v2").json()
+    assert shared_server.get("/v2/").json() == served
+    example = doc["components"]["responses"]["V2ServerMetadata"]["content"]["application/json"]
+    assert example["example"] == served
+    prop = doc["components"]["schemas"]["V2ServerMetadata"]["properties"]["extensions"]
+    assert prop["examples"] == [served["extensions"]]
+    for text in (prop["description"], doc["paths"]["/v2"]["get"]["description"]):
+        assert "none" not in text, text
+        for ext in served["extensions"]:
+            assert ext in text, text
+
+
 def test_print_config_precedence(run_modeld, tmp_path):
     cfg = tmp_path / "modeld.json"
     cfg.write_text(json.dumps({"port": 1111, "drain_seconds": 11, "max_jobs": 3, "threads": 4}))
