@@ -6,8 +6,11 @@ CXX     ?= g++
 PYTHON  := /usr/bin/python3
 # `make run PORT=9000` or `make run ARGS='--port 9000 --workers 2'`; MODELD_*
 # variables work too (flags win over them, so PORT is passed only when given).
+# `make run DATA=/path[,/other]` adds directories to serve.sh's allowed_paths
+# (--allowed-paths in ARGS would replace the ones README's commands need).
 PORT    ?=
 ARGS    ?=
+DATA    ?=
 
 # Debian packages the build, the tests and the benchmarks need (nginx: run as a
 # plain subprocess by tests/e2e/test_nginx.py, no system service is needed).
@@ -136,7 +139,7 @@ deps deps-build deps-image:
 # (examples/serve.sh deploys it when the store ./modeld-data does not have it).
 run: deps
 	$(MAKE) all
-	OPENBLAS_NUM_THREADS=1 examples/serve.sh $(if $(PORT),--port $(PORT)) $(ARGS)
+	OPENBLAS_NUM_THREADS=1 DATA='$(DATA)' examples/serve.sh $(if $(PORT),--port $(PORT)) $(ARGS)
 
 unit: $(UNIT_BINS)
 	@fail=0; for t in $(UNIT_BINS); do echo "== $$t"; $$t || fail=1; done; exit $$fail

@@ -1,6 +1,7 @@
 /*
- * archive.c - md_archive_check: is an uploaded file a TorchScript archive (a
- * zip whose entries sit under one top-level folder holding data.pkl)? Read
+ * archive.c - md_archive_check: is an uploaded zip a PyTorch archive (a zip
+ * whose entries sit under one top-level folder holding data.pkl), as both
+ * torch.jit.save (TorchScript) and torch.save write it? Read
  * from the zip's central directory only, so it costs little whatever the
  * size; the predictor's load is the full check.
  */
@@ -32,7 +33,9 @@ md_status md_archive_check(const char *path, md_err *err)
     unsigned char *tail = NULL, *cd = NULL;
     if (fread(head, 1, 4, f) != 4 || memcmp(head, "PK\3\4", 4) != 0) {
         st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
-                         "the checkpoint is not a TorchScript archive (not a zip file); %s", fix);
+                         "the checkpoint is not a model file (neither a zip archive, as "
+                         "TorchScript and torch.save write, nor safetensors); %s",
+                         fix);
         goto out;
     }
     /* The end-of-central-directory record is in the last 65557 bytes. */
@@ -53,7 +56,7 @@ md_status md_archive_check(const char *path, md_err *err)
         }
     if (eocd < 0) {
         st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
-                         "the checkpoint is not a TorchScript archive (truncated zip: no central "
+                         "the checkpoint is a damaged zip archive (truncated: no central "
                          "directory); %s",
                          fix);
         goto out;
@@ -63,7 +66,8 @@ md_status md_archive_check(const char *path, md_err *err)
         goto out; /* zip64: a very large archive; the predictor's load is the real check */
     if ((off_t)(cd_off + cd_size) > fsize || cd_size > 64UL * 1024 * 1024) {
         st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
-                         "the checkpoint is not a TorchScript archive (corrupt zip); %s", fix);
+                         "the checkpoint is a damaged zip archive (corrupt central directory); %s",
+                         fix);
         goto out;
     }
     cd = md_xmalloc(cd_size ? cd_size : 1);
@@ -85,7 +89,7 @@ md_status md_archive_check(const char *path, md_err *err)
         const char *slash = memchr(name, '/', nlen);
         if (!slash || (size_t)(slash - name) >= sizeof top) {
             st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
-                             "the checkpoint is a zip but not a TorchScript archive (entry "
+                             "the checkpoint is a zip but not a PyTorch archive (entry "
                              "\"%.*s\" is not inside the archive folder); %s",
                              (int)(nlen > 100 ? 100 : nlen), name, fix);
             goto out;
@@ -96,7 +100,7 @@ md_status md_archive_check(const char *path, md_err *err)
             top[tl] = '\0';
         } else if (strlen(top) != tl || memcmp(top, name, tl) != 0) {
             st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
-                             "the checkpoint is a zip but not a TorchScript archive (entries in "
+                             "the checkpoint is a zip but not a PyTorch archive (entries in "
                              "several top-level folders); %s",
                              fix);
             goto out;
@@ -108,7 +112,7 @@ md_status md_archive_check(const char *path, md_err *err)
     }
     if (!has_data)
         st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
-                         "the checkpoint is a zip but not a TorchScript archive (%d entries, no "
+                         "the checkpoint is a zip but not a PyTorch archive (%d entries, no "
                          "data.pkl); %s",
                          entries, fix);
 out:

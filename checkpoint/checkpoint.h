@@ -106,8 +106,9 @@ md_status md_blob_link(const md_blob_writer *w, md_blob_writer **out, md_err *er
 /* Drop an unfinished upload and its temp file. Accepts NULL. */
 void md_blob_abort(md_blob_writer *w);
 
-/* Check that `path` holds a TorchScript archive (a zip whose entries sit
- * under one top-level folder with data.pkl). Exposed for tests. */
+/* Check that `path` holds a PyTorch archive, TorchScript or torch.save (a
+ * zip whose entries sit under one top-level folder with data.pkl). Exposed
+ * for tests. */
 md_status md_archive_check(const char *path, md_err *err);
 
 /* ---- downloads (download.c) ---- */

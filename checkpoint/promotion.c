@@ -215,8 +215,9 @@ md_status md_store_architecture(md_store *s, const char *name, char sha256[MD_SH
     else if (sqlite3_column_type(st, 0) == SQLITE_NULL)
         rc = md_err_setc(err, MD_ENOTFOUND, "no_architecture",
                          "model %s has no architecture; PUT /models/%s/architecture with the "
-                         "network as TorchScript (torch.jit.script(model).save(\"arch.pt\"))",
-                         name, name);
+                         "network as TorchScript (torch.jit.script(model).save(\"arch.pt\")): "
+                         "curl -T arch.pt .../models/%s/architecture",
+                         name, name, name);
     else
         snprintf(sha256, MD_SHA256_HEX, "%s", (const char *)sqlite3_column_text(st, 0));
     sqlite3_finalize(st);

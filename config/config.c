@@ -656,7 +656,9 @@ void md_cfg_print_help(FILE *out)
     fprintf(out,
             "usage: modeld [--config FILE] [--print-config] [--help] [--version] [--KEY VALUE ...]\n"
             "\n"
-            "Serves PyTorch TorchScript models over HTTP. Settings, later wins:\n"
+            "Serves PyTorch models over HTTP: TorchScript archives, and torch.save\n"
+            "state_dicts or safetensors files loaded into a model's TorchScript\n"
+            "architecture. Settings, later wins:\n"
             "defaults < JSON file (--config FILE or MODELD_CONFIG) < environment < flags.\n"
             "\n");
     for (size_t i = 0; i < N_SETTINGS; i++) {

@@ -1,7 +1,8 @@
 #!/bin/bash
 # serve.sh - what `make run` runs: start ./modeld, deploy the committed
 # FashionMNIST classifier as `fashion` when the store does not have it yet,
-# then wait on the server, forwarding SIGINT/SIGTERM to it.
+# then wait on the server, forwarding SIGINT/SIGTERM to it. A port something
+# already listens on: exit 1 at once, starting and deploying nothing.
 #
 #   examples/serve.sh [modeld flags...]      e.g. examples/serve.sh --port 9000
 #
@@ -10,7 +11,8 @@
 # works against this one server:
 #   allowed_paths  Debian's FashionMNIST directory (dataset-fashion-mnist) and
 #                  this repository's examples/, unless MODELD_ALLOWED_PATHS or
-#                  --allowed-paths says otherwise
+#                  --allowed-paths says otherwise; DATA=DIR[,DIR...] (what
+#                  `make run DATA=DIR` sets) adds directories to that list
 #   store          ./modeld-data of the directory it is started from (modeld's
 #                  default; git-ignored in this repository)
 # MODELD (no underscore) names another binary, e.g. a sanitizer build.
@@ -25,6 +27,21 @@ if [ -z "${MODELD_ALLOWED_PATHS+set}" ]; then
     datasets=$(dirname "${datasets:-/usr/share/datasets/fashion-mnist/x}")
     export MODELD_ALLOWED_PATHS="$datasets,$here"
 fi
+# DATA appends, so README's commands keep working beside the user's own
+# data (--allowed-paths replaces the list, flags winning over MODELD_*).
+# Relative directories are taken from where serve.sh (make run) starts.
+if [ -n "${DATA:-}" ]; then
+    IFS=, read -ra data_dirs <<< "$DATA"
+    for dir in "${data_dirs[@]}"; do
+        [ -n "$dir" ] || continue
+        if ! abs=$(cd "$dir" 2>/dev/null && pwd); then
+            echo "serve.sh: DATA=$DATA: $dir is not a directory" >&2
+            exit 2
+        fi
+        MODELD_ALLOWED_PATHS="${MODELD_ALLOWED_PATHS:+$MODELD_ALLOWED_PATHS,}$abs"
+    done
+    export MODELD_ALLOWED_PATHS
+fi
 
 # The effective port and host, from the same settings the server will use. A
 # bad setting: let modeld itself say so (one line, exit 2).
@@ -34,8 +51,22 @@ fi
 port=$(printf '%s\n' "$config" | sed -n 's/^ *"port": *\([0-9]*\).*/\1/p')
 host=$(printf '%s\n' "$config" | sed -n 's/^ *"host": *"\([^"]*\)".*/\1/p')
 case "$host" in "" | 0.0.0.0 | "::" | "[::]") host=127.0.0.1 ;; esac
+probe=$host
 case "$host" in *:*) host="[$host]" ;; esac
 url="http://$host:$port"
+
+# A port someone already listens on (another `make run`, any server): stop
+# here. Started anyway, modeld would fail to bind, but the readiness loop
+# below could first reach the other server, deploy into it and call it ours.
+# A TCP connect is the test: it needs no answer from whatever holds the port.
+# (A server that takes the port between this check and modeld's bind is not
+# caught; that takes two starts within milliseconds.)
+if timeout 5 bash -c 'exec 3<>"/dev/tcp/$1/$2"' probe "$probe" "$port" 2>/dev/null; then
+    echo "serve.sh: port $port on $probe is already in use (another modeld, or a second" \
+        "\`make run\`?); nothing was started. Stop that server, or pick another port:" \
+        "make run PORT=$((port + 1))" >&2
+    exit 1
+fi
 
 "$bin" "$@" &
 pid=$!

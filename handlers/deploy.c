@@ -226,9 +226,10 @@ static md_status weights_prepare(md_app *app, deploy_req *d, const char *path,
                            "safetensors writes them) and model %s has no architecture to load "
                            "it into; first PUT /models/%s/architecture with the network as "
                            "TorchScript (torch.jit.script(model).save(\"arch.pt\"); its weights "
-                           "do not matter), or upload a TorchScript archive",
+                           "do not matter): curl -T arch.pt .../models/%s/architecture; or "
+                           "upload a TorchScript archive",
                            strcmp(*format, MD_FORMAT_SAFETENSORS) == 0 ? "safetensors" : "torch.save",
-                           d->name, d->name);
+                           d->name, d->name, d->name);
     }
     md_tensors *t = NULL;
     if ((st = md_weights_read(path, *format, &t, err)) != MD_OK)

@@ -160,13 +160,20 @@ void md_handle_version_checkpoint(md_req *req)
         md_reply_error(req, &err);
         return;
     }
-    char path[4096], sha[MD_SHA256_HEX];
-    md_status st = md_store_blob_path(app->store, md_req_param(req, "name"), version, path,
-                                      sizeof path, sha, &err);
+    json_t *v = NULL;
+    md_status st = md_store_get_version(app->store, md_req_param(req, "name"), version, &v, &err);
     if (st != MD_OK) {
         md_reply_error(req, &err);
         return;
     }
+    char path[4096], sha[MD_SHA256_HEX];
+    snprintf(sha, sizeof sha, "%s", json_string_value(json_object_get(v, "sha256")));
+    md_store_sha_path(app->store, sha, path, sizeof path);
+    /* The name says what opens the file: safetensors' loader for a
+     * safetensors version, torch.load / torch.jit.load for the zips */
+    const char *stored = json_string_value(json_object_get(v, "format"));
+    const char *ext = stored && strcmp(stored, MD_FORMAT_SAFETENSORS) == 0 ? "safetensors" : "pt";
+    json_decref(v);
     char etag[MD_SHA256_HEX + 2];
     snprintf(etag, sizeof etag, "\"%s\"", sha);
     md_reply_header(req, "ETag", etag);
@@ -187,8 +194,8 @@ void md_handle_version_checkpoint(md_req *req)
         return;
     }
     char disp[160];
-    snprintf(disp, sizeof disp, "attachment; filename=\"%s-v%d.pt\"", md_req_param(req, "name"),
-             version);
+    snprintf(disp, sizeof disp, "attachment; filename=\"%s-v%d.%s\"", md_req_param(req, "name"),
+             version, ext);
     md_reply_header(req, "Content-Disposition", disp);
     md_reply_fd(req, 200, "application/octet-stream", fd, (size_t)sb.st_size);
 }

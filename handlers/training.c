@@ -54,14 +54,16 @@ md_status md_architecture_body(md_req *req, const char *data, size_t len, md_err
     if (!u) {
         if (md_check_model_name(md_req_param(req, "name"), err) != MD_OK)
             return err->status;
+        /* No Content-Type is raw bytes: what curl -T arch.pt sends */
         const char *ct = md_req_header(req, "Content-Type");
         int multipart = ct && strncasecmp(ct, "multipart/form-data", 19) == 0;
-        if (!multipart && !(ct && strncasecmp(ct, "application/octet-stream", 24) == 0))
+        if (ct && !multipart && strncasecmp(ct, "application/octet-stream", 24) != 0)
             return md_err_setc(err, MD_EMEDIA, "unsupported_media_type",
-                               "Content-Type %s is not accepted here; send the architecture as "
-                               "multipart (curl -F architecture=@arch.pt) or raw bytes with "
-                               "Content-Type: application/octet-stream",
-                               ct ? ct : "(none)");
+                               "Content-Type %.80s is not accepted here; send the architecture "
+                               "as raw bytes (curl -T arch.pt, or Content-Type: "
+                               "application/octet-stream) or multipart (curl -F "
+                               "architecture=@arch.pt)",
+                               ct);
         u = md_xcalloc(1, sizeof *u);
         u->multipart = multipart;
         if (md_blob_begin(app->store, app->cfg->max_checkpoint_bytes, &u->blob, err) != MD_OK) {
@@ -138,8 +140,8 @@ void md_handle_architecture_put(md_req *req)
     arch_upload *u = md_req_state(req);
     if (!u || md_blob_size(u->blob) == 0 || (u->multipart && !u->saw_file)) {
         md_err_setc(&err, MD_EINVAL, "empty_checkpoint",
-                    "the request has no architecture; send curl -T arch.pt -H 'Content-Type: "
-                    "application/octet-stream' or -F architecture=@arch.pt");
+                    "the request has no architecture; send curl -T arch.pt or -F "
+                    "architecture=@arch.pt");
         md_reply_error(req, &err);
         return;
     }

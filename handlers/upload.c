@@ -89,15 +89,17 @@ static upload *upload_start(md_req *req, md_err *err)
     const char *name = md_req_param(req, "name");
     if (md_check_model_name(name, err) != MD_OK)
         return NULL;
+    /* No Content-Type is raw bytes (curl -X POST -T model.pt, a client that
+     * sends a file as it is); a wrong one is refused rather than guessed at */
     const char *ct = md_req_header(req, "Content-Type");
     int multipart = ct && strncasecmp(ct, "multipart/form-data", 19) == 0;
     int json = ct && strncasecmp(ct, "application/json", 16) == 0;
-    if (!multipart && !json && !(ct && strncasecmp(ct, "application/octet-stream", 24) == 0)) {
+    if (ct && !multipart && !json && strncasecmp(ct, "application/octet-stream", 24) != 0) {
         md_err_setc(err, MD_EMEDIA, "unsupported_media_type",
-                    "Content-Type %s is not accepted here; send the checkpoint as multipart "
-                    "(curl -F checkpoint=@model.pt) or raw bytes with Content-Type: "
-                    "application/octet-stream, or a JSON {\"average\": ...} body",
-                    ct ? ct : "(none)");
+                    "Content-Type %.80s is not accepted here; send the checkpoint as multipart "
+                    "(curl -F checkpoint=@model.pt) or raw bytes (no Content-Type, or "
+                    "application/octet-stream), or a JSON {\"average\": ...} body",
+                    ct);
         return NULL;
     }
     if (json) {

@@ -439,6 +439,55 @@ def test_help_lists_every_setting(run_modeld):
             f"{env} not in --help"
 
 
+SERVED = ("TorchScript", "state_dict", "safetensors")
+
+
+def test_texts_say_what_is_served(run_modeld, server):
+    """--help, openapi.yaml and README's opening said TorchScript only; the
+    server also takes torch.save state_dicts and safetensors (issue 12)."""
+    h = run_modeld("--help")
+    assert h.returncode == 0, h.stderr
+    intro = h.stdout.split("\n  --", 1)[0]
+    for word in SERVED:
+        assert word in intro, f"--help's opening does not say {word}:\n{intro}"
+    assert "TorchScript models" not in intro, intro
+    import yaml
+    doc = yaml.safe_load((REPO / "openapi.yaml").read_text())
+    models_tag = next(t for t in doc["tags"] if t["name"] == "models")
+    readme = (REPO / "README.md").read_text()
+    opening = next(p for p in readme.split("\n\n") if p.startswith("modeld is"))
+    for where, text in [("openapi info", doc["info"]["description"]),
+                        ("openapi models tag", models_tag["description"]),
+                        ("README's opening", opening)]:
+        for word in SERVED:
+            assert word in text, f"{where} does not say {word}:\n{text}"
+    # the shared 422 example is what the server answers to a file that is no model
+    example = doc["components"]["responses"]["Unprocessable"]["content"]["application/json"]
+    r = server.request("POST", "/models/m/versions", timeout=30 * TSCALE,
+                       files={"checkpoint": ("m.pt", (REPO / "tests/fixtures/not_a_model.pt")
+                                             .read_bytes())})
+    assert r.status_code == 422, r.text
+    assert r.json() == example["example"]
+
+
+def test_v2_server_metadata_matches_openapi(shared_server):
+    """GET /v2 lists binary_tensor_data; openapi.yaml said `extensions: []`
+    ("none"). The contract's example, schema and description say what the
+    server says."""
+    import yaml
+    doc = yaml.safe_load((REPO / "openapi.yaml").read_text())
+    served = shared_server.get("/v2").json()
+    assert shared_server.get("/v2/").json() == served
+    example = doc["components"]["responses"]["V2ServerMetadata"]["content"]["application/json"]
+    assert example["example"] == served
+    prop = doc["components"]["schemas"]["V2ServerMetadata"]["properties"]["extensions"]
+    assert prop["examples"] == [served["extensions"]]
+    for text in (prop["description"], doc["paths"]["/v2"]["get"]["description"]):
+        assert "none" not in text, text
+        for ext in served["extensions"]:
+            assert ext in text, text
+
+
 def test_print_config_precedence(run_modeld, tmp_path):
     cfg = tmp_path / "modeld.json"
     cfg.write_text(json.dumps({"port": 1111, "drain_seconds": 11, "max_jobs": 3, "threads": 4}))

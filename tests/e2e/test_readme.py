@@ -23,7 +23,9 @@ How a README is written so that this test reads it (the convention):
     lines, the whole output is parsed as JSON; otherwise line by line, with
     the same number of lines, unless the last expected line is `...`
     (more lines may follow).
-  - A line starting with `{` or `[` is JSON: objects match by the keys shown
+  - A line starting with `{` or `[` is JSON, shown as it is printed (when the
+    output line has no space outside its strings, as `jq -c` prints, the
+    README's has none either): objects match by the keys shown
     (the real one may have more), arrays element by element (a final "..."
     element: more may follow), integers and strings exactly, other numbers
     within a relative 1e-4 (BLAS differs between machines in the last bits),
@@ -47,6 +49,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -206,6 +209,25 @@ def text_match(exp, act):
     return None if re.fullmatch(pattern, act) else f"expected {exp!r}, got {act!r}"
 
 
+def spaced(text):
+    """Whether JSON text has whitespace outside its strings (`jq -c` and
+    modeld's own answers have none)."""
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch.isspace():
+            return True
+    return False
+
+
 def line_match(exp, act):
     if exp.startswith(("{", "[")):
         try:
@@ -216,6 +238,9 @@ def line_match(exp, act):
             got = json.loads(act)
         except ValueError:
             return f"expected JSON like {exp!r}, got {act!r}"
+        # the README shows a compact line as it comes, not re-spaced
+        if spaced(exp) and not spaced(act):
+            return f"expected {exp!r} has spaces that the output has not: {act!r}"
         return json_match(want, got)
     return text_match(exp, act)
 
@@ -260,6 +285,12 @@ def test_output_convention_can_fail():
     assert output_match(['[1, "..."]'], "[1, 2, 3]") is None
     assert output_match(['[1, 2]'], "[1, 2, 3]") is not None
     assert output_match(['{"a": true}'], '{"a": 1}') is not None
+    # a compact line (jq -c) is shown as it comes: no spaces added
+    assert output_match(['{"a": 1, "b": [2, 3]}'], '{"a":1,"b":[2,3]}') is not None
+    assert output_match(['{"a":1,"b":[2,3]}'], '{"a":1,"b":[2,3]}') is None
+    assert output_match(['["x y", "..."]'], '["x y","z"]') is not None
+    assert output_match(['["x y","..."]'], '["x y","z"]') is None
+    assert output_match(['{"a": 1}'], '{"a": 1}') is None  # spaced output, spaced line
 
 
 PARSER_SAMPLE = r"""text
@@ -311,13 +342,13 @@ def test_readme_parser(tmp_path):
 class ServeSh:
     """examples/serve.sh on a free port with a store under tmp_path."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, env=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / "serve.log"
         env = child_env({"MODELD_PORT": self.port, "MODELD_STORE": tmp_path / "store",
                          "MODELD_ACCESS_LOG": tmp_path / "access.log",
-                         "MODELD_DRAIN_SECONDS": 0, "MODELD": modeld_bin()})
+                         "MODELD_DRAIN_SECONDS": 0, "MODELD": modeld_bin(), **(env or {})})
         self._log = open(self.log, "wb")
         self.proc = subprocess.Popen([str(REPO / "examples/serve.sh")], cwd=str(REPO), env=env,
                                      stdin=subprocess.DEVNULL, stdout=self._log,
@@ -397,6 +428,97 @@ def test_serve_sh_deploys_once_and_stops_on_sigint(tmp_path):
         assert [v["version"] for v in r.json()["versions"]] == [1]
     finally:
         assert s.stop() == 0
+
+
+def run_serve_sh(tmp_path, *args, env=None, timeout=60.0):
+    """examples/serve.sh run to completion, for the cases where it must exit
+    by itself: (exit status, its output). Its store is tmp_path/mine."""
+    env = child_env({"MODELD_STORE": tmp_path / "mine", "MODELD_DRAIN_SECONDS": 0,
+                     "MODELD": modeld_bin(), **(env or {})})
+    proc = subprocess.Popen([str(REPO / "examples/serve.sh"), *args], cwd=str(REPO), env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout * TSCALE)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"serve.sh {' '.join(args)} still running after {timeout * TSCALE:.0f} s:\n{out}")
+    return proc.returncode, out
+
+
+def test_serve_sh_refuses_a_port_in_use(tmp_path, server):
+    """A second `make run` on a taken port stops before starting anything: it
+    says the port is busy, exits non-zero, and the server that holds the port
+    gets no model (it used to get `fashion`, and serve.sh said it was serving)."""
+    rc, out = run_serve_sh(tmp_path, "--port", str(server.port))
+    assert rc != 0, out
+    assert f"port {server.port}" in out and "already in use" in out, out
+    assert "serving" not in out, out
+    assert server.get("/models").json()["models"] == []
+    assert not (tmp_path / "mine").exists(), "serve.sh started modeld on its store"
+    # the port set through the environment
+    rc, out = run_serve_sh(tmp_path, env={"MODELD_PORT": server.port})
+    assert rc != 0 and f"port {server.port}" in out, out
+    assert server.get("/models").json()["models"] == []
+
+
+def test_serve_sh_refuses_a_port_held_by_any_socket(tmp_path):
+    """Whatever listens on the port (here a socket that never answers), not
+    only a modeld."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(8)
+        port = held.getsockname()[1]
+        rc, out = run_serve_sh(tmp_path, "--port", str(port))
+    assert rc != 0, out
+    assert f"port {port}" in out and "already in use" in out, out
+    assert not (tmp_path / "mine").exists(), "serve.sh started modeld on its store"
+
+
+def test_serve_sh_data_adds_to_allowed_paths(tmp_path):
+    """`make run DATA=DIR` (serve.sh with DATA set): a file:// deploy and a job
+    read under DIR, while the defaults README's commands use still hold and
+    a directory named nowhere stays refused."""
+    data, other = tmp_path / "data", tmp_path / "other"
+    data.mkdir()
+    other.mkdir()
+    model = REPO / "examples/fashion_mnist/model.pt"
+    (data / "model.pt").write_bytes(model.read_bytes())
+    (other / "model.pt").write_bytes(model.read_bytes())
+    row = json.loads((REPO / "examples/fashion_mnist/row.json").read_text())[0]
+    (data / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    s = ServeSh(tmp_path, env={"DATA": str(data)})
+    try:
+        s.wait_deployed()
+
+        def register(path):
+            return requests.post(s.url + "/models", timeout=60 * TSCALE, json={
+                "name": "fashion", "make_default": False, "source": f"file://{path}"})
+
+        r = register(data / "model.pt")
+        assert r.status_code == 201, r.text
+        r = register(model)  # README's own: examples/ is still allowed
+        assert r.status_code == 201, r.text
+        r = register(other / "model.pt")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "source_not_allowed", r.text
+        r = requests.post(s.url + "/jobs", timeout=10 * TSCALE, json={
+            "model": "fashion", "input": {"path": str(data / "rows.jsonl"), "format": "jsonl"}})
+        assert r.status_code in (201, 202), r.text
+        job = r.json()
+        deadline = time.monotonic() + 60 * TSCALE
+        while job["status"] in ("queued", "running") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            job = requests.get(s.url + f"/jobs/{job['id']}", timeout=10).json()
+        assert job["status"] == "succeeded" and job["rows_done"] == 1, job
+    finally:
+        assert s.stop() == 0
+
+
+def test_serve_sh_data_must_be_a_directory(tmp_path):
+    rc, out = run_serve_sh(tmp_path, env={"DATA": str(tmp_path / "missing")})
+    assert rc != 0 and "missing is not a directory" in out, out
+    assert not (tmp_path / "mine").exists()
 
 
 @pytest.mark.parametrize("rel", READMES)

@@ -288,10 +288,6 @@ def _case_wrong_content_type(s, name):
     return upload_raw(s, name, MLP, content_type="text/plain"), 415, None
 
 
-def _case_no_content_type(s, name):
-    return upload_raw(s, name, MLP, content_type=None), 415, None
-
-
 def _case_bad_version(s, name):
     return upload(s, name, MLP, version="0"), 400, None
 
@@ -307,7 +303,7 @@ ERROR_CASES = [
     _case_wrong_sha_multipart, _case_wrong_sha_raw, _case_unknown_config_key,
     _case_unknown_config_key_after_file, _case_metrics_not_object, _case_metrics_not_number,
     _case_unknown_field, _case_unknown_field_after_file, _case_wrong_content_type,
-    _case_no_content_type, _case_bad_version, _case_multipart_without_checkpoint,
+    _case_bad_version, _case_multipart_without_checkpoint,
 ]
 
 

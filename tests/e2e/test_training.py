@@ -18,6 +18,7 @@ import io
 import json
 import os
 import struct
+import subprocess
 import time
 
 import numpy as np
@@ -188,7 +189,52 @@ def test_state_dict_without_architecture_says_how_to_put_one(server):
     err = expect_error(upload(server, "m", (CK / "mlp_sd.pt").read_bytes()), 422,
                        "no_architecture")
     assert "PUT /models/m/architecture" in err["message"], err
+    # the command that does it, which works as shown (test_curl_T_puts_an_architecture)
+    assert "curl -T arch.pt .../models/m/architecture" in err["message"], err
     assert blobs(server) == []
+    # a model of TorchScript versions has none either
+    assert upload(server, "ts", (FIX / "mlp.pt").read_bytes()).status_code == 201
+    err = expect_error(server.get("/models/ts/architecture"), 404, "no_architecture")
+    assert "curl -T arch.pt .../models/ts/architecture" in err["message"], err
+
+
+def curl_T(s, path, file, *args):
+    """What `curl -T FILE URL` answers: (HTTP status, body). curl sends a PUT
+    with no Content-Type."""
+    r = subprocess.run(["curl", "-sS", "-T", str(file), *args, "-w", "\n%{http_code}",
+                        s.url + path], capture_output=True, text=True, timeout=T, check=True)
+    body, status = r.stdout.rsplit("\n", 1)
+    return int(status), body
+
+
+def test_curl_T_puts_an_architecture(server):
+    status, body = curl_T(server, "/models/m/architecture", CK / "mlp_arch.pt")
+    assert status == 200, body
+    sha = hashlib.sha256((CK / "mlp_arch.pt").read_bytes()).hexdigest()
+    assert json.loads(body)["sha256"] == sha
+    assert server.get("/models/m").json()["architecture"] == {"sha256": sha}
+    # a wrong explicit Content-Type is still refused, and stores nothing
+    status, body = curl_T(server, "/models/n/architecture", CK / "mlp_arch.pt",
+                          "-H", "Content-Type: text/plain")
+    assert status == 415, body
+    assert json.loads(body)["error"]["code"] == "unsupported_media_type"
+    expect_error(server.get("/models/n"), 404)
+    assert blobs(server) == [sha]
+
+
+def test_raw_version_upload_without_content_type(server):
+    assert put_arch(server, "m", CK / "mlp_arch.pt").status_code == 200
+    data = (CK / "mlp_sd.pt").read_bytes()
+    # requests sends bytes with no Content-Type, as curl -X POST -T does
+    req = requests.Request("POST", server.url + "/models/m/versions", data=data).prepare()
+    assert "Content-Type" not in req.headers
+    r = requests.Session().send(req, timeout=T)
+    assert r.status_code == 201, r.text
+    assert r.json()["format"] == "torch_save"
+    r = requests.post(server.url + "/models/m/versions", data=data, timeout=T,
+                      headers={"Content-Type": "text/plain"})
+    expect_error(r, 415, "unsupported_media_type")
+    assert versions(server, "m") == [1]
 
 
 # ---------------------------------------------------------------- uploads
@@ -300,6 +346,29 @@ def test_replacing_the_architecture_keeps_versions_loading_across_restart(start_
 
 
 # ---------------------------------------------------------------- export
+
+def test_download_is_named_after_the_stored_format(server, tmp_path):
+    """GET .../checkpoint answers the stored file; its name says what opens it,
+    so `curl -OJ` then torch.load / safetensors works on the file as named."""
+    assert put_arch(server, "m", CK / "mlp_arch.pt").status_code == 200
+    assert created(upload(server, "m", (CK / "mlp.safetensors").read_bytes()))["format"] == \
+        "safetensors"
+    assert created(upload(server, "m", (CK / "mlp_sd.pt").read_bytes()))["format"] == "torch_save"
+    created(upload(server, "ts", (FIX / "mlp.pt").read_bytes()))
+    for name, version, filename, data in [("m", 1, "m-v1.safetensors", CK / "mlp.safetensors"),
+                                          ("m", 2, "m-v2.pt", CK / "mlp_sd.pt"),
+                                          ("ts", 1, "ts-v1.pt", FIX / "mlp.pt")]:
+        r = server.get(f"/models/{name}/versions/{version}/checkpoint")
+        assert r.status_code == 200, r.text
+        assert r.headers["Content-Disposition"] == f'attachment; filename="{filename}"'
+        assert r.content == data.read_bytes()
+    # the safetensors export of a torch.save version is named as safetensors too
+    r = server.get("/models/m/versions/2/checkpoint?format=safetensors")
+    assert r.headers["Content-Disposition"] == 'attachment; filename="m-v2.safetensors"'
+    # and the file as named opens with what its extension says
+    (tmp_path / "m-v2.pt").write_bytes(server.get("/models/m/versions/2/checkpoint").content)
+    assert set(torch.load(tmp_path / "m-v2.pt")) >= {"fc1.weight", "fc2.bias"}
+
 
 def test_export_round_trips_bit_for_bit(server):
     assert put_arch(server, "m", CK / "mlp_arch.pt").status_code == 200
