@@ -106,12 +106,13 @@ static const setting settings[] = {
     {"max_large_decodes", T_INT, OFF(max_large_decodes), 0, 1024, "0", NULL,
      "images over 1 Mpx decoded at once, in requests and jobs together (each holds up to ~12 "
      "bytes a pixel while it decodes); the others wait for their turn. 0 = the number of cores"},
-    {"prepack_max_bytes", T_SIZE, OFF(prepack_max_bytes), 0, 1LL << 40, "268435456", NULL,
-     "each worker of a CPU model packs its float32 linear layers once (XNNPACK) instead of "
-     "the BLAS packing them on every forward: 2-3x faster forwards of 1-16 rows; a model "
-     "whose linear weights are larger is not packed, since each worker holds its own copy "
-     "(a bound per copy: online and job workers may hold 2 x workers copies; 0 = never; a "
-     "version opts out with config \"prepack\": false)"},
+    {"prepack_max_bytes", T_SIZE, OFF(prepack_max_bytes), 0, 1LL << 40, "33554432", NULL,
+     "a CPU model's float32 linear layers may also run packed once (XNNPACK) instead of the "
+     "BLAS packing them on every forward: 2-3x faster forwards of 1-16 rows, at the cost of "
+     "a packed copy of those weights for each forward running at once (at most one per core "
+     "and per worker); this bounds all the packed copies of one version together, so the "
+     "version stays near one copy of its weights (a model whose linear weights are larger "
+     "is not packed; 0 = never; a version opts out with config \"prepack\": false)"},
     {"job_nice", T_INT, OFF(job_nice), 0, 19, "19", NULL,
      "nice of the workers computing batch jobs: 0 = equal to online work, 19 = spare CPU only"},
     {"job_max_files", T_INT, OFF(job_max_files), 1, 100000000, "1000000", NULL,

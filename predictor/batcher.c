@@ -67,6 +67,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -124,10 +125,20 @@ struct md_model {
     json_t *classes_cfg;       /* config's output, threshold, multi_label (md_model_classes) */
     int max_batch, max_delay_us, queue_limit, timeout_ms, workers, job_nice;
     int coalesce_us;           /* see wake_online */
-    size_t prepack_max;        /* md_torch_replica's bound; 0: workers forward on torch */
+    size_t prepack_max;        /* all packed copies together; 0: workers forward on torch */
     atomic_int prepack_logged; /* make_replica's refusal or size bound is logged once */
     atomic_int fallback_logged; /* forward's fallback to torch is logged once */
-    atomic_int prepacked;      /* workers forwarding on a replica now (stats) */
+    atomic_int prepacked;      /* packed copies alive (stats: a copy of pool_made) */
+    /* The packed copies, shared by every worker (see "one copy of the
+     * weights"): a forward takes a free one or forwards on `torch` */
+    pthread_mutex_t pool_mu;
+    pthread_cond_t pool_cv;    /* a copy was made (pool_making went down) */
+    md_torch_model **pool_free; /* pool_nfree of them, each unused */
+    int pool_nfree;
+    int pool_made;             /* copies alive, free or in a forward */
+    int pool_making;           /* copies being made now */
+    int pool_max;              /* the most copies: cores, workers, prepack_max / one copy */
+    size_t packed_bytes;       /* one copy's packed weights (0 before the first) */
     md_image_opts image; /* preprocess.image, when has_image */
     int has_image;
     /* queues */
@@ -193,6 +204,12 @@ static md_dtype parse_dtype(const char *t)
 
 static void model_free(md_model *m)
 {
+    /* the last worker is gone: every packed copy is back in the pool */
+    for (int i = 0; i < m->pool_nfree; i++)
+        md_torch_free(m->pool_free[i]);
+    free(m->pool_free);
+    pthread_mutex_destroy(&m->pool_mu);
+    pthread_cond_destroy(&m->pool_cv);
     md_torch_free(m->torch);
     json_decref(m->labels);
     json_decref(m->classes_cfg);
@@ -323,18 +340,25 @@ static void learn_row_shape(md_model *m, const int64_t *shape, int ndim, int64_t
  * batch (the cost is paid only on failure). `batch`/`batch_cap` are the
  * worker's gather buffer.
  */
-/* The forward of one worker: on its replica (md_torch_replica) when it has
- * one. Should the replica fail where the model itself succeeds (an input
- * XNNPACK refuses), the worker drops the replica for good and says so once. */
-static md_status forward(md_model *m, md_torch_model **replica, const float *input,
-                         const int64_t *shape, int ndim, float **out, int64_t *out_shape,
-                         int *out_ndim, md_err *err)
+static md_torch_model *pool_take(md_model *m);
+static void pool_give(md_model *m, md_torch_model *r);
+
+/* One forward: on a free packed copy from the version's pool when there is
+ * one (pool_take), else on the model itself, which any number of workers
+ * may run at once. Should a packed copy fail where the model itself
+ * succeeds (an input XNNPACK refuses), packing stops for the version for
+ * good, and that is said once. */
+static md_status forward(md_model *m, const float *input, const int64_t *shape, int ndim,
+                         float **out, int64_t *out_shape, int *out_ndim, md_err *err)
 {
-    if (!*replica)
+    md_torch_model *r = pool_take(m);
+    if (!r)
         return md_torch_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
-    md_status st = md_torch_forward(*replica, input, shape, ndim, out, out_shape, out_ndim, err);
-    if (st != MD_EUNPROC)
+    md_status st = md_torch_forward(r, input, shape, ndim, out, out_shape, out_ndim, err);
+    if (st != MD_EUNPROC) {
+        pool_give(m, r);
         return st;
+    }
     md_err rerr = *err;
     st = md_torch_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
     if (st == MD_OK) {
@@ -342,15 +366,20 @@ static md_status forward(md_model *m, md_torch_model **replica, const float *inp
             md_log(MD_LOG_WARN, "model %s version %d: the prepacked forward failed where the "
                    "model's own succeeded (%s); forwarding without prepacking",
                    m->name, md_model_version(m), rerr.msg);
-        md_torch_free(*replica);
-        *replica = NULL;
-        atomic_fetch_sub(&m->prepacked, 1);
+        pthread_mutex_lock(&m->pool_mu);
+        m->pool_max = 0; /* the copies in the pool go as they are taken */
+        m->pool_made--;
+        atomic_store(&m->prepacked, m->pool_made);
+        pthread_mutex_unlock(&m->pool_mu);
+        md_torch_free(r);
+    } else {
+        pool_give(m, r);
     }
     return st;
 }
 
-static void run_pieces(md_model *m, md_torch_model **replica, piece *pieces, int n,
-                       int64_t rows, float **batch_p, size_t *batch_cap_p)
+static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **batch_p,
+                       size_t *batch_cap_p)
 {
     float *batch = *batch_p;
     size_t batch_cap = *batch_cap_p;
@@ -399,7 +428,7 @@ static void run_pieces(md_model *m, md_torch_model **replica, piece *pieces, int
     int out_ndim = 0;
     if (st == MD_OK) {
         double t0 = now_s();
-        st = forward(m, replica, input, shape, ndim, &out, out_shape, &out_ndim, &ferr);
+        st = forward(m, input, shape, ndim, &out, out_shape, &out_ndim, &ferr);
         md_hist_observe(&m->forward_hist, now_s() - t0);
     }
     if (st == MD_OK && (out_ndim < 1 || out_shape[0] != rows)) {
@@ -431,9 +460,8 @@ static void run_pieces(md_model *m, md_torch_model **replica, piece *pieces, int
         int64_t first_rows = 0;
         for (int i = 0; i < half; i++)
             first_rows += pieces[i].rows;
-        run_pieces(m, replica, pieces, half, first_rows, batch_p, batch_cap_p);
-        run_pieces(m, replica, pieces + half, n - half, rows - first_rows, batch_p,
-                   batch_cap_p);
+        run_pieces(m, pieces, half, first_rows, batch_p, batch_cap_p);
+        run_pieces(m, pieces + half, n - half, rows - first_rows, batch_p, batch_cap_p);
         return;
     }
     atomic_fetch_add(&m->n_batches, 1);
@@ -502,12 +530,37 @@ int md_models_wait_stopped(double timeout_s)
     return left;
 }
 
-/* This worker's own prepacked copy of the model, or NULL to forward on
- * m->torch (not a CPU model, nothing to pack, prepack off, or it failed). */
+/* ---- one copy of the weights: the packed copies' pool ----
+ *
+ * A version holds its weights once, in `torch`, which every worker may
+ * forward on at the same time. XNNPACK's prepacked linear (md_torch_replica)
+ * is faster at small batches, but a packed operator keeps per-call state, so
+ * a packed copy serves one forward at a time, and each is another copy of
+ * the linear weights. So the copies are a pool of the version's, not one per
+ * worker: at most as many as the cores that can forward at once (nor more
+ * than the workers), and only while all of them together fit in
+ * prepack_max_bytes; a forward that finds none free runs on `torch`. Copies
+ * are made when a forward wants one (online workers ask as they start, so a
+ * version's first requests find them), outside the lock, one at a time per
+ * version (md_torch_replica serializes on the model). With 16 workers on 2
+ * cores a version keeps 2 packed copies, not 32. */
+
+static int cores(void)
+{
+    /* test-only: the unit tests' pools must not depend on the machine */
+    const char *t = getenv("MD_TEST_CORES");
+    if (t && atoi(t) > 0)
+        return atoi(t);
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+/* Make one packed copy (m->pool_making counted by the caller). */
 static md_torch_model *make_replica(md_model *m)
 {
-    if (m->prepack_max == 0)
-        return NULL;
     /* released before its workers got here (a SIGTERM right after a
      * deploy): no freeze, so the exit is not kept waiting */
     pthread_mutex_lock(&m->mu);
@@ -524,18 +577,95 @@ static md_torch_model *make_replica(md_model *m)
         if (atomic_exchange(&m->prepack_logged, 1) == 0)
             md_log(MD_LOG_WARN, "model %s version %d: forwarding without prepacking: %s",
                    m->name, md_model_version(m), err.msg);
-        return NULL;
-    }
-    if (r)
-        atomic_fetch_add(&m->prepacked, 1);
-    if (r)
-        md_log(MD_LOG_DEBUG, "model %s version %d: a worker packed %zu bytes of linear weights "
-               "in %.1f ms", m->name, md_model_version(m), bytes, (now_s() - t0) * 1e3);
+        r = NULL;
+    } else if (r)
+        md_log(MD_LOG_DEBUG, "model %s version %d: packed %zu bytes of linear weights in %.1f ms",
+               m->name, md_model_version(m), bytes, (now_s() - t0) * 1e3);
     else if (bytes > m->prepack_max && atomic_exchange(&m->prepack_logged, 1) == 0)
         md_log(MD_LOG_INFO, "model %s version %d: not prepacked: its linear weights are %zu "
                "bytes, more than prepack_max_bytes (%zu)", m->name, md_model_version(m), bytes,
                m->prepack_max);
+    pthread_mutex_lock(&m->pool_mu);
+    if (!r) {
+        m->pool_max = 0; /* nothing to pack, too large, or it failed: the same next time */
+    } else {
+        m->packed_bytes = bytes;
+        size_t fit = bytes > 0 ? m->prepack_max / bytes : (size_t)m->pool_max;
+        if ((size_t)m->pool_max > fit)
+            m->pool_max = (int)fit;
+        m->pool_made++;
+        atomic_store(&m->prepacked, m->pool_made);
+    }
+    pthread_mutex_unlock(&m->pool_mu);
     return r;
+}
+
+/* A free packed copy, made now when none is free and the pool may grow; NULL
+ * to forward on m->torch. The caller gives it back with pool_give. */
+static md_torch_model *pool_take(md_model *m)
+{
+    if (m->prepack_max == 0)
+        return NULL;
+    md_torch_model *r = NULL, *drop = NULL;
+    pthread_mutex_lock(&m->pool_mu);
+    if (m->pool_nfree > 0 && m->pool_made > m->pool_max) { /* packing stopped */
+        drop = m->pool_free[--m->pool_nfree];
+        m->pool_made--;
+        atomic_store(&m->prepacked, m->pool_made);
+    } else if (m->pool_nfree > 0) {
+        r = m->pool_free[--m->pool_nfree];
+    } else if (m->pool_made < m->pool_max && m->pool_making == 0) {
+        /* none free and room for one: make it (a forward meanwhile by
+         * another worker runs on m->torch rather than wait) */
+        m->pool_making++;
+        pthread_mutex_unlock(&m->pool_mu);
+        r = make_replica(m);
+        pthread_mutex_lock(&m->pool_mu);
+        m->pool_making--;
+        pthread_cond_broadcast(&m->pool_cv);
+    }
+    pthread_mutex_unlock(&m->pool_mu);
+    md_torch_free(drop);
+    return r;
+}
+
+/* An online worker as it starts: one more packed copy in the pool while
+ * there is room, so a version's first concurrent requests find them made
+ * (after the copy another worker is making now). */
+static void pool_fill_one(md_model *m)
+{
+    if (m->prepack_max == 0)
+        return;
+    pthread_mutex_lock(&m->pool_mu);
+    while (m->pool_making > 0)
+        pthread_cond_wait(&m->pool_cv, &m->pool_mu);
+    md_torch_model *r = NULL;
+    if (m->pool_made < m->pool_max) {
+        m->pool_making++;
+        pthread_mutex_unlock(&m->pool_mu);
+        r = make_replica(m);
+        pthread_mutex_lock(&m->pool_mu);
+        m->pool_making--;
+        pthread_cond_broadcast(&m->pool_cv);
+    }
+    pthread_mutex_unlock(&m->pool_mu);
+    if (r)
+        pool_give(m, r);
+}
+
+static void pool_give(md_model *m, md_torch_model *r)
+{
+    md_assert(r != NULL);
+    pthread_mutex_lock(&m->pool_mu);
+    if (m->pool_made > m->pool_max) { /* packing stopped (forward's fallback) */
+        m->pool_made--;
+        atomic_store(&m->prepacked, m->pool_made);
+        pthread_mutex_unlock(&m->pool_mu);
+        md_torch_free(r);
+        return;
+    }
+    m->pool_free[m->pool_nfree++] = r;
+    pthread_mutex_unlock(&m->pool_mu);
 }
 
 /* Rows were queued online (under mu): wake an idle worker if one should
@@ -569,8 +699,8 @@ static void worker_loop(md_model *m, int qi)
     float *batch = NULL;
     size_t batch_cap = 0;
     queue *q = &m->q[qi];
-    md_torch_model *replica = qi == 0 ? make_replica(m) : NULL;
-    int replica_tried = qi == 0;
+    if (qi == 0)
+        pool_fill_one(m);
     double fwd_s = -1; /* this worker's last online batch: < 0 none */
     int64_t fwd_rows = 0;
     for (;;) {
@@ -592,12 +722,6 @@ static void worker_loop(md_model *m, int qi)
             m->idle--;
         if (!q->head) {
             pthread_mutex_unlock(&m->mu);
-            /* the replica goes first: once live_workers is down, the last
-             * worker may free m (review: a use-after-free of m->prepacked) */
-            if (replica) {
-                md_torch_free(replica);
-                atomic_fetch_sub(&m->prepacked, 1);
-            }
             free(pieces);
             free(batch);
             pthread_mutex_lock(&m->mu);
@@ -701,12 +825,8 @@ static void worker_loop(md_model *m, int qi)
         }
         if (n == 0)
             continue;
-        if (!replica_tried) {
-            replica = make_replica(m);
-            replica_tried = 1;
-        }
         double t0 = qi == 0 ? now_s() : 0;
-        run_pieces(m, &replica, pieces, n, rows, &batch, &batch_cap);
+        run_pieces(m, pieces, n, rows, &batch, &batch_cap);
         if (qi == 0)
             fwd_s = now_s() - t0;
     }
@@ -776,6 +896,8 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
     md_hist_init(&m->wait_hist, md_latency_bounds, md_latency_nbounds);
     md_hist_init(&m->forward_hist, md_latency_bounds, md_latency_nbounds);
     pthread_mutex_init(&m->mu, NULL);
+    pthread_mutex_init(&m->pool_mu, NULL);
+    pthread_cond_init(&m->pool_cv, NULL);
     pthread_cond_init(&m->cv[0], NULL);
     pthread_cond_init(&m->cv[1], NULL);
     atomic_store(&m->refs, 1);
@@ -842,6 +964,11 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
     m->queue_limit = cfg_int(b, "queue_limit", def->queue_limit);
     m->timeout_ms = cfg_int(b, "timeout_ms", def->timeout_ms);
     m->workers = cfg_int(config, "workers", def->workers);
+    /* the packed copies' pool (see "one copy of the weights"): no more
+     * copies than forwards can run at once; prepack_max lowers it once the
+     * first copy's size is known */
+    m->pool_max = cores() < 2 * m->workers ? cores() : 2 * m->workers;
+    m->pool_free = md_xmalloc(sizeof(md_torch_model *) * (size_t)m->pool_max);
     m->job_nice = def->job_nice;
     json_t *pp = json_object_get(config, "prepack");
     m->prepack_max = pp && json_is_false(pp) ? 0

@@ -69,7 +69,7 @@ typedef struct md_model_defaults {
     int timeout_ms;
     int job_nice;       /* nice of the job workers, 0..19 */
     long long max_image_pixels; /* bound on an image's width x height (0: the default) */
-    long long prepack_max_bytes; /* largest float32 linear weights a worker packs (0: never) */
+    long long prepack_max_bytes; /* all packed copies of a version's linear weights (0: never) */
     int max_jpeg_scans;         /* bound on a progressive JPEG's scans (0: the default) */
     int coalesce_us;            /* batching.coalesce_us (0: a free worker takes every request) */
 } md_model_defaults;

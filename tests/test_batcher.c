@@ -61,8 +61,7 @@ struct md_torch_model {
     int id;
     char path[64];
     int replica;         /* made by md_torch_replica */
-    pthread_t owner;     /* a replica: the thread of its first forward */
-    int owned;
+    int busy;            /* a replica: forwards running on it now (g_mu) */
 };
 
 typedef struct batch_rec {
@@ -168,24 +167,39 @@ static double mono(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+static md_status fake_forward(md_torch_model *m, const float *input, const int64_t *shape,
+                              int ndim, float **out, int64_t *out_shape, int *out_ndim,
+                              md_err *err);
+
+/* A packed copy keeps per-call state: two forwards on one at the same time
+ * (from the pool of a version's copies) are counted in g_replica_shared. */
 md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape,
                                   int ndim, float **out, int64_t *out_shape, int *out_ndim,
                                   md_err *err)
+{
+    if (m->replica) {
+        pthread_mutex_lock(&g_mu);
+        if (m->busy++ > 0)
+            g_replica_shared++;
+        pthread_mutex_unlock(&g_mu);
+    }
+    md_status st = fake_forward(m, input, shape, ndim, out, out_shape, out_ndim, err);
+    if (m->replica) {
+        pthread_mutex_lock(&g_mu);
+        m->busy--;
+        pthread_mutex_unlock(&g_mu);
+    }
+    return st;
+}
+
+static md_status fake_forward(md_torch_model *m, const float *input, const int64_t *shape,
+                              int ndim, float **out, int64_t *out_shape, int *out_ndim,
+                              md_err *err)
 {
     int64_t rows = shape[0], per = 1;
     for (int d = 1; d < ndim; d++)
         per *= shape[d];
     int gate = 0, fail = 0, badrows = 0, wide = 0, xnnfail = 0;
-    if (m->replica) {
-        pthread_mutex_lock(&g_mu);
-        if (!m->owned) {
-            m->owner = pthread_self();
-            m->owned = 1;
-        } else if (!pthread_equal(m->owner, pthread_self())) {
-            g_replica_shared++;
-        }
-        pthread_mutex_unlock(&g_mu);
-    }
     for (int64_t r = 0; r < rows; r++) {
         xnnfail |= m->replica && input[r * per] == XNNFAIL;
         gate |= input[r * per] == GATE;
@@ -1736,14 +1750,15 @@ static int batches_where(int replica)
 /* Each online worker makes its replica before its first request and every
  * forward runs on one; two threads never share one; job workers make theirs
  * at their first chunk; all are freed with the model. */
-static void test_prepack_each_worker_has_its_own_replica(void **state)
+static void test_prepack_copies_are_a_pool(void **state)
 {
     (void)state;
     g_prepack_max = 1 << 20;
+    setenv("MD_TEST_CORES", "2", 1);
     md_model *m = load(ROW2, 2, 64, 0, 1000, 10000);
-    ASSERT_WAIT(g_replicas == 2);
+    ASSERT_WAIT(g_replicas == 2); /* one per online worker as they start: cores allow 2 */
     wait_stat(m, "prepacked_workers", 2);
-    /* hold both online workers in a forward at once */
+    /* hold both online workers in a forward at once: each on its own copy */
     submit_ok(m, 0, 1, 2, (const float[]){GATE, 0});
     ASSERT_WAIT(g_gate_entered == 1);
     submit_ok(m, 1, 1, 2, (const float[]){GATE, 1});
@@ -1756,6 +1771,7 @@ static void test_prepack_each_worker_has_its_own_replica(void **state)
         assert_int_equal(g_req[i].st, MD_OK);
         assert_true(g_req[i].out[0] == 2.0f * (float)i);
     }
+    /* a job worker takes a free copy from the pool: no third copy */
     md_err err;
     assert_int_equal(submit_prio(m, 200, 1, 2, (const float[]){7, 0}, MD_PRIO_BATCH, &err), MD_OK);
     ASSERT_WAIT(reqs_done(200, 201));
@@ -1765,10 +1781,58 @@ static void test_prepack_each_worker_has_its_own_replica(void **state)
     pthread_mutex_unlock(&g_mu);
     assert_int_equal(on_base, 0);
     assert_int_equal(shared, 0);
-    assert_int_equal(made, 3); /* two online workers, the job worker that ran */
-    assert_int_equal(stat_int(m, "prepacked_workers"), 3);
+    assert_int_equal(made, 2);
+    assert_int_equal(stat_int(m, "prepacked_workers"), 2);
     drop(m);
-    ASSERT_WAIT(g_replica_frees == 3);
+    ASSERT_WAIT(g_replica_frees == 2);
+    unsetenv("MD_TEST_CORES");
+}
+
+/* 8 workers on 2 cores keep 2 packed copies, not 16: a third forward at the
+ * same time runs on the model itself, never on a copy in use; and
+ * prepack_max_bytes bounds the copies together (1000 bytes each here). */
+static void test_prepack_pool_is_bounded_by_cores_and_bytes(void **state)
+{
+    (void)state;
+    g_prepack_max = 1 << 20;
+    setenv("MD_TEST_CORES", "2", 1);
+    md_model *m = load(ROW2, 8, 1, 0, 1000, 10000);
+    wait_stat(m, "prepacked_workers", 2);
+    for (int i = 0; i < 3; i++) {
+        submit_ok(m, i, 1, 2, (const float[]){GATE, (float)i});
+        ASSERT_WAIT(g_gate_entered == i + 1);
+    }
+    open_gate();
+    ASSERT_WAIT(reqs_done(0, 3));
+    pthread_mutex_lock(&g_mu);
+    int on_base = batches_where(0), on_copy = batches_where(1), shared = g_replica_shared;
+    int made = g_replicas;
+    pthread_mutex_unlock(&g_mu);
+    assert_int_equal(made, 2);
+    assert_int_equal(on_copy, 2);
+    assert_int_equal(on_base, 1);
+    assert_int_equal(shared, 0);
+    drop(m);
+    ASSERT_WAIT(g_replica_frees == 2);
+    /* 16 cores, but 2500 bytes for copies of 1000: two copies at most */
+    setenv("MD_TEST_CORES", "16", 1);
+    g_prepack_max = 2500;
+    pthread_mutex_lock(&g_mu);
+    g_gate_open = 0;
+    g_gate_entered = 0;
+    pthread_mutex_unlock(&g_mu);
+    md_model *m2 = load_ex("m2", 1, ROW2, 8, 1, 0, 1000, 10000, NULL);
+    wait_stat(m2, "prepacked_workers", 2);
+    for (int i = 3; i < 6; i++) {
+        submit_ok(m2, i, 1, 2, (const float[]){GATE, (float)i});
+        ASSERT_WAIT(g_gate_entered == i - 2);
+    }
+    open_gate();
+    ASSERT_WAIT(reqs_done(3, 6));
+    assert_int_equal(locked_int(&g_replicas), 4);
+    assert_int_equal(stat_int(m2, "prepacked_workers"), 2);
+    assert_int_equal(locked_int(&g_replica_shared), 0);
+    unsetenv("MD_TEST_CORES");
 }
 
 /* config "prepack": false, prepack_max_bytes 0, or weights over the bound:
@@ -1900,7 +1964,8 @@ int main(void)
         T(test_concurrent_submitters),
         T(test_release_drains_queue),
         T(test_eight_dim_row_shape),
-        T(test_prepack_each_worker_has_its_own_replica),
+        T(test_prepack_copies_are_a_pool),
+        T(test_prepack_pool_is_bounded_by_cores_and_bytes),
         T(test_prepack_off),
         T(test_prepack_refused_forwards_on_the_module),
         T(test_prepack_forward_falls_back),

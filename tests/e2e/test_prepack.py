@@ -1,25 +1,26 @@
 """
-test_prepack.py - each CPU worker's own prepacked copy of a model (config
-"prepack", setting prepack_max_bytes): the linear layers of the forward run
-as XNNPACK's prepacked linear instead of an OpenBLAS sgemm that packs the
-weights on every call.
+test_prepack.py - a version's pool of prepacked copies (config "prepack",
+setting prepack_max_bytes, a bound on the copies together): the linear
+layers of the forward run as XNNPACK's prepacked linear instead of an
+OpenBLAS sgemm that packs the weights on every call.
 
 What users see, against the real binary and real libtorch models:
 - answers equal plain PyTorch's (torch.jit.load + forward, computed here)
   within float rounding, under concurrent clients on two workers (the packed
-  operators keep per-call state, so each worker has its own copy; that no
-  copy is ever used by two threads is checked deterministically by
+  operators keep per-call state, so a copy serves one forward at a time; that
+  no copy is ever used by two threads at once is checked deterministically by
   tests/test_batcher.c's fake backend, since a race here shows only rarely:
   two Python threads sharing one crashed within a second);
 - with prepacking a row's answer is the same, bit for bit, alone or batched
   with 63 others;
-- GET /models/NAME says how many workers forward on a packed copy;
+- GET /models/NAME says how many packed copies the version holds;
   "prepack": false, a prepack_max_bytes smaller than the weights, weights
   computed in forward, float64 models and a CNN are served as before;
 - a config with a non-boolean "prepack" is refused (422) and nothing stored.
 """
 import gzip
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -144,10 +145,17 @@ def test_prepack_off_and_bounds(start_server):
         assert prepacked_workers(srv, name) == 0
     assert "not prepacked: its linear weights are 2674688 bytes, more than " \
            "prepack_max_bytes (2674687)" in srv.stderr
-    srv2 = start_server("--prepack-max-bytes", "2674688")
+    # the bound is all the packed copies of a version together: room for one
+    # copy, one copy for both workers; room for two, two (one per core)
+    srv2 = start_server("--prepack-max-bytes", "2674688", "--workers", "2")
     deployed(srv2, "fits", FASHION_PT, FASHION_CONFIG)
-    assert prepacked_workers(srv2, "fits", 2) == 2
+    assert prepacked_workers(srv2, "fits", 1) == 1
     np.testing.assert_allclose(predict(srv2, "fits", x.tolist()), want, rtol=0, atol=ATOL)
+    assert prepacked_workers(srv2, "fits") == 1
+    srv2b = start_server("--prepack-max-bytes", str(2 * 2674688 + 1), "--workers", "2")
+    deployed(srv2b, "two", FASHION_PT, FASHION_CONFIG)
+    cores = min(2, len(os.sched_getaffinity(0)))
+    assert prepacked_workers(srv2b, "two", cores) == cores
     srv3 = start_server("--prepack-max-bytes", "0")
     deployed(srv3, "never", FASHION_PT, FASHION_CONFIG)
     np.testing.assert_allclose(predict(srv3, "never", x.tolist()), want, rtol=0, atol=ATOL)
