@@ -124,6 +124,9 @@ int main(int argc, char **argv)
         return 0;
     }
     md_log_set_level(cfg.log_level);
+    if (cfg.open_admin && cfg.admin_token.count == 0)
+        md_log(MD_LOG_WARN, "open_admin: deploys, PATCH, DELETE and every other admin route "
+                            "need no token; set admin_token to guard them");
 
     /* Block the stop signals before any thread starts, so every thread
      * inherits the mask and only sigtimedwait below receives them. */
