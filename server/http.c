@@ -224,11 +224,21 @@ static void access_log_line(md_req *r)
     char ts[40];
     size_t n = strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
     snprintf(ts + n, sizeof ts - n, ".%03ldZ", wall.tv_nsec / 1000000L);
+    /* the method and path are the client's bytes: jansson refuses a string
+     * that is not UTF-8 (json_pack would fail and the line be lost), so they
+     * are escaped (\xNN) as error messages are; 4 bytes out per byte in at
+     * most. The path is bounded by libmicrohttpd's connection memory. */
+    char method[4 * sizeof r->method];
+    md_text_escape(method, sizeof method, r->method);
+    size_t path_size = 4 * strlen(r->path) + 1;
+    char *path = md_xmalloc(path_size);
+    md_text_escape(path, path_size, r->path);
     json_t *line = json_pack("{s:s,s:s,s:s,s:i,s:I,s:I,s:f,s:s,s:s}", "time", ts, "method",
-                             r->method, "path", r->path, "status", r->status, "bytes_in",
+                             method, "path", path, "status", r->status, "bytes_in",
                              (json_int_t)r->bytes_in, "bytes_out", (json_int_t)r->bytes_out,
                              "duration_ms", ms, "request_id", r->id, "traceparent",
                              r->traceparent);
+    free(path);
     if (!line)
         return;
     char *text = json_dumps(line, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(6));

@@ -218,6 +218,21 @@ def test_access_log_one_json_line_per_request(server):
         assert e["bytes_out"] == len(resp.content), e
 
 
+def test_access_log_line_for_a_path_that_is_not_utf8(server):
+    """A path that is not valid UTF-8 still gets its line (jansson refuses such
+    a string, and the line was dropped): its bytes are written as \\xNN."""
+    with raw_connect(server.port) as sock:
+        sock.sendall(b"GET /models/\xff\xfe HTTP/1.1\r\nHost: x\r\n"
+                     b"X-Request-Id: e2e-not-utf8\r\n\r\n")
+        resp = read_http_response(sock)
+    assert resp.status == 404, resp.raw
+    entries = _log_entries(server.access_log, ["e2e-not-utf8"])
+    mine = [e for e in entries if e["request_id"] == "e2e-not-utf8"]
+    assert len(mine) == 1, f"no access-log line for the request: {entries}"
+    assert mine[0]["path"] == "/models/\\xff\\xfe", mine[0]
+    assert mine[0]["method"] == "GET" and mine[0]["status"] == 404, mine[0]
+
+
 def test_access_log_off_writes_nothing(start_server, tmp_path):
     s = start_server(access_log="off")
     for path in ("/healthz", "/readyz", "/nope"):
