@@ -19,7 +19,8 @@
  *
  * Timeouts: the daemon's timeout is keepalive_timeout_s (idle connections);
  * once a request starts, its connection gets connection_timeout_s, so a
- * client trickling a body is dropped; when the request completes, the
+ * client that stops sending its body is dropped (one that keeps trickling is
+ * never idle: at stop, main.c cuts it off); when the request completes, the
  * keep-alive timeout is restored. Suspended connections do not time out in
  * libmicrohttpd; the predictor enforces its own deadline on them.
  */
