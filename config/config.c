@@ -18,7 +18,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-typedef enum { T_INT, T_SIZE, T_STR, T_ENUM, T_LIST } setting_type;
+typedef enum { T_INT, T_SIZE, T_STR, T_ENUM, T_LIST, T_BOOL } setting_type;
 
 typedef struct setting {
     const char *key;
@@ -132,6 +132,10 @@ static const setting settings[] = {
      "bearer tokens GET /metrics needs (an admin token works too); empty = open"},
     {"metrics_token_file", T_STR, OFF(metrics_token_file), 0, 0, "", NULL,
      "a file of metrics tokens, one per line, added to metrics_token"},
+    {"open_admin", T_BOOL, OFF(open_admin), 0, 0, "false", NULL,
+     "true = the admin routes (deploys, PATCH, DELETE, jobs) stay open while predict_token "
+     "or metrics_token is set and admin_token is not; false = modeld refuses to start so. "
+     "Ignored once admin_token is set; a bare --open-admin means true"},
     {"test_job_chunk_delay_ms", T_INT, OFF(test_job_chunk_delay_ms), 0, 600000, "0", NULL,
      "for tests only: commit after every job chunk and sleep this long after each committed "
      "chunk, so a test can act in the middle of a job"},
@@ -178,12 +182,30 @@ static void strlist_push(md_strlist *l, const char *s, size_t n)
     l->items[l->count] = NULL;
 }
 
+/* "true"/"1" -> 1, "false"/"0" -> 0, anything else -> -1. */
+static int bool_word(const char *value)
+{
+    if (strcmp(value, "true") == 0 || strcmp(value, "1") == 0)
+        return 1;
+    if (strcmp(value, "false") == 0 || strcmp(value, "0") == 0)
+        return 0;
+    return -1;
+}
+
 /* Parse text (from env, flag or default) into the field. `source` names where
  * the value came from, for the error message. */
 static md_status set_from_text(md_cfg *cfg, const setting *s, const char *value, const char *source,
                                md_err *err)
 {
     switch (s->type) {
+    case T_BOOL: {
+        int b = bool_word(value);
+        if (b < 0)
+            return md_err_set(err, MD_EINVAL, "%s: %s=\"%s\" is not a boolean; allowed: true, "
+                              "false, 1, 0", source, s->key, value);
+        *(int *)field(cfg, s) = b;
+        return MD_OK;
+    }
     case T_INT:
     case T_SIZE: {
         errno = 0;
@@ -253,6 +275,15 @@ static md_status set_from_json(md_cfg *cfg, const setting *s, json_t *v, const c
 {
     char text[64];
     switch (s->type) {
+    case T_BOOL:
+        if (!json_is_boolean(v)) {
+            char *dump = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+            md_err_set(err, MD_EINVAL, "%s: %s=%s is not a boolean; write true or false", source,
+                       s->key, dump ? dump : "?");
+            free(dump);
+            return MD_EINVAL;
+        }
+        return set_from_text(cfg, s, json_is_true(v) ? "true" : "false", source, err);
     case T_INT:
     case T_SIZE:
         if (!json_is_integer(v)) {
@@ -521,6 +552,26 @@ static md_status load_tokens(md_cfg *cfg, md_err *err)
     return MD_OK;
 }
 
+/* Tokens for predictions or metrics without one for admin routes leave
+ * deploys, PATCH and DELETE open to anyone while the server looks guarded:
+ * refused unless open_admin says that is meant. No token at all is the
+ * plainly open server of a laptop, as before. */
+static md_status check_admin_open(const md_cfg *cfg, md_err *err)
+{
+    if (cfg->admin_token.count > 0 || cfg->open_admin)
+        return MD_OK;
+    const char *set = cfg->predict_token.count > 0   ? "predict_token"
+                      : cfg->metrics_token.count > 0 ? "metrics_token"
+                                                     : NULL;
+    if (!set)
+        return MD_OK;
+    return md_err_set(err, MD_EINVAL,
+                      "%s is set but admin_token is not, so deploys, PATCH and DELETE would be "
+                      "open to anyone: set admin_token (or admin_token_file), or set open_admin "
+                      "(--open-admin, MODELD_OPEN_ADMIN=true) to keep them open on purpose",
+                      set);
+}
+
 md_status md_cfg_load(md_cfg *cfg, int argc, char **argv, char **envp, md_cfg_action *action,
                       md_err *err)
 {
@@ -541,8 +592,11 @@ md_status md_cfg_load(md_cfg *cfg, int argc, char **argv, char **envp, md_cfg_ac
             const char *eq = a[8] == '=' ? a + 8 : NULL;
             if (flag_value(argc, argv, &i, eq, "--config", &config_path, err) != MD_OK)
                 return MD_EINVAL;
-        } else if (strncmp(a, "--", 2) == 0 && !strchr(a, '=') && find_flag(a + 2, strlen(a + 2)))
-            i++; /* skip the setting's value: "--store --help" names a store */
+        } else if (strncmp(a, "--", 2) == 0 && !strchr(a, '=')) {
+            const setting *s = find_flag(a + 2, strlen(a + 2));
+            if (s && (s->type != T_BOOL || (i + 1 < argc && strncmp(argv[i + 1], "-", 1) != 0)))
+                i++; /* skip the setting's value: "--store --help" names a store */
+        }
     }
     if (*action == MD_CFG_HELP || *action == MD_CFG_VERSION)
         return MD_OK;
@@ -612,17 +666,23 @@ md_status md_cfg_load(md_cfg *cfg, int argc, char **argv, char **envp, md_cfg_ac
         flag_name(s, flag, sizeof flag);
         snprintf(source, sizeof source, "flag %s", flag);
         const char *value = NULL;
-        if (flag_value(argc, argv, &i, eq, flag, &value, err) != MD_OK)
+        if (s->type == T_BOOL && !eq && (i + 1 >= argc || argv[i + 1][0] == '-'))
+            value = "true"; /* a bare --open-admin (no setting's value starts with '-') */
+        else if (flag_value(argc, argv, &i, eq, flag, &value, err) != MD_OK)
             return MD_EINVAL;
         if (set_from_text(cfg, s, value, source, err) != MD_OK)
             return MD_EINVAL;
     }
-    return load_tokens(cfg, err);
+    if (load_tokens(cfg, err) != MD_OK)
+        return MD_EINVAL;
+    return check_admin_open(cfg, err);
 }
 
 static json_t *setting_json(const md_cfg *cfg, const setting *s)
 {
     switch (s->type) {
+    case T_BOOL:
+        return json_boolean(*(const int *)cfield(cfg, s));
     case T_INT:
         return json_integer(*(const int *)cfield(cfg, s));
     case T_SIZE:
@@ -671,6 +731,7 @@ void md_cfg_print_help(FILE *out)
         fprintf(out, "  %-30s default: %s%s%s  env: %s%s%s\n", "",
                 s->type == T_STR || s->type == T_LIST ? "\"" : "", s->def,
                 s->type == T_STR || s->type == T_LIST ? "\"" : "", env,
-                s->choices ? "  allowed: " : "", s->choices ? s->choices : "");
+                s->choices || s->type == T_BOOL ? "  allowed: " : "",
+                s->choices ? s->choices : s->type == T_BOOL ? "true|false" : "");
     }
 }

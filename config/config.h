@@ -82,6 +82,7 @@ typedef struct md_cfg {
     char *admin_token_file;
     char *predict_token_file;
     char *metrics_token_file;
+    int open_admin;             /* 1: admin routes open on purpose while other tokens are set */
 } md_cfg;
 
 /* What main should do after loading. */

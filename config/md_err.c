@@ -56,6 +56,28 @@ static size_t utf8_len(const unsigned char *c)
     return n;
 }
 
+size_t md_text_escape(char *out, size_t size, const char *in)
+{
+    size_t o = 0;
+    for (const unsigned char *c = (const unsigned char *)in; *c && o + 1 < size;) {
+        size_t n = utf8_len(c);
+        if (n == 0 || *c < 0x20 || *c == 0x7f) {
+            if (o + 5 > size)
+                break;
+            o += (size_t)snprintf(out + o, size - o, "\\x%02x", *c);
+            c++;
+        } else {
+            if (o + n + 1 > size)
+                break;
+            memcpy(out + o, c, n);
+            o += n;
+            c += n;
+        }
+    }
+    out[o] = '\0';
+    return o;
+}
+
 static md_status err_vset(md_err *err, md_status status, const char *code, const char *fmt,
                           va_list ap)
 {
@@ -66,28 +88,10 @@ static md_status err_vset(md_err *err, md_status status, const char *code, const
     char raw[MD_ERR_MSG_MAX];
     vsnprintf(raw, sizeof raw, fmt, ap);
     /* a message quotes what the client sent: keep it one line of printable,
-     * valid UTF-8 text (control characters and bytes that are not UTF-8
-     * written as \xNN, as C writes them), so it can neither break a log line
-     * nor forge another, nor make the JSON error body unencodable (jansson
-     * refuses invalid UTF-8: a 400 would become a 500), and still shows the
-     * bytes */
-    size_t o = 0;
-    for (const unsigned char *c = (const unsigned char *)raw; *c && o + 1 < sizeof err->msg;) {
-        size_t n = utf8_len(c);
-        if (n == 0 || *c < 0x20 || *c == 0x7f) {
-            if (o + 5 > sizeof err->msg)
-                break;
-            o += (size_t)snprintf(err->msg + o, sizeof err->msg - o, "\\x%02x", *c);
-            c++;
-        } else {
-            if (o + n + 1 > sizeof err->msg)
-                break;
-            memcpy(err->msg + o, c, n);
-            o += n;
-            c += n;
-        }
-    }
-    err->msg[o] = '\0';
+     * valid UTF-8 text, so it can neither break a log line nor forge another,
+     * nor make the JSON error body unencodable (jansson refuses invalid
+     * UTF-8: a 400 would become a 500), and still shows the bytes */
+    md_text_escape(err->msg, sizeof err->msg, raw);
     return status;
 }
 

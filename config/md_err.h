@@ -62,6 +62,14 @@ md_status md_err_set(md_err *err, md_status status, const char *fmt, ...)
 md_status md_err_setc(md_err *err, md_status status, const char *code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* Copy the text `in` into `out` (`size` bytes, at least 1) as one line of
+ * printable, valid UTF-8: control characters and bytes that are not UTF-8 are
+ * written as \xNN, as C writes them. Stops before a character that would not
+ * fit; always terminates `out`. Returns the bytes written (without the NUL).
+ * For what a client sent that reaches a log line or a JSON string (jansson
+ * refuses invalid UTF-8). Thread-safe. */
+size_t md_text_escape(char *out, size_t size, const char *in);
+
 /* The HTTP status for `status`: the single mapping the handlers use. */
 int md_status_http(md_status status);
 

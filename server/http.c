@@ -19,7 +19,8 @@
  *
  * Timeouts: the daemon's timeout is keepalive_timeout_s (idle connections);
  * once a request starts, its connection gets connection_timeout_s, so a
- * client trickling a body is dropped; when the request completes, the
+ * client that stops sending its body is dropped (one that keeps trickling is
+ * never idle: at stop, main.c cuts it off); when the request completes, the
  * keep-alive timeout is restored. Suspended connections do not time out in
  * libmicrohttpd; the predictor enforces its own deadline on them.
  */
@@ -109,6 +110,7 @@ struct md_req {
     md_form_fn form_fn;
     md_err *form_err;
     void (*deferred)(md_req *);
+    struct defer_group *defer_group; /* md_req_defer's bound it counts in */
     int in_deferred;          /* its deferred function is running (the connection is suspended) */
     struct md_req *offload_next; /* the decode pool's queue (md_req_offload) */
     /* the reply */
@@ -224,11 +226,21 @@ static void access_log_line(md_req *r)
     char ts[40];
     size_t n = strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
     snprintf(ts + n, sizeof ts - n, ".%03ldZ", wall.tv_nsec / 1000000L);
+    /* the method and path are the client's bytes: jansson refuses a string
+     * that is not UTF-8 (json_pack would fail and the line be lost), so they
+     * are escaped (\xNN) as error messages are; 4 bytes out per byte in at
+     * most. The path is bounded by libmicrohttpd's connection memory. */
+    char method[4 * sizeof r->method];
+    md_text_escape(method, sizeof method, r->method);
+    size_t path_size = 4 * strlen(r->path) + 1;
+    char *path = md_xmalloc(path_size);
+    md_text_escape(path, path_size, r->path);
     json_t *line = json_pack("{s:s,s:s,s:s,s:i,s:I,s:I,s:f,s:s,s:s}", "time", ts, "method",
-                             r->method, "path", r->path, "status", r->status, "bytes_in",
+                             method, "path", path, "status", r->status, "bytes_in",
                              (json_int_t)r->bytes_in, "bytes_out", (json_int_t)r->bytes_out,
                              "duration_ms", ms, "request_id", r->id, "traceparent",
                              r->traceparent);
+    free(path);
     if (!line)
         return;
     char *text = json_dumps(line, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(6));
@@ -475,41 +487,61 @@ md_status md_req_form_feed(md_req *r, md_form_fn field_fn, const char *data, siz
     return err->status;
 }
 
-/* Deferred threads running now: bounded, so a burst of deploys or on-demand
- * loads cannot start a thread each (503 with Retry-After past the bound).
- * Test-only: MD_TEST_MAX_DEFERRED=N lowers the bound, so a test can fill it. */
+/* Deferred threads running now, in two groups with a bound each (503 with
+ * Retry-After past it), so a burst cannot start a thread a request: admin
+ * work (the routes that need an admin token: deploys, PATCH, DELETE) and the
+ * rest (large-image predictions, loads on demand, exports). With one shared
+ * bound, 70 clients sending large images made every deploy answer 503
+ * (issue 24): the operator could not act while the traffic lasted.
+ * Test-only: MD_TEST_MAX_DEFERRED=N and MD_TEST_MAX_ADMIN_DEFERRED=N lower
+ * the bounds, so a test can fill one. */
 #define MAX_DEFERRED 64
-static atomic_int deferred_running;
+#define MAX_ADMIN_DEFERRED 16
 
-static int max_deferred(void)
+typedef struct defer_group {
+    const char *test_env; /* the test-only variable that lowers `max` */
+    int max;
+    const char *what;     /* for the 503: what fills the group */
+    atomic_int limit;     /* 0: not read yet */
+    atomic_int running;
+} defer_group;
+
+static defer_group work_group = {.test_env = "MD_TEST_MAX_DEFERRED", .max = MAX_DEFERRED,
+                                 .what = "predictions and reads needing a thread of their "
+                                         "own (large images, loads on demand, exports)"};
+static defer_group admin_group = {.test_env = "MD_TEST_MAX_ADMIN_DEFERRED",
+                                  .max = MAX_ADMIN_DEFERRED,
+                                  .what = "deploys and model changes"};
+
+static int group_limit(defer_group *g)
 {
-    static atomic_int limit; /* 0: not read yet */
-    int n = atomic_load(&limit);
+    int n = atomic_load(&g->limit);
     if (n == 0) {
-        const char *t = getenv("MD_TEST_MAX_DEFERRED");
+        const char *t = getenv(g->test_env);
         long v = t ? strtol(t, NULL, 10) : 0;
-        n = v >= 1 && v <= MAX_DEFERRED ? (int)v : MAX_DEFERRED;
-        atomic_store(&limit, n);
+        n = v >= 1 && v <= g->max ? (int)v : g->max;
+        atomic_store(&g->limit, n);
     }
     return n;
 }
 
 /* Run r->deferred on this thread, the connection suspended; then reply if
- * it did not and resume, unless it handed the request on. `done` runs before
- * r may be freed by another thread (the bound's count, for deferred threads). */
-static void run_deferred(md_req *r, void (*done)(void))
+ * it did not and resume, unless it handed the request on. `group` (NULL on
+ * the decode pool) is given its thread back before r may be freed by
+ * another thread. */
+static void run_deferred(md_req *r, defer_group *group)
 {
     handed_off = 0;
     r->in_deferred = 1;
     r->deferred(r);
     if (handed_off) {
-        if (done)
-            done();
+        if (group)
+            atomic_fetch_sub(&group->running, 1);
         return; /* r belongs to whoever took it (it may be freed already) */
     }
     r->in_deferred = 0;
-    if (done)
-        done();
+    if (group)
+        atomic_fetch_sub(&group->running, 1);
     if (r->reply == REPLY_NONE) {
         md_err err;
         md_err_set(&err, MD_EINTERNAL, "the handler for %s %s produced no response", r->method,
@@ -519,12 +551,11 @@ static void run_deferred(md_req *r, void (*done)(void))
     md_req_resume(r);
 }
 
-static void deferred_done(void) { atomic_fetch_sub(&deferred_running, 1); }
-
 static void *defer_main(void *arg)
 {
+    md_req *r = arg;
     pthread_setname_np(pthread_self(), "md-deferred");
-    run_deferred(arg, deferred_done);
+    run_deferred(r, r->defer_group);
     return NULL;
 }
 
@@ -599,17 +630,19 @@ int md_req_offload(md_req *r, void (*fn)(md_req *req))
 
 void md_req_defer(md_req *r, void (*fn)(md_req *req))
 {
-    int limit = max_deferred();
-    if (atomic_fetch_add(&deferred_running, 1) >= limit) {
-        atomic_fetch_sub(&deferred_running, 1);
+    defer_group *g = r->match.route && r->match.route->auth == MD_AUTH_ADMIN ? &admin_group
+                                                                             : &work_group;
+    int limit = group_limit(g);
+    if (atomic_fetch_add(&g->running, 1) >= limit) {
+        atomic_fetch_sub(&g->running, 1);
         md_err err;
         md_err_setc(&err, MD_EBUSY, "too_busy",
-                    "%d deploys, loads and downloads are in progress, the most at once; retry "
-                    "%s %s shortly",
-                    limit, r->method, r->path);
+                    "%d %s are in progress, the most at once; retry %s %s shortly", limit,
+                    g->what, r->method, r->path);
         md_reply_error(r, &err); /* MD_EBUSY: 503 with Retry-After */
         return;
     }
+    r->defer_group = g;
     r->deferred = fn;
     md_req_suspend(r);
     pthread_t t;
@@ -618,7 +651,7 @@ void md_req_defer(md_req *r, void (*fn)(md_req *req))
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     if (pthread_create(&t, &attr, defer_main, r) != 0) {
         md_err err;
-        atomic_fetch_sub(&deferred_running, 1);
+        atomic_fetch_sub(&g->running, 1);
         md_err_set(&err, MD_EBUSY, "cannot start a thread for %s %s; retry later", r->method,
                    r->path);
         md_reply_error(r, &err);

@@ -4,8 +4,10 @@
  * Start: load the configuration (exit 2 on a bad value), bind the port (exit 1
  * if it cannot), then report ready. Stop: on the first SIGTERM or SIGINT,
  * /readyz turns 503 at once so load balancers stop sending; after
- * drain_seconds the listener closes; requests in flight finish; exit 0. A
- * second signal exits at once. Signals are blocked in every thread and taken
+ * drain_seconds the listener closes; requests in flight finish; exit 0. What
+ * is still in flight drain_seconds + the longest a request may take after the
+ * signal (a client trickling a body is never idle, so nothing else ends it)
+ * is cut off: a log line says how many, exit 1. A second signal exits at once. Signals are blocked in every thread and taken
  * synchronously here with sigtimedwait, so no handler runs in signal context.
  */
 #define _GNU_SOURCE
@@ -49,6 +51,22 @@ static int wait_signal(const sigset_t *set, double seconds)
             return 0;
         /* EINTR: retry with the same bound; the drain loop re-checks time */
     }
+}
+
+/* The longest a request may take, in seconds: the largest of the bounds the
+ * settings put on one (connection_timeout_s without a byte from the client,
+ * timeout_ms for a prediction, a deploy's download). A body that keeps
+ * trickling has no bound of its own: at stop, this is it. */
+static int longest_request_s(const md_cfg *cfg)
+{
+    int s = cfg->connection_timeout_s;
+    int predict = (cfg->timeout_ms + 999) / 1000;
+    int download = cfg->download_connect_timeout_s + cfg->download_timeout_s;
+    if (predict > s)
+        s = predict;
+    if (download > s)
+        s = download;
+    return s;
 }
 
 /* A stop signal arrived while starting (checked between model loads). */
@@ -140,6 +158,9 @@ int main(int argc, char **argv)
         return 0;
     }
     md_log_set_level(cfg.log_level);
+    if (cfg.open_admin && cfg.admin_token.count == 0)
+        md_log(MD_LOG_WARN, "open_admin: deploys, PATCH, DELETE and every other admin route "
+                            "need no token; set admin_token to guard them");
 
     /* Block the stop signals before any thread starts, so every thread
      * inherits the mask and only sigtimedwait below receives them. */
@@ -212,11 +233,16 @@ int main(int argc, char **argv)
 
     atomic_store(&app.stop_signal, sig);
     atomic_store(&app.ready, MD_DRAINING);
-    md_log(MD_LOG_INFO, "signal %d: not ready; closing the listener in %d s", sig,
-           cfg.drain_seconds);
+    double signalled = now_s();
+    int longest = longest_request_s(&cfg);
+    double cut_at = signalled + cfg.drain_seconds + longest;
+    md_log(MD_LOG_INFO,
+           "signal %d: not ready; closing the listener in %d s; requests still in flight "
+           "after %d s are cut off",
+           sig, cfg.drain_seconds, cfg.drain_seconds + longest);
 
     /* Drain: keep serving for drain_seconds while load balancers notice. */
-    double until = now_s() + cfg.drain_seconds;
+    double until = signalled + cfg.drain_seconds;
     while (now_s() < until) {
         if (wait_signal(&stop_signals, until - now_s()) > 0) {
             md_log(MD_LOG_WARN, "second signal: exiting at once");
@@ -231,7 +257,22 @@ int main(int argc, char **argv)
      * (never suspended), so the second zero is final (md_http_close_gate). */
     for (int pass = 0; pass < 2; pass++) {
         while (md_http_in_flight(http) > 0) {
-            if (wait_signal(&stop_signals, 0.02) > 0) {
+            double left = cut_at - now_s();
+            if (left <= 0) {
+                /* _exit, not md_http_stop: libmicrohttpd aborts when stopped
+                 * with a connection suspended, and a deferred thread may still
+                 * use the store and the models; what is committed is durable
+                 * (SQLite, blobs renamed after fsync), jobs resume elsewhere */
+                md_log(MD_LOG_WARN,
+                       "cutting off %ld request(s) still in flight %.0f s after signal %d "
+                       "(drain_seconds %d + %d s, the longest a request may take: "
+                       "connection_timeout_s, timeout_ms, download timeouts); exiting 1",
+                       md_http_in_flight(http), now_s() - signalled, sig, cfg.drain_seconds,
+                       longest);
+                fflush(NULL);
+                _exit(1);
+            }
+            if (wait_signal(&stop_signals, left < 0.02 ? left : 0.02) > 0) {
                 md_log(MD_LOG_WARN, "second signal: exiting at once");
                 _exit(1);
             }

@@ -71,7 +71,7 @@ static const char *const all_keys[] = {
     "max_image_pixels", "max_jpeg_scans", "max_large_decodes", "prepack_max_bytes", "job_max_files", "job_max_image_bytes",
     "store_poll_ms",
     "allow_private_urls", "test_job_chunk_delay_ms", "admin_token", "admin_token_file",
-    "predict_token", "predict_token_file", "metrics_token", "metrics_token_file",
+    "predict_token", "predict_token_file", "metrics_token", "metrics_token_file", "open_admin",
 };
 #define N_KEYS (sizeof all_keys / sizeof all_keys[0])
 
@@ -848,11 +848,68 @@ static void test_bad_tokens_refused_without_echo(void **state)
     md_cfg_free(&cfg);
 }
 
+/* Issue 24: a predict or metrics token without an admin token left the admin
+ * routes open behind a server that looked guarded; refused unless open_admin. */
+static void test_tokens_without_admin_token_need_open_admin(void **state)
+{
+    (void)state;
+    EXPECT_EINVAL(ARGV("--predict-token", "p1"), no_env, "predict_token", "admin_token",
+                  "open_admin", "--open-admin");
+    EXPECT_EINVAL(ARGV("--open-admin=false"), ENVP("MODELD_METRICS_TOKEN=m1"), "metrics_token",
+                  "admin_token", "open_admin");
+    md_cfg cfg;
+    md_cfg_action action;
+    md_err err;
+    /* no token at all: open, as before */
+    assert_int_equal(load(&cfg, ARGV("--port", "9000"), no_env, &action, &err), MD_OK);
+    assert_int_equal(cfg.open_admin, 0);
+    md_cfg_free(&cfg);
+    /* an admin token guards them */
+    assert_int_equal(load(&cfg, ARGV("--predict-token", "p1", "--admin-token", "a1"), no_env,
+                          &action, &err),
+                     MD_OK);
+    md_cfg_free(&cfg);
+    /* open_admin from each source; a bare flag means true and takes no value */
+    assert_int_equal(load(&cfg, ARGV("--predict-token", "p1", "--open-admin", "--port", "9001"),
+                          no_env, &action, &err),
+                     MD_OK);
+    assert_int_equal(cfg.open_admin, 1);
+    assert_int_equal(cfg.port, 9001);
+    md_cfg_free(&cfg);
+    assert_int_equal(load(&cfg, ARGV("--predict-token", "p1", "--open-admin", "true"), no_env,
+                          &action, &err),
+                     MD_OK);
+    assert_int_equal(cfg.open_admin, 1);
+    md_cfg_free(&cfg);
+    assert_int_equal(load(&cfg, ARGV("--predict-token", "p1"), ENVP("MODELD_OPEN_ADMIN=1"),
+                          &action, &err),
+                     MD_OK);
+    assert_int_equal(cfg.open_admin, 1);
+    md_cfg_free(&cfg);
+    char path[64];
+    write_temp(path, "{\"open_admin\": true, \"predict_token\": [\"p1\"]}");
+    assert_int_equal(load(&cfg, ARGV("--config", path), no_env, &action, &err), MD_OK);
+    assert_int_equal(cfg.open_admin, 1);
+    char *text = md_cfg_to_json(&cfg);
+    assert_non_null(strstr(text, "\"open_admin\": true"));
+    free(text);
+    md_cfg_free(&cfg);
+    unlink(path);
+    /* not a boolean */
+    EXPECT_EINVAL(ARGV("--open-admin", "maybe"), no_env, "--open-admin", "open_admin", "maybe");
+    EXPECT_EINVAL(ARGV("--port", "9000"), ENVP("MODELD_OPEN_ADMIN=yes"), "MODELD_OPEN_ADMIN",
+                  "yes");
+    write_temp(path, "{\"open_admin\": 1}");
+    EXPECT_EINVAL(ARGV("--config", path), no_env, "open_admin", "true or false");
+    unlink(path);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_tokens_from_env_flags_and_files, remove_temps),
         cmocka_unit_test_teardown(test_bad_tokens_refused_without_echo, remove_temps),
+        cmocka_unit_test_teardown(test_tokens_without_admin_token_need_open_admin, remove_temps),
         cmocka_unit_test(test_metrics_histogram),
         cmocka_unit_test(test_metrics_labels_escaped),
         cmocka_unit_test_teardown(test_defaults, remove_temps),

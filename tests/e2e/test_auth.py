@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, free_port
 
 FIXTURES = REPO / "tests" / "fixtures"
 ADMIN = ["admin-tok-1111111111", "admin-tok-2222222222"]   # two: a rotation in progress
@@ -160,3 +160,47 @@ def test_open_without_tokens(start_server):
     srv = start_server()
     assert srv.get("/models").status_code == 200
     assert srv.get("/metrics").status_code == 200
+
+
+def test_tokens_without_an_admin_token_refuse_to_start(run_modeld, tmp_path):
+    """Issue 24: with only predict_token (or metrics_token) set, deploys,
+    PATCH and DELETE stayed open to anyone, silently. Such a server refuses to
+    start, in one line naming the fix, unless open_admin says it is meant."""
+    base = ("--host", "127.0.0.1", "--port", free_port(), "--store", tmp_path / "store",
+            "--access-log", "off")
+    for args, env in ((("--predict-token", PREDICT), None),
+                      (("--metrics-token", METRICS), None),
+                      ((), {"MODELD_PREDICT_TOKEN": PREDICT}),
+                      (("--predict-token", PREDICT, "--open-admin", "false"), None)):
+        p = run_modeld(*base, *args, env=env, timeout=10)
+        assert p.returncode == 2, (args, env, p.returncode, p.stderr)
+        lines = [line for line in p.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, p.stderr
+        for word in ("admin_token", "open_admin", "--open-admin"):
+            assert word in lines[0], lines[0]
+        assert PREDICT not in p.stderr and METRICS not in p.stderr
+
+
+def test_open_admin_keeps_admin_routes_open_on_purpose(start_server, run_modeld, tmp_path):
+    srv = start_server("--predict-token", PREDICT, "--open-admin")
+    assert "open_admin" in srv.stderr and "no token" in srv.stderr, srv.stderr
+    with open(FIXTURES / "mlp.pt", "rb") as f:
+        r = srv.request("POST", "/models/mlp/versions", files={"checkpoint": f},
+                        data={"config": json.dumps({"input": {"shape": [4]}})})
+    assert r.status_code == 201, r.text  # admin routes: open, as configured
+    r = srv.request("POST", "/models/mlp/predict", data="[[1, 2, 3, 4]]",
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 401, r.text  # predictions still need their token
+    # every source spells it; --print-config shows it
+    cfg = tmp_path / "modeld.json"
+    cfg.write_text(json.dumps({"open_admin": True, "predict_token": [PREDICT]}))
+    for args, env in ((("--config", cfg), None),
+                      (("--predict-token", PREDICT), {"MODELD_OPEN_ADMIN": "true"}),
+                      (("--predict-token", PREDICT, "--open-admin=1"), None)):
+        p = run_modeld(*args, "--print-config", env=env)
+        assert p.returncode == 0, (args, env, p.stderr)
+        assert json.loads(p.stdout)["open_admin"] is True, p.stdout
+    p = run_modeld("--print-config")
+    assert p.returncode == 0 and json.loads(p.stdout)["open_admin"] is False, p.stdout
+    p = run_modeld("--open-admin", "maybe", "--print-config")
+    assert p.returncode == 2 and "open_admin" in p.stderr and "maybe" in p.stderr, p.stderr

@@ -218,6 +218,21 @@ def test_access_log_one_json_line_per_request(server):
         assert e["bytes_out"] == len(resp.content), e
 
 
+def test_access_log_line_for_a_path_that_is_not_utf8(server):
+    """A path that is not valid UTF-8 still gets its line (jansson refuses such
+    a string, and the line was dropped): its bytes are written as \\xNN."""
+    with raw_connect(server.port) as sock:
+        sock.sendall(b"GET /models/\xff\xfe HTTP/1.1\r\nHost: x\r\n"
+                     b"X-Request-Id: e2e-not-utf8\r\n\r\n")
+        resp = read_http_response(sock)
+    assert resp.status == 404, resp.raw
+    entries = _log_entries(server.access_log, ["e2e-not-utf8"])
+    mine = [e for e in entries if e["request_id"] == "e2e-not-utf8"]
+    assert len(mine) == 1, f"no access-log line for the request: {entries}"
+    assert mine[0]["path"] == "/models/\\xff\\xfe", mine[0]
+    assert mine[0]["method"] == "GET" and mine[0]["status"] == 404, mine[0]
+
+
 def test_access_log_off_writes_nothing(start_server, tmp_path):
     s = start_server(access_log="off")
     for path in ("/healthz", "/readyz", "/nope"):
@@ -634,6 +649,54 @@ def test_sigterm_under_load_exits_0_and_refuses_new_connections(start_server):
             for t in clients:
                 t.join()
         assert s.proc.wait(10 * TSCALE) == 0, s.stderr
+
+
+def test_sigterm_cuts_off_a_body_that_never_ends(start_server):
+    """One client trickling a body must not hold a stop forever: what is still
+    in flight drain_seconds + the longest a request may take (the largest of
+    connection_timeout_s, timeout_ms and the download timeouts, all small here)
+    after SIGTERM is cut off, logged, and the server exits 1. The client sends
+    a byte every 0.1 s, well inside connection_timeout_s, so it is never idle.
+    Its "100 Continue" says the server holds the request before the signal;
+    then the test waits on the exit, not on a clock."""
+    idle_s = int(3 * TSCALE)
+    s = start_server("--connection-timeout-s", idle_s, "--timeout-ms", "1000",
+                     "--download-connect-timeout-s", "1", "--download-timeout-s", "1",
+                     drain_seconds=0)
+    stop = threading.Event()
+    with raw_connect(s.port, timeout=10) as sock:
+        sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n"
+                     b"Expect: 100-continue\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            assert chunk, f"closed before 100 Continue: {head!r}"
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 100"), head
+
+        def trickle():
+            while True:
+                try:
+                    sock.sendall(b"a")
+                except OSError:
+                    return  # cut off
+                if stop.wait(0.1):
+                    return
+
+        t = threading.Thread(target=trickle)
+        t.start()
+        try:
+            s.send_signal(signal.SIGTERM)
+            try:
+                rc = s.proc.wait(30 * TSCALE)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"still running {30 * TSCALE:.0f} s after SIGTERM with "
+                                     f"one client trickling a body; stderr:\n{s.stderr}")
+        finally:
+            stop.set()
+            t.join()
+    assert rc == 1, (rc, s.stderr)
+    assert "cutting off 1 request(s) still in flight" in s.stderr, s.stderr
 
 
 def test_second_signal_exits_at_once(start_server):

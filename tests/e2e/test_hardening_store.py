@@ -419,6 +419,7 @@ def test_full_deferred_pool_answers_503_and_known_answers_need_no_thread(start_s
     created(upload(s, "m", fields=[("deploy", "false")]))
     v3 = created(upload(s, "m", data=CNN, fields=[("deploy", "false"), ("config", "{}")]))
     (s.store / "blobs" / v3["sha256"]).write_bytes(b"PK\x03\x04" + b"\0" * 200)
+    created(upload(s, "m", fields=[("deploy", "false")]))  # v4, never loaded
     bad = s.request("POST", "/models/m/versions/3/predict", json=MLP_INPUT[:2],
                     timeout=30 * TSCALE)
     assert bad.status_code == 422, bad.text
@@ -431,8 +432,9 @@ def test_full_deferred_pool_answers_503_and_known_answers_need_no_thread(start_s
         lambda: s.request("POST", "/models/m/versions/2/predict", json=MLP_INPUT[:2],
                           timeout=60 * TSCALE))
     held(s, "m", 2)
-    # the pool is full: what needs a deferred thread is refused at once
-    r = s.request("PATCH", "/models/m", json={"default_version": 1})
+    # the pool is full: a prediction that needs a deferred thread (a load on
+    # demand) is refused at once
+    r = s.request("POST", "/models/m/versions/4/predict", json=MLP_INPUT[:2])
     expect_error(r, 503, "too_busy")
     assert r.headers.get("Retry-After"), r.headers
     # what is known in memory is answered without one
@@ -447,6 +449,55 @@ def test_full_deferred_pool_answers_503_and_known_answers_need_no_thread(start_s
     assert predict(s, "m")["version"] == 1  # a loaded version needs no thread either
     s.kill()  # the held load never ends on its own within the test
     t1.join(30 * TSCALE)
+
+
+def test_predictions_filling_the_deferred_pool_leave_admin_work_its_own(start_server):
+    """Issue 24: 70 image clients took all 64 deferred threads and every
+    deploy answered 503. Admin work has its own bound: with the predictions'
+    one thread (test-only MD_TEST_MAX_DEFERRED) held by an on-demand load,
+    a deploy and a PATCH still run."""
+    s = start_server(env=hold_env(2, version=2, MD_TEST_MAX_DEFERRED="1"))
+    created(upload(s, "m", fields=[("config", json.dumps(LABELED))]))
+    created(upload(s, "m", fields=[("deploy", "false")]))
+    created(upload(s, "m", fields=[("deploy", "false")]))
+    t1, first = in_background(
+        lambda: s.request("POST", "/models/m/versions/2/predict", json=MLP_INPUT[:2],
+                          timeout=60 * TSCALE))
+    held(s, "m", 2)
+    r = s.request("POST", "/models/m/versions/3/predict", json=MLP_INPUT[:2])
+    expect_error(r, 503, "too_busy")  # the predictions' bound holds
+    v4 = created(upload(s, "m"))       # a deploy gets an admin thread
+    assert v4["version"] == 4 and v4["default"] is True, v4
+    assert predict(s, "m")["version"] == 4
+    # so does a PATCH; its load of version 2 is the held load's second caller
+    r = s.request("PATCH", "/models/m", json={"default_version": 2}, timeout=60 * TSCALE)
+    assert r.status_code == 200, r.text
+    t1.join(60 * TSCALE)
+    assert len(first) == 1 and isinstance(first[0], requests.Response), first
+    assert first[0].status_code == 200, first[0].text
+    assert predict(s, "m")["version"] == 2
+
+
+def test_admin_work_filling_its_slots_leaves_predictions_theirs(start_server):
+    """The other way round: admin work (test-only MD_TEST_MAX_ADMIN_DEFERRED=1)
+    has one thread, held by a PATCH's load; another deploy is refused with 503,
+    and a prediction that needs a deferred thread still gets one."""
+    s = start_server(env=hold_env(2, version=2, MD_TEST_MAX_ADMIN_DEFERRED="1"))
+    created(upload(s, "m", fields=[("config", json.dumps(LABELED))]))
+    created(upload(s, "m", fields=[("deploy", "false")]))
+    t1, first = in_background(
+        lambda: s.request("PATCH", "/models/m", json={"default_version": 2},
+                          timeout=60 * TSCALE))
+    held(s, "m", 2)
+    r = upload(s, "m")
+    expect_error(r, 503, "too_busy")
+    assert r.headers.get("Retry-After"), r.headers
+    # the prediction's load is the held load's second caller: both finish
+    assert predict(s, "m", version=2)["version"] == 2
+    t1.join(60 * TSCALE)
+    assert len(first) == 1 and isinstance(first[0], requests.Response), first
+    assert first[0].status_code == 200, first[0].text
+    assert predict(s, "m")["version"] == 2
 
 
 def test_store_sync_joins_a_load_in_progress_instead_of_loading_again(start_server, tmp_path):
