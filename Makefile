@@ -250,6 +250,7 @@ bench: deps
 	$(BUILD)/bench/decode
 	$(BUILD)/bench/encode
 	bash bench/run.sh
+	$(PYTHON) bench/memory.py --modeld $(CURDIR)/$(MODELD)
 
 clean:
 	rm -rf build build-asan build-tsan build-fuzz modeld

@@ -4,8 +4,8 @@
 # On loopback only, in about 2 minutes:
 #   1. in-process ceiling: build/bench/inprocess runs md_torch_forward on the
 #      FashionMNIST model from one thread per core (batch 64, then batch 1),
-#      each thread on its own prepacked copy (md_torch_replica), as each
-#      modeld worker forwards;
+#      each thread on its own prepacked copy (md_torch_replica), as a
+#      version packed once per core forwards;
 #   2. modeld (temp store, access log off, workers = cores) with the model
 #      deployed: wrk POSTs a 1-row JSON body (32 connections), a 64-row JSON
 #      body and a 64-row NPY body (8 connections) to /models/fashion/predict.

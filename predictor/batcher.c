@@ -343,9 +343,9 @@ static void learn_row_shape(md_model *m, const int64_t *shape, int ndim, int64_t
 static md_torch_model *pool_take(md_model *m);
 static void pool_give(md_model *m, md_torch_model *r);
 
-/* One forward: on a free packed copy from the version's pool when there is
- * one (pool_take), else on the model itself, which any number of workers
- * may run at once. Should a packed copy fail where the model itself
+/* One forward: on a packed copy from the version's pool (pool_take) when
+ * the version is packed, else on the model itself, which any number of
+ * workers may run at once. Should a packed copy fail where the model itself
  * succeeds (an input XNNPACK refuses), packing stops for the version for
  * good, and that is said once. */
 static md_status forward(md_model *m, const float *input, const int64_t *shape, int ndim,
@@ -370,6 +370,7 @@ static md_status forward(md_model *m, const float *input, const int64_t *shape, 
         m->pool_max = 0; /* the copies in the pool go as they are taken */
         m->pool_made--;
         atomic_store(&m->prepacked, m->pool_made);
+        pthread_cond_broadcast(&m->pool_cv);
         pthread_mutex_unlock(&m->pool_mu);
         md_torch_free(r);
     } else {
@@ -534,16 +535,18 @@ int md_models_wait_stopped(double timeout_s)
  *
  * A version holds its weights once, in `torch`, which every worker may
  * forward on at the same time. XNNPACK's prepacked linear (md_torch_replica)
- * is faster at small batches, but a packed operator keeps per-call state, so
- * a packed copy serves one forward at a time, and each is another copy of
- * the linear weights. So the copies are a pool of the version's, not one per
- * worker: at most as many as the cores that can forward at once (nor more
- * than the workers), and only while all of them together fit in
- * prepack_max_bytes; a forward that finds none free runs on `torch`. Copies
- * are made when a forward wants one (online workers ask as they start, so a
- * version's first requests find them), outside the lock, one at a time per
- * version (md_torch_replica serializes on the model). With 16 workers on 2
- * cores a version keeps 2 packed copies, not 32. */
+ * is 2-3x faster at 1-16 rows, but a packed operator keeps per-call state,
+ * so a packed copy serves one forward at a time, and each is another copy
+ * of the linear weights. So the copies are a pool of the version's, not one
+ * per worker: as many as forwards can run at once (the cores, or fewer
+ * workers), and only when all of them fit in prepack_max_bytes together;
+ * otherwise none (packing is all or nothing per version, so every answer of
+ * a version comes from the same kernels, whatever the load). A forward
+ * takes a free copy, makes one while the pool is short, or waits for one
+ * to come back: with a copy per core that wait is the wait for a core.
+ * Online workers each add a copy as they start, so a version's first
+ * requests find them made. With 16 workers on 2 cores a version keeps 2
+ * packed copies, not 32. */
 
 static int cores(void)
 {
@@ -558,7 +561,10 @@ static int cores(void)
     return n > 0 ? (int)n : 1;
 }
 
-/* Make one packed copy (m->pool_making counted by the caller). */
+/* Make one packed copy, counted in pool_made; NULL when there is none to
+ * make (the version is stopping, nothing to pack, the copies would not fit
+ * prepack_max_bytes, or packing failed: then pool_max is 0 for good).
+ * pool_mu not held; the caller counts itself in pool_making. */
 static md_torch_model *make_replica(md_model *m)
 {
     /* released before its workers got here (a SIGTERM right after a
@@ -573,91 +579,79 @@ static md_torch_model *make_replica(md_model *m)
     md_err err;
     md_err_clear(&err);
     double t0 = now_s();
-    if (md_torch_replica(m->torch, m->prepack_max, &r, &bytes, &err) != MD_OK) {
+    pthread_mutex_lock(&m->pool_mu);
+    int copies = m->pool_max;
+    pthread_mutex_unlock(&m->pool_mu);
+    size_t each = copies > 0 ? m->prepack_max / (size_t)copies : 0;
+    if (md_torch_replica(m->torch, each, &r, &bytes, &err) != MD_OK) {
         if (atomic_exchange(&m->prepack_logged, 1) == 0)
             md_log(MD_LOG_WARN, "model %s version %d: forwarding without prepacking: %s",
                    m->name, md_model_version(m), err.msg);
         r = NULL;
-    } else if (r)
+    } else if (r) {
         md_log(MD_LOG_DEBUG, "model %s version %d: packed %zu bytes of linear weights in %.1f ms",
                m->name, md_model_version(m), bytes, (now_s() - t0) * 1e3);
-    else if (bytes > m->prepack_max && atomic_exchange(&m->prepack_logged, 1) == 0)
+    } else if (bytes > each && atomic_exchange(&m->prepack_logged, 1) == 0) {
         md_log(MD_LOG_INFO, "model %s version %d: not prepacked: its linear weights are %zu "
-               "bytes, more than prepack_max_bytes (%zu)", m->name, md_model_version(m), bytes,
+               "bytes, and %d packed copies (one per forward at once) would be more than "
+               "prepack_max_bytes (%zu)", m->name, md_model_version(m), bytes, copies,
                m->prepack_max);
+    }
     pthread_mutex_lock(&m->pool_mu);
-    if (!r) {
-        m->pool_max = 0; /* nothing to pack, too large, or it failed: the same next time */
-    } else {
+    if (r) {
         m->packed_bytes = bytes;
-        size_t fit = bytes > 0 ? m->prepack_max / bytes : (size_t)m->pool_max;
-        if ((size_t)m->pool_max > fit)
-            m->pool_max = (int)fit;
         m->pool_made++;
         atomic_store(&m->prepacked, m->pool_made);
+    } else if (!stopping) {
+        m->pool_max = 0; /* the same answer next time: forward on torch */
     }
+    pthread_cond_broadcast(&m->pool_cv);
     pthread_mutex_unlock(&m->pool_mu);
     return r;
 }
 
-/* A free packed copy, made now when none is free and the pool may grow; NULL
- * to forward on m->torch. The caller gives it back with pool_give. */
+/* A packed copy for one forward, given back with pool_give: a free one, one
+ * made now while the pool is short, or the next one given back. NULL to
+ * forward on m->torch (no packing for this version). */
 static md_torch_model *pool_take(md_model *m)
 {
     if (m->prepack_max == 0)
         return NULL;
     md_torch_model *r = NULL, *drop = NULL;
     pthread_mutex_lock(&m->pool_mu);
-    if (m->pool_nfree > 0 && m->pool_made > m->pool_max) { /* packing stopped */
-        drop = m->pool_free[--m->pool_nfree];
-        m->pool_made--;
-        atomic_store(&m->prepacked, m->pool_made);
-    } else if (m->pool_nfree > 0) {
-        r = m->pool_free[--m->pool_nfree];
-    } else if (m->pool_made < m->pool_max && m->pool_making == 0) {
-        /* none free and room for one: make it (a forward meanwhile by
-         * another worker runs on m->torch rather than wait) */
-        m->pool_making++;
-        pthread_mutex_unlock(&m->pool_mu);
-        r = make_replica(m);
-        pthread_mutex_lock(&m->pool_mu);
-        m->pool_making--;
-        pthread_cond_broadcast(&m->pool_cv);
+    for (;;) {
+        if (m->pool_max == 0) { /* packing stopped: free the copies as they come */
+            if (m->pool_nfree > 0) {
+                drop = m->pool_free[--m->pool_nfree];
+                m->pool_made--;
+                atomic_store(&m->prepacked, m->pool_made);
+            }
+            break;
+        }
+        if (m->pool_nfree > 0) {
+            r = m->pool_free[--m->pool_nfree];
+            break;
+        }
+        if (m->pool_made + m->pool_making < m->pool_max) {
+            m->pool_making++;
+            pthread_mutex_unlock(&m->pool_mu);
+            r = make_replica(m);
+            pthread_mutex_lock(&m->pool_mu);
+            m->pool_making--;
+            break;
+        }
+        pthread_cond_wait(&m->pool_cv, &m->pool_mu);
     }
     pthread_mutex_unlock(&m->pool_mu);
     md_torch_free(drop);
     return r;
 }
 
-/* An online worker as it starts: one more packed copy in the pool while
- * there is room, so a version's first concurrent requests find them made
- * (after the copy another worker is making now). */
-static void pool_fill_one(md_model *m)
-{
-    if (m->prepack_max == 0)
-        return;
-    pthread_mutex_lock(&m->pool_mu);
-    while (m->pool_making > 0)
-        pthread_cond_wait(&m->pool_cv, &m->pool_mu);
-    md_torch_model *r = NULL;
-    if (m->pool_made < m->pool_max) {
-        m->pool_making++;
-        pthread_mutex_unlock(&m->pool_mu);
-        r = make_replica(m);
-        pthread_mutex_lock(&m->pool_mu);
-        m->pool_making--;
-        pthread_cond_broadcast(&m->pool_cv);
-    }
-    pthread_mutex_unlock(&m->pool_mu);
-    if (r)
-        pool_give(m, r);
-}
-
 static void pool_give(md_model *m, md_torch_model *r)
 {
     md_assert(r != NULL);
     pthread_mutex_lock(&m->pool_mu);
-    if (m->pool_made > m->pool_max) { /* packing stopped (forward's fallback) */
+    if (m->pool_max == 0) { /* packing stopped (forward's fallback) */
         m->pool_made--;
         atomic_store(&m->prepacked, m->pool_made);
         pthread_mutex_unlock(&m->pool_mu);
@@ -665,7 +659,32 @@ static void pool_give(md_model *m, md_torch_model *r)
         return;
     }
     m->pool_free[m->pool_nfree++] = r;
+    pthread_cond_signal(&m->pool_cv);
     pthread_mutex_unlock(&m->pool_mu);
+}
+
+/* An online worker as it starts: one more packed copy in the pool while it
+ * is short, so a version's first concurrent requests find them made. */
+static void pool_fill_one(md_model *m)
+{
+    if (m->prepack_max == 0)
+        return;
+    pthread_mutex_lock(&m->pool_mu);
+    while (m->pool_making > 0) /* the first copy decides whether packing pays */
+        pthread_cond_wait(&m->pool_cv, &m->pool_mu);
+    int room = m->pool_made < m->pool_max;
+    if (room)
+        m->pool_making++;
+    pthread_mutex_unlock(&m->pool_mu);
+    if (!room)
+        return;
+    md_torch_model *r = make_replica(m);
+    pthread_mutex_lock(&m->pool_mu);
+    m->pool_making--;
+    pthread_cond_broadcast(&m->pool_cv);
+    pthread_mutex_unlock(&m->pool_mu);
+    if (r)
+        pool_give(m, r);
 }
 
 /* Rows were queued online (under mu): wake an idle worker if one should

@@ -143,19 +143,20 @@ def test_prepack_off_and_bounds(start_server):
     for name in ("big", "off"):
         np.testing.assert_allclose(predict(srv, name, x.tolist()), want, rtol=0, atol=ATOL)
         assert prepacked_workers(srv, name) == 0
-    assert "not prepacked: its linear weights are 2674688 bytes, more than " \
-           "prepack_max_bytes (2674687)" in srv.stderr
-    # the bound is all the packed copies of a version together: room for one
-    # copy, one copy for both workers; room for two, two (one per core)
-    srv2 = start_server("--prepack-max-bytes", "2674688", "--workers", "2")
-    deployed(srv2, "fits", FASHION_PT, FASHION_CONFIG)
-    assert prepacked_workers(srv2, "fits", 1) == 1
-    np.testing.assert_allclose(predict(srv2, "fits", x.tolist()), want, rtol=0, atol=ATOL)
-    assert prepacked_workers(srv2, "fits") == 1
-    srv2b = start_server("--prepack-max-bytes", str(2 * 2674688 + 1), "--workers", "2")
-    deployed(srv2b, "two", FASHION_PT, FASHION_CONFIG)
+    assert "not prepacked: its linear weights are 2674688 bytes" in srv.stderr
+    assert "more than prepack_max_bytes (2674687)" in srv.stderr
+    # the bound is all the packed copies of a version together, one per
+    # forward that can run at once (per core, two workers here): room for
+    # fewer is no packing at all; room for them all, all of them
     cores = min(2, len(os.sched_getaffinity(0)))
-    assert prepacked_workers(srv2b, "two", cores) == cores
+    srv2 = start_server("--prepack-max-bytes", str(cores * 2674688 - 1), "--workers", "2")
+    deployed(srv2, "short", FASHION_PT, FASHION_CONFIG)
+    np.testing.assert_allclose(predict(srv2, "short", x.tolist()), want, rtol=0, atol=ATOL)
+    assert prepacked_workers(srv2, "short") == 0
+    srv2b = start_server("--prepack-max-bytes", str(cores * 2674688), "--workers", "2")
+    deployed(srv2b, "fits", FASHION_PT, FASHION_CONFIG)
+    assert prepacked_workers(srv2b, "fits", cores) == cores
+    np.testing.assert_allclose(predict(srv2b, "fits", x.tolist()), want, rtol=0, atol=ATOL)
     srv3 = start_server("--prepack-max-bytes", "0")
     deployed(srv3, "never", FASHION_PT, FASHION_CONFIG)
     np.testing.assert_allclose(predict(srv3, "never", x.tolist()), want, rtol=0, atol=ATOL)
