@@ -507,6 +507,199 @@ static void test_pickle_limits(void **state)
     assert_msg_has(err.msg, "entry \"x\" is a dict", NULL);
 }
 
+/* ---- zip directories as libtorch reads them (zipdir.c) ---- */
+
+typedef struct zip_entry {
+    const char *name;
+    int method;
+    const char *data;
+    size_t len;
+    uint64_t usize; /* declared; the data's length when 0 */
+} zip_entry;
+
+typedef struct zip_buf {
+    uint8_t b[8192];
+    size_t n;
+} zip_buf;
+
+static void zput(zip_buf *z, uint64_t v, int bytes)
+{
+    for (int i = 0; i < bytes; i++)
+        z->b[z->n++] = (uint8_t)(v >> (8 * i));
+}
+
+static void zput_bytes(zip_buf *z, const void *p, size_t n)
+{
+    memcpy(z->b + z->n, p, n);
+    z->n += n;
+}
+
+/* Local records for `e`, their offsets into `off`. */
+static void zip_locals(zip_buf *z, const zip_entry *e, size_t n, uint64_t *off)
+{
+    for (size_t i = 0; i < n; i++) {
+        off[i] = z->n;
+        zput(z, 0x04034b50, 4);
+        zput(z, 45, 2), zput(z, 0, 2), zput(z, (uint64_t)e[i].method, 2), zput(z, 0, 4);
+        zput(z, 0, 4), zput(z, e[i].len, 4), zput(z, 0, 4);
+        zput(z, strlen(e[i].name), 2), zput(z, 0, 2);
+        zput_bytes(z, e[i].name, strlen(e[i].name));
+        zput_bytes(z, e[i].data, e[i].len);
+    }
+}
+
+/* A central directory for `e` at `off`; a usize past 32 bits goes into a
+ * zip64 extra field unless `no_extra`. Returns its offset. */
+static uint64_t zip_central(zip_buf *z, const zip_entry *e, size_t n, const uint64_t *off,
+                            int no_extra)
+{
+    uint64_t at = z->n;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t usize = e[i].usize ? e[i].usize : e[i].len;
+        int big = usize >= 0xFFFFFFFF;
+        zput(z, 0x02014b50, 4);
+        zput(z, 45, 2), zput(z, 45, 2), zput(z, 0, 2), zput(z, (uint64_t)e[i].method, 2);
+        zput(z, 0, 4), zput(z, 0, 4), zput(z, e[i].len, 4), zput(z, big ? 0xFFFFFFFF : usize, 4);
+        zput(z, strlen(e[i].name), 2), zput(z, big && !no_extra ? 12 : 0, 2), zput(z, 0, 2);
+        zput(z, 0, 2), zput(z, 0, 2), zput(z, 0, 4), zput(z, off[i], 4);
+        zput_bytes(z, e[i].name, strlen(e[i].name));
+        if (big && !no_extra)
+            zput(z, 1, 2), zput(z, 8, 2), zput(z, usize, 8);
+    }
+    return at;
+}
+
+static void zip_eocd(zip_buf *z, uint64_t entries, uint64_t cd_size, uint64_t cd_off)
+{
+    zput(z, 0x06054b50, 4), zput(z, 0, 4), zput(z, entries, 2), zput(z, entries, 2);
+    zput(z, cd_size, 4), zput(z, cd_off, 4), zput(z, 0, 2);
+}
+
+/* A zip64 end record (a bad signature when `broken`) and its locator. */
+static void zip64_tail(zip_buf *z, uint64_t entries, uint64_t cd_size, uint64_t cd_off,
+                       int broken)
+{
+    uint64_t at = z->n;
+    zput(z, broken ? 0x06064b51 : 0x06064b50, 4), zput(z, 44, 8), zput(z, 45, 2), zput(z, 45, 2);
+    zput(z, 0, 4), zput(z, 0, 4), zput(z, entries, 8), zput(z, entries, 8);
+    zput(z, cd_size, 8), zput(z, cd_off, 8);
+    zput(z, 0x07064b50, 4), zput(z, 0, 4), zput(z, at, 8), zput(z, 1, 4);
+}
+
+/* md_zip_dir_read over the bytes of `z`: its status, and `err`. */
+static md_status zip_read(const zip_buf *z, md_zip_dir **dir, md_err *err)
+{
+    char path[64];
+    write_temp_n(path, (const char *)z->b, z->n);
+    int fd = open(path, O_RDONLY);
+    assert_true(fd >= 0);
+    md_err_clear(err);
+    md_status st = md_zip_dir_read(fd, dir, err);
+    close(fd);
+    unlink(path);
+    if (st != MD_OK)
+        assert_null(*dir);
+    return st;
+}
+
+static void test_zip_directory_as_libtorch_reads_it(void **state)
+{
+    (void)state;
+    static const zip_entry good[] = {{"a/data.pkl", 0, "xy", 2, 0}, {"a/version", 0, "3\n", 2, 0}};
+    uint64_t off[4];
+    md_zip_dir *dir;
+    md_err err;
+    size_t len;
+    /* a plain zip: every entry, in order */
+    zip_buf z = {.n = 0};
+    zip_locals(&z, good, 2, off);
+    uint64_t cd = zip_central(&z, good, 2, off, 0);
+    zip_eocd(&z, 2, z.n - cd, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_OK);
+    assert_int_equal(md_zip_dir_count(dir), 2);
+    assert_memory_equal(md_zip_dir_name(dir, 1, &len), "a/version", 9);
+    assert_int_equal(len, 9);
+    md_zip_dir_free(dir);
+    md_zip_dir_free(NULL);
+    /* zip64, the classic record saturated as zip64 writers leave it: read */
+    z.n = 0;
+    zip_locals(&z, good, 2, off);
+    cd = zip_central(&z, good, 2, off, 0);
+    uint64_t cd_size = z.n - cd;
+    zip64_tail(&z, 2, cd_size, cd, 0);
+    zip_eocd(&z, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_OK);
+    assert_int_equal(md_zip_dir_count(dir), 2);
+    md_zip_dir_free(dir);
+    /* two directories: the classic record names a harmless one, the zip64
+     * one (libtorch's choice) a deflated record of 4.7 GB */
+    static const zip_entry bomb[] = {{"a/data.pkl", 0, "xy", 2, 0},
+                                     {"a/version", 8, "\x03\x00", 2, 4697620480ULL}};
+    z.n = 0;
+    zip_locals(&z, good, 2, off);
+    zip_locals(&z, bomb + 1, 1, off + 2);
+    cd = zip_central(&z, good, 2, off, 0);
+    cd_size = z.n - cd;
+    uint64_t off64[2] = {off[0], off[2]};
+    uint64_t cd64 = zip_central(&z, bomb, 2, off64, 0);
+    zip64_tail(&z, 2, z.n - cd64, cd64, 0);
+    zip_eocd(&z, 2, cd_size, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_string_equal(err.code, "zip_directories_disagree");
+    assert_msg_has(err.msg, "zip64", "classic", "torch.save", NULL);
+    /* the same zip64 directory alone: its deflated record is the bomb */
+    z.n = 0;
+    zip_locals(&z, bomb, 2, off);
+    cd = zip_central(&z, bomb, 2, off, 0);
+    cd_size = z.n - cd;
+    zip64_tail(&z, 2, cd_size, cd, 0);
+    zip_eocd(&z, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_string_equal(err.code, "compressed_record_too_large");
+    assert_msg_has(err.msg, "a/version", "4697620480", "16 MiB", NULL);
+    /* ... and with its size field saturated but no zip64 extra field */
+    z.n = 0;
+    zip_locals(&z, bomb, 2, off);
+    cd = zip_central(&z, bomb, 2, off, 1);
+    zip_eocd(&z, 2, z.n - cd, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "zip64 sizes are missing", NULL);
+    /* a locator whose zip64 record is not one */
+    z.n = 0;
+    zip_locals(&z, good, 2, off);
+    cd = zip_central(&z, good, 2, off, 0);
+    cd_size = z.n - cd;
+    zip64_tail(&z, 2, cd_size, cd, 1);
+    zip_eocd(&z, 2, cd_size, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "no valid zip64", NULL);
+    /* many names for one stored region: libtorch would hold each copy */
+    static char blob[1000];
+    zip_entry same[3] = {{"a/data/0", 0, blob, sizeof blob, 0}, {"a/data/1", 0, blob, 0, 0},
+                         {"a/data/2", 0, blob, 0, 0}};
+    z.n = 0;
+    zip_locals(&z, same, 1, off);
+    off[1] = off[2] = off[0];
+    same[1].len = same[2].len = sizeof blob;
+    cd = zip_central(&z, same, 3, off, 0);
+    zip_eocd(&z, 3, z.n - cd, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "share its bytes", NULL);
+    /* a stored record whose two sizes differ */
+    static const zip_entry lying[] = {{"a/data.pkl", 0, "xy", 2, 1000}};
+    z.n = 0;
+    zip_locals(&z, lying, 1, off);
+    cd = zip_central(&z, lying, 1, off, 0);
+    zip_eocd(&z, 1, z.n - cd, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "two sizes differ", NULL);
+    /* no end record at all */
+    z.n = 0;
+    zip_locals(&z, good, 2, off);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "no end-of-central-directory", NULL);
+}
+
 /* ---- safetensors ---- */
 
 static md_tensors *read_st_ok(const char *file)
@@ -953,6 +1146,7 @@ int main(void)
         cmocka_unit_test(test_bad_torch_save_files),
         cmocka_unit_test(test_handmade_pickles),
         cmocka_unit_test(test_pickle_limits),
+        cmocka_unit_test_teardown(test_zip_directory_as_libtorch_reads_it, remove_temps),
         cmocka_unit_test(test_safetensors_files_read_exactly),
         cmocka_unit_test(test_safetensors_round_trip),
         cmocka_unit_test(test_torch_save_to_safetensors),
