@@ -193,6 +193,17 @@ void md_zip_dir_free(md_zip_dir *z);
 typedef md_status (*md_ckpt_record_fn)(void *ctx, const char *key, const uint8_t **data,
                                        size_t *size, md_err *err);
 
+/* A bound on the bytes of tensor data one read copies out, checked in
+ * checked arithmetic before any tensor is allocated: a view's copy can be
+ * far larger than the file (torch.zeros(1).expand(n) is one stored element
+ * and n copied ones; a thousand names can view one storage). */
+typedef struct md_ckpt_budget {
+    unsigned long long max_bytes; /* 0, or past MD_CKPT_MAX_TOTAL_BYTES: that */
+    const char *limit;            /* what sets it, for messages ("the
+                                   * architecture's 67 elements"); NULL: the
+                                   * build's MD_CKPT_MAX_TOTAL_BYTES */
+} md_ckpt_budget;
+
 /*
  * Read the state_dict pickled in `pkl` (a torch.save data.pkl), storages
  * through `record`. The file may be a state_dict (OrderedDict or dict of
@@ -201,16 +212,21 @@ typedef md_status (*md_ckpt_record_fn)(void *ctx, const char *key, const uint8_t
  * parsed, checked and dropped) and whose top-level numbers become scalars.
  * No code from the file runs: only an allow-list of globals is accepted, and
  * any other fails with MD_EUNPROC naming it. `what` names the file in
- * messages. On success `*out` is a new list the caller frees.
+ * messages. The state_dict's tensors together may copy out at most
+ * `budget` bytes (NULL: MD_CKPT_MAX_TOTAL_BYTES), else MD_ETOOBIG (code
+ * "checkpoint_too_large") naming the limit, before anything is copied. On
+ * success `*out` is a new list the caller frees.
  */
 md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn record, void *ctx,
-                           const char *what, md_tensors **out, md_err *err);
+                           const char *what, const md_ckpt_budget *budget, md_tensors **out,
+                           md_err *err);
 
 /* Read a torch.save zip archive at `path` (data.pkl and data/<key> records,
  * read with libtorch's zip reader). A legacy (pre-1.6) file and a TorchScript
- * archive fail with MD_EUNPROC saying what to do. The archive is checked with
- * md_zip_dir_read before libtorch opens it. */
-md_status md_ckpt_read_torch_zip(const char *path, md_tensors **out, md_err *err);
+ * archive fail with MD_EUNPROC saying what to do; `budget` as md_ckpt_unpickle's.
+ * The archive is checked with md_zip_dir_read before libtorch opens it. */
+md_status md_ckpt_read_torch_zip(const char *path, const md_ckpt_budget *budget,
+                                 md_tensors **out, md_err *err);
 
 /* ---- safetensors ---- */
 

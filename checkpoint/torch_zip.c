@@ -33,7 +33,8 @@ static md_status storage_record(void *ctx, const char *key, const uint8_t **data
     return st;
 }
 
-md_status md_ckpt_read_torch_zip(const char *path, md_tensors **out, md_err *err)
+md_status md_ckpt_read_torch_zip(const char *path, const md_ckpt_budget *budget,
+                                 md_tensors **out, md_err *err)
 {
     *out = NULL;
     uint8_t head[16];
@@ -73,7 +74,8 @@ md_status md_ckpt_read_torch_zip(const char *path, md_tensors **out, md_err *err
     else
         st = md_torch_zip_record(z, "data.pkl", &pkl, &len, err);
     if (st == MD_OK)
-        st = md_ckpt_unpickle(pkl, len, storage_record, z, "the checkpoint", out, err);
+        st = md_ckpt_unpickle(pkl, len, storage_record, z, "the checkpoint", budget, out,
+                              err);
     md_torch_zip_close(z);
     return st;
 }

@@ -181,7 +181,7 @@ static md_tensors *read_zip_ok(const char *file)
     md_tensors *t = NULL;
     md_err err;
     md_err_clear(&err);
-    if (md_ckpt_read_torch_zip(path, &t, &err) != MD_OK)
+    if (md_ckpt_read_torch_zip(path, NULL, &t, &err) != MD_OK)
         fail_msg("reading %s failed: %s", file, err.msg);
     return t;
 }
@@ -192,7 +192,7 @@ static const char *read_zip_fails(const char *file, md_err *err)
     snprintf(path, sizeof path, CKPT "%s", file);
     md_tensors *t = (md_tensors *)(intptr_t)1;
     md_err_clear(err);
-    md_status st = md_ckpt_read_torch_zip(path, &t, err);
+    md_status st = md_ckpt_read_torch_zip(path, NULL, &t, err);
     if (st == MD_OK)
         fail_msg("%s was read, it must be refused", file);
     assert_null(t);
@@ -354,13 +354,13 @@ static void test_legacy_format_refused(void **state)
     size_t len;
     uint8_t *b = slurp(CKPT "legacy.pt", &len);
     md_tensors *t;
-    assert_int_equal(md_ckpt_unpickle(b, len, NULL, NULL, "legacy.pt", &t, &err), MD_EUNPROC);
+    assert_int_equal(md_ckpt_unpickle(b, len, NULL, NULL, "legacy.pt", NULL, &t, &err), MD_EUNPROC);
     assert_msg_has(err.msg, "legacy.pt", "_use_new_zipfile_serialization=True", NULL);
     free(b);
     /* a storage with no record source at all */
     assert_int_equal(md_ckpt_unpickle((const uint8_t *)"\x80\x02}(" TENSOR_W "u.",
                                       sizeof("\x80\x02}(" TENSOR_W "u.") - 1, NULL, NULL, "x.pt",
-                                      &t, &err), MD_EUNPROC);
+                                      NULL, &t, &err), MD_EUNPROC);
     assert_msg_has(err.msg, "data/0", "no storage records", NULL);
 }
 
@@ -407,8 +407,8 @@ static md_status one_record(void *ctx, const char *key, const uint8_t **data, si
 static md_status unpickle(const char *pkl, size_t len, md_tensors **t, md_err *err)
 {
     md_err_clear(err);
-    md_status st = md_ckpt_unpickle((const uint8_t *)pkl, len, one_record, NULL, "test.pt", t,
-                                    err);
+    md_status st = md_ckpt_unpickle((const uint8_t *)pkl, len, one_record, NULL, "test.pt", NULL,
+                                    t, err);
     if (st != MD_OK)
         assert_null(*t);
     return st;
@@ -505,6 +505,59 @@ static void test_pickle_limits(void **state)
     assert_int_equal(unpickle(PKL("\x80\x02}q\x00X\x01\x00\x00\x00xh\x00s."), &t, &err),
                      MD_EUNPROC);
     assert_msg_has(err.msg, "entry \"x\" is a dict", NULL);
+}
+
+/* {'w': a view of data/0's 4 floats with `size` and `stride` (pickled tuples) */
+#define TENSOR_VIEW(size, stride)                                                         \
+    "X\x01\x00\x00\x00w" "ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage" \
+    "ctorch\nFloatStorage\nX\x01\x00\x00\x00" "0X\x03\x00\x00\x00" "cpuK\x04tQK\x00"     \
+    size stride "\x89}t" "R"
+#define LONG1_2_33 "\x8a\x05\x00\x00\x00\x00\x02"
+#define LONG1_2_62 "\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x40"
+
+/* issue 24: what a view copies out to is checked, in checked arithmetic,
+ * against the read's budget before anything is allocated */
+static void test_pickle_views_within_budget(void **state)
+{
+    (void)state;
+    md_tensors *t;
+    md_err err;
+    /* torch.zeros(1).expand(2**33): one stored element, 32 GiB copied out,
+     * past the build's limit (16 GiB): refused before any allocation */
+    assert_int_equal(unpickle(PKL("\x80\x02}(" TENSOR_VIEW(LONG1_2_33 "\x85", "K\x00\x85")
+                                  "u."), &t, &err), MD_ETOOBIG);
+    assert_string_equal(err.code, "checkpoint_too_large");
+    assert_msg_has(err.msg, "34359738368 bytes", "MD_CKPT_MAX_TOTAL_BYTES", NULL);
+    /* a caller's budget, named in the message; a small expand within it is fine */
+    md_ckpt_budget budget = {16, "the test's limit"};
+    md_err_clear(&err);
+    /* the same view of one stored element under two names (memo slot 1) */
+    static const char shared[] = "\x80\x02}(" TENSOR_VIEW("K\x04\x85", "K\x00\x85")
+                                 "q\x01X\x01\x00\x00\x00vh\x01u.";
+    assert_int_equal(md_ckpt_unpickle((const uint8_t *)shared, sizeof shared - 1, one_record,
+                                      NULL, "test.pt", &budget, &t, &err), MD_ETOOBIG);
+    assert_null(t);
+    assert_msg_has(err.msg, "test.pt", "32 bytes", "the test's limit", "(16 bytes)", NULL);
+    budget.max_bytes = 32;
+    assert_int_equal(md_ckpt_unpickle((const uint8_t *)shared, sizeof shared - 1, one_record,
+                                      NULL, "test.pt", &budget, &t, &err), MD_OK);
+    assert_int_equal(md_tensors_count(t), 2);
+    const float *w = md_tensors_data(t, 0);
+    assert_true(w[0] == 1.0f && w[3] == 1.0f); /* stride 0: element 0 four times */
+    md_tensors_free(t);
+    /* shape (0, 2**62, 2**62): no elements, and no overflow on the way
+     * (the contiguity check once multiplied the sizes in signed 64 bits) */
+    assert_int_equal(unpickle(PKL("\x80\x02}(" TENSOR_VIEW("K\x00" LONG1_2_62 LONG1_2_62
+                                                           "\x87", "K\x01K\x01K\x01\x87")
+                                  "u."), &t, &err), MD_OK);
+    assert_int_equal(md_tensors_nbytes(t, 0), 0);
+    assert_int_equal(md_tensors_shape(t, 0)[2], 1LL << 62);
+    md_tensors_free(t);
+    /* (2**62, 2**62) of one stored element: the element count overflows */
+    assert_int_equal(unpickle(PKL("\x80\x02}(" TENSOR_VIEW(LONG1_2_62 LONG1_2_62 "\x86",
+                                                           "K\x00K\x00\x86") "u."), &t, &err),
+                     MD_ETOOBIG);
+    assert_msg_has(err.msg, "more elements than fit", NULL);
 }
 
 /* ---- zip directories as libtorch reads them (zipdir.c) ---- */
@@ -1146,6 +1199,7 @@ int main(void)
         cmocka_unit_test(test_bad_torch_save_files),
         cmocka_unit_test(test_handmade_pickles),
         cmocka_unit_test(test_pickle_limits),
+        cmocka_unit_test(test_pickle_views_within_budget),
         cmocka_unit_test_teardown(test_zip_directory_as_libtorch_reads_it, remove_temps),
         cmocka_unit_test(test_safetensors_files_read_exactly),
         cmocka_unit_test(test_safetensors_round_trip),

@@ -7,9 +7,12 @@ stays within PEAK_GROWTH of what it was before the upload.
 
 - a torch.save zip whose classic end-of-central-directory record describes a
   harmless archive while the zip64 one, which libtorch's reader prefers,
-  holds a deflated data/0 that inflates to 4.7 GB (item 1);
+  holds a deflated data/0 that inflates to 4.7 GB (items 1);
 - the same bomb as the version record of a TorchScript archive, which
-  libtorch inflates as soon as it opens the file.
+  libtorch inflates as soon as it opens the file;
+- views: torch.zeros(1).expand(2**30) (a 4 GiB copy from a 1 KB file), a
+  thousand names viewing one 4 MB storage, and a (0, 2**62, 2**62) view whose
+  element count once overflowed a signed multiply (item 2).
 
 The crafted files are made here, with Debian's python3-torch and zlib.
 """
@@ -223,3 +226,36 @@ def test_torchscript_archive_with_a_deflated_version_bomb_is_refused(server, bom
     msg = refused_within_memory(server, torchscript_version_bomb(bomb), 422,
                                 "compressed_record_too_large")
     assert "version" in msg, msg
+
+
+# ------------------------------------------------------------ item 2: views
+
+def saved(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_expanded_view_is_refused_before_it_is_copied(server):
+    put_arch(server)
+    data = saved({"fc1.weight": torch.zeros(1).expand(2 ** 30)})
+    assert len(data) < 2000
+    msg = refused_within_memory(server, data, 413, "checkpoint_too_large")
+    assert "architecture" in msg and "4294967296" in msg, msg
+
+
+def test_many_names_viewing_one_storage_are_refused(server):
+    put_arch(server)
+    big = torch.zeros(1 << 20)
+    data = saved({f"w{i}": big for i in range(1000)})
+    assert len(data) < (8 << 20)
+    msg = refused_within_memory(server, data, 413, "checkpoint_too_large")
+    assert str(1000 * 4 << 20) in msg, msg
+
+
+def test_empty_view_with_huge_dimensions_is_a_plain_mismatch(server):
+    # numel 0, but 2**62 * 2**62 overflowed a signed multiply (UBSan under
+    # ASAN_E2E=1; conftest fails the test on the report)
+    put_arch(server)
+    t = torch.zeros(1).as_strided((0, 2 ** 62, 2 ** 62), (1, 1, 1))
+    refused_within_memory(server, saved({"fc1.weight": t}), 422, "state_dict_mismatch")
