@@ -560,6 +560,56 @@ static void test_pickle_views_within_budget(void **state)
     assert_msg_has(err.msg, "more elements than fit", NULL);
 }
 
+/* issue 24: top-level numbers and metadata are hashed, and a repeated key
+ * still means what it did (a dict's later value wins; a repeated tensor name
+ * is refused; a repeated safetensors key is refused by the JSON parser) */
+static void test_many_entries_and_duplicates(void **state)
+{
+    (void)state;
+    md_tensors *t = md_tensors_new();
+    char key[32], value[32];
+    for (int i = 0; i < 100000; i++) {
+        snprintf(key, sizeof key, "key%d", i);
+        snprintf(value, sizeof value, "%d", i);
+        md_tensors_set_meta(t, key, value);
+        md_tensors_set_scalar(t, key, i);
+    }
+    md_tensors_set_meta(t, "key5", "again");
+    md_tensors_set_scalar(t, "key7", -1);
+    assert_int_equal(md_tensors_meta_count(t), 100000);
+    assert_int_equal(md_tensors_scalar_count(t), 100000);
+    assert_string_equal(md_tensors_meta_get(t, "key5"), "again");
+    assert_string_equal(md_tensors_meta_get(t, "key99999"), "99999");
+    assert_null(md_tensors_meta_get(t, "key100000"));
+    assert_string_equal(md_tensors_meta_key(t, 5), "key5"); /* replaced in place */
+    assert_true(md_tensors_scalar_value(t, 7) == -1);
+    assert_string_equal(md_tensors_scalar_name(t, 99999), "key99999");
+    md_tensors_free(t);
+
+    md_err err;
+    /* a checkpoint dict whose number "epoch" is set twice: the later wins */
+    assert_int_equal(unpickle(PKL("\x80\x02}(X\x05\x00\x00\x00model}(" TENSOR_W "u"
+                                  "X\x05\x00\x00\x00" "epochK\x01X\x05\x00\x00\x00" "epochK\x02u."),
+                              &t, &err), MD_OK);
+    assert_int_equal(md_tensors_scalar_count(t), 1);
+    assert_true(md_tensors_scalar_value(t, 0) == 2);
+    md_tensors_free(t);
+    /* a state_dict naming one tensor twice */
+    assert_int_equal(unpickle(PKL("\x80\x02}(" TENSOR_W TENSOR_W "u."), &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "\"w\" appears twice", NULL);
+    /* a safetensors __metadata__ key twice */
+    static const char st[] = "{\"__metadata__\":{\"a\":\"1\",\"a\":\"2\"},"
+                             "\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}";
+    uint8_t buf[sizeof st + 8];
+    uint64_t n = sizeof st - 1;
+    for (int i = 0; i < 8; i++)
+        buf[i] = (uint8_t)(n >> (8 * i));
+    memcpy(buf + 8, st, n);
+    buf[8 + n] = 7;
+    assert_int_equal(md_safetensors_read(buf, 8 + n + 1, &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "duplicate", NULL);
+}
+
 /* ---- zip directories as libtorch reads them (zipdir.c) ---- */
 
 typedef struct zip_entry {
@@ -1200,6 +1250,7 @@ int main(void)
         cmocka_unit_test(test_handmade_pickles),
         cmocka_unit_test(test_pickle_limits),
         cmocka_unit_test(test_pickle_views_within_budget),
+        cmocka_unit_test(test_many_entries_and_duplicates),
         cmocka_unit_test_teardown(test_zip_directory_as_libtorch_reads_it, remove_temps),
         cmocka_unit_test(test_safetensors_files_read_exactly),
         cmocka_unit_test(test_safetensors_round_trip),

@@ -12,7 +12,11 @@ stays within PEAK_GROWTH of what it was before the upload.
   libtorch inflates as soon as it opens the file;
 - views: torch.zeros(1).expand(2**30) (a 4 GiB copy from a 1 KB file), a
   thousand names viewing one 4 MB storage, and a (0, 2**62, 2**62) view whose
-  element count once overflowed a signed multiply (item 2).
+  element count once overflowed a signed multiply (item 2);
+- 100k and 200k safetensors __metadata__ entries and top-level torch.save
+  numbers, once inserted by linear search (quadratic: 32 s for 100k): each
+  upload must be answered within a generous 60 s; at 200k the quadratic
+  insert alone took minutes (item 5).
 
 The crafted files are made here, with Debian's python3-torch and zlib.
 """
@@ -259,3 +263,40 @@ def test_empty_view_with_huge_dimensions_is_a_plain_mismatch(server):
     put_arch(server)
     t = torch.zeros(1).as_strided((0, 2 ** 62, 2 ** 62), (1, 1, 1))
     refused_within_memory(server, saved({"fc1.weight": t}), 422, "state_dict_mismatch")
+
+
+# ------------------------------------------------------------ item 5: many entries
+
+def mlp_state():
+    return torch.load(CK / "mlp_sd.pt")
+
+
+def safetensors_with_metadata(n):
+    state = mlp_state()
+    header, blobs, at = {}, [], 0
+    for k, v in state.items():
+        raw = v.contiguous().numpy().astype("<f4").tobytes()
+        header[k] = {"dtype": "F32", "shape": list(v.shape), "data_offsets": [at, at + len(raw)]}
+        blobs.append(raw)
+        at += len(raw)
+    header["__metadata__"] = {f"key{i}": str(i) for i in range(n)}
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + b"".join(blobs)
+
+
+@pytest.mark.parametrize("n", [100_000, 200_000])
+def test_many_safetensors_metadata_entries_are_read_in_linear_time(server, n):
+    put_arch(server)
+    data = safetensors_with_metadata(n)
+    r = upload(server, data, timeout=T)  # quadratic: 32 s at 100k, minutes at 200k
+    assert r.status_code == 201, r.text[:500]
+
+
+@pytest.mark.parametrize("n", [100_000, 200_000])
+def test_many_top_level_numbers_in_a_torch_save_file_are_read_in_linear_time(server, n):
+    put_arch(server)
+    obj = {"model": mlp_state()}
+    obj.update({f"metric{i}": i for i in range(n)})
+    r = upload(server, saved(obj), timeout=T)
+    assert r.status_code == 201, r.text[:500]
+    assert r.json()["metrics"][f"metric{n - 1}"] == n - 1
