@@ -73,7 +73,7 @@ BUILD := build$(if $(SAN_FLAGS),-asan,)
 LIB_C   := config/md_err.c config/md_metrics.c config/config.c server/router.c server/http.c \
 	server/multipart.c checkpoint/store.c \
 	checkpoint/versions.c checkpoint/promotion.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
-	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c \
+	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c checkpoint/zipdir.c \
 	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
 	jobs/readers.c jobs/scheduler.c jobs/writers.c jobs/job_store.c handlers/app.c handlers/jobs.c \
 	handlers/deploy.c handlers/upload.c handlers/models.c handlers/predict.c handlers/answer.c \
@@ -295,6 +295,9 @@ fuzz:
 	  -fsanitize=fuzzer,address,undefined $(FUZZ_CKPT_LIMITS) -o build-fuzz/fuzz_pickle \
 	  tests/fuzz_pickle.c checkpoint/pickle.c checkpoint/named_tensors.c config/md_err.c -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_zipdir \
+	  tests/fuzz_zipdir.c checkpoint/zipdir.c config/md_err.c -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined $(FUZZ_CKPT_LIMITS) -o build-fuzz/fuzz_safetensors \
 	  tests/fuzz_safetensors.c checkpoint/safetensors.c checkpoint/named_tensors.c \
 	  config/md_err.c -ljansson -lm
@@ -320,6 +323,7 @@ fuzz:
 	cp tests/fuzz_corpus_router/* build-fuzz/corpus_router/
 	cp tests/fuzz_corpus_pickle/* build-fuzz/corpus_pickle/
 	cp tests/fuzz_corpus_safetensors/* build-fuzz/corpus_safetensors/
+	mkdir -p build-fuzz/corpus_zipdir && cp tests/fuzz_corpus_zipdir/* build-fuzz/corpus_zipdir/
 	mkdir -p build-fuzz/corpus_image && cp tests/fuzz_corpus_image/* build-fuzz/corpus_image/
 	mkdir -p build-fuzz/corpus_multipart && cp tests/fuzz_corpus_multipart/* build-fuzz/corpus_multipart/
 	build-fuzz/fuzz_number $(FUZZ_LIMIT) -max_len=256 -dict=tests/fuzz_number.dict \
@@ -333,6 +337,7 @@ fuzz:
 	build-fuzz/fuzz_pickle $(FUZZ_LIMIT) -max_len=16384 build-fuzz/corpus_pickle
 	build-fuzz/fuzz_safetensors $(FUZZ_LIMIT) -max_len=4096 \
 	  build-fuzz/corpus_safetensors
+	build-fuzz/fuzz_zipdir $(FUZZ_LIMIT) -max_len=16384 build-fuzz/corpus_zipdir
 	build-fuzz/fuzz_image $(FUZZ_LIMIT) -max_len=16384 build-fuzz/corpus_image
 	build-fuzz/fuzz_multipart $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_multipart
 	build-fuzz/fuzz_gzstream $(FUZZ_LIMIT) -max_len=65536 build-fuzz/corpus_gzstream

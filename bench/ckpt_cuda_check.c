@@ -37,7 +37,7 @@ static int check(const char *ckpt, const char *arch, const char *input, const in
 {
     md_err err;
     md_tensors *t = NULL;
-    if (md_ckpt_read_torch_zip(ckpt, &t, &err) != MD_OK) {
+    if (md_ckpt_read_torch_zip(ckpt, NULL, &t, &err) != MD_OK) {
         printf("FAIL read %s: %s\n", ckpt, err.msg);
         return 1;
     }

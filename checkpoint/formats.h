@@ -56,6 +56,15 @@ extern "C" {
 #ifndef MD_PICKLE_MAX_ARENA
 #define MD_PICKLE_MAX_ARENA (512LL << 20) /* memory for the unpickled objects */
 #endif
+#ifndef MD_ZIP_MAX_CENTRAL_DIR
+#define MD_ZIP_MAX_CENTRAL_DIR (64 << 20) /* bytes of a zip's central directory */
+#endif
+#ifndef MD_ZIP_MAX_INFLATED
+#define MD_ZIP_MAX_INFLATED (16 << 20) /* bytes one compressed zip record may inflate to */
+#endif
+#ifndef MD_ZIP_MAX_INFLATED_TOTAL
+#define MD_ZIP_MAX_INFLATED_TOTAL (256LL << 20) /* ... all compressed records together */
+#endif
 #ifndef MD_SAFETENSORS_MAX_HEADER
 #define MD_SAFETENSORS_MAX_HEADER (100LL << 20) /* bytes of a safetensors JSON header */
 #endif
@@ -151,6 +160,31 @@ typedef enum md_ckpt_format {
 /* The format of a file from its first bytes (16 are enough). */
 md_ckpt_format md_ckpt_sniff(const uint8_t *head, size_t len);
 
+/* ---- zip archives as libtorch reads them (zipdir.c) ---- */
+
+/* A zip's central directory, checked. */
+typedef struct md_zip_dir md_zip_dir;
+
+/*
+ * Read the central directory of the zip open at `fd` exactly as libtorch's
+ * reader (PyTorchStreamReader, miniz) will, and check every entry against
+ * what that reader would allocate for it: refused with MD_EUNPROC (codes
+ * "zip_directories_disagree", "compressed_record_too_large",
+ * "invalid_checkpoint") when the classic and zip64 end-of-central-directory
+ * records disagree, when a record lies outside the file or shares bytes with
+ * another, or when a compressed record would inflate past MD_ZIP_MAX_INFLATED
+ * (all together past MD_ZIP_MAX_INFLATED_TOTAL). Call it before any libtorch
+ * function opens the file. On success `*out` is a new directory the caller
+ * frees with md_zip_dir_free. Reads with pread (the offset of `fd` is kept).
+ */
+md_status md_zip_dir_read(int fd, md_zip_dir **out, md_err *err);
+size_t md_zip_dir_count(const md_zip_dir *z);
+/* Entry `i`'s name (< count), `*len` bytes, not NUL-terminated; borrowed
+ * until md_zip_dir_free. */
+const char *md_zip_dir_name(const md_zip_dir *z, size_t i, size_t *len);
+/* Accepts NULL. */
+void md_zip_dir_free(md_zip_dir *z);
+
 /* ---- torch.save (zip) ---- */
 
 /* Where the unpickler gets a storage's bytes: `key` is the "data/<key>"
@@ -158,6 +192,17 @@ md_ckpt_format md_ckpt_sniff(const uint8_t *head, size_t len);
  * (the callee owns them). MD_ENOTFOUND (with a message) when absent. */
 typedef md_status (*md_ckpt_record_fn)(void *ctx, const char *key, const uint8_t **data,
                                        size_t *size, md_err *err);
+
+/* A bound on the bytes of tensor data one read copies out, checked in
+ * checked arithmetic before any tensor is allocated: a view's copy can be
+ * far larger than the file (torch.zeros(1).expand(n) is one stored element
+ * and n copied ones; a thousand names can view one storage). */
+typedef struct md_ckpt_budget {
+    unsigned long long max_bytes; /* 0, or past MD_CKPT_MAX_TOTAL_BYTES: that */
+    const char *limit;            /* what sets it, for messages ("the
+                                   * architecture's 67 elements"); NULL: the
+                                   * build's MD_CKPT_MAX_TOTAL_BYTES */
+} md_ckpt_budget;
 
 /*
  * Read the state_dict pickled in `pkl` (a torch.save data.pkl), storages
@@ -167,15 +212,21 @@ typedef md_status (*md_ckpt_record_fn)(void *ctx, const char *key, const uint8_t
  * parsed, checked and dropped) and whose top-level numbers become scalars.
  * No code from the file runs: only an allow-list of globals is accepted, and
  * any other fails with MD_EUNPROC naming it. `what` names the file in
- * messages. On success `*out` is a new list the caller frees.
+ * messages. The state_dict's tensors together may copy out at most
+ * `budget` bytes (NULL: MD_CKPT_MAX_TOTAL_BYTES), else MD_ETOOBIG (code
+ * "checkpoint_too_large") naming the limit, before anything is copied. On
+ * success `*out` is a new list the caller frees.
  */
 md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn record, void *ctx,
-                           const char *what, md_tensors **out, md_err *err);
+                           const char *what, const md_ckpt_budget *budget, md_tensors **out,
+                           md_err *err);
 
 /* Read a torch.save zip archive at `path` (data.pkl and data/<key> records,
  * read with libtorch's zip reader). A legacy (pre-1.6) file and a TorchScript
- * archive fail with MD_EUNPROC saying what to do. */
-md_status md_ckpt_read_torch_zip(const char *path, md_tensors **out, md_err *err);
+ * archive fail with MD_EUNPROC saying what to do; `budget` as md_ckpt_unpickle's.
+ * The archive is checked with md_zip_dir_read before libtorch opens it. */
+md_status md_ckpt_read_torch_zip(const char *path, const md_ckpt_budget *budget,
+                                 md_tensors **out, md_err *err);
 
 /* ---- safetensors ---- */
 

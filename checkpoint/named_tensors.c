@@ -3,11 +3,17 @@
  * checkpoint readers produce and the safetensors writer consumes, plus the
  * small helpers of formats.h (element sizes, format sniffing, the DDP prefix).
  *
- * Names are looked up through an open-addressing hash of indices (a
- * state_dict may have thousands of entries and averaging looks each up).
+ * Names (tensors', scalars' and metadata keys) are looked up through an
+ * open-addressing hash of indices: a state_dict may have thousands of
+ * entries, averaging looks each up, and a file may hold 100k metadata
+ * entries or top-level numbers, which a linear search per insert made
+ * quadratic (issue 24).
  */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 
 #include "formats.h"
 
@@ -26,16 +32,25 @@ typedef struct kv {
     double num;
 } kv;
 
+/* An open-addressing hash of indices into an array of named entries: slot
+ * values are index + 1, 0 is empty; nslots is a power of two, at least twice
+ * the count. */
+typedef struct name_index {
+    long *slots;
+    size_t nslots;
+} name_index;
+
 struct md_tensors {
     tensor *items;
     size_t count, cap;
-    long *slots; /* hash of names: index + 1, 0 empty; nslots a power of two */
-    size_t nslots;
+    name_index names;
     unsigned long long total_bytes;
     kv *scalars;
     size_t nscalars;
+    name_index scalar_names;
     kv *meta;
     size_t nmeta;
+    name_index meta_names;
 };
 
 static const struct {
@@ -81,42 +96,80 @@ void md_tensors_free(md_tensors *t)
         free(t->meta[i].str);
     }
     free(t->items);
-    free(t->slots);
+    free(t->names.slots);
     free(t->scalars);
+    free(t->scalar_names.slots);
     free(t->meta);
+    free(t->meta_names.slots);
     free(t);
+}
+
+/* The names come from files: FNV-1a from a per-process random basis, as
+ * jansson seeds its hashtable, so nobody can precompute names that all land
+ * in one probe chain. Drawn once; racing first calls agree on one value. */
+static size_t hash_basis(void)
+{
+    static _Atomic size_t basis; /* 0: not drawn yet */
+    size_t b = atomic_load_explicit(&basis, memory_order_relaxed);
+    if (b)
+        return b;
+    if (getrandom(&b, sizeof b, GRND_NONBLOCK) != (ssize_t)sizeof b)
+        b = (size_t)time(NULL) ^ (size_t)(uintptr_t)&basis;
+    b = b ? b : 1469598103934665603ULL;
+    size_t unset = 0;
+    if (!atomic_compare_exchange_strong(&basis, &unset, b))
+        b = unset; /* another thread's draw won */
+    return b;
 }
 
 static size_t hash_name(const char *s)
 {
-    size_t h = 1469598103934665603ULL; /* FNV-1a */
+    size_t h = hash_basis(); /* FNV-1a */
     for (; *s; s++)
         h = (h ^ (unsigned char)*s) * 1099511628211ULL;
     return h;
 }
 
-static void rehash(md_tensors *t)
+static const char *tensor_key(const void *items, size_t i) { return ((const tensor *)items)[i].name; }
+static const char *kv_key(const void *items, size_t i) { return ((const kv *)items)[i].key; }
+
+/* Index of `name` among `items` (keys read through `key`), or -1. */
+static long index_find(const name_index *ix, const void *items,
+                       const char *(*key)(const void *, size_t), const char *name)
 {
-    size_t n = t->nslots ? t->nslots * 2 : 64;
-    free(t->slots);
-    t->slots = md_xcalloc(n, sizeof(long));
-    t->nslots = n;
-    for (size_t i = 0; i < t->count; i++) {
-        size_t s = hash_name(t->items[i].name) & (n - 1);
-        while (t->slots[s])
-            s = (s + 1) & (n - 1);
-        t->slots[s] = (long)i + 1;
+    if (!ix->nslots)
+        return -1;
+    for (size_t s = hash_name(name) & (ix->nslots - 1); ix->slots[s];
+         s = (s + 1) & (ix->nslots - 1))
+        if (strcmp(key(items, (size_t)ix->slots[s] - 1), name) == 0)
+            return ix->slots[s] - 1;
+    return -1;
+}
+
+/* Index entry `count - 1`, just appended to `items`; grows (rehashing all
+ * `count`) to keep the table at most half full. */
+static void index_add(name_index *ix, const void *items,
+                      const char *(*key)(const void *, size_t), size_t count)
+{
+    size_t first = count - 1;
+    if (count * 2 > ix->nslots) {
+        size_t n = ix->nslots ? ix->nslots * 2 : 64;
+        free(ix->slots);
+        ix->slots = md_xcalloc(n, sizeof(long));
+        ix->nslots = n;
+        first = 0;
+    }
+    for (size_t i = first; i < count; i++) {
+        size_t s = hash_name(key(items, i)) & (ix->nslots - 1);
+        while (ix->slots[s])
+            s = (s + 1) & (ix->nslots - 1);
+        ix->slots[s] = (long)i + 1;
     }
 }
 
 long md_tensors_find(const md_tensors *t, const char *name)
 {
-    if (!t->nslots)
-        return -1;
-    for (size_t s = hash_name(name) & (t->nslots - 1); t->slots[s]; s = (s + 1) & (t->nslots - 1))
-        if (strcmp(t->items[t->slots[s] - 1].name, name) == 0)
-            return t->slots[s] - 1;
-    return -1;
+    return index_find(&t->names, t->items, tensor_key, name);
 }
 
 /* Validate and append; `copy` (owned, NULL to copy `data`) is adopted. */
@@ -184,14 +237,7 @@ static md_status add(md_tensors *t, const char *name, md_ckpt_dtype dtype, int n
     x->data = copy;
     x->nbytes = nbytes;
     t->total_bytes = total;
-    if (t->count * 2 > t->nslots)
-        rehash(t);
-    else {
-        size_t s = hash_name(name) & (t->nslots - 1);
-        while (t->slots[s])
-            s = (s + 1) & (t->nslots - 1);
-        t->slots[s] = (long)t->count;
-    }
+    index_add(&t->names, t->items, tensor_key, t->count);
     return MD_OK;
 fail:
     free(owned);
@@ -224,18 +270,27 @@ size_t md_tensors_scalar_count(const md_tensors *t) { return t->nscalars; }
 const char *md_tensors_scalar_name(const md_tensors *t, size_t i) { return t->scalars[i].key; }
 double md_tensors_scalar_value(const md_tensors *t, size_t i) { return t->scalars[i].num; }
 
+/* A new key at the end of a kv array grown by doubling (`*n` entries). */
+static void kv_append(kv **items, size_t *n, name_index *ix, kv entry)
+{
+    if ((*n & (*n - 1)) == 0) { /* 0 or a power of two: full */
+        kv *grown = realloc(*items, (*n ? *n * 2 : 8) * sizeof **items);
+        if (!grown)
+            md_assert(!"out of memory");
+        *items = grown;
+    }
+    (*items)[(*n)++] = entry;
+    index_add(ix, *items, kv_key, *n);
+}
+
 void md_tensors_set_scalar(md_tensors *t, const char *name, double value)
 {
-    for (size_t i = 0; i < t->nscalars; i++)
-        if (strcmp(t->scalars[i].key, name) == 0) {
-            t->scalars[i].num = value;
-            return;
-        }
-    kv *s = realloc(t->scalars, (t->nscalars + 1) * sizeof *s);
-    if (!s)
-        md_assert(!"out of memory");
-    t->scalars = s;
-    t->scalars[t->nscalars++] = (kv){md_xstrdup(name), NULL, value};
+    long i = index_find(&t->scalar_names, t->scalars, kv_key, name);
+    if (i >= 0) {
+        t->scalars[i].num = value;
+        return;
+    }
+    kv_append(&t->scalars, &t->nscalars, &t->scalar_names, (kv){md_xstrdup(name), NULL, value});
 }
 
 size_t md_tensors_meta_count(const md_tensors *t) { return t->nmeta; }
@@ -244,25 +299,19 @@ const char *md_tensors_meta_value(const md_tensors *t, size_t i) { return t->met
 
 const char *md_tensors_meta_get(const md_tensors *t, const char *key)
 {
-    for (size_t i = 0; i < t->nmeta; i++)
-        if (strcmp(t->meta[i].key, key) == 0)
-            return t->meta[i].str;
-    return NULL;
+    long i = index_find(&t->meta_names, t->meta, kv_key, key);
+    return i >= 0 ? t->meta[i].str : NULL;
 }
 
 void md_tensors_set_meta(md_tensors *t, const char *key, const char *value)
 {
-    for (size_t i = 0; i < t->nmeta; i++)
-        if (strcmp(t->meta[i].key, key) == 0) {
-            free(t->meta[i].str);
-            t->meta[i].str = md_xstrdup(value);
-            return;
-        }
-    kv *m = realloc(t->meta, (t->nmeta + 1) * sizeof *m);
-    if (!m)
-        md_assert(!"out of memory");
-    t->meta = m;
-    t->meta[t->nmeta++] = (kv){md_xstrdup(key), md_xstrdup(value), 0};
+    long i = index_find(&t->meta_names, t->meta, kv_key, key);
+    if (i >= 0) {
+        free(t->meta[i].str);
+        t->meta[i].str = md_xstrdup(value);
+        return;
+    }
+    kv_append(&t->meta, &t->nmeta, &t->meta_names, (kv){md_xstrdup(key), md_xstrdup(value), 0});
 }
 
 const char *md_ckpt_strip_module(const char *name)

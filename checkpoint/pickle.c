@@ -36,6 +36,7 @@
  * Every size that comes from the file is bounded: data.pkl, strings, the
  * stack, MARK nesting, memo slots, arena bytes, tensor count and bytes.
  */
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -124,6 +125,7 @@ typedef struct unpickler {
     value **memo;
     size_t memo_cap, memo_count; /* slots allocated, slots filled (MEMOIZE's next index) */
     long long tensors;
+    const md_ckpt_budget *budget; /* NULL: MD_CKPT_MAX_TOTAL_BYTES */
 } unpickler;
 
 static value none_value = {.kind = V_NONE};
@@ -882,36 +884,52 @@ static int run(unpickler *u, value **result)
 
 static const char *str_key(value *k) { return k->kind == V_STR ? k->u.str.s : NULL; }
 
-/* Copy a (possibly strided) view out into a new contiguous buffer. */
-static md_status materialize(unpickler *u, const char *name, value *t, md_tensors *out)
+/* The bytes tensor view `t` copies out to: its shape's product times the
+ * element size, in checked arithmetic. -1 (with `u->err` set) when that
+ * overflows. */
+static int view_bytes(unpickler *u, const char *name, value *t, unsigned long long *bytes)
+{
+    unsigned long long numel = 1;
+    for (int d = 0; d < t->u.tensor.ndim; d++)
+        if (__builtin_mul_overflow(numel, (unsigned long long)t->u.tensor.size[d], &numel))
+            goto overflow;
+    if (__builtin_mul_overflow(numel, md_ckpt_dtype_size(t->u.tensor.storage->u.storage.dtype),
+                               bytes))
+        goto overflow;
+    return 0;
+overflow:
+    md_err_setc(u->err, MD_ETOOBIG, "checkpoint_too_large",
+                "%s: tensor \"%.200s\" has more elements than fit in memory", u->what, name);
+    return -1;
+}
+
+/* Copy a (possibly strided) view out into a new contiguous buffer of `bytes`
+ * (view_bytes, already counted against the read's budget). */
+static md_status materialize(unpickler *u, const char *name, value *t, size_t bytes,
+                             md_tensors *out)
 {
     value *s = t->u.tensor.storage;
     md_ckpt_dtype dtype = s->u.storage.dtype;
-    size_t es = md_ckpt_dtype_size(dtype), numel = 1, bytes;
+    size_t es = md_ckpt_dtype_size(dtype), numel = bytes / es;
     int ndim = t->u.tensor.ndim;
-    for (int d = 0; d < ndim; d++)
-        if (__builtin_mul_overflow(numel, (size_t)t->u.tensor.size[d], &numel))
-            return fail(u, "tensor \"%.200s\" has too many elements", name);
-    if (__builtin_mul_overflow(numel, es, &bytes) ||
-        bytes > (unsigned long long)MD_CKPT_MAX_TOTAL_BYTES)
-        return md_err_set(u->err, MD_ETOOBIG, "%s: tensor \"%.200s\" would be more than %lld "
-                          "bytes (MD_CKPT_MAX_TOTAL_BYTES)", u->what, name,
-                          (long long)MD_CKPT_MAX_TOTAL_BYTES);
     uint8_t *buf = md_malloc_checked(bytes ? bytes : 1, "checkpoint tensor", u->err);
     if (!buf)
         return MD_ENOMEM;
     const uint8_t *base = s->u.storage.data + (size_t)t->u.tensor.offset * es;
-    /* contiguous: C-order strides (dimensions of size 1 may have any stride) */
+    /* contiguous: C-order strides (dimensions of size 1 may have any stride);
+     * with numel > 0 every size is >= 1, so each partial product is at most
+     * numel and fits */
     int contiguous = 1;
-    long long expect = 1;
-    for (int d = ndim - 1; d >= 0; d--) {
-        if (t->u.tensor.size[d] != 1 && t->u.tensor.stride[d] != expect)
+    size_t expect = 1;
+    for (int d = ndim - 1; d >= 0 && numel > 0; d--) {
+        if (t->u.tensor.size[d] != 1 && (size_t)t->u.tensor.stride[d] != expect)
             contiguous = 0;
-        expect *= t->u.tensor.size[d];
+        expect *= (size_t)t->u.tensor.size[d];
     }
-    if (contiguous || numel == 0) {
-        if (bytes)
-            memcpy(buf, base, bytes);
+    if (numel == 0) {
+        /* nothing to copy */
+    } else if (contiguous) {
+        memcpy(buf, base, bytes);
     } else {
         int64_t idx[MD_CKPT_MAX_NDIM] = {0};
         size_t src = 0; /* element offset from base; in bounds: checked in rebuild_tensor */
@@ -975,6 +993,31 @@ static double tensor_number(value *t)
     }
 }
 
+static unsigned long long budget_bytes(const md_ckpt_budget *b)
+{
+    unsigned long long max = (unsigned long long)MD_CKPT_MAX_TOTAL_BYTES;
+    return b && b->max_bytes && b->max_bytes < max ? b->max_bytes : max;
+}
+
+static md_status over_budget(unpickler *u, unsigned long long total)
+{
+    const md_ckpt_budget *b = u->budget;
+    int own = b && b->max_bytes && b->max_bytes < (unsigned long long)MD_CKPT_MAX_TOTAL_BYTES;
+    char amount[32] = "";
+    if (total == ULLONG_MAX)
+        snprintf(amount, sizeof amount, "over 2^64");
+    else
+        snprintf(amount, sizeof amount, "%llu", total);
+    return md_err_setc(u->err, MD_ETOOBIG, "checkpoint_too_large",
+                       "%s: its state_dict's tensors would take %s bytes once copied out, more "
+                       "than %s (%llu bytes); a saved view is copied out whole "
+                       "(torch.zeros(1).expand(n) takes n elements): save the tensors the "
+                       "model needs, cloned",
+                       u->what, amount,
+                       own && b->limit ? b->limit : "the build's limit MD_CKPT_MAX_TOTAL_BYTES",
+                       budget_bytes(b));
+}
+
 static const char *const wrapper_keys[] = {"model", "state_dict", "model_state_dict"};
 
 /* The state_dict in the unpickled value, its tensors into `out`. */
@@ -1010,6 +1053,9 @@ static md_status extract(unpickler *u, value *root, md_tensors *out)
     if (sd->u.seq.count == 0)
         return md_err_set(u->err, MD_EUNPROC, "%s holds an empty dict, not a state_dict with "
                           "tensors", u->what);
+    /* every key and value checked, and the bytes of all copies summed against
+     * the budget, before the first copy is allocated */
+    unsigned long long total = 0;
     for (size_t i = 0; i < sd->u.seq.count; i += 2) {
         value *k = sd->u.seq.items[i], *v = sd->u.seq.items[i + 1];
         if (k->kind != V_STR || strlen(k->u.str.s) != k->u.str.len) {
@@ -1028,7 +1074,20 @@ static md_status extract(unpickler *u, value *root, md_tensors *out)
                                            "under \"model\", \"state_dict\" or "
                                            "\"model_state_dict\"" : "");
         }
-        md_status st = materialize(u, k->u.str.s, v, out);
+        unsigned long long bytes;
+        if (view_bytes(u, k->u.str.s, v, &bytes) < 0)
+            return MD_ETOOBIG;
+        if (__builtin_add_overflow(total, bytes, &total))
+            total = ULLONG_MAX; /* saturated: past any budget */
+    }
+    if (total > budget_bytes(u->budget))
+        return over_budget(u, total);
+    for (size_t i = 0; i < sd->u.seq.count; i += 2) {
+        value *k = sd->u.seq.items[i], *v = sd->u.seq.items[i + 1];
+        unsigned long long bytes;
+        if (view_bytes(u, k->u.str.s, v, &bytes) < 0)
+            return MD_ETOOBIG;
+        md_status st = materialize(u, k->u.str.s, v, (size_t)bytes, out);
         if (st != MD_OK)
             return st;
     }
@@ -1036,7 +1095,8 @@ static md_status extract(unpickler *u, value *root, md_tensors *out)
 }
 
 md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn record, void *ctx,
-                           const char *what, md_tensors **out, md_err *err)
+                           const char *what, const md_ckpt_budget *budget, md_tensors **out,
+                           md_err *err)
 {
     *out = NULL;
     md_err local;
@@ -1044,7 +1104,7 @@ md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn rec
         err = &local;
     md_err_clear(err);
     unpickler u = {.p = pkl, .len = len, .what = what ? what : "the checkpoint",
-                   .record = record, .ctx = ctx, .err = err};
+                   .record = record, .ctx = ctx, .err = err, .budget = budget};
     value *root = NULL;
     md_status st = MD_OK;
     if (len >= 14 && md_ckpt_sniff(pkl, len) == MD_CKPT_LEGACY)

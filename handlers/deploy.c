@@ -231,8 +231,14 @@ static md_status weights_prepare(md_app *app, deploy_req *d, const char *path,
                            strcmp(*format, MD_FORMAT_SAFETENSORS) == 0 ? "safetensors" : "torch.save",
                            d->name, d->name, d->name);
     }
+    /* the architecture bounds what reading the file may allocate */
+    char arch_path[4096];
+    int64_t arch_numel = 0;
+    md_store_sha_path(app->store, arch_sha, arch_path, sizeof arch_path);
+    if ((st = md_weights_arch_numel(arch_path, &arch_numel, err)) != MD_OK)
+        return st;
     md_tensors *t = NULL;
-    if ((st = md_weights_read(path, *format, &t, err)) != MD_OK)
+    if ((st = md_weights_read(path, *format, arch_numel, &t, err)) != MD_OK)
         return st;
     if (!d->metrics && md_tensors_scalar_count(t) > 0) {
         d->metrics = json_object();

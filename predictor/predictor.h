@@ -234,9 +234,20 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
 md_status md_weights_format(const char *path, const char **format, md_err *err);
 
 /* The named tensors of a torch.save or safetensors file (`format` from
- * md_weights_format), read without running code from the file. New list the
- * caller frees. Thread-safe. */
-md_status md_weights_read(const char *path, const char *format, md_tensors **out, md_err *err);
+ * md_weights_format), read without running code from the file. `arch_numel`
+ * is the element count of the architecture they are for
+ * (md_weights_arch_numel), or -1 for none: a torch.save file's tensors may
+ * copy out to at most 8 bytes per element of it plus MD_WEIGHTS_ARCH_SLACK
+ * (64 MiB, so a smaller model's file still gets its mismatch listed), else
+ * MD_ETOOBIG (code checkpoint_too_large) before anything is copied; with
+ * none, to MD_CKPT_MAX_TOTAL_BYTES. New list the caller frees. Thread-safe. */
+md_status md_weights_read(const char *path, const char *format, int64_t arch_numel,
+                          md_tensors **out, md_err *err);
+
+/* The elements of the parameters and buffers of the TorchScript
+ * architecture at `arch_path` together (it is loaded on the CPU to count
+ * them). Thread-safe. */
+md_status md_weights_arch_numel(const char *arch_path, int64_t *numel, md_err *err);
 
 /* Load the architecture at `arch_path` and set its parameters and buffers
  * from the file `weights_path` strictly (md_torch_load_state): 422-worthy

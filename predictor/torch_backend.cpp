@@ -639,6 +639,26 @@ static std::string listing(const std::vector<std::string> &items, const char *wh
     return o + ")";
 }
 
+extern "C" md_status md_torch_state_numel(const md_torch_model *m, int64_t *out, md_err *err)
+{
+    *out = 0;
+    try {
+        int64_t total = 0;
+        for (const named_slot &s : state_slots(m->module))
+            if (__builtin_add_overflow(total, (int64_t)s.tensor.numel(), &total))
+                return md_err_set(err, MD_EUNPROC, "the architecture's parameters and buffers "
+                                  "hold more than 2^63 elements");
+        *out = total;
+        return MD_OK;
+    } catch (const std::exception &e) {
+        set_torch_err(err, MD_EUNPROC, "the architecture's parameters could not be listed",
+                      error_text(e));
+        return MD_EUNPROC;
+    } catch (...) {
+        return md_err_set(err, MD_EUNPROC, "the architecture's parameters could not be listed");
+    }
+}
+
 extern "C" md_status md_torch_load_state(const char *arch_path, const char *device,
                                          md_dtype input_dtype,
                                          const md_torch_named_tensor *tensors, size_t count,
@@ -649,6 +669,17 @@ extern "C" md_status md_torch_load_state(const char *arch_path, const char *devi
     md_status st = md_torch_load(arch_path, device, input_dtype, &m, err);
     if (st != MD_OK)
         return st;
+    if ((st = md_torch_set_state(m, tensors, count, err)) != MD_OK) {
+        md_torch_free(m);
+        return st;
+    }
+    *out = m;
+    return MD_OK;
+}
+
+extern "C" md_status md_torch_set_state(md_torch_model *m, const md_torch_named_tensor *tensors,
+                                        size_t count, md_err *err)
+{
     try {
         std::vector<named_slot> slots = state_slots(m->module);
         std::map<std::string, size_t> by_name;
@@ -706,7 +737,6 @@ extern "C" md_status md_torch_load_state(const char *arch_path, const char *devi
             }
             if (!mismatched.empty())
                 msg += sep + listing(mismatched, "mismatched tensor", 3);
-            md_torch_free(m);
             return md_err_setc(err, MD_EUNPROC, "state_dict_mismatch", "%s", msg.c_str());
         }
         torch::NoGradGuard no_grad;
@@ -714,7 +744,6 @@ extern "C" md_status md_torch_load_state(const char *arch_path, const char *devi
             const md_torch_named_tensor &src = tensors[source[s]];
             torch::ScalarType type;
             if (!ckpt_scalar_type(src.dtype, &type)) {
-                md_torch_free(m);
                 return md_err_set(err, MD_EINVAL, "tensor \"%.200s\" has an unknown dtype",
                                   src.name);
             }
@@ -722,15 +751,12 @@ extern "C" md_status md_torch_load_state(const char *arch_path, const char *devi
             torch::Tensor t = torch::from_blob(const_cast<void *>(src.data), shape, type);
             slots[s].tensor.copy_(t); /* converts dtype, moves to the model's device */
         }
-        *out = m;
         return MD_OK;
     } catch (const std::exception &e) {
-        md_torch_free(m);
         set_torch_err(err, MD_EUNPROC, "the checkpoint's tensors could not be loaded",
                       error_text(e));
         return MD_EUNPROC;
     } catch (...) {
-        md_torch_free(m);
         return md_err_set(err, MD_EUNPROC, "the checkpoint's tensors could not be loaded");
     }
 }

@@ -131,6 +131,17 @@ md_status md_torch_load_state(const char *arch_path, const char *device, md_dtyp
                               const md_torch_named_tensor *tensors, size_t count,
                               md_torch_model **out, md_err *err);
 
+/* md_torch_load_state's second half, on a model `m` from md_torch_load: set
+ * its parameters and buffers from `tensors` strictly (the same checks and
+ * errors). On failure `m` may hold some of the new values: free it. */
+md_status md_torch_set_state(md_torch_model *m, const md_torch_named_tensor *tensors,
+                             size_t count, md_err *err);
+
+/* The elements of `m`'s parameters and buffers together: what a state_dict
+ * that loads into it strictly holds, so a bound on what reading one may
+ * allocate before it is matched. Reads `m` only (safe beside forwards). */
+md_status md_torch_state_numel(const md_torch_model *m, int64_t *out, md_err *err);
+
 /* A TorchScript module's parameters and buffers, in state_dict order, with
  * their values copied to the CPU: the architecture's table (name, shape,
  * dtype) and a TorchScript version's weights for export or averaging. */

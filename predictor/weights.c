@@ -13,6 +13,7 @@
  * loads back with load_state_dict(strict=True).
  */
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -20,6 +21,11 @@
 #include "../checkpoint/formats.h"
 #include "predictor.h"
 #include "torch_backend.h"
+
+/* Bytes a state_dict may copy out beyond what its architecture holds. */
+#ifndef MD_WEIGHTS_ARCH_SLACK
+#define MD_WEIGHTS_ARCH_SLACK (64LL << 20)
+#endif
 
 md_status md_weights_format(const char *path, const char **format, md_err *err)
 {
@@ -60,18 +66,47 @@ md_status md_weights_format(const char *path, const char **format, md_err *err)
     return st;
 }
 
-md_status md_weights_read(const char *path, const char *format, md_tensors **out, md_err *err)
+md_status md_weights_read(const char *path, const char *format, int64_t arch_numel,
+                          md_tensors **out, md_err *err)
 {
     *out = NULL;
     md_status st;
+    /* a state_dict that loads into the architecture strictly holds its
+     * elements, each at most 8 bytes (float64, int64) in the file; the slack
+     * lets the file of another, smaller model be read and its mismatch
+     * reported key by key */
+    md_ckpt_budget budget = {0, NULL};
+    char limit[200];
+    if (arch_numel >= 0) {
+        if (__builtin_mul_overflow((unsigned long long)arch_numel, 8ULL, &budget.max_bytes) ||
+            __builtin_add_overflow(budget.max_bytes, (unsigned long long)MD_WEIGHTS_ARCH_SLACK,
+                                   &budget.max_bytes))
+            budget.max_bytes = 0; /* past any limit: the build's applies */
+        snprintf(limit, sizeof limit,
+                 "the architecture holds (%lld elements, 8 bytes each at most, plus %lld MiB, "
+                 "MD_WEIGHTS_ARCH_SLACK)",
+                 (long long)arch_numel, (long long)MD_WEIGHTS_ARCH_SLACK >> 20);
+        budget.limit = limit;
+    }
     if (strcmp(format, MD_FORMAT_SAFETENSORS) == 0)
-        st = md_safetensors_read_file(path, out, err);
+        st = md_safetensors_read_file(path, out, err); /* no views: the file's size is the bound */
     else if (strcmp(format, MD_FORMAT_TORCH_SAVE) == 0)
-        st = md_ckpt_read_torch_zip(path, out, err);
+        st = md_ckpt_read_torch_zip(path, &budget, out, err);
     else
         return md_err_set(err, MD_EINVAL, "checkpoint format %s holds no state_dict", format);
     if (st != MD_OK && err->code[0] == '\0' && st == MD_EUNPROC)
         md_err_setc(err, st, "invalid_checkpoint", "%s", err->msg);
+    return st;
+}
+
+md_status md_weights_arch_numel(const char *arch_path, int64_t *numel, md_err *err)
+{
+    *numel = 0;
+    md_torch_model *m = NULL;
+    md_status st = md_torch_load(arch_path, "cpu", MD_F32, &m, err);
+    if (st == MD_OK)
+        st = md_torch_state_numel(m, numel, err);
+    md_torch_free(m);
     return st;
 }
 
@@ -95,19 +130,29 @@ md_status md_weights_load(const char *arch_path, const char *weights_path, const
                           md_err *err)
 {
     *out = NULL;
+    /* the architecture first: what it holds bounds what reading the file may
+     * allocate (a view in a torch.save file can copy out to any size) */
+    md_torch_model *m = NULL;
     md_tensors *t = NULL;
-    md_status st = md_weights_read(weights_path, format, &t, err);
-    if (st != MD_OK)
-        return st;
-    md_torch_named_tensor *v = views_of(t, err);
-    if (!v) {
-        md_tensors_free(t);
-        return MD_ENOMEM;
-    }
-    st = md_torch_load_state(arch_path, device, input_dtype, v, md_tensors_count(t), out, err);
+    md_torch_named_tensor *v = NULL;
+    int64_t numel = 0;
+    md_status st = md_torch_load(arch_path, device, input_dtype, &m, err);
+    if (st == MD_OK)
+        st = md_torch_state_numel(m, &numel, err);
+    if (st == MD_OK)
+        st = md_weights_read(weights_path, format, numel, &t, err);
+    if (st == MD_OK && !(v = views_of(t, err)))
+        st = MD_ENOMEM;
+    if (st == MD_OK)
+        st = md_torch_set_state(m, v, md_tensors_count(t), err);
     free(v);
     md_tensors_free(t);
-    return st;
+    if (st != MD_OK) {
+        md_torch_free(m);
+        return st;
+    }
+    *out = m;
+    return MD_OK;
 }
 
 md_status md_weights_table(const char *arch_path, json_t **out, md_err *err)
@@ -198,11 +243,24 @@ md_status md_weights_effective(const char *path, const char *format, const char 
     if (!arch_path)
         return md_err_setc(err, MD_EUNPROC, "no_architecture",
                            "the version is a state_dict and its architecture is unknown");
-    md_tensors *file = NULL;
-    if ((st = md_weights_read(path, format, &file, err)) != MD_OK)
+    if ((st = md_torch_state_read(arch_path, &s, err)) != MD_OK)
         return st;
-    if ((st = md_torch_state_read(arch_path, &s, err)) != MD_OK) {
-        md_tensors_free(file);
+    int64_t arch_numel = 0;
+    for (size_t j = 0; j < md_torch_state_count(s); j++) {
+        md_torch_named_tensor a;
+        int64_t numel;
+        md_torch_state_get(s, j, &a, NULL);
+        if (md_shape_product(a.shape, a.ndim, &numel) != 0 ||
+            md_add_i64(arch_numel, numel, &arch_numel) != 0) {
+            md_torch_state_free(s);
+            return md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                               "the architecture's tensor \"%.200s\" has an invalid shape",
+                               a.name);
+        }
+    }
+    md_tensors *file = NULL;
+    if ((st = md_weights_read(path, format, arch_numel, &file, err)) != MD_OK) {
+        md_torch_state_free(s);
         return st;
     }
     /* the strip rule of md_torch_load_state; names are unique on both sides,

@@ -10,13 +10,18 @@
  * other keys are absent), so storage sizes, offsets and strides are fuzzed
  * against a real bound. Checks beyond "no crash": a success holds tensors
  * whose byte counts equal their shape's product times the element size, and
- * names that are C strings; a failure has a status and a message.
+ * names that are C strings; a failure has a status and a message. The same
+ * input is read again under a budget of BUDGET bytes: it succeeds exactly
+ * when the first read did with tensors of at most BUDGET bytes together,
+ * else fails with MD_ETOOBIG (the budget is checked before any copy).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../checkpoint/formats.h"
+
+#define BUDGET 64 /* bytes of tensors the second read may copy out */
 
 typedef struct records {
     const uint8_t *data;
@@ -51,7 +56,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     md_tensors *t = NULL;
     md_err err;
     md_err_clear(&err);
-    md_status st = md_ckpt_unpickle(pkl, len, record, &r, "fuzz.pt", &t, &err);
+    md_status st = md_ckpt_unpickle(pkl, len, record, &r, "fuzz.pt", NULL, &t, &err);
+    size_t total = 0;
+    for (size_t i = 0; st == MD_OK && i < md_tensors_count(t); i++)
+        total += md_tensors_nbytes(t, i);
+    md_ckpt_budget budget = {BUDGET, "the fuzzer's budget"};
+    md_tensors *tb = NULL;
+    md_err berr;
+    md_status bst = md_ckpt_unpickle(pkl, len, record, &r, "fuzz.pt", &budget, &tb, &berr);
+    if (st == MD_OK && total <= BUDGET ? bst != MD_OK
+                                       : bst == MD_OK || (st == MD_OK && bst != MD_ETOOBIG))
+        abort();
+    md_tensors_free(tb);
     if (st == MD_OK) {
         for (size_t i = 0; i < md_tensors_count(t); i++) {
             size_t numel = 1;

@@ -181,7 +181,7 @@ static md_tensors *read_zip_ok(const char *file)
     md_tensors *t = NULL;
     md_err err;
     md_err_clear(&err);
-    if (md_ckpt_read_torch_zip(path, &t, &err) != MD_OK)
+    if (md_ckpt_read_torch_zip(path, NULL, &t, &err) != MD_OK)
         fail_msg("reading %s failed: %s", file, err.msg);
     return t;
 }
@@ -192,7 +192,7 @@ static const char *read_zip_fails(const char *file, md_err *err)
     snprintf(path, sizeof path, CKPT "%s", file);
     md_tensors *t = (md_tensors *)(intptr_t)1;
     md_err_clear(err);
-    md_status st = md_ckpt_read_torch_zip(path, &t, err);
+    md_status st = md_ckpt_read_torch_zip(path, NULL, &t, err);
     if (st == MD_OK)
         fail_msg("%s was read, it must be refused", file);
     assert_null(t);
@@ -354,13 +354,13 @@ static void test_legacy_format_refused(void **state)
     size_t len;
     uint8_t *b = slurp(CKPT "legacy.pt", &len);
     md_tensors *t;
-    assert_int_equal(md_ckpt_unpickle(b, len, NULL, NULL, "legacy.pt", &t, &err), MD_EUNPROC);
+    assert_int_equal(md_ckpt_unpickle(b, len, NULL, NULL, "legacy.pt", NULL, &t, &err), MD_EUNPROC);
     assert_msg_has(err.msg, "legacy.pt", "_use_new_zipfile_serialization=True", NULL);
     free(b);
     /* a storage with no record source at all */
     assert_int_equal(md_ckpt_unpickle((const uint8_t *)"\x80\x02}(" TENSOR_W "u.",
                                       sizeof("\x80\x02}(" TENSOR_W "u.") - 1, NULL, NULL, "x.pt",
-                                      &t, &err), MD_EUNPROC);
+                                      NULL, &t, &err), MD_EUNPROC);
     assert_msg_has(err.msg, "data/0", "no storage records", NULL);
 }
 
@@ -407,8 +407,8 @@ static md_status one_record(void *ctx, const char *key, const uint8_t **data, si
 static md_status unpickle(const char *pkl, size_t len, md_tensors **t, md_err *err)
 {
     md_err_clear(err);
-    md_status st = md_ckpt_unpickle((const uint8_t *)pkl, len, one_record, NULL, "test.pt", t,
-                                    err);
+    md_status st = md_ckpt_unpickle((const uint8_t *)pkl, len, one_record, NULL, "test.pt", NULL,
+                                    t, err);
     if (st != MD_OK)
         assert_null(*t);
     return st;
@@ -505,6 +505,302 @@ static void test_pickle_limits(void **state)
     assert_int_equal(unpickle(PKL("\x80\x02}q\x00X\x01\x00\x00\x00xh\x00s."), &t, &err),
                      MD_EUNPROC);
     assert_msg_has(err.msg, "entry \"x\" is a dict", NULL);
+}
+
+/* {'w': a view of data/0's 4 floats with `size` and `stride` (pickled tuples) */
+#define TENSOR_VIEW(size, stride)                                                         \
+    "X\x01\x00\x00\x00w" "ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage" \
+    "ctorch\nFloatStorage\nX\x01\x00\x00\x00" "0X\x03\x00\x00\x00" "cpuK\x04tQK\x00"     \
+    size stride "\x89}t" "R"
+#define LONG1_2_33 "\x8a\x05\x00\x00\x00\x00\x02"
+#define LONG1_2_62 "\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x40"
+
+/* issue 24: what a view copies out to is checked, in checked arithmetic,
+ * against the read's budget before anything is allocated */
+static void test_pickle_views_within_budget(void **state)
+{
+    (void)state;
+    md_tensors *t;
+    md_err err;
+    /* torch.zeros(1).expand(2**33): one stored element, 32 GiB copied out,
+     * past the build's limit (16 GiB): refused before any allocation */
+    assert_int_equal(unpickle(PKL("\x80\x02}(" TENSOR_VIEW(LONG1_2_33 "\x85", "K\x00\x85")
+                                  "u."), &t, &err), MD_ETOOBIG);
+    assert_string_equal(err.code, "checkpoint_too_large");
+    assert_msg_has(err.msg, "34359738368 bytes", "MD_CKPT_MAX_TOTAL_BYTES", NULL);
+    /* a caller's budget, named in the message; a small expand within it is fine */
+    md_ckpt_budget budget = {16, "the test's limit"};
+    md_err_clear(&err);
+    /* the same view of one stored element under two names (memo slot 1) */
+    static const char shared[] = "\x80\x02}(" TENSOR_VIEW("K\x04\x85", "K\x00\x85")
+                                 "q\x01X\x01\x00\x00\x00vh\x01u.";
+    assert_int_equal(md_ckpt_unpickle((const uint8_t *)shared, sizeof shared - 1, one_record,
+                                      NULL, "test.pt", &budget, &t, &err), MD_ETOOBIG);
+    assert_null(t);
+    assert_msg_has(err.msg, "test.pt", "32 bytes", "the test's limit", "(16 bytes)", NULL);
+    budget.max_bytes = 32;
+    assert_int_equal(md_ckpt_unpickle((const uint8_t *)shared, sizeof shared - 1, one_record,
+                                      NULL, "test.pt", &budget, &t, &err), MD_OK);
+    assert_int_equal(md_tensors_count(t), 2);
+    const float *w = md_tensors_data(t, 0);
+    assert_true(w[0] == 1.0f && w[3] == 1.0f); /* stride 0: element 0 four times */
+    md_tensors_free(t);
+    /* shape (0, 2**62, 2**62): no elements, and no overflow on the way
+     * (the contiguity check once multiplied the sizes in signed 64 bits) */
+    assert_int_equal(unpickle(PKL("\x80\x02}(" TENSOR_VIEW("K\x00" LONG1_2_62 LONG1_2_62
+                                                           "\x87", "K\x01K\x01K\x01\x87")
+                                  "u."), &t, &err), MD_OK);
+    assert_int_equal(md_tensors_nbytes(t, 0), 0);
+    assert_int_equal(md_tensors_shape(t, 0)[2], 1LL << 62);
+    md_tensors_free(t);
+    /* (2**62, 2**62) of one stored element: the element count overflows */
+    assert_int_equal(unpickle(PKL("\x80\x02}(" TENSOR_VIEW(LONG1_2_62 LONG1_2_62 "\x86",
+                                                           "K\x00K\x00\x86") "u."), &t, &err),
+                     MD_ETOOBIG);
+    assert_msg_has(err.msg, "more elements than fit", NULL);
+}
+
+/* issue 24: top-level numbers and metadata are hashed, and a repeated key
+ * still means what it did (a dict's later value wins; a repeated tensor name
+ * is refused; a repeated safetensors key is refused by the JSON parser) */
+static void test_many_entries_and_duplicates(void **state)
+{
+    (void)state;
+    md_tensors *t = md_tensors_new();
+    char key[32], value[32];
+    for (int i = 0; i < 100000; i++) {
+        snprintf(key, sizeof key, "key%d", i);
+        snprintf(value, sizeof value, "%d", i);
+        md_tensors_set_meta(t, key, value);
+        md_tensors_set_scalar(t, key, i);
+    }
+    md_tensors_set_meta(t, "key5", "again");
+    md_tensors_set_scalar(t, "key7", -1);
+    assert_int_equal(md_tensors_meta_count(t), 100000);
+    assert_int_equal(md_tensors_scalar_count(t), 100000);
+    assert_string_equal(md_tensors_meta_get(t, "key5"), "again");
+    assert_string_equal(md_tensors_meta_get(t, "key99999"), "99999");
+    assert_null(md_tensors_meta_get(t, "key100000"));
+    assert_string_equal(md_tensors_meta_key(t, 5), "key5"); /* replaced in place */
+    assert_true(md_tensors_scalar_value(t, 7) == -1);
+    assert_string_equal(md_tensors_scalar_name(t, 99999), "key99999");
+    md_tensors_free(t);
+
+    md_err err;
+    /* a checkpoint dict whose number "epoch" is set twice: the later wins */
+    assert_int_equal(unpickle(PKL("\x80\x02}(X\x05\x00\x00\x00model}(" TENSOR_W "u"
+                                  "X\x05\x00\x00\x00" "epochK\x01X\x05\x00\x00\x00" "epochK\x02u."),
+                              &t, &err), MD_OK);
+    assert_int_equal(md_tensors_scalar_count(t), 1);
+    assert_true(md_tensors_scalar_value(t, 0) == 2);
+    md_tensors_free(t);
+    /* a state_dict naming one tensor twice */
+    assert_int_equal(unpickle(PKL("\x80\x02}(" TENSOR_W TENSOR_W "u."), &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "\"w\" appears twice", NULL);
+    /* a safetensors __metadata__ key twice */
+    static const char st[] = "{\"__metadata__\":{\"a\":\"1\",\"a\":\"2\"},"
+                             "\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}";
+    uint8_t buf[sizeof st + 8];
+    uint64_t n = sizeof st - 1;
+    for (int i = 0; i < 8; i++)
+        buf[i] = (uint8_t)(n >> (8 * i));
+    memcpy(buf + 8, st, n);
+    buf[8 + n] = 7;
+    assert_int_equal(md_safetensors_read(buf, 8 + n + 1, &t, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "duplicate", NULL);
+}
+
+/* ---- zip directories as libtorch reads them (zipdir.c) ---- */
+
+typedef struct zip_entry {
+    const char *name;
+    int method;
+    const char *data;
+    size_t len;
+    uint64_t usize; /* declared; the data's length when 0 */
+} zip_entry;
+
+typedef struct zip_buf {
+    uint8_t b[8192];
+    size_t n;
+} zip_buf;
+
+static void zput(zip_buf *z, uint64_t v, int bytes)
+{
+    for (int i = 0; i < bytes; i++)
+        z->b[z->n++] = (uint8_t)(v >> (8 * i));
+}
+
+static void zput_bytes(zip_buf *z, const void *p, size_t n)
+{
+    memcpy(z->b + z->n, p, n);
+    z->n += n;
+}
+
+/* Local records for `e`, their offsets into `off`. */
+static void zip_locals(zip_buf *z, const zip_entry *e, size_t n, uint64_t *off)
+{
+    for (size_t i = 0; i < n; i++) {
+        off[i] = z->n;
+        zput(z, 0x04034b50, 4);
+        zput(z, 45, 2), zput(z, 0, 2), zput(z, (uint64_t)e[i].method, 2), zput(z, 0, 4);
+        zput(z, 0, 4), zput(z, e[i].len, 4), zput(z, 0, 4);
+        zput(z, strlen(e[i].name), 2), zput(z, 0, 2);
+        zput_bytes(z, e[i].name, strlen(e[i].name));
+        zput_bytes(z, e[i].data, e[i].len);
+    }
+}
+
+/* A central directory for `e` at `off`; a usize past 32 bits goes into a
+ * zip64 extra field unless `no_extra`. Returns its offset. */
+static uint64_t zip_central(zip_buf *z, const zip_entry *e, size_t n, const uint64_t *off,
+                            int no_extra)
+{
+    uint64_t at = z->n;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t usize = e[i].usize ? e[i].usize : e[i].len;
+        int big = usize >= 0xFFFFFFFF;
+        zput(z, 0x02014b50, 4);
+        zput(z, 45, 2), zput(z, 45, 2), zput(z, 0, 2), zput(z, (uint64_t)e[i].method, 2);
+        zput(z, 0, 4), zput(z, 0, 4), zput(z, e[i].len, 4), zput(z, big ? 0xFFFFFFFF : usize, 4);
+        zput(z, strlen(e[i].name), 2), zput(z, big && !no_extra ? 12 : 0, 2), zput(z, 0, 2);
+        zput(z, 0, 2), zput(z, 0, 2), zput(z, 0, 4), zput(z, off[i], 4);
+        zput_bytes(z, e[i].name, strlen(e[i].name));
+        if (big && !no_extra)
+            zput(z, 1, 2), zput(z, 8, 2), zput(z, usize, 8);
+    }
+    return at;
+}
+
+static void zip_eocd(zip_buf *z, uint64_t entries, uint64_t cd_size, uint64_t cd_off)
+{
+    zput(z, 0x06054b50, 4), zput(z, 0, 4), zput(z, entries, 2), zput(z, entries, 2);
+    zput(z, cd_size, 4), zput(z, cd_off, 4), zput(z, 0, 2);
+}
+
+/* A zip64 end record (a bad signature when `broken`) and its locator. */
+static void zip64_tail(zip_buf *z, uint64_t entries, uint64_t cd_size, uint64_t cd_off,
+                       int broken)
+{
+    uint64_t at = z->n;
+    zput(z, broken ? 0x06064b51 : 0x06064b50, 4), zput(z, 44, 8), zput(z, 45, 2), zput(z, 45, 2);
+    zput(z, 0, 4), zput(z, 0, 4), zput(z, entries, 8), zput(z, entries, 8);
+    zput(z, cd_size, 8), zput(z, cd_off, 8);
+    zput(z, 0x07064b50, 4), zput(z, 0, 4), zput(z, at, 8), zput(z, 1, 4);
+}
+
+/* md_zip_dir_read over the bytes of `z`: its status, and `err`. */
+static md_status zip_read(const zip_buf *z, md_zip_dir **dir, md_err *err)
+{
+    char path[64];
+    write_temp_n(path, (const char *)z->b, z->n);
+    int fd = open(path, O_RDONLY);
+    assert_true(fd >= 0);
+    md_err_clear(err);
+    md_status st = md_zip_dir_read(fd, dir, err);
+    close(fd);
+    unlink(path);
+    if (st != MD_OK)
+        assert_null(*dir);
+    return st;
+}
+
+static void test_zip_directory_as_libtorch_reads_it(void **state)
+{
+    (void)state;
+    static const zip_entry good[] = {{"a/data.pkl", 0, "xy", 2, 0}, {"a/version", 0, "3\n", 2, 0}};
+    uint64_t off[4];
+    md_zip_dir *dir;
+    md_err err;
+    size_t len;
+    /* a plain zip: every entry, in order */
+    zip_buf z = {.n = 0};
+    zip_locals(&z, good, 2, off);
+    uint64_t cd = zip_central(&z, good, 2, off, 0);
+    zip_eocd(&z, 2, z.n - cd, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_OK);
+    assert_int_equal(md_zip_dir_count(dir), 2);
+    assert_memory_equal(md_zip_dir_name(dir, 1, &len), "a/version", 9);
+    assert_int_equal(len, 9);
+    md_zip_dir_free(dir);
+    md_zip_dir_free(NULL);
+    /* zip64, the classic record saturated as zip64 writers leave it: read */
+    z.n = 0;
+    zip_locals(&z, good, 2, off);
+    cd = zip_central(&z, good, 2, off, 0);
+    uint64_t cd_size = z.n - cd;
+    zip64_tail(&z, 2, cd_size, cd, 0);
+    zip_eocd(&z, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_OK);
+    assert_int_equal(md_zip_dir_count(dir), 2);
+    md_zip_dir_free(dir);
+    /* two directories: the classic record names a harmless one, the zip64
+     * one (libtorch's choice) a deflated record of 4.7 GB */
+    static const zip_entry bomb[] = {{"a/data.pkl", 0, "xy", 2, 0},
+                                     {"a/version", 8, "\x03\x00", 2, 4697620480ULL}};
+    z.n = 0;
+    zip_locals(&z, good, 2, off);
+    zip_locals(&z, bomb + 1, 1, off + 2);
+    cd = zip_central(&z, good, 2, off, 0);
+    cd_size = z.n - cd;
+    uint64_t off64[2] = {off[0], off[2]};
+    uint64_t cd64 = zip_central(&z, bomb, 2, off64, 0);
+    zip64_tail(&z, 2, z.n - cd64, cd64, 0);
+    zip_eocd(&z, 2, cd_size, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_string_equal(err.code, "zip_directories_disagree");
+    assert_msg_has(err.msg, "zip64", "classic", "torch.save", NULL);
+    /* the same zip64 directory alone: its deflated record is the bomb */
+    z.n = 0;
+    zip_locals(&z, bomb, 2, off);
+    cd = zip_central(&z, bomb, 2, off, 0);
+    cd_size = z.n - cd;
+    zip64_tail(&z, 2, cd_size, cd, 0);
+    zip_eocd(&z, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_string_equal(err.code, "compressed_record_too_large");
+    assert_msg_has(err.msg, "a/version", "4697620480", "16 MiB", NULL);
+    /* ... and with its size field saturated but no zip64 extra field */
+    z.n = 0;
+    zip_locals(&z, bomb, 2, off);
+    cd = zip_central(&z, bomb, 2, off, 1);
+    zip_eocd(&z, 2, z.n - cd, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "zip64 sizes are missing", NULL);
+    /* a locator whose zip64 record is not one */
+    z.n = 0;
+    zip_locals(&z, good, 2, off);
+    cd = zip_central(&z, good, 2, off, 0);
+    cd_size = z.n - cd;
+    zip64_tail(&z, 2, cd_size, cd, 1);
+    zip_eocd(&z, 2, cd_size, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "no valid zip64", NULL);
+    /* many names for one stored region: libtorch would hold each copy */
+    static char blob[1000];
+    zip_entry same[3] = {{"a/data/0", 0, blob, sizeof blob, 0}, {"a/data/1", 0, blob, 0, 0},
+                         {"a/data/2", 0, blob, 0, 0}};
+    z.n = 0;
+    zip_locals(&z, same, 1, off);
+    off[1] = off[2] = off[0];
+    same[1].len = same[2].len = sizeof blob;
+    cd = zip_central(&z, same, 3, off, 0);
+    zip_eocd(&z, 3, z.n - cd, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "share its bytes", NULL);
+    /* a stored record whose two sizes differ */
+    static const zip_entry lying[] = {{"a/data.pkl", 0, "xy", 2, 1000}};
+    z.n = 0;
+    zip_locals(&z, lying, 1, off);
+    cd = zip_central(&z, lying, 1, off, 0);
+    zip_eocd(&z, 1, z.n - cd, cd);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "two sizes differ", NULL);
+    /* no end record at all */
+    z.n = 0;
+    zip_locals(&z, good, 2, off);
+    assert_int_equal(zip_read(&z, &dir, &err), MD_EUNPROC);
+    assert_msg_has(err.msg, "no end-of-central-directory", NULL);
 }
 
 /* ---- safetensors ---- */
@@ -953,6 +1249,9 @@ int main(void)
         cmocka_unit_test(test_bad_torch_save_files),
         cmocka_unit_test(test_handmade_pickles),
         cmocka_unit_test(test_pickle_limits),
+        cmocka_unit_test(test_pickle_views_within_budget),
+        cmocka_unit_test(test_many_entries_and_duplicates),
+        cmocka_unit_test_teardown(test_zip_directory_as_libtorch_reads_it, remove_temps),
         cmocka_unit_test(test_safetensors_files_read_exactly),
         cmocka_unit_test(test_safetensors_round_trip),
         cmocka_unit_test(test_torch_save_to_safetensors),
