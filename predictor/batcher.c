@@ -57,7 +57,11 @@
  * raised) is run again in halves, down to single requests (run_pieces), so a
  * request that makes the model throw fails alone instead of taking its batch
  * with it: about 2 log2(n) extra forwards for one bad request among n, 2n - 1
- * at most when every request fails.
+ * at most when every request fails. libtorch's whole message is logged once
+ * per failing request: forwards of several requests, on a replica (its own
+ * width check would be said first, split_with_sizes, no part of the user's
+ * model) and of a piece of a request that failed already are quiet
+ * (md_torch_forward_quiet); that request's forward alone on the model logs.
  * Lifetime: the registry and each queued request hold references; the last
  * release sets `stopping`; workers finish the queue, exit, and the last one
  * to exit frees the model, so a release from a worker thread never joins
@@ -323,18 +327,26 @@ static void learn_row_shape(md_model *m, const int64_t *shape, int ndim, int64_t
  */
 /* The forward of one worker: on its replica (md_torch_replica) when it has
  * one. Should the replica fail where the model itself succeeds (an input
- * XNNPACK refuses), the worker drops the replica for good and says so once. */
-static md_status forward(md_model *m, md_torch_model **replica, const float *input,
+ * XNNPACK refuses), the worker drops the replica for good and says so once.
+ * The replica's own failure is never logged: the model's forward after it
+ * has the reason worth logging (the replica's is the width check it was
+ * given, split_with_sizes, which is no part of the user's model). `quiet`:
+ * the model's failure is not logged either (run_pieces says when). */
+static md_status forward(md_model *m, md_torch_model **replica, int quiet, const float *input,
                          const int64_t *shape, int ndim, float **out, int64_t *out_shape,
                          int *out_ndim, md_err *err)
 {
+    md_status (*model_forward)(md_torch_model *, const float *, const int64_t *, int, float **,
+                               int64_t *, int *, md_err *) =
+        quiet ? md_torch_forward_quiet : md_torch_forward;
     if (!*replica)
-        return md_torch_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
-    md_status st = md_torch_forward(*replica, input, shape, ndim, out, out_shape, out_ndim, err);
+        return model_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
+    md_status st =
+        md_torch_forward_quiet(*replica, input, shape, ndim, out, out_shape, out_ndim, err);
     if (st != MD_EUNPROC)
         return st;
     md_err rerr = *err;
-    st = md_torch_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
+    st = model_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
     if (st == MD_OK) {
         if (atomic_exchange(&m->fallback_logged, 1) == 0)
             md_log(MD_LOG_WARN, "model %s version %d: the prepacked forward failed where the "
@@ -396,8 +408,13 @@ static void run_pieces(md_model *m, md_torch_model **replica, piece *pieces, int
     int64_t out_shape[MD_MAX_DIMS];
     int out_ndim = 0;
     if (st == MD_OK) {
+        /* libtorch's whole message is logged once per failing request: by
+         * the forward of that request alone. A forward of several is run
+         * again in halves when it fails (below), and a piece of a request
+         * that has failed already changes nothing in its answer. */
+        int quiet = n > 1 || atomic_load(&first->failed);
         double t0 = now_s();
-        st = forward(m, replica, input, shape, ndim, &out, out_shape, &out_ndim, &ferr);
+        st = forward(m, replica, quiet, input, shape, ndim, &out, out_shape, &out_ndim, &ferr);
         md_hist_observe(&m->forward_hist, now_s() - t0);
     }
     if (st == MD_OK && (out_ndim < 1 || out_shape[0] != rows)) {

@@ -5,7 +5,7 @@
  * The fake replaces libtorch at the module edge through the linker seam:
  * this binary must be linked with
  *     -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free
- *     -Wl,--wrap=md_torch_replica
+ *     -Wl,--wrap=md_torch_replica -Wl,--wrap=md_torch_forward_quiet
  * (LDFLAGS_test_batcher in the Makefile), so batcher.o's calls reach the
  * __wrap_ functions below. The fake forward records every batch (its rows and
  * the first value of each row), returns out = 2 * input (same shape), and
@@ -16,7 +16,8 @@
  * (WIDE: x @ x.t(), an output width that depends on the batch); and with
  * g_need_width set it fails rows of any other width, as a Linear layer does.
  * Every wait is bounded (WAIT_S) so a failure never hangs; no bound depends
- * on the machine's speed.
+ * on the machine's speed. md_torch_forward_quiet is the same fake forward,
+ * recorded as quiet (the real one does not log libtorch's message).
  * md_torch_replica (a worker's prepacked copy) is wrapped too: a fake replica
  * is a model of its own whose forwards are recorded as such, that fails the
  * test if two threads ever forward on it (XNNPACK's operators keep per-call
@@ -68,6 +69,7 @@ struct md_torch_model {
 typedef struct batch_rec {
     int model;
     int replica;         /* computed on a worker's replica */
+    int quiet;           /* by md_torch_forward_quiet: a failure would not be logged */
     int64_t rows;
     float first[64]; /* first value of each of the first 64 rows */
     double t;
@@ -101,6 +103,9 @@ md_status __wrap_md_torch_load(const char *path, const char *device, md_dtype in
 md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape,
                                   int ndim, float **out, int64_t *out_shape, int *out_ndim,
                                   md_err *err);
+md_status __wrap_md_torch_forward_quiet(md_torch_model *m, const float *input,
+                                        const int64_t *shape, int ndim, float **out,
+                                        int64_t *out_shape, int *out_ndim, md_err *err);
 void __wrap_md_torch_free(md_torch_model *m);
 md_status __wrap_md_torch_replica(const md_torch_model *base, size_t max_weight_bytes,
                                   md_torch_model **out, size_t *packed_bytes, md_err *err);
@@ -168,9 +173,9 @@ static double mono(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape,
-                                  int ndim, float **out, int64_t *out_shape, int *out_ndim,
-                                  md_err *err)
+static md_status fake_forward(md_torch_model *m, const float *input, const int64_t *shape,
+                              int ndim, float **out, int64_t *out_shape, int *out_ndim, int quiet,
+                              md_err *err)
 {
     int64_t rows = shape[0], per = 1;
     for (int d = 1; d < ndim; d++)
@@ -199,6 +204,7 @@ md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const i
             batch_rec *b = &g_batches[g_nbatches++];
             b->model = m->id;
             b->replica = m->replica;
+            b->quiet = quiet;
             b->rows = rows;
             b->t = mono();
             for (int64_t r = 0; r < rows && r < 64; r++)
@@ -257,6 +263,20 @@ md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const i
     out_shape[0] = out_rows;
     *out = o;
     return MD_OK;
+}
+
+md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape,
+                                  int ndim, float **out, int64_t *out_shape, int *out_ndim,
+                                  md_err *err)
+{
+    return fake_forward(m, input, shape, ndim, out, out_shape, out_ndim, 0, err);
+}
+
+md_status __wrap_md_torch_forward_quiet(md_torch_model *m, const float *input,
+                                        const int64_t *shape, int ndim, float **out,
+                                        int64_t *out_shape, int *out_ndim, md_err *err)
+{
+    return fake_forward(m, input, shape, ndim, out, out_shape, out_ndim, 1, err);
 }
 
 void __wrap_md_torch_free(md_torch_model *m)
@@ -1848,6 +1868,76 @@ static void test_prepack_forward_falls_back(void **state)
     assert_true(g_req[2].out[0] == 16.0f);
 }
 
+/* How many recorded forwards of fake model `id` had a row starting with
+ * FAIL, and of those how many were not quiet (would log libtorch's message);
+ * a loud one must be on the model itself, not a replica. */
+static int fail_forwards(int id, int *loud)
+{
+    int n = 0, loud_on_replica = 0;
+    *loud = 0;
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < g_nbatches; i++) {
+        const batch_rec *b = &g_batches[i];
+        int fail = 0;
+        for (int64_t r = 0; r < b->rows && r < 64; r++)
+            fail |= b->first[r] == FAIL;
+        if (b->model != id || !fail)
+            continue;
+        n++;
+        if (!b->quiet) {
+            ++*loud;
+            loud_on_replica += b->replica;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    assert_int_equal(loud_on_replica, 0); /* after the unlock: a failure jumps out */
+    return n;
+}
+
+/* A failing request logs libtorch's message once (one request, one log
+ * line): the forward of that request alone on the model logs it; the
+ * replica's forward before it (its own width check, split_with_sizes, said
+ * first before), forwards of several requests (run again in halves) and a
+ * later piece of a request that failed already are quiet. */
+static void test_failure_logged_once(void **state)
+{
+    (void)state;
+    g_prepack_max = 1 << 20;
+    md_model *m = load(ROW2, 1, 64, 0, 100, 10000);
+    int id = locked_int(&g_next_id) - 1;
+    wait_stat(m, "prepacked_workers", 1);
+    /* alone: the replica fails, then the model */
+    submit_ok(m, 0, 1, 2, (const float[]){FAIL, 0});
+    ASSERT_WAIT(reqs_done(0, 1));
+    assert_int_equal(g_req[0].st, MD_EUNPROC);
+    int loud;
+    assert_int_equal(fail_forwards(id, &loud), 2);
+    assert_int_equal(loud, 1);
+    /* batched with others: the batch of 5, [3 4 5], and [3] on each of the
+     * replica and the model */
+    submit_ok(m, 1, 1, 2, (const float[]){GATE, 0});
+    ASSERT_WAIT(g_gate_entered == 1);
+    for (int i = 2; i <= 6; i++)
+        submit_ok(m, i, 1, 2, (const float[]){i == 4 ? FAIL : (float)i, 0});
+    open_gate();
+    ASSERT_WAIT(reqs_done(1, 7));
+    assert_int_equal(g_req[4].st, MD_EUNPROC);
+    assert_true(fail_forwards(id, &loud) > 3);
+    assert_int_equal(loud, 2);
+    /* a request split in pieces of 3 rows, two of them failing: one logs */
+    g_prepack_max = 0;
+    md_model *m2 = load_ex("split", 1, ROW2, 1, 3, 0, 100, 10000, NULL);
+    int id2 = locked_int(&g_next_id) - 1;
+    float in[24] = {0};
+    for (int r = 0; r < 12; r++)
+        in[2 * r] = r == 4 || r == 10 ? FAIL : (float)r;
+    submit_ok(m2, 7, 12, 2, in);
+    ASSERT_WAIT(reqs_done(7, 8));
+    assert_int_equal(g_req[7].st, MD_EUNPROC);
+    assert_int_equal(fail_forwards(id2, &loud), 2);
+    assert_int_equal(loud, 1);
+}
+
 int main(void)
 {
     pthread_condattr_t ca;
@@ -1904,6 +1994,7 @@ int main(void)
         T(test_prepack_off),
         T(test_prepack_refused_forwards_on_the_module),
         T(test_prepack_forward_falls_back),
+        T(test_failure_logged_once),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

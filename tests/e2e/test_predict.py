@@ -784,6 +784,30 @@ def test_failed_forward_of_a_request_says_why(server):
     assert "mat1 and mat2 shapes cannot be multiplied (1x3 and 4x8)" in err["message"], err
 
 
+def test_a_bad_row_logs_one_line_with_its_reason(server):
+    """Issue 29: a version with no declared shape, whose worker forwards on a
+    prepacked copy, sent one row of 783 values: the log had the packed copy's
+    own width check first ("split_with_sizes expects split_sizes to sum
+    exactly to 783"), unrelated to the user's model, then the real reason.
+    One request, one log line, and it holds libtorch's reason."""
+    deployed(server, "nocfg", FASHION_PT, {"workers": 1})
+    deadline = time.monotonic() + 10 * TSCALE
+    while server.get("/models/nocfg").json()["loaded"][0]["prepacked_workers"] != 1:
+        assert time.monotonic() < deadline, "the worker did not make its prepacked copy"
+        time.sleep(0.02)
+    before = server.stderr
+    err = expect_error(post_json(server, "/models/nocfg/predict", [[0.5] * 783]), 422)
+    assert "mat1 and mat2 shapes cannot be multiplied (1x783 and 784x512)" in err["message"], err
+    # the log line is written before the answer is sent
+    log = server.stderr
+    assert log.startswith(before)
+    lines = log[len(before):].splitlines()
+    assert len(lines) == 1, lines
+    assert " warn " in lines[0], lines
+    assert "mat1 and mat2 shapes cannot be multiplied (1x783 and 784x512)" in lines[0], lines
+    assert "split_with_sizes" not in log, log[-3000:]
+
+
 def test_state_dict_upload_says_what_it_is(server):
     """torch.save(model.state_dict()) is a zip but not TorchScript: the answer
     says what the file is and how to export one, not "PytorchStreamReader
