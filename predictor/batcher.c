@@ -1114,15 +1114,44 @@ void md_models_write_metrics(md_model *const *ms, const int *is_default, int n, 
     }
 }
 
-/* Shape `in` to [rows, row shape...]: a single row in the declared shape is
- * a batch of one; flat rows of the right width are reshaped. Only for a
- * model whose shape is known (read after an acquire of shape_known). */
-static md_status shape_input(md_model *m, md_tensor *in, md_err *err)
+static int same_dims(const int64_t *a, int na, const int64_t *b, int nb)
 {
-    int same = in->ndim == m->row_ndim;
-    for (int d = 0; same && d < m->row_ndim; d++)
-        same = in->shape[d] == m->row_shape[d];
-    if (same) { /* one row */
+    return na == nb && memcmp(a, b, sizeof(int64_t) * (size_t)na) == 0;
+}
+
+/* How many leading dims of the row shape are 1s, leaving at least one. */
+static int leading_ones(const md_model *m)
+{
+    int lead = 0;
+    while (lead < m->row_ndim - 1 && m->row_shape[lead] == 1)
+        lead++;
+    return lead;
+}
+
+/* Whether an online request's `in` is ONE row with no batch dimension: its
+ * shape is the row shape ([1, 28, 28] for input.shape [1, 28, 28]) or the
+ * row shape without its leading 1s ([28, 28]: what x.tolist() gives for one
+ * FashionMNIST image, and x.squeeze() for any one sample). Read as rows,
+ * the first is the same one row, and the second was refused (28 rows of 28
+ * values where rows of 784 are expected): nothing that reads as valid rows
+ * changes meaning, since past the stripped 1s the first dim is not 1 and
+ * the dims after it hold fewer values than one row. */
+static int one_row(const md_model *m, const md_tensor *in)
+{
+    int lead = leading_ones(m);
+    return same_dims(in->shape, in->ndim, m->row_shape, m->row_ndim) ||
+           (lead > 0 &&
+            same_dims(in->shape, in->ndim, m->row_shape + lead, m->row_ndim - lead));
+}
+
+/* Shape `in` to [rows, row shape...]: one row as a client sends it
+ * (one_row; `online` only: a job's chunk always has its rows dimension, and
+ * a chunk that happened to match would be answered with one row for many)
+ * is a batch of one; flat rows of the right width are reshaped. Only for a
+ * model whose shape is known (read after an acquire of shape_known). */
+static md_status shape_input(md_model *m, md_tensor *in, int online, md_err *err)
+{
+    if (online && one_row(m, in)) {
         in->shape[0] = 1;
         memcpy(in->shape + 1, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
         in->ndim = m->row_ndim + 1;
@@ -1135,17 +1164,19 @@ static md_status shape_input(md_model *m, md_tensor *in, md_err *err)
         memcpy(in->shape + 1, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
         return MD_OK;
     }
-    char want[128];
-    int n = snprintf(want, sizeof want, "[");
-    for (int d = 0; d < m->row_ndim; d++)
-        n += snprintf(want + n, sizeof want - (size_t)n, "%s%lld", d ? ", " : "",
-                      (long long)m->row_shape[d]);
-    snprintf(want + n, sizeof want - (size_t)n, "]");
+    char want[128], bare[160] = "";
+    fmt_dims(want, sizeof want, m->row_shape, m->row_ndim);
+    int lead = leading_ones(m);
+    if (online && lead > 0) {
+        char dims[128];
+        snprintf(bare, sizeof bare, "; one row alone may also be sent as an array of shape %s",
+                 fmt_dims(dims, sizeof dims, m->row_shape + lead, m->row_ndim - lead));
+    }
     return md_err_setc(err, MD_EINVAL, "wrong_shape",
                        "each row has %lld values but model %s version %d expects rows of shape "
-                       "%s (%lld values)",
+                       "%s (%lld values)%s",
                        in->ndim >= 2 ? (long long)per : (long long)in->count, m->name, md_model_version(m),
-                       want, (long long)m->row_size);
+                       want, (long long)m->row_size, bare);
 }
 
 static void preprocess(md_model *m, md_tensor *in)
@@ -1187,7 +1218,7 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
     /* No config.input.shape and no successful forward yet: any row shape is
      * queued as it is, and its forward decides (see DESIGN). */
     if (atomic_load_explicit(&m->shape_known, memory_order_acquire) &&
-        (st = shape_input(m, in, err)) != MD_OK) {
+        (st = shape_input(m, in, prio == MD_PRIO_ONLINE, err)) != MD_OK) {
         md_tensor_free(in);
         return st;
     }

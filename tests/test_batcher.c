@@ -1868,6 +1868,65 @@ static void test_prepack_forward_falls_back(void **state)
     assert_true(g_req[2].out[0] == 16.0f);
 }
 
+/* Submit `vals` as a tensor of shape dims[0..ndim) on `m` for g_req[i]. */
+static md_status submit_shaped(md_model *m, int i, const int64_t *dims, int ndim,
+                               const float *vals, md_priority prio, md_err *err)
+{
+    md_tensor t = {0};
+    t.ndim = ndim;
+    t.count = 1;
+    for (int d = 0; d < ndim; d++)
+        t.count *= (size_t)(t.shape[d] = dims[d]);
+    t.data = malloc(sizeof(float) * t.count);
+    memcpy(t.data, vals, sizeof(float) * t.count);
+    md_err_clear(err);
+    return md_model_submit(m, &t, prio, on_done, &g_req[i], err);
+}
+
+/* One row may come without its batch dimension: in the declared row shape
+ * ([1, 2, 3]) or in it without its leading 1s ([2, 3]: x.tolist() of one
+ * 28x28 image for input.shape [1, 28, 28]); online, either is a batch of
+ * one. A job's chunk always has its rows: 2 rows of 3 values stay 2 rows
+ * (refused, 3 values a row), never one row answered for two. */
+static void test_one_row_without_batch_dim(void **state)
+{
+    (void)state;
+    md_model *m = load("{\"input\": {\"shape\": [1, 2, 3]}}", 1, 64, 0, 100, 10000);
+    const float v[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+    md_err err;
+    assert_int_equal(submit_shaped(m, 0, (const int64_t[]){2, 3}, 2, v, MD_PRIO_ONLINE, &err),
+                     MD_OK);
+    assert_int_equal(
+        submit_shaped(m, 1, (const int64_t[]){1, 2, 3}, 3, v, MD_PRIO_ONLINE, &err), MD_OK);
+    assert_int_equal(
+        submit_shaped(m, 2, (const int64_t[]){2, 2, 3}, 3, v, MD_PRIO_ONLINE, &err), MD_OK);
+    ASSERT_WAIT(reqs_done(0, 3));
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(g_req[i].st, MD_OK);
+        assert_int_equal(g_req[i].ndim, 4);
+        assert_int_equal(g_req[i].shape[0], 1);
+        assert_int_equal(g_req[i].count, 6);
+        assert_true(g_req[i].out[5] == 12.0f);
+    }
+    assert_int_equal(g_req[2].st, MD_OK);
+    assert_int_equal(g_req[2].shape[0], 2); /* [2, 2, 3] is two rows, as before */
+    assert_true(g_req[2].out[11] == 24.0f);
+    /* neither a row nor rows: the error says how one row may be sent */
+    assert_int_equal(submit_shaped(m, 3, (const int64_t[]){3, 2}, 2, v, MD_PRIO_ONLINE, &err),
+                     MD_EINVAL);
+    assert_string_equal(md_err_code(&err), "wrong_shape");
+    assert_non_null(strstr(err.msg, "expects rows of shape [1, 2, 3] (6 values)"));
+    assert_non_null(strstr(err.msg, "one row alone may also be sent as an array of shape [2, 3]"));
+    /* a job's chunk of 2 rows of 3 values: not taken as one row */
+    assert_int_equal(submit_shaped(m, 4, (const int64_t[]){2, 3}, 2, v, MD_PRIO_BATCH, &err),
+                     MD_EINVAL);
+    assert_string_equal(md_err_code(&err), "wrong_shape");
+    assert_non_null(strstr(err.msg, "each row has 3 values"));
+    usleep(20000);
+    for (int i = 3; i < 5; i++)
+        assert_int_equal(locked_int(&g_req[i].calls), 0);
+}
+
 /* How many recorded forwards of fake model `id` had a row starting with
  * FAIL, and of those how many were not quiet (would log libtorch's message);
  * a loud one must be on the model itself, not a replica. */
@@ -1994,6 +2053,7 @@ int main(void)
         T(test_prepack_off),
         T(test_prepack_refused_forwards_on_the_module),
         T(test_prepack_forward_falls_back),
+        T(test_one_row_without_batch_dim),
         T(test_failure_logged_once),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
