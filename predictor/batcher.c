@@ -94,6 +94,8 @@ typedef struct item {
     int64_t out_shape[MD_MAX_DIMS];
     atomic_int failed;
     md_err err;
+    int unshaped;              /* an online request queued before the row shape was known:
+                                * its rows are as its body had them (explain_rows) */
     double enqueued, deadline; /* monotonic seconds */
     md_predict_cb cb;
     md_alive_fn alive;
@@ -359,6 +361,54 @@ static md_status forward(md_model *m, md_torch_model **replica, int quiet, const
     return st;
 }
 
+/*
+ * The error an online request gets when the forward failed on its rows: for
+ * a model with no declared input shape (nor one learned yet, which would
+ * have checked the rows at submit), what modeld read the body as comes
+ * first, then how to declare the shape, then the model's reason (`ferr`).
+ * Without a declared shape every inner array is a row, so one input sent as
+ * a nested array (a 28x28 image from x.tolist()) reaches the model as 28 rows
+ * of 28 values and fails there with a matrix product's shapes, which do not
+ * say that. Returns `ferr`, or `buf` holding the longer answer.
+ */
+static const md_err *explain_rows(const md_model *m, const item *it, const md_err *ferr,
+                                  md_err *buf)
+{
+    if (!it->unshaped || ferr->status != MD_EUNPROC ||
+        strcmp(md_err_code(ferr), "bad_model_output") == 0)
+        return ferr;
+    const md_tensor *in = &it->in; /* as sent: without a known shape nothing reshaped it */
+    long long rows = (long long)in->shape[0];
+    char read[128], dims[96], hint[192] = "";
+    if (in->ndim == 2)
+        snprintf(read, sizeof read, "%lld row%s of %lld value%s", rows, rows == 1 ? "" : "s",
+                 (long long)in->shape[1], in->shape[1] == 1 ? "" : "s");
+    else
+        snprintf(read, sizeof read, "%lld row%s of shape %s", rows, rows == 1 ? "" : "s",
+                 fmt_dims(dims, sizeof dims, in->shape + 1, in->ndim - 1));
+    if (rows > 1 && in->ndim < MD_MAX_DIMS) {
+        /* the whole array as one input; a 2-D one as one channel (C, H, W
+         * with C = 1, as ToTensor gives a grayscale image), which one_row
+         * then takes as sent */
+        int64_t one[MD_MAX_DIMS];
+        int nd = 0;
+        if (in->ndim == 2)
+            one[nd++] = 1;
+        memcpy(one + nd, in->shape, sizeof(int64_t) * (size_t)in->ndim);
+        nd += in->ndim;
+        snprintf(hint, sizeof hint,
+                 " If the body is one input, not %lld rows, declare its shape when deploying: "
+                 "-F 'config={\"input\": {\"shape\": %s}}'.",
+                 rows, fmt_dims(dims, sizeof dims, one, nd));
+    }
+    md_err_setc(buf, ferr->status, md_err_code(ferr),
+                "modeld read the body as %s, as model %s version %d declares no input.shape.%s "
+                "On %s, %s",
+                read, m->name, md_model_version(m), hint, rows == 1 ? "that row" : "those rows",
+                ferr->msg);
+    return buf;
+}
+
 static void run_pieces(md_model *m, md_torch_model **replica, piece *pieces, int n,
                        int64_t rows, float **batch_p, size_t *batch_cap_p)
 {
@@ -463,7 +513,8 @@ static void run_pieces(md_model *m, md_torch_model **replica, piece *pieces, int
     for (int i = 0; i < n; i++) {
         item *it = pieces[i].it;
         if (st != MD_OK) {
-            if (fail_item(it, &ferr))
+            md_err why;
+            if (fail_item(it, explain_rows(m, it, &ferr, &why)))
                 atomic_fetch_add(&m->n_failed, 1);
         } else {
             pthread_mutex_lock(&m->mu);
@@ -1217,8 +1268,8 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
     }
     /* No config.input.shape and no successful forward yet: any row shape is
      * queued as it is, and its forward decides (see DESIGN). */
-    if (atomic_load_explicit(&m->shape_known, memory_order_acquire) &&
-        (st = shape_input(m, in, prio == MD_PRIO_ONLINE, err)) != MD_OK) {
+    int shape_known = atomic_load_explicit(&m->shape_known, memory_order_acquire);
+    if (shape_known && (st = shape_input(m, in, prio == MD_PRIO_ONLINE, err)) != MD_OK) {
         md_tensor_free(in);
         return st;
     }
@@ -1250,6 +1301,7 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
     memset(in, 0, sizeof *in);
     it->rows = rows;
     it->row_size = row_size;
+    it->unshaped = !shape_known && prio == MD_PRIO_ONLINE;
     it->cb = cb;
     it->alive = alive;
     it->ctx = ctx;

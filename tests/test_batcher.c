@@ -1997,6 +1997,61 @@ static void test_failure_logged_once(void **state)
     assert_int_equal(loud, 1);
 }
 
+/* A model with no declared input shape whose forward fails on an online
+ * request: the answer says first what modeld read the body as and, for a
+ * body of several rows, how to declare it as one input; the model's reason
+ * follows, and the status and code stay the forward's. A job's chunk, and a
+ * request after the shape was learned, get the model's reason only. */
+static void test_configless_failure_says_what_was_read(void **state)
+{
+    (void)state;
+    pthread_mutex_lock(&g_mu);
+    g_need_width = 4;
+    pthread_mutex_unlock(&g_mu);
+    md_model *m = load_ex("noshape", 1, NULL, 1, 64, 0, 100, 10000, NULL);
+    const float v[6] = {1, 2, 3, 4, 5, 6};
+    submit_ok(m, 0, 2, 3, v);
+    ASSERT_WAIT(reqs_done(0, 1));
+    assert_int_equal(g_req[0].st, MD_EUNPROC);
+    assert_string_equal(g_req[0].code, "forward_failed"); /* the forward's own code */
+    const char *msg = g_req[0].msg;
+    assert_ptr_equal(strstr(msg, "modeld read the body as 2 rows of 3 values, as model noshape "
+                                 "version 1 declares no input.shape."),
+                     msg);
+    assert_non_null(strstr(msg, "If the body is one input, not 2 rows, declare its shape when "
+                                "deploying: -F 'config={\"input\": {\"shape\": [1, 2, 3]}}'."));
+    assert_non_null(strstr(msg, "On those rows, fake forward: mat1 and mat2 shapes cannot be "
+                                "multiplied (2x3 and 4x8)"));
+    /* one row: what was read, no hint */
+    submit_ok(m, 1, 1, 3, v);
+    ASSERT_WAIT(reqs_done(1, 2));
+    assert_ptr_equal(strstr(g_req[1].msg, "modeld read the body as 1 row of 3 values"),
+                     g_req[1].msg);
+    assert_null(strstr(g_req[1].msg, "If the body is one input"));
+    assert_non_null(strstr(g_req[1].msg, "On that row, fake forward: mat1"));
+    /* rows of [2, 3]: the whole [2, 2, 3] is the shape to declare */
+    const float w[12] = {0};
+    md_err err;
+    assert_int_equal(
+        submit_shaped(m, 2, (const int64_t[]){2, 2, 3}, 3, w, MD_PRIO_ONLINE, &err), MD_OK);
+    ASSERT_WAIT(reqs_done(2, 3));
+    assert_non_null(strstr(g_req[2].msg, "2 rows of shape [2, 3]"));
+    assert_non_null(strstr(g_req[2].msg, "{\"shape\": [2, 2, 3]}"));
+    /* a job's chunk */
+    assert_int_equal(submit_prio(m, 3, 2, 3, v, MD_PRIO_BATCH, &err), MD_OK);
+    ASSERT_WAIT(reqs_done(3, 4));
+    assert_int_equal(g_req[3].st, MD_EUNPROC);
+    assert_ptr_equal(strstr(g_req[3].msg, "fake forward: mat1"), g_req[3].msg);
+    /* once a forward succeeded the shape is known and rows are checked at
+     * submit: a later failure is not about how the body was read */
+    submit_ok(m, 4, 1, 4, (const float[]){1, 2, 3, 4});
+    ASSERT_WAIT(reqs_done(4, 5));
+    assert_int_equal(g_req[4].st, MD_OK);
+    submit_ok(m, 5, 2, 4, (const float[]){FAIL, 0, 0, 0, 1, 2, 3, 4});
+    ASSERT_WAIT(reqs_done(5, 6));
+    assert_string_equal(g_req[5].msg, "fake forward failed");
+}
+
 int main(void)
 {
     pthread_condattr_t ca;
@@ -2055,6 +2110,7 @@ int main(void)
         T(test_prepack_forward_falls_back),
         T(test_one_row_without_batch_dim),
         T(test_failure_logged_once),
+        T(test_configless_failure_says_what_was_read),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

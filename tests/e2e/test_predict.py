@@ -837,6 +837,34 @@ def test_one_image_as_a_28x28_array_is_one_row(server):
     assert "one row alone may also be sent as an array of shape [28, 28]" in err["message"], err
 
 
+def test_a_28x28_array_without_a_declared_shape_says_what_was_read(server):
+    """Issue 29: without config.input.shape the 28x28 array reaches the model
+    as 28 rows of 28 values and fails there. The answer says that first, and
+    how to declare the shape, before libtorch's "mat1 and mat2 shapes cannot be
+    multiplied"; the status stays a failed forward's (422). Declaring the
+    shape as it says makes the same body one row."""
+    cfg = {k: v for k, v in FASHION_CONFIG.items() if k != "input"}
+    deployed(server, "noshape", FASHION_PT, cfg)
+    img = fashion_image()
+    err = expect_error(post_json(server, "/models/noshape/predict", img), 422, "unprocessable")
+    msg = err["message"]
+    assert msg.startswith("modeld read the body as 28 rows of 28 values, as model noshape "
+                          "version 1 declares no input.shape."), msg
+    assert """-F 'config={"input": {"shape": [1, 28, 28]}}'""" in msg, msg
+    assert "mat1 and mat2 shapes cannot be multiplied (28x28 and 784x512)" in msg, msg
+    assert msg.index("28 rows of 28 values") < msg.index("mat1 and mat2"), msg
+    # the same in the other row forms
+    for body in ({"instances": img}, {"array": img}):
+        err = expect_error(post_json(server, "/models/noshape/predict", body), 422)
+        assert err["message"].startswith("modeld read the body as 28 rows of 28 values"), err
+    r = post_json(server, "/v1/models/noshape:predict", {"instances": img})
+    assert r.status_code == 422 and "28 rows of 28 values" in r.text, r.text
+    # doing what it says
+    deployed(server, "noshape", FASHION_PT, {**cfg, "input": {"shape": [1, 28, 28]}})
+    p = predictions(post_json(server, "/models/noshape/predict", img), "noshape", 1)
+    assert int(np.argmax(p[0])) == FASHION_CONFIG["labels"].index("Ankle boot")
+
+
 def test_a_bad_row_logs_one_line_with_its_reason(server):
     """Issue 29: a version with no declared shape, whose worker forwards on a
     prepacked copy, sent one row of 783 values: the log had the packed copy's
