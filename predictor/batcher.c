@@ -57,7 +57,11 @@
  * raised) is run again in halves, down to single requests (run_pieces), so a
  * request that makes the model throw fails alone instead of taking its batch
  * with it: about 2 log2(n) extra forwards for one bad request among n, 2n - 1
- * at most when every request fails.
+ * at most when every request fails. libtorch's whole message is logged once
+ * per failing request: forwards of several requests, on a replica (its own
+ * width check would be said first, split_with_sizes, no part of the user's
+ * model) and of a piece of a request that failed already are quiet
+ * (md_torch_forward_quiet); that request's forward alone on the model logs.
  * Lifetime: the registry and each queued request hold references; the last
  * release sets `stopping`; workers finish the queue, exit, and the last one
  * to exit frees the model, so a release from a worker thread never joins
@@ -91,6 +95,8 @@ typedef struct item {
     int64_t out_shape[MD_MAX_DIMS];
     atomic_int failed;
     md_err err;
+    int unshaped;              /* an online request queued before the row shape was known:
+                                * its rows are as its body had them (explain_rows) */
     double enqueued, deadline; /* monotonic seconds */
     md_predict_cb cb;
     md_alive_fn alive;
@@ -347,20 +353,27 @@ static void pool_give(md_model *m, md_torch_model *r);
  * the version is packed, else on the model itself, which any number of
  * workers may run at once. Should a packed copy fail where the model itself
  * succeeds (an input XNNPACK refuses), packing stops for the version for
- * good, and that is said once. */
-static md_status forward(md_model *m, const float *input, const int64_t *shape, int ndim,
-                         float **out, int64_t *out_shape, int *out_ndim, md_err *err)
+ * good, and that is said once. The packed copy's own failure is never
+ * logged: the model's forward after it has the reason worth logging (the
+ * copy's is the width check it was given, split_with_sizes, which is no part
+ * of the user's model). `quiet`: the model's failure is not logged either
+ * (run_pieces says when). */
+static md_status forward(md_model *m, int quiet, const float *input, const int64_t *shape,
+                         int ndim, float **out, int64_t *out_shape, int *out_ndim, md_err *err)
 {
+    md_status (*model_forward)(md_torch_model *, const float *, const int64_t *, int, float **,
+                               int64_t *, int *, md_err *) =
+        quiet ? md_torch_forward_quiet : md_torch_forward;
     md_torch_model *r = pool_take(m);
     if (!r)
-        return md_torch_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
-    md_status st = md_torch_forward(r, input, shape, ndim, out, out_shape, out_ndim, err);
+        return model_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
+    md_status st = md_torch_forward_quiet(r, input, shape, ndim, out, out_shape, out_ndim, err);
     if (st != MD_EUNPROC) {
         pool_give(m, r);
         return st;
     }
     md_err rerr = *err;
-    st = md_torch_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
+    st = model_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
     if (st == MD_OK) {
         if (atomic_exchange(&m->fallback_logged, 1) == 0)
             md_log(MD_LOG_WARN, "model %s version %d: the prepacked forward failed where the "
@@ -377,6 +390,54 @@ static md_status forward(md_model *m, const float *input, const int64_t *shape, 
         pool_give(m, r);
     }
     return st;
+}
+
+/*
+ * The error an online request gets when the forward failed on its rows: for
+ * a model with no declared input shape (nor one learned yet, which would
+ * have checked the rows at submit), what modeld read the body as comes
+ * first, then how to declare the shape, then the model's reason (`ferr`).
+ * Without a declared shape every inner array is a row, so one input sent as
+ * a nested array (a 28x28 image from x.tolist()) reaches the model as 28 rows
+ * of 28 values and fails there with a matrix product's shapes, which do not
+ * say that. Returns `ferr`, or `buf` holding the longer answer.
+ */
+static const md_err *explain_rows(const md_model *m, const item *it, const md_err *ferr,
+                                  md_err *buf)
+{
+    if (!it->unshaped || ferr->status != MD_EUNPROC ||
+        strcmp(md_err_code(ferr), "bad_model_output") == 0)
+        return ferr;
+    const md_tensor *in = &it->in; /* as sent: without a known shape nothing reshaped it */
+    long long rows = (long long)in->shape[0];
+    char read[128], dims[96], hint[192] = "";
+    if (in->ndim == 2)
+        snprintf(read, sizeof read, "%lld row%s of %lld value%s", rows, rows == 1 ? "" : "s",
+                 (long long)in->shape[1], in->shape[1] == 1 ? "" : "s");
+    else
+        snprintf(read, sizeof read, "%lld row%s of shape %s", rows, rows == 1 ? "" : "s",
+                 fmt_dims(dims, sizeof dims, in->shape + 1, in->ndim - 1));
+    if (rows > 1 && in->ndim < MD_MAX_DIMS) {
+        /* the whole array as one input; a 2-D one as one channel (C, H, W
+         * with C = 1, as ToTensor gives a grayscale image), which one_row
+         * then takes as sent */
+        int64_t one[MD_MAX_DIMS];
+        int nd = 0;
+        if (in->ndim == 2)
+            one[nd++] = 1;
+        memcpy(one + nd, in->shape, sizeof(int64_t) * (size_t)in->ndim);
+        nd += in->ndim;
+        snprintf(hint, sizeof hint,
+                 " If the body is one input, not %lld rows, declare its shape when deploying: "
+                 "-F 'config={\"input\": {\"shape\": %s}}'.",
+                 rows, fmt_dims(dims, sizeof dims, one, nd));
+    }
+    md_err_setc(buf, ferr->status, md_err_code(ferr),
+                "modeld read the body as %s, as model %s version %d declares no input.shape.%s "
+                "On %s, %s",
+                read, m->name, md_model_version(m), hint, rows == 1 ? "that row" : "those rows",
+                ferr->msg);
+    return buf;
 }
 
 static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **batch_p,
@@ -428,8 +489,13 @@ static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **
     int64_t out_shape[MD_MAX_DIMS];
     int out_ndim = 0;
     if (st == MD_OK) {
+        /* libtorch's whole message is logged once per failing request: by
+         * the forward of that request alone. A forward of several is run
+         * again in halves when it fails (below), and a piece of a request
+         * that has failed already changes nothing in its answer. */
+        int quiet = n > 1 || atomic_load(&first->failed);
         double t0 = now_s();
-        st = forward(m, input, shape, ndim, &out, out_shape, &out_ndim, &ferr);
+        st = forward(m, quiet, input, shape, ndim, &out, out_shape, &out_ndim, &ferr);
         md_hist_observe(&m->forward_hist, now_s() - t0);
     }
     if (st == MD_OK && (out_ndim < 1 || out_shape[0] != rows)) {
@@ -477,7 +543,8 @@ static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **
     for (int i = 0; i < n; i++) {
         item *it = pieces[i].it;
         if (st != MD_OK) {
-            if (fail_item(it, &ferr))
+            md_err why;
+            if (fail_item(it, explain_rows(m, it, &ferr, &why)))
                 atomic_fetch_add(&m->n_failed, 1);
         } else {
             pthread_mutex_lock(&m->mu);
@@ -1269,15 +1336,44 @@ void md_models_write_metrics(md_model *const *ms, const int *is_default, int n, 
     }
 }
 
-/* Shape `in` to [rows, row shape...]: a single row in the declared shape is
- * a batch of one; flat rows of the right width are reshaped. Only for a
- * model whose shape is known (read after an acquire of shape_known). */
-static md_status shape_input(md_model *m, md_tensor *in, md_err *err)
+static int same_dims(const int64_t *a, int na, const int64_t *b, int nb)
 {
-    int same = in->ndim == m->row_ndim;
-    for (int d = 0; same && d < m->row_ndim; d++)
-        same = in->shape[d] == m->row_shape[d];
-    if (same) { /* one row */
+    return na == nb && memcmp(a, b, sizeof(int64_t) * (size_t)na) == 0;
+}
+
+/* How many leading dims of the row shape are 1s, leaving at least one. */
+static int leading_ones(const md_model *m)
+{
+    int lead = 0;
+    while (lead < m->row_ndim - 1 && m->row_shape[lead] == 1)
+        lead++;
+    return lead;
+}
+
+/* Whether an online request's `in` is ONE row with no batch dimension: its
+ * shape is the row shape ([1, 28, 28] for input.shape [1, 28, 28]) or the
+ * row shape without its leading 1s ([28, 28]: what x.tolist() gives for one
+ * FashionMNIST image, and x.squeeze() for any one sample). Read as rows,
+ * the first is the same one row, and the second was refused (28 rows of 28
+ * values where rows of 784 are expected): nothing that reads as valid rows
+ * changes meaning, since past the stripped 1s the first dim is not 1 and
+ * the dims after it hold fewer values than one row. */
+static int one_row(const md_model *m, const md_tensor *in)
+{
+    int lead = leading_ones(m);
+    return same_dims(in->shape, in->ndim, m->row_shape, m->row_ndim) ||
+           (lead > 0 &&
+            same_dims(in->shape, in->ndim, m->row_shape + lead, m->row_ndim - lead));
+}
+
+/* Shape `in` to [rows, row shape...]: one row as a client sends it
+ * (one_row; `online` only: a job's chunk always has its rows dimension, and
+ * a chunk that happened to match would be answered with one row for many)
+ * is a batch of one; flat rows of the right width are reshaped. Only for a
+ * model whose shape is known (read after an acquire of shape_known). */
+static md_status shape_input(md_model *m, md_tensor *in, int online, md_err *err)
+{
+    if (online && one_row(m, in)) {
         in->shape[0] = 1;
         memcpy(in->shape + 1, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
         in->ndim = m->row_ndim + 1;
@@ -1290,17 +1386,19 @@ static md_status shape_input(md_model *m, md_tensor *in, md_err *err)
         memcpy(in->shape + 1, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
         return MD_OK;
     }
-    char want[128];
-    int n = snprintf(want, sizeof want, "[");
-    for (int d = 0; d < m->row_ndim; d++)
-        n += snprintf(want + n, sizeof want - (size_t)n, "%s%lld", d ? ", " : "",
-                      (long long)m->row_shape[d]);
-    snprintf(want + n, sizeof want - (size_t)n, "]");
+    char want[128], bare[160] = "";
+    fmt_dims(want, sizeof want, m->row_shape, m->row_ndim);
+    int lead = leading_ones(m);
+    if (online && lead > 0) {
+        char dims[128];
+        snprintf(bare, sizeof bare, "; one row alone may also be sent as an array of shape %s",
+                 fmt_dims(dims, sizeof dims, m->row_shape + lead, m->row_ndim - lead));
+    }
     return md_err_setc(err, MD_EINVAL, "wrong_shape",
                        "each row has %lld values but model %s version %d expects rows of shape "
-                       "%s (%lld values)",
+                       "%s (%lld values)%s",
                        in->ndim >= 2 ? (long long)per : (long long)in->count, m->name, md_model_version(m),
-                       want, (long long)m->row_size);
+                       want, (long long)m->row_size, bare);
 }
 
 static void preprocess(md_model *m, md_tensor *in)
@@ -1341,8 +1439,8 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
     }
     /* No config.input.shape and no successful forward yet: any row shape is
      * queued as it is, and its forward decides (see DESIGN). */
-    if (atomic_load_explicit(&m->shape_known, memory_order_acquire) &&
-        (st = shape_input(m, in, err)) != MD_OK) {
+    int shape_known = atomic_load_explicit(&m->shape_known, memory_order_acquire);
+    if (shape_known && (st = shape_input(m, in, prio == MD_PRIO_ONLINE, err)) != MD_OK) {
         md_tensor_free(in);
         return st;
     }
@@ -1374,6 +1472,7 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
     memset(in, 0, sizeof *in);
     it->rows = rows;
     it->row_size = row_size;
+    it->unshaped = !shape_known && prio == MD_PRIO_ONLINE;
     it->cb = cb;
     it->alive = alive;
     it->ctx = ctx;

@@ -154,13 +154,21 @@ static std::string one_line(const std::string &s)
     return o;
 }
 
-static void set_torch_err(md_err *err, md_status st, const char *what, const char *msg)
+/* `err` gets libtorch's reason in one line; its whole message (the
+ * TorchScript traceback) is logged when it says more, unless `quiet`. */
+static void set_torch_err_logged(md_err *err, md_status st, const char *what, const char *msg,
+                                 bool quiet)
 {
     std::string full(msg ? msg : "unknown error");
     std::string s = torch_summary(full);
-    if (s != trim(full))
+    if (!quiet && s != trim(full))
         md_log(MD_LOG_WARN, "%s: libtorch said: %s", what, one_line(full).c_str());
     md_err_set(err, st, "%s: %s", what, s.c_str());
+}
+
+static void set_torch_err(md_err *err, md_status st, const char *what, const char *msg)
+{
+    set_torch_err_logged(err, st, what, msg, false);
 }
 
 /* what() of a c10::Error has a C++ backtrace; what_without_backtrace has not */
@@ -287,9 +295,8 @@ extern "C" void md_torch_set_thread_background(int background)
     thread_background = background != 0;
 }
 
-extern "C" md_status md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape,
-                                      int ndim, float **out, int64_t *out_shape, int *out_ndim,
-                                      md_err *err)
+static md_status forward(md_torch_model *m, const float *input, const int64_t *shape, int ndim,
+                         float **out, int64_t *out_shape, int *out_ndim, bool quiet, md_err *err)
 {
     *out = nullptr;
     try {
@@ -344,16 +351,31 @@ extern "C" md_status md_torch_forward(md_torch_model *m, const float *input, con
         *out = buf;
         return MD_OK;
     } catch (const c10::OutOfMemoryError &e) {
-        set_torch_err(err, MD_ENOMEM, "out of memory in the model's forward", error_text(e));
+        set_torch_err_logged(err, MD_ENOMEM, "out of memory in the model's forward", error_text(e),
+                             quiet);
         return MD_ENOMEM;
     } catch (const std::bad_alloc &) {
         return md_err_set(err, MD_ENOMEM, "out of memory in the model's forward; retry later");
     } catch (const std::exception &e) {
-        set_torch_err(err, MD_EUNPROC, "the model's forward failed", error_text(e));
+        set_torch_err_logged(err, MD_EUNPROC, "the model's forward failed", error_text(e), quiet);
         return MD_EUNPROC;
     } catch (...) {
         return md_err_set(err, MD_EUNPROC, "the model's forward failed");
     }
+}
+
+extern "C" md_status md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape,
+                                      int ndim, float **out, int64_t *out_shape, int *out_ndim,
+                                      md_err *err)
+{
+    return forward(m, input, shape, ndim, out, out_shape, out_ndim, false, err);
+}
+
+extern "C" md_status md_torch_forward_quiet(md_torch_model *m, const float *input,
+                                            const int64_t *shape, int ndim, float **out,
+                                            int64_t *out_shape, int *out_ndim, md_err *err)
+{
+    return forward(m, input, shape, ndim, out, out_shape, out_ndim, true, err);
 }
 
 extern "C" void md_torch_free(md_torch_model *m) { delete m; }

@@ -51,10 +51,21 @@ const char *md_torch_device(const md_torch_model *m);
  * is the batch). The input is cast to the model's declared dtype. On
  * success `*out` is a new malloc'd float32 buffer the caller frees, of shape
  * `out_shape[0..*out_ndim)` (at most 8 dims). A model returning a tuple or
- * list answers its first tensor.
+ * list answers its first tensor. When it fails, `err` gets libtorch's reason
+ * in one line, and libtorch's whole message (the TorchScript traceback),
+ * when it says more, is logged as a warning.
  */
 md_status md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape, int ndim,
                            float **out, int64_t *out_shape, int *out_ndim, md_err *err);
+
+/* As md_torch_forward, except that a failure does not log libtorch's whole
+ * message (`err` holds the same reason): for a forward whose failure the
+ * caller answers by running the input again (a batch of several requests
+ * re-run in halves, a prepacked replica falling back on its base), so that
+ * the forward that decides a request's answer is the one that logs, once. */
+md_status md_torch_forward_quiet(md_torch_model *m, const float *input, const int64_t *shape,
+                                 int ndim, float **out, int64_t *out_shape, int *out_ndim,
+                                 md_err *err);
 
 /* Mark the calling thread's forwards as background (batch job) work. On
  * CUDA, background threads use low-priority streams and the others

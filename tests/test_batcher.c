@@ -5,7 +5,7 @@
  * The fake replaces libtorch at the module edge through the linker seam:
  * this binary must be linked with
  *     -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free
- *     -Wl,--wrap=md_torch_replica
+ *     -Wl,--wrap=md_torch_replica -Wl,--wrap=md_torch_forward_quiet
  * (LDFLAGS_test_batcher in the Makefile), so batcher.o's calls reach the
  * __wrap_ functions below. The fake forward records every batch (its rows and
  * the first value of each row), returns out = 2 * input (same shape), and
@@ -16,7 +16,8 @@
  * (WIDE: x @ x.t(), an output width that depends on the batch); and with
  * g_need_width set it fails rows of any other width, as a Linear layer does.
  * Every wait is bounded (WAIT_S) so a failure never hangs; no bound depends
- * on the machine's speed.
+ * on the machine's speed. md_torch_forward_quiet is the same fake forward,
+ * recorded as quiet (the real one does not log libtorch's message).
  * md_torch_replica (a worker's prepacked copy) is wrapped too: a fake replica
  * is a model of its own whose forwards are recorded as such, that fails the
  * test if two threads ever forward on it (XNNPACK's operators keep per-call
@@ -67,6 +68,7 @@ struct md_torch_model {
 typedef struct batch_rec {
     int model;
     int replica;         /* computed on a worker's replica */
+    int quiet;           /* by md_torch_forward_quiet: a failure would not be logged */
     int64_t rows;
     float first[64]; /* first value of each of the first 64 rows */
     double t;
@@ -100,6 +102,9 @@ md_status __wrap_md_torch_load(const char *path, const char *device, md_dtype in
 md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape,
                                   int ndim, float **out, int64_t *out_shape, int *out_ndim,
                                   md_err *err);
+md_status __wrap_md_torch_forward_quiet(md_torch_model *m, const float *input,
+                                        const int64_t *shape, int ndim, float **out,
+                                        int64_t *out_shape, int *out_ndim, md_err *err);
 void __wrap_md_torch_free(md_torch_model *m);
 md_status __wrap_md_torch_replica(const md_torch_model *base, size_t max_weight_bytes,
                                   md_torch_model **out, size_t *packed_bytes, md_err *err);
@@ -167,15 +172,15 @@ static double mono(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static md_status fake_forward(md_torch_model *m, const float *input, const int64_t *shape,
-                              int ndim, float **out, int64_t *out_shape, int *out_ndim,
-                              md_err *err);
+static md_status fake_forward_body(md_torch_model *m, const float *input, const int64_t *shape,
+                                   int ndim, float **out, int64_t *out_shape, int *out_ndim,
+                                   int quiet, md_err *err);
 
 /* A packed copy keeps per-call state: two forwards on one at the same time
  * (from the pool of a version's copies) are counted in g_replica_shared. */
-md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape,
-                                  int ndim, float **out, int64_t *out_shape, int *out_ndim,
-                                  md_err *err)
+static md_status fake_forward(md_torch_model *m, const float *input, const int64_t *shape,
+                              int ndim, float **out, int64_t *out_shape, int *out_ndim, int quiet,
+                              md_err *err)
 {
     if (m->replica) {
         pthread_mutex_lock(&g_mu);
@@ -183,7 +188,7 @@ md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const i
             g_replica_shared++;
         pthread_mutex_unlock(&g_mu);
     }
-    md_status st = fake_forward(m, input, shape, ndim, out, out_shape, out_ndim, err);
+    md_status st = fake_forward_body(m, input, shape, ndim, out, out_shape, out_ndim, quiet, err);
     if (m->replica) {
         pthread_mutex_lock(&g_mu);
         m->busy--;
@@ -192,9 +197,9 @@ md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const i
     return st;
 }
 
-static md_status fake_forward(md_torch_model *m, const float *input, const int64_t *shape,
-                              int ndim, float **out, int64_t *out_shape, int *out_ndim,
-                              md_err *err)
+static md_status fake_forward_body(md_torch_model *m, const float *input, const int64_t *shape,
+                                   int ndim, float **out, int64_t *out_shape, int *out_ndim,
+                                   int quiet, md_err *err)
 {
     int64_t rows = shape[0], per = 1;
     for (int d = 1; d < ndim; d++)
@@ -213,6 +218,7 @@ static md_status fake_forward(md_torch_model *m, const float *input, const int64
             batch_rec *b = &g_batches[g_nbatches++];
             b->model = m->id;
             b->replica = m->replica;
+            b->quiet = quiet;
             b->rows = rows;
             b->t = mono();
             for (int64_t r = 0; r < rows && r < 64; r++)
@@ -271,6 +277,20 @@ static md_status fake_forward(md_torch_model *m, const float *input, const int64
     out_shape[0] = out_rows;
     *out = o;
     return MD_OK;
+}
+
+md_status __wrap_md_torch_forward(md_torch_model *m, const float *input, const int64_t *shape,
+                                  int ndim, float **out, int64_t *out_shape, int *out_ndim,
+                                  md_err *err)
+{
+    return fake_forward(m, input, shape, ndim, out, out_shape, out_ndim, 0, err);
+}
+
+md_status __wrap_md_torch_forward_quiet(md_torch_model *m, const float *input,
+                                        const int64_t *shape, int ndim, float **out,
+                                        int64_t *out_shape, int *out_ndim, md_err *err)
+{
+    return fake_forward(m, input, shape, ndim, out, out_shape, out_ndim, 1, err);
 }
 
 void __wrap_md_torch_free(md_torch_model *m)
@@ -1912,6 +1932,190 @@ static void test_prepack_forward_falls_back(void **state)
     assert_true(g_req[2].out[0] == 16.0f);
 }
 
+/* Submit `vals` as a tensor of shape dims[0..ndim) on `m` for g_req[i]. */
+static md_status submit_shaped(md_model *m, int i, const int64_t *dims, int ndim,
+                               const float *vals, md_priority prio, md_err *err)
+{
+    md_tensor t = {0};
+    t.ndim = ndim;
+    t.count = 1;
+    for (int d = 0; d < ndim; d++)
+        t.count *= (size_t)(t.shape[d] = dims[d]);
+    t.data = malloc(sizeof(float) * t.count);
+    memcpy(t.data, vals, sizeof(float) * t.count);
+    md_err_clear(err);
+    return md_model_submit(m, &t, prio, on_done, &g_req[i], err);
+}
+
+/* One row may come without its batch dimension: in the declared row shape
+ * ([1, 2, 3]) or in it without its leading 1s ([2, 3]: x.tolist() of one
+ * 28x28 image for input.shape [1, 28, 28]); online, either is a batch of
+ * one. A job's chunk always has its rows: 2 rows of 3 values stay 2 rows
+ * (refused, 3 values a row), never one row answered for two. */
+static void test_one_row_without_batch_dim(void **state)
+{
+    (void)state;
+    md_model *m = load("{\"input\": {\"shape\": [1, 2, 3]}}", 1, 64, 0, 100, 10000);
+    const float v[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+    md_err err;
+    assert_int_equal(submit_shaped(m, 0, (const int64_t[]){2, 3}, 2, v, MD_PRIO_ONLINE, &err),
+                     MD_OK);
+    assert_int_equal(
+        submit_shaped(m, 1, (const int64_t[]){1, 2, 3}, 3, v, MD_PRIO_ONLINE, &err), MD_OK);
+    assert_int_equal(
+        submit_shaped(m, 2, (const int64_t[]){2, 2, 3}, 3, v, MD_PRIO_ONLINE, &err), MD_OK);
+    ASSERT_WAIT(reqs_done(0, 3));
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(g_req[i].st, MD_OK);
+        assert_int_equal(g_req[i].ndim, 4);
+        assert_int_equal(g_req[i].shape[0], 1);
+        assert_int_equal(g_req[i].count, 6);
+        assert_true(g_req[i].out[5] == 12.0f);
+    }
+    assert_int_equal(g_req[2].st, MD_OK);
+    assert_int_equal(g_req[2].shape[0], 2); /* [2, 2, 3] is two rows, as before */
+    assert_true(g_req[2].out[11] == 24.0f);
+    /* neither a row nor rows: the error says how one row may be sent */
+    assert_int_equal(submit_shaped(m, 3, (const int64_t[]){3, 2}, 2, v, MD_PRIO_ONLINE, &err),
+                     MD_EINVAL);
+    assert_string_equal(md_err_code(&err), "wrong_shape");
+    assert_non_null(strstr(err.msg, "expects rows of shape [1, 2, 3] (6 values)"));
+    assert_non_null(strstr(err.msg, "one row alone may also be sent as an array of shape [2, 3]"));
+    /* a job's chunk of 2 rows of 3 values: not taken as one row */
+    assert_int_equal(submit_shaped(m, 4, (const int64_t[]){2, 3}, 2, v, MD_PRIO_BATCH, &err),
+                     MD_EINVAL);
+    assert_string_equal(md_err_code(&err), "wrong_shape");
+    assert_non_null(strstr(err.msg, "each row has 3 values"));
+    usleep(20000);
+    for (int i = 3; i < 5; i++)
+        assert_int_equal(locked_int(&g_req[i].calls), 0);
+}
+
+/* How many recorded forwards of fake model `id` had a row starting with
+ * FAIL, and of those how many were not quiet (would log libtorch's message);
+ * a loud one must be on the model itself, not a replica. */
+static int fail_forwards(int id, int *loud)
+{
+    int n = 0, loud_on_replica = 0;
+    *loud = 0;
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < g_nbatches; i++) {
+        const batch_rec *b = &g_batches[i];
+        int fail = 0;
+        for (int64_t r = 0; r < b->rows && r < 64; r++)
+            fail |= b->first[r] == FAIL;
+        if (b->model != id || !fail)
+            continue;
+        n++;
+        if (!b->quiet) {
+            ++*loud;
+            loud_on_replica += b->replica;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    assert_int_equal(loud_on_replica, 0); /* after the unlock: a failure jumps out */
+    return n;
+}
+
+/* A failing request logs libtorch's message once (one request, one log
+ * line): the forward of that request alone on the model logs it; the
+ * replica's forward before it (its own width check, split_with_sizes, said
+ * first before), forwards of several requests (run again in halves) and a
+ * later piece of a request that failed already are quiet. */
+static void test_failure_logged_once(void **state)
+{
+    (void)state;
+    g_prepack_max = 1 << 20;
+    md_model *m = load(ROW2, 1, 64, 0, 100, 10000);
+    int id = locked_int(&g_next_id) - 1;
+    wait_stat(m, "prepacked_workers", 1);
+    /* alone: the replica fails, then the model */
+    submit_ok(m, 0, 1, 2, (const float[]){FAIL, 0});
+    ASSERT_WAIT(reqs_done(0, 1));
+    assert_int_equal(g_req[0].st, MD_EUNPROC);
+    int loud;
+    assert_int_equal(fail_forwards(id, &loud), 2);
+    assert_int_equal(loud, 1);
+    /* batched with others: the batch of 5, [3 4 5], and [3] on each of the
+     * replica and the model */
+    submit_ok(m, 1, 1, 2, (const float[]){GATE, 0});
+    ASSERT_WAIT(g_gate_entered == 1);
+    for (int i = 2; i <= 6; i++)
+        submit_ok(m, i, 1, 2, (const float[]){i == 4 ? FAIL : (float)i, 0});
+    open_gate();
+    ASSERT_WAIT(reqs_done(1, 7));
+    assert_int_equal(g_req[4].st, MD_EUNPROC);
+    assert_true(fail_forwards(id, &loud) > 3);
+    assert_int_equal(loud, 2);
+    /* a request split in pieces of 3 rows, two of them failing: one logs */
+    g_prepack_max = 0;
+    md_model *m2 = load_ex("split", 1, ROW2, 1, 3, 0, 100, 10000, NULL);
+    int id2 = locked_int(&g_next_id) - 1;
+    float in[24] = {0};
+    for (int r = 0; r < 12; r++)
+        in[2 * r] = r == 4 || r == 10 ? FAIL : (float)r;
+    submit_ok(m2, 7, 12, 2, in);
+    ASSERT_WAIT(reqs_done(7, 8));
+    assert_int_equal(g_req[7].st, MD_EUNPROC);
+    assert_int_equal(fail_forwards(id2, &loud), 2);
+    assert_int_equal(loud, 1);
+}
+
+/* A model with no declared input shape whose forward fails on an online
+ * request: the answer says first what modeld read the body as and, for a
+ * body of several rows, how to declare it as one input; the model's reason
+ * follows, and the status and code stay the forward's. A job's chunk, and a
+ * request after the shape was learned, get the model's reason only. */
+static void test_configless_failure_says_what_was_read(void **state)
+{
+    (void)state;
+    pthread_mutex_lock(&g_mu);
+    g_need_width = 4;
+    pthread_mutex_unlock(&g_mu);
+    md_model *m = load_ex("noshape", 1, NULL, 1, 64, 0, 100, 10000, NULL);
+    const float v[6] = {1, 2, 3, 4, 5, 6};
+    submit_ok(m, 0, 2, 3, v);
+    ASSERT_WAIT(reqs_done(0, 1));
+    assert_int_equal(g_req[0].st, MD_EUNPROC);
+    assert_string_equal(g_req[0].code, "forward_failed"); /* the forward's own code */
+    const char *msg = g_req[0].msg;
+    assert_ptr_equal(strstr(msg, "modeld read the body as 2 rows of 3 values, as model noshape "
+                                 "version 1 declares no input.shape."),
+                     msg);
+    assert_non_null(strstr(msg, "If the body is one input, not 2 rows, declare its shape when "
+                                "deploying: -F 'config={\"input\": {\"shape\": [1, 2, 3]}}'."));
+    assert_non_null(strstr(msg, "On those rows, fake forward: mat1 and mat2 shapes cannot be "
+                                "multiplied (2x3 and 4x8)"));
+    /* one row: what was read, no hint */
+    submit_ok(m, 1, 1, 3, v);
+    ASSERT_WAIT(reqs_done(1, 2));
+    assert_ptr_equal(strstr(g_req[1].msg, "modeld read the body as 1 row of 3 values"),
+                     g_req[1].msg);
+    assert_null(strstr(g_req[1].msg, "If the body is one input"));
+    assert_non_null(strstr(g_req[1].msg, "On that row, fake forward: mat1"));
+    /* rows of [2, 3]: the whole [2, 2, 3] is the shape to declare */
+    const float w[12] = {0};
+    md_err err;
+    assert_int_equal(
+        submit_shaped(m, 2, (const int64_t[]){2, 2, 3}, 3, w, MD_PRIO_ONLINE, &err), MD_OK);
+    ASSERT_WAIT(reqs_done(2, 3));
+    assert_non_null(strstr(g_req[2].msg, "2 rows of shape [2, 3]"));
+    assert_non_null(strstr(g_req[2].msg, "{\"shape\": [2, 2, 3]}"));
+    /* a job's chunk */
+    assert_int_equal(submit_prio(m, 3, 2, 3, v, MD_PRIO_BATCH, &err), MD_OK);
+    ASSERT_WAIT(reqs_done(3, 4));
+    assert_int_equal(g_req[3].st, MD_EUNPROC);
+    assert_ptr_equal(strstr(g_req[3].msg, "fake forward: mat1"), g_req[3].msg);
+    /* once a forward succeeded the shape is known and rows are checked at
+     * submit: a later failure is not about how the body was read */
+    submit_ok(m, 4, 1, 4, (const float[]){1, 2, 3, 4});
+    ASSERT_WAIT(reqs_done(4, 5));
+    assert_int_equal(g_req[4].st, MD_OK);
+    submit_ok(m, 5, 2, 4, (const float[]){FAIL, 0, 0, 0, 1, 2, 3, 4});
+    ASSERT_WAIT(reqs_done(5, 6));
+    assert_string_equal(g_req[5].msg, "fake forward failed");
+}
+
 int main(void)
 {
     pthread_condattr_t ca;
@@ -1969,6 +2173,9 @@ int main(void)
         T(test_prepack_off),
         T(test_prepack_refused_forwards_on_the_module),
         T(test_prepack_forward_falls_back),
+        T(test_one_row_without_batch_dim),
+        T(test_failure_logged_once),
+        T(test_configless_failure_says_what_was_read),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

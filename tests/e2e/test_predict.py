@@ -784,6 +784,111 @@ def test_failed_forward_of_a_request_says_why(server):
     assert "mat1 and mat2 shapes cannot be multiplied (1x3 and 4x8)" in err["message"], err
 
 
+def fashion_image():
+    """The first FashionMNIST test image (examples/fashion_mnist/row.json) as
+    x.tolist() gives it for one image: 28 lists of 28 pixel values."""
+    row = json.loads((REPO / "examples" / "fashion_mnist" / "row.json").read_text())[0]
+    return [row[i * 28:(i + 1) * 28] for i in range(28)]
+
+
+def test_one_image_as_a_28x28_array_is_one_row(server):
+    """Issue 29: x.tolist() of one FashionMNIST image is a 28x28 nested array.
+    A version whose config declares input.shape [1, 28, 28] takes it as ONE
+    row (its shape is the declared one without the leading 1), in every row
+    form of /predict, and answers what PyTorch does for that image; it was
+    read as 28 rows of 28 values and refused (400)."""
+    import torch
+
+    cfg = {**FASHION_CONFIG, "input": {"shape": [1, 28, 28]}, "prepack": False}
+    deployed(server, "img", FASHION_PT, cfg)
+    img = fashion_image()
+    scale = torch.tensor(FASHION_CONFIG["preprocess"]["scale"], dtype=torch.float32)
+    with torch.no_grad():
+        want = torch.jit.load(str(FASHION_PT)).eval()(
+            torch.tensor(img, dtype=torch.float32).reshape(1, 1, 28, 28) * scale).numpy()
+    # the same image as one flat row of 784 (reshaped to [1, 1, 28, 28])
+    flat_row = predictions(post_json(server, "/models/img/predict", flat(img)), "img", 1)
+    assert_close(flat_row, want, "one flat row of 784")
+    npy = io.BytesIO()
+    np.save(npy, np.asarray(img, dtype=np.float32))
+    forms = {
+        "bare array": post_json(server, "/models/img/predict", img),
+        "instances": post_json(server, "/models/img/predict", {"instances": img}),
+        "array": post_json(server, "/models/img/predict", {"array": img}),
+        "array and shape": post_json(server, "/models/img/predict",
+                                     {"array": flat(img), "shape": [28, 28]}),
+        "npy": server.request("POST", "/models/img/predict", data=npy.getvalue(),
+                              headers={"Content-Type": "application/x-npy"}),
+    }
+    for what, r in forms.items():
+        got = predictions(r, "img", 1)
+        assert_close(got, want, what)
+        assert np.array_equal(got, flat_row), what
+        assert r.json()["labels"] == [["Ankle boot"]], (what, r.text)
+    r = post_json(server, "/v1/models/img:predict", {"instances": img})
+    assert r.status_code == 200, r.text
+    assert_close(r.json()["predictions"], want, "KServe V1 instances")
+    # two images are two rows, as before
+    two = predictions(post_json(server, "/models/img/predict", [img, img]), "img", 2)
+    assert_close(two, np.concatenate([want, want]), "two images")
+    # a 27x28 array is neither: refused, saying how one row may be sent
+    err = expect_error(post_json(server, "/models/img/predict", img[:27]), 400, "wrong_shape")
+    assert "expects rows of shape [1, 28, 28] (784 values)" in err["message"], err
+    assert "one row alone may also be sent as an array of shape [28, 28]" in err["message"], err
+
+
+def test_a_28x28_array_without_a_declared_shape_says_what_was_read(server):
+    """Issue 29: without config.input.shape the 28x28 array reaches the model
+    as 28 rows of 28 values and fails there. The answer says that first, and
+    how to declare the shape, before libtorch's "mat1 and mat2 shapes cannot be
+    multiplied"; the status stays a failed forward's (422). Declaring the
+    shape as it says makes the same body one row."""
+    cfg = {k: v for k, v in FASHION_CONFIG.items() if k != "input"}
+    deployed(server, "noshape", FASHION_PT, cfg)
+    img = fashion_image()
+    err = expect_error(post_json(server, "/models/noshape/predict", img), 422, "unprocessable")
+    msg = err["message"]
+    assert msg.startswith("modeld read the body as 28 rows of 28 values, as model noshape "
+                          "version 1 declares no input.shape."), msg
+    assert """-F 'config={"input": {"shape": [1, 28, 28]}}'""" in msg, msg
+    assert "mat1 and mat2 shapes cannot be multiplied (28x28 and 784x512)" in msg, msg
+    assert msg.index("28 rows of 28 values") < msg.index("mat1 and mat2"), msg
+    # the same in the other row forms
+    for body in ({"instances": img}, {"array": img}):
+        err = expect_error(post_json(server, "/models/noshape/predict", body), 422)
+        assert err["message"].startswith("modeld read the body as 28 rows of 28 values"), err
+    r = post_json(server, "/v1/models/noshape:predict", {"instances": img})
+    assert r.status_code == 422 and "28 rows of 28 values" in r.text, r.text
+    # doing what it says
+    deployed(server, "noshape", FASHION_PT, {**cfg, "input": {"shape": [1, 28, 28]}})
+    p = predictions(post_json(server, "/models/noshape/predict", img), "noshape", 1)
+    assert int(np.argmax(p[0])) == FASHION_CONFIG["labels"].index("Ankle boot")
+
+
+def test_a_bad_row_logs_one_line_with_its_reason(server):
+    """Issue 29: a version with no declared shape, whose worker forwards on a
+    prepacked copy, sent one row of 783 values: the log had the packed copy's
+    own width check first ("split_with_sizes expects split_sizes to sum
+    exactly to 783"), unrelated to the user's model, then the real reason.
+    One request, one log line, and it holds libtorch's reason."""
+    deployed(server, "nocfg", FASHION_PT, {"workers": 1})
+    deadline = time.monotonic() + 10 * TSCALE
+    while server.get("/models/nocfg").json()["loaded"][0]["prepacked_workers"] != 1:
+        assert time.monotonic() < deadline, "the worker did not make its prepacked copy"
+        time.sleep(0.02)
+    before = server.stderr
+    err = expect_error(post_json(server, "/models/nocfg/predict", [[0.5] * 783]), 422)
+    assert "mat1 and mat2 shapes cannot be multiplied (1x783 and 784x512)" in err["message"], err
+    # the log line is written before the answer is sent
+    log = server.stderr
+    assert log.startswith(before)
+    lines = log[len(before):].splitlines()
+    assert len(lines) == 1, lines
+    assert " warn " in lines[0], lines
+    assert "mat1 and mat2 shapes cannot be multiplied (1x783 and 784x512)" in lines[0], lines
+    assert "split_with_sizes" not in log, log[-3000:]
+
+
 def test_state_dict_upload_says_what_it_is(server):
     """torch.save(model.state_dict()) is a zip but not TorchScript: the answer
     says what the file is and how to export one, not "PytorchStreamReader
