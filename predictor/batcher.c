@@ -615,6 +615,9 @@ int md_models_wait_stopped(double timeout_s)
  * requests find them made. With 16 workers on 2 cores a version keeps 2
  * packed copies, not 32. */
 
+/* The most gather buffer a worker keeps between batches (worker_loop). */
+#define MAX_KEPT_GATHER_BYTES (256 << 10)
+
 static int cores(void)
 {
     /* test-only: the unit tests' pools must not depend on the machine */
@@ -915,6 +918,14 @@ static void worker_loop(md_model *m, int qi)
         run_pieces(m, pieces, n, rows, &batch, &batch_cap);
         if (qi == 0)
             fwd_s = now_s() - t0;
+        /* a large gather buffer is not kept between batches: 16 workers of
+         * a 4096-wide model held 1 MiB each for nothing while idle (one
+         * allocation a batch costs nothing beside a forward of that size) */
+        if (batch_cap * sizeof(float) > MAX_KEPT_GATHER_BYTES) {
+            free(batch);
+            batch = NULL;
+            batch_cap = 0;
+        }
     }
 }
 
