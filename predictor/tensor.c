@@ -1465,6 +1465,8 @@ json_t *md_v2_parse(const char *body, size_t len, size_t max_vals, int read_data
     /* the data the scanner read is used when it is the only one; anything
      * else (an error to report, a duplicate key) goes to jansson whole */
     w.use_rows = w.rows.data && w.inputs == 1 && w.data == 1;
+    if (!w.use_rows)
+        md_tensor_free(&w.rows);
     for (;;) {
         w.out = malloc(w.len + 1);
         if (!w.out) {

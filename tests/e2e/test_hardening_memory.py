@@ -322,6 +322,7 @@ def bounded_answer(server, send, size):
         r, answer = None, repr(e)
     after = vmhwm_mb(server)
     limit = 3 * size / (1 << 20) + 100
+    print(f"VmHWM {before:.0f} -> {after:.0f} MiB for a {size}-byte body")
     assert after - before < limit, \
         f"peak memory grew from {before:.0f} to {after:.0f} MiB (limit {limit:.0f}) for a " \
         f"{size}-byte body (answer {answer})"
