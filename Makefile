@@ -70,7 +70,7 @@ LIBS      := $(EXTRA_LDFLAGS) -lmicrohttpd -ljansson -lsqlite3 -lcurl -lcrypto -
 BUILD := build$(if $(SAN_FLAGS),-asan,)
 
 # every C module but main.c; the binary and the unit tests link these
-LIB_C   := config/md_err.c config/md_metrics.c config/config.c server/router.c server/http.c \
+LIB_C   := config/md_err.c config/md_json.c config/md_metrics.c config/config.c server/router.c server/http.c \
 	server/multipart.c checkpoint/store.c \
 	checkpoint/versions.c checkpoint/promotion.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c checkpoint/zipdir.c \
@@ -230,18 +230,18 @@ fixtures-check:
 	$(PYTHON) tests/fixtures/make_images.py --check
 
 # the backend reads checkpoint tensors too (md_torch_load_state): it needs their helpers
-$(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $(BUILD)/config/md_err.o \
+$(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $(BUILD)/config/md_err.o $(BUILD)/config/md_json.o \
 	$(BUILD)/checkpoint/named_tensors.o $(BUILD)/predictor/image.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LIBS)
 
 $(BUILD)/bench/decode: bench/decode.c $(BUILD)/predictor/tensor.o $(BUILD)/predictor/numparse.o \
-	$(BUILD)/config/md_err.o
+	$(BUILD)/config/md_err.o $(BUILD)/config/md_json.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lstdc++ -lm
 
 $(BUILD)/bench/encode: bench/encode.c $(BUILD)/handlers/answer.o $(BUILD)/predictor/tensor.o \
-	$(BUILD)/predictor/numparse.o $(BUILD)/config/md_err.o
+	$(BUILD)/predictor/numparse.o $(BUILD)/config/md_err.o $(BUILD)/config/md_json.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lstdc++ -lm
 
@@ -270,43 +270,43 @@ fuzz:
 	  -c predictor/numparse.cpp -o build-fuzz/numparse.o
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_number tests/fuzz_number.c \
-	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm
+	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_tensor tests/fuzz_tensor.c \
-	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm
+	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
 	  jobs/readers.c jobs/gzstream.c jobs/images.c predictor/image.c predictor/tensor.c \
-	  build-fuzz/numparse.o config/md_err.c -ljansson -lpng -ljpeg -lz -lisal -lstdc++ -lm
+	  build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lpng -ljpeg -lz -lisal -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \
-	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c -ljansson -lstdc++ -lm
+	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_model_config \
-	  tests/fuzz_model_config.c predictor/model_config.c predictor/image.c config/md_err.c \
+	  tests/fuzz_model_config.c predictor/model_config.c predictor/image.c config/md_err.c config/md_json.c \
 	  -ljansson -lpng -ljpeg -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_config tests/fuzz_config.c \
-	  config/config.c config/md_err.c -ljansson -lm
+	  config/config.c config/md_err.c config/md_json.c -ljansson -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_router tests/fuzz_router.c \
-	  server/router.c config/md_err.c -ljansson -lm
+	  server/router.c config/md_err.c config/md_json.c -ljansson -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined $(FUZZ_CKPT_LIMITS) -o build-fuzz/fuzz_pickle \
-	  tests/fuzz_pickle.c checkpoint/pickle.c checkpoint/named_tensors.c config/md_err.c -lm
+	  tests/fuzz_pickle.c checkpoint/pickle.c checkpoint/named_tensors.c config/md_err.c config/md_json.c -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_zipdir \
-	  tests/fuzz_zipdir.c checkpoint/zipdir.c config/md_err.c -lm
+	  tests/fuzz_zipdir.c checkpoint/zipdir.c config/md_err.c config/md_json.c -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined $(FUZZ_CKPT_LIMITS) -o build-fuzz/fuzz_safetensors \
 	  tests/fuzz_safetensors.c checkpoint/safetensors.c checkpoint/named_tensors.c \
-	  config/md_err.c -ljansson -lm
+	  config/md_err.c config/md_json.c -ljansson -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_image tests/fuzz_image.c \
-	  predictor/image.c config/md_err.c -ljansson -lpng -ljpeg -lz -lm
+	  predictor/image.c config/md_err.c config/md_json.c -ljansson -lpng -ljpeg -lz -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_multipart tests/fuzz_multipart.c \
-	  server/multipart.c config/md_err.c -lm
+	  server/multipart.c config/md_err.c config/md_json.c -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -DMD_GZ_IN_SIZE=32 -DMD_GZ_OUT_SIZE=32 \
 	  -o build-fuzz/fuzz_gzstream tests/fuzz_gzstream.c jobs/gzstream.c -lisal -lz

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "formats.h"
+#include "../config/md_json.h"
 
 typedef struct entry {
     const char *name; /* borrowed from the JSON header */
@@ -113,6 +114,45 @@ static md_status parse_entry(const char *name, json_t *v, uint64_t data_size, en
     return MD_OK;
 }
 
+/* jansson's heap for a tree, in bytes per node as measured with glibc
+ * (jansson 2.14): an empty object ~224, an empty array ~136, a scalar ~48,
+ * an object member ~64 more than its key. A well-formed header costs ~15-17x
+ * its size this way (tensor entries, __metadata__ strings). */
+#define HEAP_PER_OBJECT 224
+#define HEAP_PER_ARRAY 136
+#define HEAP_PER_SCALAR 48
+#define HEAP_PER_MEMBER 64
+/* what jansson may spend on a header of N bytes: HEADER_HEAP_RATIO x N plus
+ * a fixed HEADER_HEAP_SLACK; "[{},{},...]" would need ~75x */
+#define HEADER_HEAP_RATIO 20
+#define HEADER_HEAP_SLACK (1u << 20)
+
+/* Before jansson builds the header (json_loadb builds the whole tree, ~80
+ * bytes of heap per byte of "[{},{},...]"): one pass that validates it,
+ * nests it at most 3 deep (the header, an entry, its shape) and refuses it
+ * when its tree would take more than HEADER_HEAP_RATIO x its size. */
+static md_status header_bounded(const char *h, size_t n, md_err *err)
+{
+    md_json_scan sc;
+    memset(&sc, 0, sizeof sc);
+    if (!md_json_check(h, n, 3, &sc))
+        return md_err_set(err, MD_EUNPROC, "safetensors: the header is not valid JSON nested "
+                          "at most 3 deep (header, entry, shape) at byte %zu; it must map each "
+                          "name to {\"dtype\", \"shape\", \"data_offsets\"}", sc.bad);
+    size_t arrays = sc.containers - sc.objects, scalars = sc.values - sc.containers;
+    /* counts are below n, so the sum cannot overflow a size_t of 64 bits */
+    uint64_t heap = (uint64_t)sc.objects * HEAP_PER_OBJECT + (uint64_t)arrays * HEAP_PER_ARRAY +
+                    (uint64_t)scalars * HEAP_PER_SCALAR + (uint64_t)sc.members * HEAP_PER_MEMBER;
+    if (heap > (uint64_t)n * HEADER_HEAP_RATIO + HEADER_HEAP_SLACK)
+        return md_err_set(err, MD_EUNPROC, "safetensors: the %zu-byte header holds %zu objects, "
+                          "%zu arrays and %zu other values, which would take ~%llu MB to parse "
+                          "(the limit is %dx the header plus 1 MB); a safetensors header holds "
+                          "only {\"dtype\", \"shape\", \"data_offsets\"} entries and "
+                          "__metadata__ strings", n, sc.objects, arrays, scalars,
+                          (unsigned long long)(heap >> 20), HEADER_HEAP_RATIO);
+    return MD_OK;
+}
+
 md_status md_safetensors_read(const uint8_t *buf, size_t len, md_tensors **out, md_err *err)
 {
     *out = NULL;
@@ -132,6 +172,9 @@ md_status md_safetensors_read(const uint8_t *buf, size_t len, md_tensors **out, 
                           (unsigned long long)n, len - 8);
     if (n < 2 || buf[8] != '{')
         return md_err_set(err, MD_EUNPROC, "safetensors: the header is not a JSON object");
+    md_status pre = header_bounded((const char *)buf + 8, (size_t)n, err);
+    if (pre != MD_OK)
+        return pre;
     json_error_t jerr;
     json_t *h = json_loadb((const char *)buf + 8, (size_t)n, JSON_REJECT_DUPLICATES, &jerr);
     if (!h || !json_is_object(h)) {

@@ -785,22 +785,18 @@ static int v2_wants_binary(json_t *root)
 static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json_len,
                          const char *bin, size_t bin_len, md_err *err)
 {
-    json_error_t jerr;
     int decoded = 0;
     md_tensor t;
     memset(&t, 0, sizeof t);
-    json_t *root = NULL;
-    if (bin)
-        root = body ? json_loadb(body, json_len, 0, &jerr) : NULL;
-    else
-        root = md_v2_parse(body, json_len, max_values(req), &t, &decoded, &jerr);
+    /* with binary data the JSON part holds no data for the row scanner */
+    json_t *root = md_v2_parse(body, json_len, max_values(req), !bin, &t, &decoded, err);
+    if (!root)
+        return err->status;
     json_t *inputs = json_object_get(root, "inputs");
-    if (!root || !json_is_array(inputs) || json_array_size(inputs) != 1) {
+    if (!json_is_array(inputs) || json_array_size(inputs) != 1) {
         md_tensor_free(&t);
         json_decref(root);
-        return md_err_set(err, MD_EINVAL,
-                          root ? "the request needs \"inputs\": an array with one tensor"
-                               : "the body is not a JSON inference request");
+        return md_err_set(err, MD_EINVAL, "the request needs \"inputs\": an array with one tensor");
     }
     json_t *in = json_array_get(inputs, 0);
     json_t *bsize = json_object_get(json_object_get(in, "parameters"), "binary_data_size");

@@ -379,17 +379,25 @@ md_status md_tensor_decode(const char *body, size_t len, const char *content_typ
  */
 md_status md_v2_decode(json_t *in, size_t max_values, md_tensor *out, md_err *err);
 
+/* Values and keys a V2 request's JSON may hold outside inputs[0].data, in
+ * what modeld reads (inputs, id, outputs, parameters): ids, names, shape,
+ * binary_data flags. Past it the request is 413 too_many_json_values. */
+#define MD_V2_MAX_JSON_VALUES 4096
+
 /*
- * Parse a V2 inference request's JSON (`len` bytes): its root, or NULL when
- * it is not JSON (*jerr says why). When the first input's "data" is one
- * array the row scanner reads (numbers, rectangular when nested, as many as
- * the shape holds), it is read that way, ~15x faster than jansson, into `t`
- * in the input's shape, and *decoded is 1: the root then holds "data": []
- * in its place. Otherwise *decoded is 0 and the root is the whole body's,
- * for md_v2_decode to read and report on exactly as before. Thread-safe.
+ * Parse a V2 inference request's JSON (`len` bytes): its root, a new
+ * reference, or NULL with `err` set (400: not JSON; 413: too many values).
+ * Only the members modeld reads are built: every other value is validated
+ * in place and null in the root (tensor.c's DESIGN). When `read_data` and
+ * the first input's "data" is one array the row scanner reads (numbers,
+ * rectangular when nested, as many as the shape holds), it is read that
+ * way, ~15x faster than jansson, into `t` in the input's shape, and
+ * *decoded is 1: the root then holds "data": [] in its place. Otherwise
+ * *decoded is 0 and the root holds the data (at most max_values values),
+ * for md_v2_decode to read and report on. Thread-safe.
  */
-json_t *md_v2_parse(const char *body, size_t len, size_t max_values, md_tensor *t, int *decoded,
-                    json_error_t *jerr);
+json_t *md_v2_parse(const char *body, size_t len, size_t max_values, int read_data, md_tensor *t,
+                    int *decoded, md_err *err);
 
 /* The same for an input sent with the binary tensor data extension: `bytes`
  * (`nbytes`, the input's binary_data_size) hold its values little-endian in

@@ -27,6 +27,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "../config/md_json.h"
 #include "numparse.h"
 #include "predictor.h"
 
@@ -1145,243 +1146,370 @@ md_status md_v2_decode(json_t *in, size_t max_vals, md_tensor *t, md_err *err)
     return MD_OK;
 }
 
-/* ---- V2 requests: the "data" array read by the row scanner ---- */
+/* ---- V2 requests: what modeld reads, and only that, built by jansson ----
+ *
+ * DESIGN
+ * jansson builds a node for every value of a document (~75 bytes of heap a
+ * byte for "[{},{},...]"), whether or not anything reads it: a 60 MB request
+ * once peaked at 4.9 GB. So a request is walked twice in place. The first
+ * pass validates it as jansson would (md_json_skip), follows only the members
+ * modeld reads (inputs[0]'s name, shape, datatype, data and parameters.
+ * binary_data_size; id; outputs[0]'s name and parameters.binary_data;
+ * parameters.binary_data_output), counts the values jansson will build from
+ * them (at most MD_V2_MAX_JSON_VALUES, data aside) and reads inputs[0].data
+ * with the row scanner. The second pass writes the copy jansson reads: every
+ * other value replaced by null, and "data": [] when the scanner read it (a
+ * data array jansson reads instead holds at most max_values values). Peak
+ * memory is the body, its copy, the tensor and a bounded tree.
+ */
 
-/* Past a JSON string starting at s[i] == '"': the index after its closing
- * quote, or len when it does not close. *escaped: it holds a backslash. */
-static size_t v2_skip_string(const char *s, size_t len, size_t i, int *escaped)
+typedef struct v2_walk {
+    const char *s;
+    size_t len;
+    char *out;         /* pass 2: the copy jansson reads; NULL in pass 1 */
+    size_t out_len, copied;
+    size_t max_values;
+    int read_data;     /* pass 1: read inputs[0].data with the row scanner */
+    int use_rows;      /* pass 2: "[]" in place of s[a..b) */
+    int depth;         /* containers around the value being walked */
+    int inputs, data;  /* how many "inputs" (top level) and "data" (inputs[0]) keys */
+    int too_many_data; /* a data array jansson would read holds more than max_values */
+    size_t a, b;       /* the data the row scanner read: s[a..b) */
+    md_tensor rows;
+    size_t kept;       /* values and members jansson builds, data aside */
+    size_t bad;        /* where the body stops being JSON */
+} v2_walk;
+
+static size_t v2_bad(v2_walk *w, size_t at)
 {
-    *escaped = 0;
-    for (i++; i < len; i++) {
-        if (s[i] == '\\') {
-            *escaped = 1;
-            i++;
-        } else if (s[i] == '"') {
-            return i + 1;
-        }
-    }
-    return len;
+    w->bad = at;
+    return 0;
 }
 
-static size_t v2_skip_blank(const char *s, size_t len, size_t i)
+/* pass 2: s[copied..at) into the copy, then `with` in place of s[at..to) */
+static void v2_replace(v2_walk *w, size_t at, size_t to, const char *with)
 {
-    while (i < len && blank(s[i]))
-        i++;
-    return i;
+    size_t n = strlen(with);
+    memcpy(w->out + w->out_len, w->s + w->copied, at - w->copied);
+    w->out_len += at - w->copied;
+    memcpy(w->out + w->out_len, with, n);
+    w->out_len += n;
+    w->copied = to;
 }
 
-/* Past the bytes from s[i] that are none of " [ ] { }, 8 at a time (the
- * numbers of a data array): the first index that may be one. */
-static size_t v2_skip_plain(const char *s, size_t len, size_t i)
+/* A value jansson builds: validated and counted. */
+static size_t v2_keep(v2_walk *w, size_t v)
 {
-    const uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
-    while (i + 8 <= len) {
-        uint64_t x;
-        memcpy(&x, s + i, 8);
-        uint64_t y = x | (ones * 0x20); /* [ and ] become { and }; nothing else does */
-        uint64_t q = x ^ (ones * '"'), o = y ^ (ones * '{'), c = y ^ (ones * '}');
-        if ((((q - ones) & ~q) | ((o - ones) & ~o) | ((c - ones) & ~c)) & highs)
-            break;
-        i += 8;
-    }
-    return i;
+    md_json_scan sc;
+    memset(&sc, 0, sizeof sc);
+    size_t end = md_json_skip(w->s, w->len, v, MD_JSON_MAX_DEPTH - w->depth, &sc);
+    if (!end)
+        return v2_bad(w, sc.bad);
+    w->kept += sc.values + sc.members;
+    return end;
 }
 
-/* Past the JSON value starting at s[i] (not validated: jansson or the row
- * scanner reads what matters), or len. */
-static size_t v2_skip_value(const char *s, size_t len, size_t i)
+/* A value modeld ignores: validated, and null in the copy (never longer). */
+static size_t v2_drop(v2_walk *w, size_t v)
 {
-    int esc;
-    if (i < len && s[i] == '"')
-        return v2_skip_string(s, len, i, &esc);
-    if (i < len && (s[i] == '[' || s[i] == '{')) {
-        size_t depth = 0;
-        while (i < len) {
-            i = v2_skip_plain(s, len, i);
-            if (i >= len)
-                break;
-            char c = s[i];
-            if (c == '"') {
-                i = v2_skip_string(s, len, i, &esc);
-                continue;
+    md_json_scan sc;
+    memset(&sc, 0, sizeof sc);
+    size_t end = md_json_skip(w->s, w->len, v, MD_JSON_MAX_DEPTH - w->depth, &sc);
+    if (!end)
+        return v2_bad(w, sc.bad);
+    if (end - v <= 4)
+        w->kept += sc.values; /* as short as null: kept as it is */
+    else if (w->out)
+        v2_replace(w, v, end, "null");
+    return end;
+}
+
+static unsigned v2_hex(const char *p)
+{
+    unsigned v = 0;
+    for (int k = 0; k < 4; k++)
+        v = v << 4 | (unsigned)(isdigit((unsigned char)p[k]) ? p[k] - '0'
+                                                              : (tolower((unsigned char)p[k]) - 'a' + 10));
+    return v;
+}
+
+/* The key string at s[i] == '"', unescaped as jansson would into `out`
+ * (known keys are ASCII: any other character becomes 0x01, and a key longer
+ * than `size` - 1 is cut and matches none). Returns the index past it or 0. */
+static size_t v2_key(v2_walk *w, size_t i, char *out, size_t size, size_t *klen)
+{
+    md_json_scan sc;
+    memset(&sc, 0, sizeof sc);
+    size_t end = md_json_skip_string(w->s, w->len, i, NULL, &sc), n = 0;
+    if (!end)
+        return v2_bad(w, sc.bad);
+    for (size_t k = i + 1; k + 1 < end && n < size; k++) {
+        char c = w->s[k];
+        if (c == '\\') {
+            char e = w->s[++k];
+            if (e == 'u') {
+                unsigned cp = v2_hex(w->s + k + 1);
+                c = cp < 0x80 ? (char)cp : '\x01';
+                k += 4;
+            } else {
+                c = e == 'b' ? '\b' : e == 'f' ? '\f' : e == 'n' ? '\n' : e == 'r' ? '\r'
+                  : e == 't' ? '\t' : e;
             }
-            if (c == '[' || c == '{')
-                depth++;
-            else if ((c == ']' || c == '}') && --depth == 0)
-                return i + 1;
-            i++;
         }
-        return len;
+        out[n++] = c;
     }
-    while (i < len && s[i] != ',' && s[i] != '}' && s[i] != ']' && !blank(s[i]))
-        i++;
-    return i;
+    *klen = n;
+    return end;
 }
 
-/* The members of the object at s[i] == '{': calls on_member(key, value
- * start) for each and skips its value, or stops where on_member returns the
- * index past the value itself. Returns the index past the object, or 0 when
- * it is not one as expected (a key with an escape in it included: jansson
- * would unescape it, and "d\u0061ta" is "data"). */
-typedef size_t (*v2_member_fn)(void *ctx, const char *s, size_t len, const char *key,
-                               size_t key_len, size_t value);
-static size_t v2_members(const char *s, size_t len, size_t i, v2_member_fn on_member, void *ctx)
+typedef size_t (*v2_member_fn)(v2_walk *w, const char *key, size_t klen, size_t value);
+
+/* The object at s[i] == '{': each member's value to on_member, which
+ * returns the index past it (0: not JSON). The index past the object, or 0. */
+static size_t v2_object(v2_walk *w, size_t i, v2_member_fn on_member)
 {
-    if (i >= len || s[i] != '{')
-        return 0;
-    i = v2_skip_blank(s, len, i + 1);
-    if (i < len && s[i] == '}')
+    const char *s = w->s;
+    size_t len = w->len;
+    w->kept++;
+    w->depth++;
+    i = md_json_blank(s, len, i + 1);
+    if (i < len && s[i] == '}') {
+        w->depth--;
         return i + 1;
+    }
     for (;;) {
-        int esc;
+        char key[24];
+        size_t klen;
         if (i >= len || s[i] != '"')
+            return v2_bad(w, i);
+        if (!(i = v2_key(w, i, key, sizeof key, &klen)))
             return 0;
-        size_t k = i + 1, after = v2_skip_string(s, len, i, &esc);
-        if (esc || after >= len)
-            return 0;
-        i = v2_skip_blank(s, len, after);
+        i = md_json_blank(s, len, i);
         if (i >= len || s[i] != ':')
+            return v2_bad(w, i);
+        w->kept++;
+        if (!(i = on_member(w, key, klen, md_json_blank(s, len, i + 1))))
             return 0;
-        i = v2_skip_blank(s, len, i + 1);
-        size_t next = on_member(ctx, s, len, s + k, after - 1 - k, i);
-        if (next == 0)
-            return 0;
-        i = v2_skip_blank(s, len, next);
+        i = md_json_blank(s, len, i);
         if (i < len && s[i] == ',') {
-            i = v2_skip_blank(s, len, i + 1);
+            i = md_json_blank(s, len, i + 1);
             continue;
         }
-        return i < len && s[i] == '}' ? i + 1 : 0;
-    }
-}
-
-/* on_member's answer for a member whose value is only skipped */
-static size_t v2_skip_member(const char *s, size_t len, size_t value)
-{
-    size_t end = v2_skip_value(s, len, value);
-    return end > value ? end : 0;
-}
-
-typedef struct v2_span {
-    int inputs, data;  /* how many "inputs" (top level) and "data" (inputs[0]) keys */
-    size_t a, b;       /* the data value: s[a..b) */
-    size_t max_values;
-    md_tensor rows;    /* the data, read by the row scanner (rows()) */
-} v2_span;
-
-static size_t v2_input_member(void *ctx, const char *s, size_t len, const char *key,
-                              size_t key_len, size_t value)
-{
-    v2_span *sp = ctx;
-    if (key_len != 4 || memcmp(key, "data", 4) != 0)
-        return v2_skip_member(s, len, value);
-    /* the array is read where it lies, and the scanner says where it ends */
-    if (++sp->data > 1 || value >= len || s[value] != '[')
-        return 0;
-    md_err err;
-    scan sc = {.p = s + value, .end = s + len, .max_values = sp->max_values, .err = &err};
-    if (rows(&sc, &sp->rows) != MD_OK) {
-        free(sc.buf);
-        md_tensor_free(&sp->rows);
-        return 0;
-    }
-    sp->a = value;
-    sp->b = (size_t)(sc.p - s);
-    return sp->b;
-}
-
-static size_t v2_top_member(void *ctx, const char *s, size_t len, const char *key,
-                            size_t key_len, size_t value)
-{
-    v2_span *sp = ctx;
-    if (key_len != 6 || memcmp(key, "inputs", 6) != 0)
-        return v2_skip_member(s, len, value);
-    sp->inputs++;
-    if (value >= len || s[value] != '[')
-        return 0;
-    size_t i = v2_skip_blank(s, len, value + 1);
-    if (i < len && s[i] == '{' && (i = v2_members(s, len, i, v2_input_member, sp)) == 0)
-        return 0;
-    /* the other inputs (none, in a request this server answers) */
-    for (;;) {
-        i = v2_skip_blank(s, len, i);
-        if (i >= len)
-            return 0;
-        if (s[i] == ']')
+        if (i < len && s[i] == '}') {
+            w->depth--;
             return i + 1;
-        if (s[i] != ',')
-            return 0;
-        if ((i = v2_skip_member(s, len, v2_skip_blank(s, len, i + 1))) == 0)
-            return 0;
+        }
+        return v2_bad(w, i);
     }
 }
 
-/* Where the value of inputs[0]'s "data" lies in a V2 request, read by the
- * row scanner into *rows: 1 and [*a, *b) when it is one array the scanner
- * reads under one such key (and one "inputs"), 0 otherwise (the caller then
- * parses the whole body with jansson). */
-static int v2_data_span(const char *s, size_t len, size_t max_values, size_t *a, size_t *b,
-                        md_tensor *rows)
+/* The array at s[i] == '[' of inputs or outputs: its first element, an
+ * object, walked with on_first; the others are dropped (null keeps their
+ * count, which the request is answered on). */
+static size_t v2_list(v2_walk *w, size_t i, v2_member_fn on_first)
 {
-    v2_span sp;
-    memset(&sp, 0, sizeof sp);
-    sp.max_values = max_values;
-    size_t i = v2_skip_blank(s, len, 0);
-    if (v2_members(s, len, i, v2_top_member, &sp) == 0 || sp.inputs != 1 || sp.data != 1 ||
-        !sp.rows.data) {
-        md_tensor_free(&sp.rows);
-        return 0;
+    const char *s = w->s;
+    size_t len = w->len;
+    w->kept++;
+    w->depth++;
+    i = md_json_blank(s, len, i + 1);
+    if (i < len && s[i] == ']') {
+        w->depth--;
+        return i + 1;
     }
-    *a = sp.a;
-    *b = sp.b;
-    *rows = sp.rows;
-    return 1;
+    for (size_t n = 0;; n++) {
+        size_t end = n ? v2_drop(w, i)
+                   : i < len && s[i] == '{' ? v2_object(w, i, on_first) : v2_keep(w, i);
+        if (!end)
+            return 0;
+        i = md_json_blank(s, len, end);
+        if (i < len && s[i] == ',') {
+            i = md_json_blank(s, len, i + 1);
+            continue;
+        }
+        if (i < len && s[i] == ']') {
+            w->depth--;
+            return i + 1;
+        }
+        return v2_bad(w, i);
+    }
 }
 
-json_t *md_v2_parse(const char *body, size_t len, size_t max_vals, md_tensor *t, int *decoded,
-                    json_error_t *jerr)
+#define V2_KEY(k) (klen == sizeof(k) - 1 && memcmp(key, k, klen) == 0)
+
+static size_t v2_is(v2_walk *w, size_t v, char c) { return v < w->len && w->s[v] == c; }
+
+static size_t v2_params_top(v2_walk *w, const char *key, size_t klen, size_t v)
+{
+    return V2_KEY("binary_data_output") ? v2_keep(w, v) : v2_drop(w, v);
+}
+
+static size_t v2_params_input(v2_walk *w, const char *key, size_t klen, size_t v)
+{
+    return V2_KEY("binary_data_size") ? v2_keep(w, v) : v2_drop(w, v);
+}
+
+static size_t v2_params_output(v2_walk *w, const char *key, size_t klen, size_t v)
+{
+    return V2_KEY("binary_data") ? v2_keep(w, v) : v2_drop(w, v);
+}
+
+static size_t v2_output0(v2_walk *w, const char *key, size_t klen, size_t v)
+{
+    if (V2_KEY("parameters") && v2_is(w, v, '{'))
+        return v2_object(w, v, v2_params_output);
+    return V2_KEY("name") || V2_KEY("parameters") ? v2_keep(w, v) : v2_drop(w, v);
+}
+
+/* inputs[0].data: read by the row scanner in pass 1 when it can, else
+ * validated and bounded by max_values for jansson */
+static size_t v2_data(v2_walk *w, size_t v)
+{
+    w->data++;
+    if (!w->out && w->data == 1 && w->read_data && v2_is(w, v, '[')) {
+        md_err err;
+        scan sc = {.p = w->s + v, .end = w->s + w->len, .max_values = w->max_values,
+                   .err = &err};
+        if (rows(&sc, &w->rows) == MD_OK && w->rows.count > 0) {
+            w->a = v;
+            w->b = (size_t)(sc.p - w->s);
+            return w->b;
+        }
+        free(sc.buf);
+        md_tensor_free(&w->rows);
+    } else if (w->out && w->use_rows && v == w->a) {
+        v2_replace(w, w->a, w->b, "[]");
+        return w->b;
+    }
+    md_json_scan sc;
+    memset(&sc, 0, sizeof sc);
+    size_t end = md_json_skip(w->s, w->len, v, MD_JSON_MAX_DEPTH - w->depth, &sc);
+    if (!end)
+        return v2_bad(w, sc.bad);
+    /* a rectangular array has no more arrays than numbers */
+    if (sc.values - sc.containers > w->max_values || sc.containers > w->max_values)
+        w->too_many_data = 1;
+    return end;
+}
+
+static size_t v2_input0(v2_walk *w, const char *key, size_t klen, size_t v)
+{
+    if (V2_KEY("data"))
+        return v2_data(w, v);
+    if (V2_KEY("parameters") && v2_is(w, v, '{'))
+        return v2_object(w, v, v2_params_input);
+    return V2_KEY("name") || V2_KEY("shape") || V2_KEY("datatype") || V2_KEY("parameters")
+               ? v2_keep(w, v)
+               : v2_drop(w, v);
+}
+
+static size_t v2_top(v2_walk *w, const char *key, size_t klen, size_t v)
+{
+    if (V2_KEY("inputs")) {
+        w->inputs++;
+        return v2_is(w, v, '[') ? v2_list(w, v, v2_input0) : v2_keep(w, v);
+    }
+    if (V2_KEY("outputs"))
+        return v2_is(w, v, '[') ? v2_list(w, v, v2_output0) : v2_keep(w, v);
+    if (V2_KEY("parameters"))
+        return v2_is(w, v, '{') ? v2_object(w, v, v2_params_top) : v2_keep(w, v);
+    return V2_KEY("id") ? v2_keep(w, v) : v2_drop(w, v);
+}
+
+/* One pass over the whole body: the index past it, or 0 (w->bad). */
+static size_t v2_walk_body(v2_walk *w)
+{
+    w->depth = 0;
+    w->inputs = w->data = w->too_many_data = 0;
+    w->kept = 0;
+    size_t i = md_json_blank(w->s, w->len, 0);
+    if (i < w->len && w->s[i] != '{' && w->s[i] != '[')
+        return v2_bad(w, i); /* jansson reads only an object or an array */
+    size_t end = v2_is(w, i, '{') ? v2_object(w, i, v2_top) : v2_keep(w, i);
+    if (end && md_json_blank(w->s, w->len, end) != w->len)
+        return v2_bad(w, md_json_blank(w->s, w->len, end));
+    return end;
+}
+
+json_t *md_v2_parse(const char *body, size_t len, size_t max_vals, int read_data, md_tensor *t,
+                    int *decoded, md_err *err)
 {
     *decoded = 0;
     memset(t, 0, sizeof *t);
-    size_t a, b;
-    md_tensor rows;
-    memset(&rows, 0, sizeof rows);
-    if (body && v2_data_span(body, len, max_vals, &a, &b, &rows)) {
-        /* jansson reads the request with "data": [] in place of the array;
-         * the row scanner (~1 ns a byte, jansson's ~15x) reads the array */
-        size_t rest = len - (b - a);
-        char *doc = malloc(rest + 2);
-        json_t *root = NULL;
-        if (doc) {
-            memcpy(doc, body, a);
-            memcpy(doc + a, "[]", 2);
-            memcpy(doc + a + 2, body + b, len - b);
-            root = json_loadb(doc, rest + 2, 0, jerr);
-            free(doc);
+    v2_walk w;
+    memset(&w, 0, sizeof w);
+    w.s = body ? body : "";
+    w.len = body ? len : 0;
+    w.max_values = max_vals;
+    w.read_data = read_data;
+    if (!v2_walk_body(&w)) {
+        md_tensor_free(&w.rows);
+        md_err_set(err, MD_EINVAL, "the body is not a JSON inference request (not JSON at byte "
+                   "%zu)", w.bad);
+        return NULL;
+    }
+    if (w.kept > MD_V2_MAX_JSON_VALUES || w.too_many_data) {
+        md_tensor_free(&w.rows);
+        if (w.too_many_data)
+            md_err_setc(err, MD_ETOOBIG, "too_many_values",
+                        "input data holds more than the limit of %zu values; send fewer rows "
+                        "per request", max_vals);
+        else
+            md_err_setc(err, MD_ETOOBIG, "too_many_json_values",
+                        "the request holds %zu JSON values and keys outside the input's data, "
+                        "more than the limit of %d (MD_V2_MAX_JSON_VALUES); modeld reads only "
+                        "inputs, id, outputs and parameters: send less there", w.kept,
+                        MD_V2_MAX_JSON_VALUES);
+        return NULL;
+    }
+    /* the data the scanner read is used when it is the only one; anything
+     * else (an error to report, a duplicate key) goes to jansson whole */
+    w.use_rows = w.rows.data && w.inputs == 1 && w.data == 1;
+    if (!w.use_rows)
+        md_tensor_free(&w.rows);
+    for (;;) {
+        w.out = malloc(w.len + 1);
+        if (!w.out) {
+            md_tensor_free(&w.rows);
+            md_err_set(err, MD_ENOMEM, "no memory for a copy of the %zu-byte request", len);
+            return NULL;
         }
+        w.out_len = w.copied = 0;
+        v2_walk_body(&w); /* as pass 1: it cannot fail now */
+        v2_replace(&w, w.len, w.len, "");
+        json_error_t jerr;
+        json_t *root = json_loadb(w.out, w.out_len, 0, &jerr);
+        free(w.out);
+        w.out = NULL;
+        if (!root) { /* a number out of jansson's range */
+            md_tensor_free(&w.rows);
+            md_err_set(err, MD_EINVAL, "the body is not a JSON inference request (%s)",
+                       jerr.text);
+            return NULL;
+        }
+        if (!w.use_rows)
+            return root;
         json_t *inputs = json_object_get(root, "inputs");
         json_t *in = json_array_get(inputs, 0);
         json_t *data = json_object_get(in, "data");
         size_t count;
-        md_err err;
-        /* anything else (an error to report, the binary extension) is the
-         * whole-body path's, so that it answers exactly as it always has */
+        md_err herr;
         int ok = json_array_size(inputs) == 1 && json_is_array(data) &&
                  json_array_size(data) == 0 &&
                  !json_object_get(json_object_get(in, "parameters"), "binary_data_size") &&
-                 v2_header(in, max_vals, t, &count, &err) == MD_OK && rows.count == count;
+                 v2_header(in, max_vals, t, &count, &herr) == MD_OK && w.rows.count == count;
         /* the whole-body path refuses a value past FLT_MAX that rounds to it */
-        for (size_t i = 0; ok && i < rows.count; i++)
-            ok = fabsf(rows.data[i]) != FLT_MAX;
+        for (size_t i = 0; ok && i < w.rows.count; i++)
+            ok = fabsf(w.rows.data[i]) != FLT_MAX;
         if (ok) {
-            t->data = rows.data;
+            t->data = w.rows.data;
             t->count = count;
             *decoded = 1;
             return root;
         }
-        md_tensor_free(&rows);
+        md_tensor_free(&w.rows);
         memset(t, 0, sizeof *t);
         json_decref(root);
+        w.use_rows = 0; /* again, with the data for jansson, to answer as it always has */
     }
-    return body ? json_loadb(body, len, 0, jerr) : NULL;
 }

@@ -1434,8 +1434,8 @@ static void test_v2_decode(void **state)
 /* md_v2_parse on a whole request: *decoded and, when decoded, the tensor. */
 static json_t *v2p(const char *body, md_tensor *t, int *decoded)
 {
-    json_error_t jerr;
-    return md_v2_parse(body, strlen(body), 1000, t, decoded, &jerr);
+    md_err err;
+    return md_v2_parse(body, strlen(body), 1000, 1, t, decoded, &err);
 }
 
 static void test_v2_parse(void **state)
@@ -1517,11 +1517,34 @@ static void test_v2_parse(void **state)
     assert_true(t.data[0] == 3.0f);
     md_tensor_free(&t);
     json_decref(root);
-    /* not JSON at all: NULL, with jansson's reason */
-    json_error_t jerr;
-    assert_null(md_v2_parse("{\"inputs\":[{\"data\":[1,2]}", 24, 100, &t, &decoded, &jerr));
+    /* not JSON at all: NULL, with where it stops being JSON */
+    assert_null(md_v2_parse("{\"inputs\":[{\"data\":[1,2]}", 24, 100, 1, &t, &decoded, &err));
     assert_int_equal(decoded, 0);
-    assert_true(jerr.text[0] != '\0');
+    assert_int_equal(err.status, MD_EINVAL);
+    assert_non_null(strstr(err.msg, "byte 24"));
+    /* members modeld ignores are null in the root, never built */
+    const char *ign = "{\"x\":[{},{}],\"inputs\":[{\"shape\":[2],\"datatype\":\"FP32\","
+                       "\"data\":[1,2],\"y\":\"long string\"}],\"id\":\"a\"}";
+    root = md_v2_parse(ign, strlen(ign), 100, 1, &t, &decoded, &err);
+    assert_non_null(root);
+    assert_int_equal(decoded, 1);
+    assert_true(json_is_null(json_object_get(root, "x")));
+    json_t *in0 = json_array_get(json_object_get(root, "inputs"), 0);
+    assert_true(json_is_null(json_object_get(in0, "y")));
+    assert_string_equal(json_string_value(json_object_get(root, "id")), "a");
+    md_tensor_free(&t);
+    json_decref(root);
+    /* what modeld reads is counted before jansson builds it: 413 past the limit */
+    size_t n = 3 * MD_V2_MAX_JSON_VALUES;
+    char *big = malloc(n + 64);
+    int k = sprintf(big, "{\"id\":[");
+    for (size_t i = 0; i < MD_V2_MAX_JSON_VALUES; i++)
+        k += sprintf(big + k, "%s0", i ? "," : "");
+    k += sprintf(big + k, "]}");
+    assert_null(md_v2_parse(big, (size_t)k, 100, 1, &t, &decoded, &err));
+    assert_int_equal(err.status, MD_ETOOBIG);
+    assert_string_equal(err.code, "too_many_json_values");
+    free(big);
 }
 
 /* md_v2_decode_binary on `n` raw bytes for an input of `dt` and `shape`. */

@@ -300,3 +300,83 @@ def test_many_top_level_numbers_in_a_torch_save_file_are_read_in_linear_time(ser
     r = upload(server, saved(obj), timeout=T)
     assert r.status_code == 201, r.text[:500]
     assert r.json()["metrics"][f"metric{n - 1}"] == n - 1
+
+
+# ------------------------------------------------------------ item 4: JSON trees nobody reads
+
+JSON_BODY_MB = 30
+
+
+def empty_objects(mb):
+    """'{},{},...' of about `mb` MiB: ~75 bytes of jansson heap per byte."""
+    return b",".join([b"{}"] * (mb * (1 << 20) // 3))
+
+
+def bounded_answer(server, send, size):
+    """Run send() -> response; peak memory grew < 3x size + 100 MiB. Returns it."""
+    before = vmhwm_mb(server)
+    try:
+        r = send()
+        answer = f"{r.status_code}: {r.text[:300]!r}"
+    except requests.RequestException as e:
+        r, answer = None, repr(e)
+    after = vmhwm_mb(server)
+    limit = 3 * size / (1 << 20) + 100
+    print(f"VmHWM {before:.0f} -> {after:.0f} MiB for a {size}-byte body")
+    assert after - before < limit, \
+        f"peak memory grew from {before:.0f} to {after:.0f} MiB (limit {limit:.0f}) for a " \
+        f"{size}-byte body (answer {answer})"
+    assert r is not None, answer
+    return r
+
+
+def test_safetensors_header_of_empty_objects_is_refused_before_it_is_parsed(server):
+    put_arch(server)
+    h = b'{"x":[' + empty_objects(JSON_BODY_MB) + b"]}"
+    data = struct.pack("<Q", len(h)) + h
+    r = bounded_answer(server, lambda: upload(server, data), len(data))
+    assert r.status_code == 422, r.text[:500]
+    assert "header" in r.json()["error"]["message"], r.text[:500]
+
+
+def deploy_mlp_v2(s):
+    with open(REPO / "tests" / "fixtures" / "mlp.pt", "rb") as f:
+        r = s.request("POST", "/models/mlp/versions", files={"checkpoint": f},
+                      data={"config": json.dumps(MLP_CONFIG)}, timeout=T)
+    assert r.status_code == 201, r.text
+
+
+V2_INPUT = {"name": "input0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}
+
+
+@pytest.mark.parametrize("where", ["parameters", "top_level", "input"])
+def test_v2_request_with_ignored_members_is_answered_within_memory(server, where):
+    """`[{},{},...]` where modeld reads nothing: skipped, never built (it
+    once built ~80 bytes a byte: 4.9 GB for 60 MB, kept afterwards)."""
+    deploy_mlp_v2(server)
+    junk = b"[" + empty_objects(JSON_BODY_MB) + b"]"
+    inp = json.dumps(V2_INPUT).encode()
+    if where == "parameters":
+        body = b'{"inputs":[' + inp + b'],"parameters":{"x":' + junk + b"}}"
+    elif where == "top_level":
+        body = b'{"extra":' + junk + b',"inputs":[' + inp + b"]}"
+    else:
+        body = b'{"inputs":[' + inp[:-1] + b',"junk":' + junk + b"}]}"
+    url = server.url + "/v2/models/mlp/infer"
+    r = bounded_answer(server, lambda: requests.post(
+        url, data=body, headers={"Content-Type": "application/json"}, timeout=T), len(body))
+    assert r.status_code == 200, r.text[:500]
+    assert len(r.json()["outputs"][0]["data"]) > 0
+
+
+def test_v2_request_with_many_values_where_modeld_reads_them_is_413(server):
+    """A shape of millions of numbers is read by jansson only after a count."""
+    deploy_mlp_v2(server)
+    shape = b"[" + b",".join([b"1"] * (JSON_BODY_MB * (1 << 20) // 2)) + b"]"
+    body = b'{"inputs":[{"name":"input0","datatype":"FP32","data":[1,2,3,4],"shape":' + \
+        shape + b"}]}"
+    url = server.url + "/v2/models/mlp/infer"
+    r = bounded_answer(server, lambda: requests.post(
+        url, data=body, headers={"Content-Type": "application/json"}, timeout=T), len(body))
+    assert r.status_code == 413, r.text[:500]
+    assert "MD_V2_MAX_JSON_VALUES" in r.json()["error"], r.text[:500]
