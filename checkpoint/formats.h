@@ -66,7 +66,10 @@ extern "C" {
 #define MD_ZIP_MAX_INFLATED_TOTAL (256LL << 20) /* ... all compressed records together */
 #endif
 #ifndef MD_SAFETENSORS_MAX_HEADER
-#define MD_SAFETENSORS_MAX_HEADER (100LL << 20) /* bytes of a safetensors JSON header */
+/* bytes of a safetensors JSON header: the format allows 100 MB, but a header
+ * is ~100 bytes a tensor (16 MiB: ~150k tensors, past any checkpoint), and
+ * jansson may spend up to 20x it (safetensors.c): 320 MiB at most, not 2 GB */
+#define MD_SAFETENSORS_MAX_HEADER (16LL << 20)
 #endif
 
 /* Element types of checkpoint tensors (the safetensors names in comments). */
