@@ -65,11 +65,13 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <malloc.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -155,6 +157,7 @@ struct md_model {
     md_hist wait_hist;         /* online queue wait, seconds */
     md_hist forward_hist;      /* forward time, seconds */
     double load_s;             /* how long the load and test forward took */
+    atomic_llong resident_bytes; /* md_model_resident_bytes: set at load */
 };
 
 static double now_s(void)
@@ -202,6 +205,11 @@ static void model_free(md_model *m)
     pthread_cond_destroy(&m->cv[0]);
     pthread_cond_destroy(&m->cv[1]);
     free(m);
+    /* give the freed weights' pages back to the system: glibc keeps freed
+     * heap memory (tensors under its mmap threshold, which grows as big
+     * blocks are freed) for reuse, so without this an unloaded version's
+     * memory stays in the RSS (measured: tests/e2e/test_memory.py) */
+    malloc_trim(0);
 }
 
 static void finish_item(md_model *m, item *it)
@@ -859,6 +867,16 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
         model_free(m);
         return st;
     }
+    size_t resident = 0;
+    md_err rerr;
+    if (md_torch_resident_bytes(m->torch, &resident, &rerr) != MD_OK) {
+        /* the checkpoint's size is close: its bytes are mostly the weights */
+        struct stat sb;
+        resident = stat(weights_path ? weights_path : path, &sb) == 0 ? (size_t)sb.st_size : 0;
+        md_log(MD_LOG_WARN, "model %s: %s; counting its checkpoint's %zu bytes as resident", name,
+               rerr.msg, resident);
+    }
+    atomic_store(&m->resident_bytes, (long long)resident);
     if (m->row_ndim > 0) {
         /* the test forwards: one zero row, then two, of the declared shape.
          * Requests of different clients share forwards, so a row's answer
@@ -997,6 +1015,11 @@ const char *md_model_name(const md_model *m) { return m->name; }
 int md_model_version(const md_model *m) { return atomic_load(&((md_model *)m)->version); }
 void md_model_set_version(md_model *m, int version) { atomic_store(&m->version, version); }
 json_t *md_model_labels(const md_model *m) { return m->labels; }
+long long md_model_resident_bytes(const md_model *m)
+{
+    return atomic_load(&((md_model *)m)->resident_bytes);
+}
+int md_model_refs(const md_model *m) { return atomic_load(&((md_model *)m)->refs); }
 int md_model_output_logits(const md_model *m) { return m->logits; }
 md_classes md_model_classes(const md_model *m, int64_t width)
 {

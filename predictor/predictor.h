@@ -126,6 +126,14 @@ json_t *md_model_labels(const md_model *m);
 const md_image_opts *md_model_image(const md_model *m);
 /* 1 when the output is declared logits (softmax before scores). */
 int md_model_output_logits(const md_model *m);
+/* The bytes this version keeps resident: its module's parameters and
+ * buffers (md_torch_resident_bytes, measured at load). The one figure the
+ * registry's max_loaded_bytes budget counts, so whatever else a version comes
+ * to hold for good belongs in it. */
+long long md_model_resident_bytes(const md_model *m);
+/* References held now (a snapshot). The registry reads it under its lock,
+ * where 1 means only its own: no request or job is using the version. */
+int md_model_refs(const md_model *m);
 
 /* ---- how an output row reads as classes (classes.c) ----
  *

@@ -5,7 +5,7 @@
  * The fake replaces libtorch at the module edge through the linker seam:
  * this binary must be linked with
  *     -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free
- *     -Wl,--wrap=md_torch_replica
+ *     -Wl,--wrap=md_torch_replica -Wl,--wrap=md_torch_resident_bytes
  * (LDFLAGS_test_batcher in the Makefile), so batcher.o's calls reach the
  * __wrap_ functions below. The fake forward records every batch (its rows and
  * the first value of each row), returns out = 2 * input (same shape), and
@@ -95,6 +95,18 @@ static long long g_prepack_max;  /* prepack_max_bytes of the models load_ex make
 static int g_coalesce_us;        /* batching.coalesce_us of the models load_ex makes (0: off) */
 static int g_replica_refuse;     /* md_torch_replica fails */
 static int g_replica_calls, g_replicas, g_replica_frees, g_replica_shared;
+static long long g_resident = 1000; /* what md_torch_resident_bytes says of the next loads */
+
+md_status __wrap_md_torch_resident_bytes(const md_torch_model *m, size_t *out, md_err *err);
+md_status __wrap_md_torch_resident_bytes(const md_torch_model *m, size_t *out, md_err *err)
+{
+    (void)m;
+    (void)err;
+    pthread_mutex_lock(&g_mu);
+    *out = (size_t)g_resident;
+    pthread_mutex_unlock(&g_mu);
+    return MD_OK;
+}
 
 md_status __wrap_md_torch_load(const char *path, const char *device, md_dtype input_dtype,
                                md_torch_model **out, md_err *err);
@@ -528,6 +540,7 @@ static int setup(void **state)
     g_coalesce_us = 0;
     g_replica_refuse = 0;
     g_replica_calls = g_replicas = g_replica_frees = g_replica_shared = 0;
+    g_resident = 1000;
     pthread_mutex_unlock(&g_mu);
     memset(g_held, 0, sizeof g_held);
     g_reg = NULL;
