@@ -94,7 +94,8 @@ UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_b
 	test_image test_multipart
 # the batcher is tested over a fake backend: the linker seam replaces libtorch calls
 LDFLAGS_test_batcher := -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free \
-    -Wl,--wrap=md_torch_replica -Wl,--wrap=md_torch_forward_quiet
+    -Wl,--wrap=md_torch_replica -Wl,--wrap=md_torch_forward_quiet \
+    -Wl,--wrap=md_torch_resident_bytes
 UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)

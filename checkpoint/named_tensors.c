@@ -333,7 +333,10 @@ md_ckpt_format md_ckpt_sniff(const uint8_t *head, size_t len)
         uint64_t n = 0;
         for (int i = 7; i >= 0; i--)
             n = n << 8 | head[i];
-        if (n >= 2 && n <= (uint64_t)MD_SAFETENSORS_MAX_HEADER)
+        /* the format's own bound (100 MB), not modeld's smaller one: a
+         * file past modeld's is still safetensors, refused by the reader
+         * with the limit named */
+        if (n >= 2 && n <= (uint64_t)100000000)
             return MD_CKPT_SAFETENSORS;
     }
     return MD_CKPT_UNKNOWN;

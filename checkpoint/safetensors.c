@@ -163,8 +163,9 @@ md_status md_safetensors_read(const uint8_t *buf, size_t len, md_tensors **out, 
     for (int i = 7; i >= 0; i--)
         n = n << 8 | buf[i];
     if (n > (uint64_t)MD_SAFETENSORS_MAX_HEADER)
-        return md_err_set(err, MD_EUNPROC, "safetensors: the header is %llu bytes; the limit is "
-                          "%lld (MD_SAFETENSORS_MAX_HEADER)", (unsigned long long)n,
+        return md_err_set(err, MD_EUNPROC, "safetensors: the header is %llu bytes; modeld's limit is "
+                          "%lld (MD_SAFETENSORS_MAX_HEADER: about 150,000 tensors); save "
+                          "fewer, larger tensors", (unsigned long long)n,
                           (long long)MD_SAFETENSORS_MAX_HEADER);
     if (n > len - 8)
         return md_err_set(err, MD_EUNPROC, "safetensors: the header claims %llu bytes but the "

@@ -113,6 +113,13 @@ static const setting settings[] = {
      "and per worker); this bounds all the packed copies of one version together, so the "
      "version stays near one copy of its weights (a model whose linear weights are larger "
      "is not packed; 0 = never; a version opts out with config \"prepack\": false)"},
+    {"max_loaded_bytes", T_SIZE, OFF(max_loaded_bytes), 0, 1LL << 50, "0", NULL,
+     "most bytes of weights (parameters and buffers) the loaded versions may hold together; "
+     "past it the least recently used version without requests in flight is unloaded "
+     "(defaults last) and loads again on its next request, and a load that cannot make room "
+     "answers 503. Only defaults load at start and deploy; other versions on first use. "
+     "0 = no bound (the default: modeld cannot tell what else shares its memory). In a "
+     "container, about half the memory limit: requests, workers and libtorch need the rest"},
     {"job_nice", T_INT, OFF(job_nice), 0, 19, "19", NULL,
      "nice of the workers computing batch jobs: 0 = equal to online work, 19 = spare CPU only"},
     {"job_max_files", T_INT, OFF(job_max_files), 1, 100000000, "1000000", NULL,

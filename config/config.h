@@ -60,6 +60,7 @@ typedef struct md_cfg {
     int max_jpeg_scans;         /* scans of a progressive JPEG at most */
     int max_large_decodes;      /* images over 1 Mpx decoded at once (0: cores) */
     long long prepack_max_bytes; /* largest linear weights a worker prepacks; 0 = none */
+    long long max_loaded_bytes; /* bytes the loaded versions may hold together; 0 = no bound */
     int max_delay_us;           /* default wait for more rows after a batch's first */
     int coalesce_us;            /* default batching.coalesce_us */
     int queue_limit;            /* default queued requests per version before 503 */

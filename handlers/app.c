@@ -42,6 +42,20 @@
  * (name, version), so a test can have N requests provably inside one load; MD_TEST_LOAD_HOLD_VERSION=V
  * holds only loads of version V; MD_TEST_LOAD_HOLD_S bounds the hold
  * (default 120 s). A held load logs "load held for the test" once.
+ * MD_TEST_USE_HOLD_VERSION=V keeps a request that loaded version V on demand
+ * in flight (holding its reference) until another load has finished or was
+ * refused, so a test can load a third version while V provably has a
+ * request in flight; it logs "request held in flight for the test".
+ *
+ * Memory (max_loaded_bytes): every load makes room first
+ * (md_registry_reserve with the checkpoint's size, in md_app_load_file) and
+ * a stored version goes into the registry through md_registry_admit with its
+ * real size; the registry unloads the least recently used versions no
+ * request holds. No room is MD_EBUSY (503 with Retry-After): not remembered
+ * and not a "failed" version. Weights larger than the whole budget are
+ * remembered like a bad checkpoint (the budget is fixed while the process
+ * runs), but not recorded as a failed version either: another replica may
+ * have a larger budget.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -49,6 +63,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -85,6 +100,7 @@ static load_slot *loading;
 static remembered memory[REMEMBERED_MAX];
 static int n_memory, next_memory;
 static unsigned long epoch; /* bumped by every forget (load_mu) */
+static unsigned long settled; /* loads finished, kept or not (load_mu; MD_TEST_USE_HOLD_VERSION) */
 
 /* ---- remembered answers (load_mu held) ---- */
 
@@ -149,9 +165,19 @@ static void remember(const char *name, int version, const char *identity, const 
     r->err = *err;
 }
 
+/* A version larger than the whole max_loaded_bytes (registry.c). */
+static int over_budget(const md_err *err)
+{
+    return err->status == MD_ETOOBIG && strcmp(md_err_code(err), "model_over_budget") == 0;
+}
+
 /* Failures a retry would answer the same: the checkpoint or its config is
- * bad. I/O errors, memory, a full queue, a timeout may pass. */
-static int deterministic(md_status st) { return st == MD_EUNPROC || st == MD_EINVAL; }
+ * bad, or its weights alone exceed max_loaded_bytes (fixed while the process
+ * runs). I/O errors, memory, a full queue or budget, a timeout may pass. */
+static int deterministic(const md_err *err)
+{
+    return err->status == MD_EUNPROC || err->status == MD_EINVAL || over_budget(err);
+}
 
 void md_app_forget(md_app *app, const char *name, int version)
 {
@@ -177,12 +203,30 @@ md_status md_app_load_file(md_app *app, const char *name, int version, const cha
                            const char *format, const char *arch_sha, json_t *config,
                            md_model **out, md_err *err)
 {
-    if (!arch_sha || !arch_sha[0])
-        return md_model_load(name, version, path, config, &app->model_defaults, out, err);
-    char arch_path[4096];
-    md_store_sha_path(app->store, arch_sha, arch_path, sizeof arch_path);
-    return md_model_load_weights(name, version, arch_path, path, format, config,
-                                 &app->model_defaults, out, err);
+    *out = NULL;
+    /* make room first (see registry.c): the checkpoint's size is close to
+     * what its weights will hold */
+    struct stat sb;
+    long long expected = stat(path, &sb) == 0 ? (long long)sb.st_size : 0, reserved = 0;
+    md_status st = md_registry_reserve(app->registry, name, version, expected, &reserved, err);
+    if (st != MD_OK)
+        return st; /* the caller logs or answers it */
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (!arch_sha || !arch_sha[0]) {
+        st = md_model_load(name, version, path, config, &app->model_defaults, out, err);
+    } else {
+        char arch_path[4096];
+        md_store_sha_path(app->store, arch_sha, arch_path, sizeof arch_path);
+        st = md_model_load_weights(name, version, arch_path, path, format, config,
+                                   &app->model_defaults, out, err);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    md_registry_unreserve(app->registry, reserved);
+    if (st == MD_OK)
+        md_registry_note_load(app->registry, (double)(t1.tv_sec - t0.tv_sec) +
+                                                 (double)(t1.tv_nsec - t0.tv_nsec) / 1e9);
+    return st;
 }
 
 /* Load version `v` whose file is at `path`: a TorchScript archive alone, or
@@ -236,8 +280,10 @@ static md_model *load_version(md_app *app, json_t *v, md_err *err)
                          name, version, json_string_value(json_object_get(v, "sha256")));
     else
         st = load_stored_weights(app, v, path, &m, err);
-    md_store_set_state(app->store, name, version, st == MD_OK ? "ready" : "failed",
-                       st == MD_OK ? NULL : err->msg, NULL);
+    /* no room under max_loaded_bytes says nothing about the version */
+    if (st != MD_EBUSY && !over_budget(err))
+        md_store_set_state(app->store, name, version, st == MD_OK ? "ready" : "failed",
+                           st == MD_OK ? NULL : err->msg, NULL);
     if (st != MD_OK)
         md_log(MD_LOG_WARN, "model %s version %d failed to load: %s", name, version, err->msg);
     return m;
@@ -268,6 +314,33 @@ static void hold_for_test(load_slot *s)
     while (s->asked < hold)
         if (pthread_cond_timedwait(&arrival_cv, &load_mu, &until) == ETIMEDOUT)
             break;
+}
+
+/* With MD_TEST_USE_HOLD_VERSION=V, a request that loaded version V on
+ * demand keeps it (a reference: in flight) until another load of any version
+ * finished or was refused (see the DESIGN note). */
+static void hold_use_for_test(const md_model *m)
+{
+    static long hold_version = -1, hold_s;
+    pthread_mutex_lock(&load_mu);
+    if (hold_version < 0) {
+        const char *hv = getenv("MD_TEST_USE_HOLD_VERSION");
+        const char *hs = getenv("MD_TEST_LOAD_HOLD_S");
+        hold_version = hv ? strtol(hv, NULL, 10) : 0;
+        hold_s = hs ? strtol(hs, NULL, 10) : 120;
+    }
+    if (hold_version && md_model_version(m) == hold_version) {
+        unsigned long start = settled;
+        md_log(MD_LOG_INFO, "model %s version %d: request held in flight for the test until "
+               "another load settles", md_model_name(m), md_model_version(m));
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += hold_s;
+        while (settled == start)
+            if (pthread_cond_timedwait(&arrival_cv, &load_mu, &until) == ETIMEDOUT)
+                break;
+    }
+    pthread_mutex_unlock(&load_mu);
 }
 
 /* How long a caller waits for another's load of `v`: its batching.timeout_ms,
@@ -395,13 +468,22 @@ static md_model *load_once(md_app *app, json_t *v, unsigned long seen_epoch, con
             }
         }
         if (keep) {
-            md_model_retain(m); /* the registry's reference */
-            md_registry_put(app->registry, m, 0);
+            /* the registry's reference; with the real size the budget may
+             * unload others, or refuse this one when the rest is in use */
+            md_model_retain(m);
+            if (md_registry_admit(app->registry, m, 0, &lerr) != MD_OK) {
+                md_log(MD_LOG_WARN, "model %s version %d not kept loaded: %s", name, version,
+                       lerr.msg);
+                md_model_release(m);
+                m = NULL;
+            }
         }
+        settled++;
+        pthread_cond_broadcast(&arrival_cv);
         s->done = 1;
         s->model = m;
         s->err = lerr;
-        if (!m && deterministic(lerr.status))
+        if (!m && deterministic(&lerr))
             remember(name, version, identity, &lerr, seen_epoch);
         pthread_cond_broadcast(&s->cv);
     }
@@ -506,7 +588,33 @@ md_model *md_app_resolve(void *ctx, const char *name, int version, md_err *err)
                     name, name);
         return NULL;
     }
-    return md_app_load_stored(app, name, version, make_default, err);
+    m = md_app_load_stored(app, name, version, make_default, err);
+    if (m)
+        hold_use_for_test(m);
+    return m;
+}
+
+void md_app_add_residency(md_app *app, json_t *v)
+{
+    const char *name = json_string_value(json_object_get(v, "model"));
+    int version = (int)json_integer_value(json_object_get(v, "version"));
+    md_registry_entry e;
+    if (!name || version <= 0 || !md_registry_info(app->registry, name, version, &e)) {
+        json_object_set_new(v, "loaded", json_false());
+        json_object_set_new(v, "resident_bytes", json_integer(0));
+        json_object_set_new(v, "last_used", json_null());
+        return;
+    }
+    time_t secs = (time_t)e.last_used;
+    long ms = (long)((e.last_used - (double)secs) * 1000.0);
+    struct tm tm;
+    gmtime_r(&secs, &tm);
+    char when[40];
+    size_t n = strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%S", &tm);
+    snprintf(when + n, sizeof when - n, ".%03ldZ", ms < 0 ? 0 : ms > 999 ? 999 : ms);
+    json_object_set_new(v, "loaded", json_true());
+    json_object_set_new(v, "resident_bytes", json_integer(e.resident_bytes));
+    json_object_set_new(v, "last_used", json_string(when));
 }
 
 /* ---- start-up and the store sync ---- */
@@ -581,9 +689,8 @@ void md_app_sync(md_app *app)
         const char *name = json_string_value(json_object_get(v, "model"));
         int version = (int)json_integer_value(json_object_get(v, "version"));
         const char *state = json_string_value(json_object_get(v, "state"));
-        md_model *cur = md_registry_get(app->registry, name, 0);
-        int cur_v = cur ? md_model_version(cur) : 0;
-        md_model_release(cur);
+        /* a default unloaded for memory is still the default: not loaded back */
+        int cur_v = md_registry_default_version(app->registry, name);
         if (cur_v == version || (state && strcmp(state, "failed") == 0))
             continue;
         if (md_registry_set_default(app->registry, name, version) == 0) {

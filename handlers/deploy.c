@@ -291,6 +291,18 @@ md_status md_deploy_commit(md_req *req, deploy_req *d, const char *sha, long lon
         md_reply_error(req, &err);
         return err.status;
     }
+    long long budget = md_registry_budget(app->registry);
+    if (budget > 0 && md_model_resident_bytes(model) > budget) {
+        /* it could never be served here: say so now, not on every request */
+        md_err_setc(&err, MD_ETOOBIG, "model_over_budget",
+                    "the model's weights hold %lld bytes, more than max_loaded_bytes (%lld) "
+                    "allows for all loaded versions together; raise max_loaded_bytes",
+                    md_model_resident_bytes(model), budget);
+        md_model_release(model);
+        md_blob_abort(blob);
+        md_reply_error(req, &err);
+        return err.status;
+    }
     md_version_spec spec = {
         .model = d->name,
         .version = d->version,
@@ -321,12 +333,20 @@ md_status md_deploy_commit(md_req *req, deploy_req *d, const char *sha, long lon
         return st;
     }
     int number = (int)json_integer_value(json_object_get(version, "version"));
-    if (d->deploy && !json_is_true(json_object_get(version, "removed_by_retention"))) {
+    /* only a new default stays loaded: any other version was validated (the
+     * load and test forwards above) and loads again on its first request,
+     * so versions kept for rollback or comparison cost no memory */
+    if (d->deploy && json_is_true(json_object_get(version, "default")) &&
+        !json_is_true(json_object_get(version, "removed_by_retention"))) {
         md_model_set_version(model, number);
-        md_registry_put(app->registry, model, json_is_true(json_object_get(version, "default")));
+        md_err aerr;
+        if (md_registry_admit(app->registry, model, 1, &aerr) != MD_OK)
+            md_log(MD_LOG_WARN, "model %s version %d is the default but not kept loaded (its "
+                   "next request loads it): %s", d->name, number, aerr.msg);
     } else {
         md_model_release(model);
     }
+    md_app_add_residency(app, version);
     if (config_from)
         json_object_set_new(version, "config_from", json_integer(config_from));
     char loc[160];

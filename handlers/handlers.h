@@ -111,6 +111,9 @@ void md_handle_versions_list(md_req *req);
 void md_handle_version_get(md_req *req);
 void md_handle_version_delete(md_req *req);
 void md_handle_version_checkpoint(md_req *req);
+/* POST .../versions/{version}/load (deferred: it may load) and .../unload. */
+void md_handle_version_load(md_req *req);
+void md_handle_version_unload(md_req *req);
 /* predict.c */
 void md_handle_predict_default(md_req *req);
 void md_handle_predict_model(md_req *req);
@@ -169,6 +172,11 @@ md_model *md_app_load_stored(md_app *app, const char *name, int version, int mak
 md_status md_app_load_file(md_app *app, const char *name, int version, const char *path,
                            const char *format, const char *arch_sha, json_t *config,
                            md_model **out, md_err *err);
+/* Add what the registry says of the stored version `v` (a version row as
+ * the store answers it; changed in place): "loaded", "resident_bytes" (0
+ * when not loaded) and "last_used" (ISO time of its last use, null when not
+ * loaded). Never blocks; thread-safe. */
+void md_app_add_residency(md_app *app, json_t *v);
 /* The store's default version of `name` now, 0 when none (or no model).
  * Reads SQLite: deferred threads only. Thread-safe. */
 int md_app_stored_default(md_app *app, const char *name);

@@ -122,8 +122,13 @@ void md_handle_versions_list(md_req *req)
                                           !order || strcmp(order, "asc") == 0, &out, &err);
     if (st == MD_OK && order_by && strncmp(order_by, "metrics.", 8) == 0)
         st = check_metric_known(out, order_by + 8, &err);
-    if (st == MD_OK)
+    if (st == MD_OK) {
+        size_t i;
+        json_t *v;
+        json_array_foreach(out, i, v)
+            md_app_add_residency(app, v);
         out = json_pack("{s:o}", "versions", out);
+    }
     else
         json_decref(out), out = NULL;
     reply_result(req, st, out, &err);
@@ -138,6 +143,64 @@ void md_handle_version_get(md_req *req)
         return;
     json_t *out = NULL;
     md_status st = md_store_get_version(app->store, md_req_param(req, "name"), version, &out, &err);
+    if (st == MD_OK)
+        md_app_add_residency(app, out);
+    reply_result(req, st, out, &err);
+}
+
+/* ---- loading and unloading for the operator ---- */
+
+/* On a deferred thread: the load may take seconds (or wait on another's). */
+static void version_load_deferred(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    int version = *(const int *)md_req_state(req);
+    const char *name = md_req_param(req, "name");
+    /* the stored default loads as the default (it may have been unloaded) */
+    int make_default = md_app_stored_default(app, name) == version;
+    md_model *m = md_app_load_stored(app, name, version, make_default, &err);
+    if (!m) {
+        md_reply_error(req, &err);
+        return;
+    }
+    md_model_release(m); /* the registry holds it */
+    json_t *out = NULL;
+    md_status st = md_store_get_version(app->store, name, version, &out, &err);
+    if (st == MD_OK)
+        md_app_add_residency(app, out);
+    reply_result(req, st, out, &err);
+}
+
+void md_handle_version_load(md_req *req)
+{
+    int version;
+    if (!md_req_version_param(req, &version))
+        return;
+    int *state = md_xmalloc(sizeof *state);
+    *state = version;
+    md_req_set_state(req, state, free);
+    md_req_defer(req, version_load_deferred);
+}
+
+/* Unloading never blocks: the registry lets go of its reference, requests
+ * in flight finish on theirs, and the last one frees the weights. A default
+ * stays the default and its next request loads it again. */
+void md_handle_version_unload(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    int version;
+    if (!md_req_version_param(req, &version))
+        return;
+    const char *name = md_req_param(req, "name");
+    json_t *out = NULL;
+    md_status st = md_store_get_version(app->store, name, version, &out, &err);
+    if (st == MD_OK) {
+        md_registry_unload(app->registry, name, version); /* logs when it was loaded */
+        md_app_add_residency(app, out);
+    }
     reply_result(req, st, out, &err);
 }
 

@@ -69,12 +69,14 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <malloc.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -144,7 +146,7 @@ struct md_model {
     int pool_made;             /* copies alive, free or in a forward */
     int pool_making;           /* copies being made now */
     int pool_max;              /* the most copies: cores, workers, prepack_max / one copy */
-    size_t packed_bytes;       /* one copy's packed weights (0 before the first) */
+    atomic_llong packed_bytes; /* one copy's packed weights (0 before the first) */
     md_image_opts image; /* preprocess.image, when has_image */
     int has_image;
     /* queues */
@@ -172,6 +174,7 @@ struct md_model {
     md_hist wait_hist;         /* online queue wait, seconds */
     md_hist forward_hist;      /* forward time, seconds */
     double load_s;             /* how long the load and test forward took */
+    atomic_llong resident_bytes; /* md_model_resident_bytes: set at load */
 };
 
 static double now_s(void)
@@ -225,6 +228,11 @@ static void model_free(md_model *m)
     pthread_cond_destroy(&m->cv[0]);
     pthread_cond_destroy(&m->cv[1]);
     free(m);
+    /* give the freed weights' pages back to the system: glibc keeps freed
+     * heap memory (tensors under its mmap threshold, which grows as big
+     * blocks are freed) for reuse, so without this an unloaded version's
+     * memory stays in the RSS (measured: tests/e2e/test_memory.py) */
+    malloc_trim(0);
 }
 
 static void finish_item(md_model *m, item *it)
@@ -669,7 +677,7 @@ static md_torch_model *make_replica(md_model *m)
     }
     pthread_mutex_lock(&m->pool_mu);
     if (r) {
-        m->packed_bytes = bytes;
+        atomic_store(&m->packed_bytes, (long long)bytes);
         m->pool_made++;
         atomic_store(&m->prepacked, m->pool_made);
     } else if (!stopping) {
@@ -1083,6 +1091,16 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
         model_free(m);
         return st;
     }
+    size_t resident = 0;
+    md_err rerr;
+    if (md_torch_resident_bytes(m->torch, &resident, &rerr) != MD_OK) {
+        /* the checkpoint's size is close: its bytes are mostly the weights */
+        struct stat sb;
+        resident = stat(weights_path ? weights_path : path, &sb) == 0 ? (size_t)sb.st_size : 0;
+        md_log(MD_LOG_WARN, "model %s: %s; counting its checkpoint's %zu bytes as resident", name,
+               rerr.msg, resident);
+    }
+    atomic_store(&m->resident_bytes, (long long)resident);
     if (m->row_ndim > 0) {
         /* the test forwards: one zero row, then two, of the declared shape.
          * Requests of different clients share forwards, so a row's answer
@@ -1221,6 +1239,15 @@ const char *md_model_name(const md_model *m) { return m->name; }
 int md_model_version(const md_model *m) { return atomic_load(&((md_model *)m)->version); }
 void md_model_set_version(md_model *m, int version) { atomic_store(&m->version, version); }
 json_t *md_model_labels(const md_model *m) { return m->labels; }
+long long md_model_resident_bytes(const md_model *m)
+{
+    md_model *mm = (md_model *)m;
+    /* its module, and the packed copies it holds now (made after the load,
+     * at most one per core: they count once made) */
+    return atomic_load(&mm->resident_bytes) +
+           (long long)atomic_load(&mm->prepacked) * atomic_load(&mm->packed_bytes);
+}
+int md_model_refs(const md_model *m) { return atomic_load(&((md_model *)m)->refs); }
 int md_model_output_logits(const md_model *m) { return m->logits; }
 md_classes md_model_classes(const md_model *m, int64_t width)
 {

@@ -126,6 +126,15 @@ json_t *md_model_labels(const md_model *m);
 const md_image_opts *md_model_image(const md_model *m);
 /* 1 when the output is declared logits (softmax before scores). */
 int md_model_output_logits(const md_model *m);
+/* The bytes this version keeps resident: its module's parameters and
+ * buffers (md_torch_resident_bytes, measured at load) and its packed copies
+ * (prepack), counted as they are made. The one figure the
+ * registry's max_loaded_bytes budget counts, so whatever else a version comes
+ * to hold for good belongs in it. */
+long long md_model_resident_bytes(const md_model *m);
+/* References held now (a snapshot). The registry reads it under its lock,
+ * where 1 means only its own: no request or job is using the version. */
+int md_model_refs(const md_model *m);
 
 /* ---- how an output row reads as classes (classes.c) ----
  *
@@ -303,25 +312,80 @@ typedef struct md_registry md_registry;
  * held only for the lookup or the swap, never across a load or a forward.
  * `name` arguments are borrowed for the call. */
 
-/* A new, empty registry (aborts on OOM: made once at start). */
+/* Why a version left the registry (modeld_model_unloads_total's reason). */
+typedef enum md_unload_reason {
+    MD_UNLOAD_BUDGET = 0, /* room made under max_loaded_bytes */
+    MD_UNLOAD_OPERATOR,   /* POST /models/NAME/versions/V/unload */
+    MD_UNLOAD_DELETED,    /* the version or its model was deleted (here or by a replica) */
+    MD_UNLOAD_REPLACED,   /* another version became the default, or a reload replaced it */
+    MD_UNLOAD_REASONS
+} md_unload_reason;
+
+/* What the registry knows of one loaded version (md_registry_info). */
+typedef struct md_registry_entry {
+    int loaded;               /* 0: nothing below is set */
+    int is_default;
+    int version;
+    long long resident_bytes; /* md_model_resident_bytes */
+    double last_used;         /* Unix time of its last lookup (or its load) */
+} md_registry_entry;
+
+/* A new, empty registry with no budget (aborts on OOM: made once at start). */
 md_registry *md_registry_new(void);
+/* Bound the resident bytes of the loaded versions together (max_loaded_bytes;
+ * 0: no bound). Not thread-safe: once, before the registry is shared. */
+void md_registry_set_budget(md_registry *r, long long max_bytes);
+long long md_registry_budget(const md_registry *r);
 /* Releases every model. Accepts NULL. Not thread-safe: call once no other
  * thread uses the registry. */
 void md_registry_free(md_registry *r);
 /* The loaded model for name and version (0 = the default), retained (the
- * caller releases it); or NULL. Never loads or blocks on I/O. */
+ * caller releases it), and marked used now (the budget unloads the least
+ * recently used first); or NULL. Never loads or blocks on I/O. */
 md_model *md_registry_get(md_registry *r, const char *name, int version);
+/* What is loaded for name and version (0 = the default) into *out, without
+ * counting as a use; returns out->loaded. */
+int md_registry_info(md_registry *r, const char *name, int version, md_registry_entry *out);
+/* The version that is `name`'s default here, loaded or unloaded to free
+ * memory (it stays the default: the next request loads it); 0 when none. */
+int md_registry_default_version(md_registry *r, const char *name);
 /* Add `m` (takes the caller's reference); when `make_default` it becomes the
  * default of its name atomically, and the old default is released once its
  * queue drains. Replaces an entry for the same name and version (releasing
- * the registry's reference to the one replaced). */
+ * the registry's reference to the one replaced). Ignores the budget: loads
+ * go through md_registry_reserve and md_registry_admit. */
 void md_registry_put(md_registry *r, md_model *m, int make_default);
+/* Before loading version `version` of `name`, expected to hold about
+ * `bytes`: unload the least recently used versions nobody is using (defaults
+ * last) until the loaded bytes, the bytes promised to other loads under way
+ * and these fit the budget, and promise them to this load (*reserved, to
+ * give back with md_registry_unreserve once the load is over, whatever its
+ * outcome). MD_EBUSY naming max_loaded_bytes when the versions in use leave
+ * no room. With no budget: MD_OK, *reserved 0. */
+md_status md_registry_reserve(md_registry *r, const char *name, int version, long long bytes,
+                              long long *reserved, md_err *err);
+void md_registry_unreserve(md_registry *r, long long reserved);
+/* md_registry_put under the budget: `m` goes in with its real resident
+ * bytes, then the least recently used versions nobody is using (defaults
+ * last) are unloaded until everything fits. Takes the caller's reference
+ * even on failure: MD_ETOOBIG when `m` alone is larger than the budget,
+ * MD_EBUSY (naming max_loaded_bytes) when the versions in use leave no room;
+ * `m` is not in the registry then. */
+md_status md_registry_admit(md_registry *r, md_model *m, int make_default, md_err *err);
 /* Make a loaded version the default; 0 when it is not loaded. */
 int md_registry_set_default(md_registry *r, const char *name, int version);
 /* Drop one version (version 0: every version of `name`), releasing the
- * registry's references; requests already holding one finish. */
+ * registry's references; requests already holding one finish. For deletes
+ * (counted as such): a deleted default is no longer the default here. */
 void md_registry_remove(md_registry *r, const char *name, int version);
-/* Names of the models with a default, as a JSON array. New reference. */
+/* Unload one version for the operator, in flight or not (requests holding
+ * it finish, then it is freed). A default stays the default and is loaded
+ * again by its next request. Returns 1 when it was loaded. */
+int md_registry_unload(md_registry *r, const char *name, int version);
+/* Count one load of a version into memory that took `seconds`. */
+void md_registry_note_load(md_registry *r, double seconds);
+/* Names of the models with a default (loaded, or unloaded to free memory),
+ * as a JSON array. New reference. */
 json_t *md_registry_names(md_registry *r);
 /* Stats of every loaded version, as a JSON array. New reference. */
 json_t *md_registry_stats(md_registry *r);

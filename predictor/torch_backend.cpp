@@ -9,6 +9,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <torch/script.h>
@@ -379,6 +380,35 @@ extern "C" md_status md_torch_forward_quiet(md_torch_model *m, const float *inpu
 }
 
 extern "C" void md_torch_free(md_torch_model *m) { delete m; }
+
+extern "C" md_status md_torch_resident_bytes(const md_torch_model *m, size_t *out, md_err *err)
+{
+    *out = 0;
+    try {
+        /* tied weights (an embedding shared with the output layer) and views
+         * share one storage: count each storage once, whole */
+        std::unordered_set<const void *> seen;
+        size_t total = 0;
+        auto add = [&](const at::Tensor &t) {
+            if (!t.defined() || !t.has_storage())
+                return; /* mkldnn or sparse: no plain storage to count */
+            const c10::Storage &s = t.storage();
+            if (seen.insert(s.unsafeGetStorageImpl()).second)
+                total += s.nbytes();
+        };
+        for (const at::Tensor &p : m->module.parameters(true))
+            add(p);
+        for (const at::Tensor &b : m->module.buffers(true))
+            add(b);
+        *out = total;
+        return MD_OK;
+    } catch (const std::exception &e) {
+        set_torch_err(err, MD_EINTERNAL, "could not size the model's parameters", error_text(e));
+        return MD_EINTERNAL;
+    } catch (...) {
+        return md_err_set(err, MD_EINTERNAL, "could not size the model's parameters");
+    }
+}
 
 /* ---- per-worker replicas with prepacked linear layers ---- */
 

@@ -76,6 +76,12 @@ void md_torch_set_thread_background(int background);
 /* Free a model. Accepts NULL. */
 void md_torch_free(md_torch_model *m);
 
+/* The bytes the model's parameters and buffers hold on its device, each
+ * storage counted once (weights tied between layers share one): what the
+ * loaded module keeps resident. Reads `m` only; safe beside forwards on it.
+ * MD_EINTERNAL with libtorch's message if it throws. */
+md_status md_torch_resident_bytes(const md_torch_model *m, size_t *out, md_err *err);
+
 /*
  * A copy of `base` for ONE worker thread, frozen, with its linear layers
  * prepacked: each aten::linear of the forward graph's top-level block (not

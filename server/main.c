@@ -194,6 +194,7 @@ int main(int argc, char **argv)
 
     md_torch_init(cfg.intra_op_threads);
     app.registry = md_registry_new();
+    md_registry_set_budget(app.registry, cfg.max_loaded_bytes);
     md_image_set_large_decodes(cfg.max_large_decodes > 0 ? cfg.max_large_decodes
                                                          : md_cfg_cores());
     app.model_defaults = (md_model_defaults){

@@ -6,6 +6,7 @@
  * this binary must be linked with
  *     -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free
  *     -Wl,--wrap=md_torch_replica -Wl,--wrap=md_torch_forward_quiet
+ *     -Wl,--wrap=md_torch_resident_bytes
  * (LDFLAGS_test_batcher in the Makefile), so batcher.o's calls reach the
  * __wrap_ functions below. The fake forward records every batch (its rows and
  * the first value of each row), returns out = 2 * input (same shape), and
@@ -96,6 +97,18 @@ static long long g_prepack_max;  /* prepack_max_bytes of the models load_ex make
 static int g_coalesce_us;        /* batching.coalesce_us of the models load_ex makes (0: off) */
 static int g_replica_refuse;     /* md_torch_replica fails */
 static int g_replica_calls, g_replicas, g_replica_frees, g_replica_shared;
+static long long g_resident = 1000; /* what md_torch_resident_bytes says of the next loads */
+
+md_status __wrap_md_torch_resident_bytes(const md_torch_model *m, size_t *out, md_err *err);
+md_status __wrap_md_torch_resident_bytes(const md_torch_model *m, size_t *out, md_err *err)
+{
+    (void)m;
+    (void)err;
+    pthread_mutex_lock(&g_mu);
+    *out = (size_t)g_resident;
+    pthread_mutex_unlock(&g_mu);
+    return MD_OK;
+}
 
 md_status __wrap_md_torch_load(const char *path, const char *device, md_dtype input_dtype,
                                md_torch_model **out, md_err *err);
@@ -562,6 +575,7 @@ static int setup(void **state)
     g_coalesce_us = 0;
     g_replica_refuse = 0;
     g_replica_calls = g_replicas = g_replica_frees = g_replica_shared = 0;
+    g_resident = 1000;
     pthread_mutex_unlock(&g_mu);
     memset(g_held, 0, sizeof g_held);
     g_reg = NULL;
@@ -1589,6 +1603,97 @@ static void test_registry_versions(void **state)
     json_decref(names);
 }
 
+/* A model in the registry under its budget: loaded as app.c does (make room
+ * for the expected bytes, load, admit with the real ones). */
+static md_status admit(const char *name, int version, int make_default, int *fake_id,
+                       md_err *err)
+{
+    long long reserved;
+    md_status st = md_registry_reserve(g_reg, name, version, 1000, &reserved, err);
+    if (st != MD_OK)
+        return st;
+    md_model *m = load_ex(name, version, ROW2, 1, 64, 0, 100, 10000, fake_id);
+    for (int i = 0; i < 16; i++)
+        if (g_held[i] == m)
+            g_held[i] = NULL; /* the registry takes the reference */
+    md_registry_unreserve(g_reg, reserved);
+    return md_registry_admit(g_reg, m, make_default, err);
+}
+
+static int is_loaded(const char *name, int version)
+{
+    md_registry_entry e;
+    return md_registry_info(g_reg, name, version, &e);
+}
+
+static void test_registry_budget(void **state)
+{
+    (void)state;
+    g_reg = md_registry_new();
+    md_registry_set_budget(g_reg, 2500); /* two versions of 1000 bytes */
+    md_err err;
+    int id[6];
+    assert_int_equal(admit("a", 1, 1, &id[1], &err), MD_OK);
+    assert_int_equal(admit("a", 2, 0, &id[2], &err), MD_OK);
+    /* the default is the least recently used, but it goes last */
+    md_model *g = md_registry_get(g_reg, "a", 2);
+    md_model_release(g);
+    assert_int_equal(admit("a", 3, 0, &id[3], &err), MD_OK);
+    assert_true(is_loaded("a", 1) && !is_loaded("a", 2) && is_loaded("a", 3));
+    ASSERT_WAIT(g_free_seq[id[2]] != 0); /* nobody held it: freed */
+
+    /* a version in use is never unloaded: the idle default goes instead,
+     * and stays the default (parked) for POST /predict and the store sync */
+    md_model *busy3 = md_registry_get(g_reg, "a", 3);
+    assert_int_equal(admit("a", 4, 0, &id[4], &err), MD_OK);
+    assert_true(!is_loaded("a", 1) && is_loaded("a", 3) && is_loaded("a", 4));
+    assert_int_equal(md_registry_default_version(g_reg, "a"), 1);
+    assert_null(md_registry_get(g_reg, "a", 0));
+    json_t *names = md_registry_names(g_reg);
+    assert_int_equal(json_array_size(names), 1);
+    json_decref(names);
+
+    /* everything in use: no room, nothing unloaded for nothing */
+    md_model *busy4 = md_registry_get(g_reg, "a", 4);
+    long long reserved = -1;
+    assert_int_equal(md_registry_reserve(g_reg, "a", 5, 1000, &reserved, &err), MD_EBUSY);
+    assert_int_equal(reserved, 0);
+    assert_non_null(strstr(err.msg, "max_loaded_bytes"));
+    assert_true(is_loaded("a", 3) && is_loaded("a", 4));
+    /* a load larger than the estimate is refused after the fact, too */
+    md_model_release(busy4);
+    pthread_mutex_lock(&g_mu);
+    g_resident = 1600;
+    pthread_mutex_unlock(&g_mu);
+    assert_int_equal(admit("a", 5, 0, &id[5], &err), MD_EBUSY); /* 3 in use, 4 went */
+    assert_true(is_loaded("a", 3) && !is_loaded("a", 4) && !is_loaded("a", 5));
+    ASSERT_WAIT(g_free_seq[id[5]] != 0);
+    md_model_release(busy3);
+
+    /* weights larger than the whole budget */
+    pthread_mutex_lock(&g_mu);
+    g_resident = 3000;
+    pthread_mutex_unlock(&g_mu);
+    int big;
+    assert_int_equal(admit("b", 1, 1, &big, &err), MD_ETOOBIG);
+    assert_false(is_loaded("b", 0));
+
+    /* the default loaded again (as a request would) is the default again */
+    pthread_mutex_lock(&g_mu);
+    g_resident = 1000;
+    pthread_mutex_unlock(&g_mu);
+    assert_int_equal(admit("a", 1, 1, &id[1], &err), MD_OK);
+    g = md_registry_get(g_reg, "a", 0);
+    assert_non_null(g);
+    assert_int_equal(md_model_version(g), 1);
+    md_model_release(g);
+    /* a deleted default is no longer the default */
+    md_registry_unload(g_reg, "a", 1);
+    assert_int_equal(md_registry_default_version(g_reg, "a"), 1);
+    md_registry_remove(g_reg, "a", 1);
+    assert_int_equal(md_registry_default_version(g_reg, "a"), 0);
+}
+
 typedef struct stress_arg {
     md_model *m;
     int first, n;
@@ -2165,6 +2270,7 @@ int main(void)
         T(test_sizes_checked),
         T(test_registry_swap_drains_old),
         T(test_registry_versions),
+        T(test_registry_budget),
         T(test_concurrent_submitters),
         T(test_release_drains_queue),
         T(test_eight_dim_row_shape),

@@ -68,7 +68,8 @@ static const char *const all_keys[] = {
     "allowed_urls", "download_connect_timeout_s", "download_timeout_s", "download_max_redirects",
     "workers", "intra_op_threads", "max_batch_size", "max_delay_us", "coalesce_us", "queue_limit", "timeout_ms",
     "default_model", "max_request_images", "max_jobs", "job_lease_s", "job_nice",
-    "max_image_pixels", "max_jpeg_scans", "max_large_decodes", "prepack_max_bytes", "job_max_files", "job_max_image_bytes",
+    "max_image_pixels", "max_jpeg_scans", "max_large_decodes", "prepack_max_bytes", "max_loaded_bytes",
+    "job_max_files", "job_max_image_bytes",
     "store_poll_ms",
     "allow_private_urls", "test_job_chunk_delay_ms", "admin_token", "admin_token_file",
     "predict_token", "predict_token_file", "metrics_token", "metrics_token_file", "open_admin",
@@ -102,6 +103,7 @@ static void assert_defaults(const md_cfg *cfg)
     assert_int_equal(cfg->store_poll_ms, 1000);
     assert_int_equal(cfg->allow_private_urls, 0); /* downloads refuse internal addresses */
     assert_int_equal(cfg->test_job_chunk_delay_ms, 0);
+    assert_int_equal(cfg->max_loaded_bytes, 0); /* no budget unless one is set */
 }
 
 /* ---- defaults ---- */

@@ -186,6 +186,11 @@ def test_k8s_deployment(effective):
     assert grace > cfg["drain_seconds"] + pre_s, (grace, cfg["drain_seconds"], pre_s)
     res = container["resources"]
     assert res["requests"]["cpu"] and res["requests"]["memory"] and res["limits"]["memory"]
+    # the loaded versions' budget leaves room under the memory limit for the rest
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    limit = res["limits"]["memory"]
+    limit = int(limit[:-2]) * units[limit[-2:]] if limit[-2:] in units else int(limit)
+    assert 0 < cfg["max_loaded_bytes"] <= limit // 2, (cfg["max_loaded_bytes"], limit)
 
     # the store: a PersistentVolumeClaim mounted where modeld keeps it
     pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
