@@ -74,7 +74,7 @@ LIB_C   := config/md_err.c config/md_json.c config/md_metrics.c config/config.c 
 	server/multipart.c checkpoint/store.c \
 	checkpoint/versions.c checkpoint/promotion.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c checkpoint/zipdir.c \
-	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/batcher.c predictor/registry.c \
+	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/batcher.c predictor/model.c predictor/registry.c \
 	jobs/readers.c jobs/scheduler.c jobs/writers.c jobs/job_store.c handlers/app.c handlers/jobs.c \
 	handlers/deploy.c handlers/upload.c handlers/models.c handlers/predict.c handlers/answer.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c

@@ -292,12 +292,12 @@ md_status md_deploy_commit(md_req *req, deploy_req *d, const char *sha, long lon
         return err.status;
     }
     long long budget = md_registry_budget(app->registry);
-    if (budget > 0 && md_model_resident_bytes(model) > budget) {
+    if (budget > 0 && md_model_weight_bytes(model) > budget) {
         /* it could never be served here: say so now, not on every request */
         md_err_setc(&err, MD_ETOOBIG, "model_over_budget",
                     "the model's weights hold %lld bytes, more than max_loaded_bytes (%lld) "
                     "allows for all loaded versions together; raise max_loaded_bytes",
-                    md_model_resident_bytes(model), budget);
+                    md_model_weight_bytes(model), budget);
         md_model_release(model);
         md_blob_abort(blob);
         md_reply_error(req, &err);

@@ -1,13 +1,8 @@
 /*
- * batcher.c - a loaded model version: its config, its request queues and the
- * workers that batch them into forwards.
- *
- * Over 800 lines, to be split: the queues and workers (the DESIGN below:
- * one mutex, pieces, deadlines) are one piece and stay together; the load
- * (md_model_load*: config, backend, test forward), the input shaping and
- * preprocess, and the stats and metrics (md_model_stats,
- * md_models_write_metrics) only read a loaded md_model and can move to
- * files of their own behind a private header for the struct.
+ * batcher.c - a loaded model version's request queues and the workers that
+ * batch them into forwards, the packed copies' pool they forward on, and
+ * the shaping and preprocessing of what is submitted. The version's struct
+ * is model_impl.h's; its load, accessors, stats and metrics are model.c's.
  *
  * DESIGN
  * One mutex guards two FIFO queues per version, online requests and batch
@@ -80,109 +75,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "predictor.h"
-#include "torch_backend.h"
-
-#define ALIVE_AFTER_S 0.002 /* check that the client is still there past this wait */
-
-typedef struct item {
-    md_tensor in;              /* [rows, row shape...], preprocessed */
-    int64_t rows;
-    int64_t row_size;          /* floats per input row: in.count / rows */
-    int64_t taken;             /* rows handed to workers (queue lock) */
-    atomic_llong done;         /* rows computed */
-    float *out;                /* allocated by the first finished piece (queue lock) */
-    int64_t out_row;           /* floats per output row */
-    int out_ndim;
-    int64_t out_shape[MD_MAX_DIMS];
-    atomic_int failed;
-    md_err err;
-    int unshaped;              /* an online request queued before the row shape was known:
-                                * its rows are as its body had them (explain_rows) */
-    double enqueued, deadline; /* monotonic seconds */
-    md_predict_cb cb;
-    md_alive_fn alive;
-    void *ctx;
-    struct item *next;
-} item;
-
-typedef struct queue {
-    item *head, *tail;
-    int64_t rows;
-    int count;
-} queue;
-
-struct md_model {
-    char name[72];
-    atomic_int version;        /* set again after the load (md_model_set_version) */
-    md_torch_model *torch;
-    /* config. The row shape is declared (config.input.shape, set at load) or
-     * learned by the first successful forward (written once, under mu, by a
-     * worker). Readers outside mu read it only after an acquire load of
-     * shape_known returned 1; it never changes after that. */
-    atomic_int shape_known;
-    int row_ndim;
-    int64_t row_shape[MD_MAX_DIMS];
-    int64_t row_size;          /* floats per input row */
-    double scale;
-    int n_norm;
-    float *mean, *std;
-    int64_t norm_inner;        /* floats per channel within a row */
-    int logits;
-    json_t *labels;
-    json_t *classes_cfg;       /* config's output, threshold, multi_label (md_model_classes) */
-    int max_batch, max_delay_us, queue_limit, timeout_ms, workers, job_nice;
-    int coalesce_us;           /* see wake_online */
-    size_t prepack_max;        /* all packed copies together; 0: workers forward on torch */
-    atomic_int prepack_logged; /* make_replica's refusal or size bound is logged once */
-    atomic_int fallback_logged; /* forward's fallback to torch is logged once */
-    atomic_int prepacked;      /* packed copies alive (stats: a copy of pool_made) */
-    /* The packed copies, shared by every worker (see "one copy of the
-     * weights"): a forward takes a free one or forwards on `torch` */
-    pthread_mutex_t pool_mu;
-    pthread_cond_t pool_cv;    /* a copy was made (pool_making went down) */
-    md_torch_model **pool_free; /* pool_nfree of them, each unused */
-    int pool_nfree;
-    int pool_made;             /* copies alive, free or in a forward */
-    int pool_making;           /* copies being made now */
-    int pool_max;              /* the most copies: cores, workers, prepack_max / one copy */
-    atomic_llong packed_bytes; /* one copy's packed weights (0 before the first) */
-    md_image_opts image; /* preprocess.image, when has_image */
-    int has_image;
-    /* queues */
-    pthread_mutex_t mu;
-    pthread_cond_t cv[2];      /* per queue: its pool of workers waits on it */
-    queue q[2];
-    int stopping;
-    int live_workers;
-    /* online pool, under mu (see wake_online) */
-    int busy;                  /* workers that took rows and have not come back */
-    int idle;                  /* workers waiting for rows */
-    int wakes;                 /* signals sent that no waiter has consumed yet */
-    int64_t busy_rows;         /* rows the busy workers are computing */
-    double fwd_avg_s;          /* a worker's time per batch (forward and answers), moving
-                                * average; INFINITY until one is measured */
-    atomic_int refs;
-    /* stats */
-    atomic_llong n_batches, n_rows, n_requests, n_timeouts, n_rejected, n_dropped;
-    atomic_llong wait_us_total;
-    atomic_llong batch_hist[8]; /* batch rows <=1, 2, 4, 8, 16, 32, 64, more */
-    /* GET /metrics (md_models_write_metrics): read without the lock */
-    atomic_llong n_failed;     /* requests answered with a failed forward */
-    atomic_int depth[2];       /* requests queued, per pool (a copy of q[i].count) */
-    md_hist rows_hist;         /* rows per forward */
-    md_hist wait_hist;         /* online queue wait, seconds */
-    md_hist forward_hist;      /* forward time, seconds */
-    double load_s;             /* how long the load and test forward took */
-    atomic_llong resident_bytes; /* md_model_resident_bytes: set at load */
-};
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
+#include "model_impl.h"
 
 static struct timespec abs_time(double mono_s)
 {
@@ -190,49 +83,6 @@ static struct timespec abs_time(double mono_s)
     ts.tv_sec = (time_t)mono_s;
     ts.tv_nsec = (long)((mono_s - (double)ts.tv_sec) * 1e9);
     return ts;
-}
-
-static int cfg_int(json_t *o, const char *k, int def)
-{
-    json_t *v = json_object_get(o, k);
-    return json_is_integer(v) ? (int)json_integer_value(v) : def;
-}
-
-static md_dtype parse_dtype(const char *t)
-{
-    if (!t)
-        return MD_F32;
-    if (!strcmp(t, "float64"))
-        return MD_F64;
-    if (!strcmp(t, "int64"))
-        return MD_I64;
-    if (!strcmp(t, "uint8"))
-        return MD_U8;
-    return MD_F32;
-}
-
-static void model_free(md_model *m)
-{
-    /* the last worker is gone: every packed copy is back in the pool */
-    for (int i = 0; i < m->pool_nfree; i++)
-        md_torch_free(m->pool_free[i]);
-    free(m->pool_free);
-    pthread_mutex_destroy(&m->pool_mu);
-    pthread_cond_destroy(&m->pool_cv);
-    md_torch_free(m->torch);
-    json_decref(m->labels);
-    json_decref(m->classes_cfg);
-    free(m->mean);
-    free(m->std);
-    pthread_mutex_destroy(&m->mu);
-    pthread_cond_destroy(&m->cv[0]);
-    pthread_cond_destroy(&m->cv[1]);
-    free(m);
-    /* give the freed weights' pages back to the system: glibc keeps freed
-     * heap memory (tensors under its mmap threshold, which grows as big
-     * blocks are freed) for reuse, so without this an unloaded version's
-     * memory stays in the RSS (measured: tests/e2e/test_memory.py) */
-    malloc_trim(0);
 }
 
 static void finish_item(md_model *m, item *it)
@@ -252,19 +102,6 @@ typedef struct piece {
     int64_t start, rows;
 } piece;
 
-/* "[a, b, c]" of dims[0..n) into buf. */
-static const char *fmt_dims(char *buf, size_t size, const int64_t *dims, int n)
-{
-    int len = snprintf(buf, size, "[");
-    for (int d = 0; d < n && len > 0 && (size_t)len < size; d++)
-        len += snprintf(buf + len, size - (size_t)len, "%s%lld", d ? ", " : "",
-                        (long long)dims[d]);
-    if (len > 0 && (size_t)len < size)
-        snprintf(buf + len, size - (size_t)len, "]");
-    return buf;
-}
-
-/* 1 when two queued items have the same row shape, so one forward can take both. */
 static int same_row_shape(const item *a, const item *b)
 {
     return a->in.ndim == b->in.ndim &&
@@ -319,8 +156,8 @@ static int claim_output(md_model *m, item *it, int64_t out_row, const int64_t *o
                     "model %s returned rows of shape %s for one part of a split request and %s "
                     "for another; its output per row must not depend on the batch (requests "
                     "over batching.max_batch_size = %d rows are split), or send at most %d rows",
-                    m->name, fmt_dims(a, sizeof a, it->out_shape + 1, it->out_ndim - 1),
-                    fmt_dims(b, sizeof b, out_shape + 1, out_ndim - 1), m->max_batch,
+                    m->name, md_fmt_dims(a, sizeof a, it->out_shape + 1, it->out_ndim - 1),
+                    md_fmt_dims(b, sizeof b, out_shape + 1, out_ndim - 1), m->max_batch,
                     m->max_batch);
         fail_item(it, &e);
         return 0;
@@ -424,7 +261,7 @@ static const md_err *explain_rows(const md_model *m, const item *it, const md_er
                  (long long)in->shape[1], in->shape[1] == 1 ? "" : "s");
     else
         snprintf(read, sizeof read, "%lld row%s of shape %s", rows, rows == 1 ? "" : "s",
-                 fmt_dims(dims, sizeof dims, in->shape + 1, in->ndim - 1));
+                 md_fmt_dims(dims, sizeof dims, in->shape + 1, in->ndim - 1));
     if (rows > 1 && in->ndim < MD_MAX_DIMS) {
         /* the whole array as one input; a 2-D one as one channel (C, H, W
          * with C = 1, as ToTensor gives a grayscale image), which one_row
@@ -438,7 +275,7 @@ static const md_err *explain_rows(const md_model *m, const item *it, const md_er
         snprintf(hint, sizeof hint,
                  " If the body is one input, not %lld rows, declare its shape when deploying: "
                  "-F 'config={\"input\": {\"shape\": %s}}'.",
-                 rows, fmt_dims(dims, sizeof dims, one, nd));
+                 rows, md_fmt_dims(dims, sizeof dims, one, nd));
     }
     md_err_setc(buf, ferr->status, md_err_code(ferr),
                 "modeld read the body as %s, as model %s version %d declares no input.shape.%s "
@@ -582,7 +419,7 @@ static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t live_cv = PTHREAD_COND_INITIALIZER;
 static int live_threads;
 
-static void live_add(int n)
+void md_batcher_live_add(int n)
 {
     pthread_mutex_lock(&live_mu);
     live_threads += n;
@@ -626,7 +463,7 @@ int md_models_wait_stopped(double timeout_s)
 /* The most gather buffer a worker keeps between batches (worker_loop). */
 #define MAX_KEPT_GATHER_BYTES (256 << 10)
 
-static int cores(void)
+int md_batcher_cores(void)
 {
     /* test-only: the unit tests' pools must not depend on the machine */
     const char *t = getenv("MD_TEST_CORES");
@@ -825,8 +662,8 @@ static void worker_loop(md_model *m, int qi)
             int last = --m->live_workers == 0;
             pthread_mutex_unlock(&m->mu);
             if (last)
-                model_free(m);
-            live_add(-1);
+                md_model_destroy(m);
+            md_batcher_live_add(-1);
             return;
         }
         if (m->max_delay_us > 0 && qi == 0) {
@@ -943,7 +780,7 @@ int md_model_max_batch(const md_model *m)
 }
 
 /* Online workers: "md-<model>" in top, perf and gdb (15 characters at most). */
-static void *online_main(void *arg)
+void *md_batcher_online_main(void *arg)
 {
     md_model *m = arg;
     char tname[16];
@@ -961,7 +798,7 @@ static void *online_main(void *arg)
  * Measured under a saturating 1-row load during a 60k-row job: nice 0 added
  * ~4 ms to the p99, nice 10 ~2 ms, nice 19 under 1 ms (the job then runs on
  * what the online load leaves). */
-static void *job_main(void *arg)
+void *md_batcher_job_main(void *arg)
 {
     md_model *m = arg;
     char tname[16];
@@ -975,403 +812,6 @@ static void *job_main(void *arg)
     md_torch_set_thread_background(1);
     worker_loop(m, 1);
     return NULL;
-}
-
-md_status md_model_load(const char *name, int version, const char *path, json_t *config,
-                        const md_model_defaults *def, md_model **out, md_err *err)
-{
-    return md_model_load_weights(name, version, path, NULL, NULL, config, def, out, err);
-}
-
-md_status md_model_load_weights(const char *name, int version, const char *path,
-                                const char *weights_path, const char *weights_format,
-                                json_t *config, const md_model_defaults *def, md_model **out,
-                                md_err *err)
-{
-    *out = NULL;
-    md_status st = md_model_config_check(config, err);
-    if (st != MD_OK)
-        return st;
-    double load_t0 = now_s();
-    md_model *m = md_xcalloc(1, sizeof *m);
-    m->fwd_avg_s = INFINITY; /* no coalescing before a forward was timed */
-    snprintf(m->name, sizeof m->name, "%s", name);
-    m->version = version;
-    md_hist_init(&m->rows_hist, md_rows_bounds, md_rows_nbounds);
-    md_hist_init(&m->wait_hist, md_latency_bounds, md_latency_nbounds);
-    md_hist_init(&m->forward_hist, md_latency_bounds, md_latency_nbounds);
-    pthread_mutex_init(&m->mu, NULL);
-    pthread_mutex_init(&m->pool_mu, NULL);
-    pthread_cond_init(&m->pool_cv, NULL);
-    pthread_cond_init(&m->cv[0], NULL);
-    pthread_cond_init(&m->cv[1], NULL);
-    atomic_store(&m->refs, 1);
-    json_t *input = json_object_get(config, "input");
-    json_t *shape = json_object_get(input, "shape");
-    for (size_t i = 0; i < json_array_size(shape) && i < MD_MAX_DIMS - 1; i++)
-        m->row_shape[m->row_ndim++] = json_integer_value(json_array_get(shape, i));
-    /* md_model_config_check bounded the product; checked again because the
-     * zero row of the test forward is allocated from it */
-    if (md_shape_product(m->row_shape, m->row_ndim, &m->row_size) != 0 ||
-        m->row_size > MD_MAX_ROW_VALUES) {
-        model_free(m);
-        return md_err_setc(err, MD_EUNPROC, "invalid_config",
-                           "config.input.shape holds more than %lld values per row; give the "
-                           "shape of one row",
-                           (long long)MD_MAX_ROW_VALUES);
-    }
-    atomic_store(&m->shape_known, m->row_ndim > 0);
-    json_t *pre = json_object_get(config, "preprocess");
-    m->scale = json_is_number(json_object_get(pre, "scale"))
-                   ? json_number_value(json_object_get(pre, "scale"))
-                   : 1.0;
-    json_t *mean = json_object_get(pre, "mean"), *std = json_object_get(pre, "std");
-    if (mean) {
-        m->n_norm = (int)json_array_size(mean);
-        if (m->n_norm > 1 && (m->row_ndim < 2 || m->row_shape[0] != m->n_norm)) {
-            model_free(m);
-            return md_err_setc(err, MD_EUNPROC, "invalid_config",
-                               "config.preprocess.mean has %d channels but input.shape does not "
-                               "start with %d channels (C, H, W)",
-                               m->n_norm, m->n_norm);
-        }
-        m->mean = md_xmalloc(sizeof(float) * (size_t)m->n_norm);
-        m->std = md_xmalloc(sizeof(float) * (size_t)m->n_norm);
-        for (int i = 0; i < m->n_norm; i++) {
-            m->mean[i] = (float)json_number_value(json_array_get(mean, (size_t)i));
-            m->std[i] = (float)json_number_value(json_array_get(std, (size_t)i));
-        }
-        m->norm_inner = m->n_norm > 1 ? m->row_size / m->n_norm : 0;
-    }
-    if ((st = md_image_opts_from_config(config,
-                                        def->max_image_pixels > 0 ? def->max_image_pixels
-                                                                  : MD_IMAGE_MAX_PIXELS_DEFAULT,
-                                        &m->image, &m->has_image, err)) != MD_OK) {
-        model_free(m);
-        return st;
-    }
-    if (def->max_jpeg_scans > 0)
-        m->image.max_scans = def->max_jpeg_scans;
-    const char *output = json_string_value(json_object_get(config, "output"));
-    m->logits = output && strcmp(output, "logits") == 0;
-    /* a private copy: the config belongs to the request that deployed it, and
-     * jansson's reference counts are not safe to share across threads (TSan:
-     * the request freed the config while a worker released its labels) */
-    m->labels = json_deep_copy(json_object_get(config, "labels"));
-    m->classes_cfg = json_object();
-    for (const char **k = (const char *[]){"output", "threshold", "multi_label", NULL}; *k; k++)
-        if (json_object_get(config, *k))
-            json_object_set_new(m->classes_cfg, *k, json_deep_copy(json_object_get(config, *k)));
-    json_t *b = json_object_get(config, "batching");
-    m->max_batch = cfg_int(b, "max_batch_size", def->max_batch_size);
-    m->max_delay_us = cfg_int(b, "max_delay_us", def->max_delay_us);
-    m->coalesce_us = cfg_int(b, "coalesce_us", def->coalesce_us);
-    m->queue_limit = cfg_int(b, "queue_limit", def->queue_limit);
-    m->timeout_ms = cfg_int(b, "timeout_ms", def->timeout_ms);
-    m->workers = cfg_int(config, "workers", def->workers);
-    /* the packed copies' pool (see "one copy of the weights"): no more
-     * copies than forwards can run at once; prepack_max lowers it once the
-     * first copy's size is known */
-    m->pool_max = cores() < 2 * m->workers ? cores() : 2 * m->workers;
-    m->pool_free = md_xmalloc(sizeof(md_torch_model *) * (size_t)m->pool_max);
-    m->job_nice = def->job_nice;
-    json_t *pp = json_object_get(config, "prepack");
-    m->prepack_max = pp && json_is_false(pp) ? 0
-                     : def->prepack_max_bytes > 0 ? (size_t)def->prepack_max_bytes
-                                                  : 0;
-    const char *device = json_string_value(json_object_get(config, "device"));
-
-    md_dtype in_dtype = parse_dtype(json_string_value(json_object_get(input, "dtype")));
-    if (weights_path)
-        st = md_weights_load(path, weights_path, weights_format, device ? device : "cpu",
-                             in_dtype, &m->torch, err);
-    else
-        st = md_torch_load(path, device ? device : "cpu", in_dtype, &m->torch, err);
-    if (st != MD_OK) {
-        model_free(m);
-        return st;
-    }
-    size_t resident = 0;
-    md_err rerr;
-    if (md_torch_resident_bytes(m->torch, &resident, &rerr) != MD_OK) {
-        /* the checkpoint's size is close: its bytes are mostly the weights */
-        struct stat sb;
-        resident = stat(weights_path ? weights_path : path, &sb) == 0 ? (size_t)sb.st_size : 0;
-        md_log(MD_LOG_WARN, "model %s: %s; counting its checkpoint's %zu bytes as resident", name,
-               rerr.msg, resident);
-    }
-    atomic_store(&m->resident_bytes, (long long)resident);
-    if (m->row_ndim > 0) {
-        /* the test forwards: one zero row, then two, of the declared shape.
-         * Requests of different clients share forwards, so a row's answer
-         * must not depend on the batch: an output whose rows change shape
-         * with the batch (x @ x.t()) would hand one client values computed
-         * from another's input. */
-        float *zeros = md_calloc_checked((size_t)m->row_size, 2 * sizeof(float),
-                                         "the test forward's zero rows", err);
-        if (!zeros) {
-            model_free(m);
-            return MD_ENOMEM;
-        }
-        int64_t s[MD_MAX_DIMS + 1] = {1};
-        memcpy(s + 1, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
-        float *o = NULL;
-        int64_t os[MD_MAX_DIMS], os2[MD_MAX_DIMS];
-        int on = 0, on2 = 0;
-        md_err ferr;
-        st = md_torch_forward(m->torch, zeros, s, m->row_ndim + 1, &o, os, &on, &ferr);
-        free(o);
-        o = NULL;
-        if (st == MD_OK) {
-            s[0] = 2;
-            double t0 = now_s();
-            st = md_torch_forward(m->torch, zeros, s, m->row_ndim + 1, &o, os2, &on2, &ferr);
-            /* the first estimate of the batch time wake_online goes by (on
-             * the unpacked module: on the high side, so a slow model spreads
-             * its first requests over the workers; a config-less model has
-             * no test forward and coalesces nothing until its first batch) */
-            m->fwd_avg_s = now_s() - t0;
-            free(o);
-        }
-        free(zeros);
-        if (st == MD_OK) {
-            int same = on == on2 && on >= 1 && os[0] == 1 && os2[0] == 2;
-            for (int d = 1; same && d < on; d++)
-                same = os[d] == os2[d];
-            if (!same) {
-                char a[96], b[96];
-                fmt_dims(a, sizeof a, os, on);
-                fmt_dims(b, sizeof b, os2, on2);
-                md_err_setc(err, MD_EUNPROC, "batch_dependent_output",
-                            "model %s answers a batch of 1 row with shape %s and a batch of 2 "
-                            "with %s; modeld batches the rows of different requests together, "
-                            "so the output must have one row per input row, each computed from "
-                            "that row alone",
-                            name, a, b);
-                model_free(m);
-                return MD_EUNPROC;
-            }
-        }
-        if (st == MD_ENOMEM) { /* short of memory now: not the model's fault */
-            *err = ferr;
-            model_free(m);
-            return MD_ENOMEM;
-        }
-        if (st != MD_OK) {
-            md_err_setc(err, MD_EUNPROC, "model_test_failed",
-                        "the test forward on the declared input shape failed: %s; check "
-                        "config.input.shape",
-                        ferr.msg);
-            model_free(m);
-            return MD_EUNPROC;
-        }
-        md_classes cls = md_classes_from_config(m->classes_cfg, on == 2 ? os[1] : 0);
-        if (m->labels && on == 2 && cls.kind == MD_CLASSES_NONE) {
-            md_err_setc(err, MD_EUNPROC, "invalid_config",
-                        "config.labels names %zu classes, but %s",
-                        json_array_size(m->labels), md_classes_none_reason());
-            model_free(m);
-            return MD_EUNPROC;
-        }
-        if (m->labels && (on != 2 || cls.classes != (int64_t)json_array_size(m->labels))) {
-            if (cls.kind == MD_CLASSES_BINARY)
-                md_err_setc(err, MD_EUNPROC, "invalid_config",
-                            "config.labels has %zu names but the model's one output column is "
-                            "a binary classifier: give two, the class below the threshold "
-                            "first, e.g. [\"benign\", \"malignant\"]",
-                            json_array_size(m->labels));
-            else
-                md_err_setc(err, MD_EUNPROC, "invalid_config",
-                            "config.labels has %zu names but the model outputs %lld values per "
-                            "row",
-                            json_array_size(m->labels), on >= 2 ? (long long)os[1] : 1LL);
-            model_free(m);
-            return MD_EUNPROC;
-        }
-    }
-    m->load_s = now_s() - load_t0;
-    /* `workers` online workers, then as many job workers */
-    int total = 2 * m->workers;
-    m->live_workers = total;
-    live_add(total);
-    for (int i = 0; i < total; i++) {
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&t, &attr, i < m->workers ? online_main : job_main, m);
-        pthread_attr_destroy(&attr);
-        if (rc != 0) {
-            live_add(-(total - i));
-            if (i == 0) {
-                model_free(m);
-            } else {
-                /* the started workers exit at once; the last one frees m */
-                pthread_mutex_lock(&m->mu);
-                m->live_workers -= total - i;
-                m->stopping = 1;
-                pthread_cond_broadcast(&m->cv[0]);
-                pthread_cond_broadcast(&m->cv[1]);
-                pthread_mutex_unlock(&m->mu);
-            }
-            return md_err_set(err, MD_EBUSY, "cannot start %d worker threads for model %s (%s); "
-                              "lower its workers", total, name, strerror(rc));
-        }
-    }
-    *out = m;
-    return MD_OK;
-}
-
-void md_model_retain(md_model *m) { atomic_fetch_add(&m->refs, 1); }
-
-void md_model_release(md_model *m)
-{
-    if (!m || atomic_fetch_sub(&m->refs, 1) != 1)
-        return;
-    pthread_mutex_lock(&m->mu);
-    m->stopping = 1;
-    pthread_cond_broadcast(&m->cv[0]);
-    pthread_cond_broadcast(&m->cv[1]);
-    pthread_mutex_unlock(&m->mu);
-}
-
-const char *md_model_name(const md_model *m) { return m->name; }
-int md_model_version(const md_model *m) { return atomic_load(&((md_model *)m)->version); }
-void md_model_set_version(md_model *m, int version) { atomic_store(&m->version, version); }
-json_t *md_model_labels(const md_model *m) { return m->labels; }
-long long md_model_resident_bytes(const md_model *m)
-{
-    md_model *mm = (md_model *)m;
-    /* its module, and the packed copies it holds now (made after the load,
-     * at most one per core: they count once made) */
-    return atomic_load(&mm->resident_bytes) +
-           (long long)atomic_load(&mm->prepacked) * atomic_load(&mm->packed_bytes);
-}
-int md_model_refs(const md_model *m) { return atomic_load(&((md_model *)m)->refs); }
-int md_model_output_logits(const md_model *m) { return m->logits; }
-md_classes md_model_classes(const md_model *m, int64_t width)
-{
-    return md_classes_from_config(m->classes_cfg, width);
-}
-
-const md_image_opts *md_model_image(const md_model *m)
-{
-    return m->has_image ? &m->image : NULL;
-}
-
-int md_model_input_shape(const md_model *m, int64_t *shape)
-{
-    if (!atomic_load_explicit(&((md_model *)m)->shape_known, memory_order_acquire))
-        return 0;
-    memcpy(shape, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
-    return m->row_ndim;
-}
-
-json_t *md_model_stats(const md_model *m)
-{
-    json_t *hist = json_array();
-    for (int i = 0; i < 8; i++)
-        json_array_append_new(hist, json_integer(atomic_load(&m->batch_hist[i])));
-    md_model *mm = (md_model *)m;
-    pthread_mutex_lock(&mm->mu);
-    int queued = m->q[0].count + m->q[1].count, job_chunks = m->q[1].count, idle = m->idle;
-    pthread_mutex_unlock(&mm->mu);
-    return json_pack("{s:s,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:i,s:o,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
-                     "model", m->name,
-                     "version", md_model_version(m), "batches", (json_int_t)atomic_load(&m->n_batches),
-                     "rows", (json_int_t)atomic_load(&m->n_rows), "requests",
-                     (json_int_t)atomic_load(&m->n_requests), "timeouts",
-                     (json_int_t)atomic_load(&m->n_timeouts), "client_closed",
-                     (json_int_t)atomic_load(&m->n_dropped), "rejected",
-                     (json_int_t)atomic_load(&m->n_rejected), "queue_wait_us_total",
-                     (json_int_t)atomic_load(&m->wait_us_total), "queued", queued,
-                     "queued_job_chunks", job_chunks, "batch_size_histogram", hist, "workers",
-                     m->workers, "job_workers", m->workers, "job_nice", m->job_nice,
-                     "max_batch_size", m->max_batch, "max_delay_us", m->max_delay_us,
-                     "coalesce_us", m->coalesce_us, "idle_workers", idle,
-                     "prepacked_workers", atomic_load(&m->prepacked));
-}
-
-/* The labels of one model version: model="...",version="N". */
-static void model_labels(const md_model *m, char *out, size_t size)
-{
-    char v[16];
-    out[0] = '\0';
-    md_prom_label(out, size, "model", m->name);
-    snprintf(v, sizeof v, "%d", md_model_version(m));
-    md_prom_label(out, size, "version", v);
-}
-
-void md_models_write_metrics(md_model *const *ms, const int *is_default, int n, FILE *f)
-{
-    char l[200], l2[240];
-    md_prom_family(f, "modeld_model_loaded", "gauge",
-                   "Loaded model versions (1 each); default=1 for the version /predict uses.");
-    for (int i = 0; i < n; i++) {
-        model_labels(ms[i], l, sizeof l);
-        snprintf(l2, sizeof l2, "%s,default=\"%d\"", l, is_default[i] ? 1 : 0);
-        md_prom_sample(f, "modeld_model_loaded", l2, 1);
-    }
-    md_prom_family(f, "modeld_model_load_seconds", "gauge",
-                   "Seconds the version's load and test forwards took.");
-    for (int i = 0; i < n; i++) {
-        model_labels(ms[i], l, sizeof l);
-        md_prom_sample(f, "modeld_model_load_seconds", l, ms[i]->load_s);
-    }
-    md_prom_family(f, "modeld_predictions_total", "counter",
-                   "Prediction requests queued (online requests and job chunks).");
-    for (int i = 0; i < n; i++) {
-        model_labels(ms[i], l, sizeof l);
-        md_prom_sample(f, "modeld_predictions_total", l,
-                       (double)atomic_load(&ms[i]->n_requests));
-    }
-    md_prom_family(f, "modeld_rows_total", "counter", "Rows through successful forwards.");
-    for (int i = 0; i < n; i++) {
-        model_labels(ms[i], l, sizeof l);
-        md_prom_sample(f, "modeld_rows_total", l, (double)atomic_load(&ms[i]->n_rows));
-    }
-    md_prom_family(f, "modeld_prediction_errors_total", "counter",
-                   "Requests not answered with a prediction, by kind: rejected (503, queue "
-                   "full), timeout (504), client_closed, forward_failed.");
-    for (int i = 0; i < n; i++) {
-        const struct {
-            const char *kind;
-            long long v;
-        } k[] = {{"rejected", atomic_load(&ms[i]->n_rejected)},
-                 {"timeout", atomic_load(&ms[i]->n_timeouts)},
-                 {"client_closed", atomic_load(&ms[i]->n_dropped)},
-                 {"forward_failed", atomic_load(&ms[i]->n_failed)}};
-        model_labels(ms[i], l, sizeof l);
-        for (size_t j = 0; j < sizeof k / sizeof k[0]; j++) {
-            snprintf(l2, sizeof l2, "%s,kind=\"%s\"", l, k[j].kind);
-            md_prom_sample(f, "modeld_prediction_errors_total", l2, (double)k[j].v);
-        }
-    }
-    md_prom_family(f, "modeld_queue_depth", "gauge",
-                   "Requests waiting for a worker, by pool (online, job).");
-    for (int i = 0; i < n; i++) {
-        model_labels(ms[i], l, sizeof l);
-        snprintf(l2, sizeof l2, "%s,pool=\"online\"", l);
-        md_prom_sample(f, "modeld_queue_depth", l2, atomic_load(&ms[i]->depth[0]));
-        snprintf(l2, sizeof l2, "%s,pool=\"job\"", l);
-        md_prom_sample(f, "modeld_queue_depth", l2, atomic_load(&ms[i]->depth[1]));
-    }
-    md_prom_family(f, "modeld_batch_rows", "histogram", "Rows per forward (batch size).");
-    for (int i = 0; i < n; i++) {
-        model_labels(ms[i], l, sizeof l);
-        md_prom_hist(f, "modeld_batch_rows", l, &ms[i]->rows_hist);
-    }
-    md_prom_family(f, "modeld_queue_wait_seconds", "histogram",
-                   "Time online requests waited in the queue before a worker took them.");
-    for (int i = 0; i < n; i++) {
-        model_labels(ms[i], l, sizeof l);
-        md_prom_hist(f, "modeld_queue_wait_seconds", l, &ms[i]->wait_hist);
-    }
-    md_prom_family(f, "modeld_forward_seconds", "histogram", "Time of each forward.");
-    for (int i = 0; i < n; i++) {
-        model_labels(ms[i], l, sizeof l);
-        md_prom_hist(f, "modeld_forward_seconds", l, &ms[i]->forward_hist);
-    }
 }
 
 static int same_dims(const int64_t *a, int na, const int64_t *b, int nb)
@@ -1425,12 +865,12 @@ static md_status shape_input(md_model *m, md_tensor *in, int online, md_err *err
         return MD_OK;
     }
     char want[128], bare[160] = "";
-    fmt_dims(want, sizeof want, m->row_shape, m->row_ndim);
+    md_fmt_dims(want, sizeof want, m->row_shape, m->row_ndim);
     int lead = leading_ones(m);
     if (online && lead > 0) {
         char dims[128];
         snprintf(bare, sizeof bare, "; one row alone may also be sent as an array of shape %s",
-                 fmt_dims(dims, sizeof dims, m->row_shape + lead, m->row_ndim - lead));
+                 md_fmt_dims(dims, sizeof dims, m->row_shape + lead, m->row_ndim - lead));
     }
     return md_err_setc(err, MD_EINVAL, "wrong_shape",
                        "each row has %lld values but model %s version %d expects rows of shape "
@@ -1492,7 +932,7 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
         md_status bad = md_err_setc(err, MD_EINVAL, "wrong_shape",
                                     "the input's shape %s does not hold its %zu values; send "
                                     "rows with a shape that matches the data",
-                                    fmt_dims(dims, sizeof dims, in->shape,
+                                    md_fmt_dims(dims, sizeof dims, in->shape,
                                              in->ndim < MD_MAX_DIMS ? in->ndim : MD_MAX_DIMS),
                                     in->count);
         md_tensor_free(in);

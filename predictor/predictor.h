@@ -56,7 +56,7 @@ typedef struct md_tensor md_tensor;
  * allowed when a key is unknown or a value is wrong. NULL is a valid {}. */
 md_status md_model_config_check(json_t *config, md_err *err);
 
-/* ---- loaded model versions and their batchers (batcher.c) ---- */
+/* ---- loaded model versions (model.c) and their batchers (batcher.c) ---- */
 
 typedef struct md_model md_model;
 
@@ -132,6 +132,10 @@ int md_model_output_logits(const md_model *m);
  * registry's max_loaded_bytes budget counts, so whatever else a version comes
  * to hold for good belongs in it. */
 long long md_model_resident_bytes(const md_model *m);
+/* Its module's parameters and buffers alone: what it holds whatever the
+ * load (the budget refuses a version whose weights alone exceed it; packed
+ * copies are optional). */
+long long md_model_weight_bytes(const md_model *m);
 /* References held now (a snapshot). The registry reads it under its lock,
  * where 1 means only its own: no request or job is using the version. */
 int md_model_refs(const md_model *m);

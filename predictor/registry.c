@@ -368,7 +368,7 @@ void md_registry_unreserve(md_registry *r, long long reserved)
 
 md_status md_registry_admit(md_registry *r, md_model *m, int make_default, md_err *err)
 {
-    long long bytes = md_model_resident_bytes(m);
+    long long bytes = md_model_weight_bytes(m);
     if (r->max_bytes > 0 && bytes > r->max_bytes) {
         md_err_setc(err, MD_ETOOBIG, "model_over_budget",
                     "model %s version %d holds %lld bytes of weights, more than "

@@ -25,7 +25,10 @@ from conftest import REPO, TSCALE
 torch = pytest.importorskip("torch")
 
 WIDTH_IN = 64
-CONFIG = {"input": {"shape": [WIDTH_IN]}}
+# not packed: a version's resident bytes are then its parameters' exactly, so
+# "room for two of three" is arithmetic (packed copies count too when made:
+# test_packed_copies_count_in_resident_bytes)
+CONFIG = {"input": {"shape": [WIDTH_IN]}, "prepack": False}
 ROW = [[0.5] * WIDTH_IN]
 ADMIN = "admin-tok-77777777"
 
@@ -222,6 +225,26 @@ def test_weights_larger_than_the_budget_are_refused_at_deploy(start_server, mode
     assert r.json()["error"]["code"] == "model_over_budget"
     assert "max_loaded_bytes" in r.json()["error"]["message"]
     assert s.get("/models/m").status_code == 404  # nothing stored
+
+
+def test_packed_copies_count_in_resident_bytes(start_server, models):
+    """A packed version holds its parameters and one packed copy of its linear
+    weights per forward that can run at once: resident_bytes (what the budget
+    counts) says so as the copies are made."""
+    paths, size = models
+    srv = start_server("--workers", "1")
+    with open(paths[0], "rb") as f:
+        r = srv.request("POST", "/models/m/versions", files={"checkpoint": f},
+                        data={"config": json.dumps({"input": {"shape": [WIDTH_IN]}})},
+                        timeout=60 * TSCALE)
+    assert r.status_code == 201, r.text
+    predict(srv)
+    body = srv.get("/models/m/versions/1").json()
+    stats = srv.get("/models/m").json()
+    copies = next(v["prepacked_workers"] for v in stats["loaded"] if v["version"] == 1)
+    assert copies >= 1, stats
+    # the linear weights are all but the biases: each copy adds about `size`
+    assert body["resident_bytes"] >= size + copies * (size * 9 // 10), (body, copies, size)
 
 
 def test_operator_load_and_unload(start_server, models):
