@@ -20,32 +20,13 @@ import numpy as np
 import pytest
 
 from conftest import REPO, TSCALE
+from memwatch import MB, PeakGrowth
 
 IMAGES = REPO / "tests" / "fixtures" / "images"
 FASHION_PT = REPO / "examples" / "fashion_mnist" / "model.pt"
 LABELS = json.loads((REPO / "examples" / "fashion_mnist" / "model.json").read_text())["labels"]
 IMAGE_CONFIG = {"input": {"shape": [1, 28, 28], "dtype": "float32"},
                 "preprocess": {"image": {"mode": "L"}}, "output": "logits", "labels": LABELS}
-MB = 1 << 20
-
-
-def proc_status(pid, key):
-    """A /proc/PID/status value in bytes (VmHWM, VmRSS)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"/proc/{pid}/status has no {key}")
-
-
-def reset_peak(pid):
-    """Set VmHWM back to the current RSS ("5" to clear_refs, Linux >= 4.0)."""
-    try:
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
-    except OSError as e:
-        pytest.skip(f"cannot reset the peak RSS of pid {pid}: {e}")
-    return proc_status(pid, "VmRSS")
 
 
 def decoded_off_thread(srv):
@@ -104,18 +85,17 @@ def test_png_text_chunks_are_skipped_not_inflated(fimg):
     plain = png(pixels)
     bomb = png(pixels, text_bomb(48, 7_000_000))  # ~336 MB inflated, ~330 KB sent
     assert len(plain) < 8 * 1024 < len(bomb) < 2 * MB
-    pid = fimg.proc.pid
     want = predict(fimg, plain, "image/png")  # warms the model and the decoder up
 
     before_threads = decoded_off_thread(fimg)
     predict(fimg, plain, "image/png")
     assert decoded_off_thread(fimg) == before_threads, "a small PNG left the HTTP thread"
 
-    rss = reset_peak(pid)
-    got = predict(fimg, bomb, "image/png")
-    grown = proc_status(pid, "VmHWM") - rss
+    with PeakGrowth(fimg.proc.pid) as peak:
+        got = predict(fimg, bomb, "image/png")
     assert got == want
-    assert grown < 100 * MB, f"peak RSS grew {grown / MB:.0f} MB for a {len(bomb)}-byte PNG"
+    assert peak.bytes < 100 * MB, \
+        f"peak RSS grew {peak.bytes / MB:.0f} MB for a {len(bomb)}-byte PNG"
     # decoded on the decode pool, not on the thread that also answers /healthz
     assert decoded_off_thread(fimg) == before_threads + 1
     assert fimg.get("/healthz").status_code == 200
@@ -138,12 +118,11 @@ def test_jpeg_markers_are_skipped_off_the_http_thread(fimg):
     path = sorted((IMAGES / "fashion").rglob("*.png"))[1]
     pixels = np.asarray(Image.open(path).convert("L"), dtype=np.uint8)
     plain, marked = jpeg_with_segments(pixels, 64, 65000)  # ~4 MB of segments
-    pid = fimg.proc.pid
     want = predict(fimg, plain, "image/jpeg")
     before_threads = decoded_off_thread(fimg)
-    rss = reset_peak(pid)
-    got = predict(fimg, marked, "image/jpeg")
-    grown = proc_status(pid, "VmHWM") - rss
+    with PeakGrowth(fimg.proc.pid) as peak:
+        got = predict(fimg, marked, "image/jpeg")
     assert got == want
-    assert grown < 100 * MB, f"peak RSS grew {grown / MB:.0f} MB for a {len(marked)}-byte JPEG"
+    assert peak.bytes < 100 * MB, \
+        f"peak RSS grew {peak.bytes / MB:.0f} MB for a {len(marked)}-byte JPEG"
     assert decoded_off_thread(fimg) == before_threads + 1
