@@ -124,6 +124,9 @@ typedef struct unpickler {
     value **memo;
     size_t memo_cap, memo_count; /* slots allocated, slots filled (MEMOIZE's next index) */
     long long tensors;
+    md_ckpt_tensor_fn each; /* md_ckpt_unpickle_each: tensors go here, not into a list */
+    void *each_ctx;
+    int each_data;
 } unpickler;
 
 static value none_value = {.kind = V_NONE};
@@ -936,6 +939,30 @@ static md_status materialize(unpickler *u, const char *name, value *t, md_tensor
     return st;
 }
 
+/* md_ckpt_unpickle_each: tensor `t` to the caller's function, copied out
+ * alone (a list of one, freed after the call) or without its data. */
+static md_status visit(unpickler *u, const char *name, value *t)
+{
+    md_ckpt_dtype dtype = t->u.tensor.storage->u.storage.dtype;
+    if (!u->each_data) {
+        size_t numel = 1, bytes;
+        for (int d = 0; d < t->u.tensor.ndim; d++)
+            if (__builtin_mul_overflow(numel, (size_t)t->u.tensor.size[d], &numel))
+                return fail(u, "tensor \"%.200s\" has too many elements", name);
+        if (__builtin_mul_overflow(numel, md_ckpt_dtype_size(dtype), &bytes))
+            return fail(u, "tensor \"%.200s\" has too many elements", name);
+        return u->each(u->each_ctx, name, dtype, t->u.tensor.ndim, t->u.tensor.size, NULL,
+                       bytes, u->err);
+    }
+    md_tensors *one = md_tensors_new();
+    md_status st = materialize(u, name, t, one);
+    if (st == MD_OK)
+        st = u->each(u->each_ctx, name, dtype, md_tensors_ndim(one, 0), md_tensors_shape(one, 0),
+                     md_tensors_data(one, 0), md_tensors_nbytes(one, 0), u->err);
+    md_tensors_free(one);
+    return st;
+}
+
 /* The value of a one-element tensor (`"loss": loss.detach()` is common). */
 static double tensor_number(value *t)
 {
@@ -1028,15 +1055,18 @@ static md_status extract(unpickler *u, value *root, md_tensors *out)
                                            "under \"model\", \"state_dict\" or "
                                            "\"model_state_dict\"" : "");
         }
-        md_status st = materialize(u, k->u.str.s, v, out);
+        md_status st = u->each ? visit(u, k->u.str.s, v) : materialize(u, k->u.str.s, v, out);
         if (st != MD_OK)
             return st;
     }
     return MD_OK;
 }
 
-md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn record, void *ctx,
-                           const char *what, md_tensors **out, md_err *err)
+/* md_ckpt_unpickle, or with `each` md_ckpt_unpickle_each (the list that
+ * *out receives then holds only the top-level numbers). */
+static md_status unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn record, void *ctx,
+                          const char *what, md_ckpt_tensor_fn each, void *each_ctx,
+                          int each_data, md_tensors **out, md_err *err)
 {
     *out = NULL;
     md_err local;
@@ -1044,7 +1074,8 @@ md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn rec
         err = &local;
     md_err_clear(err);
     unpickler u = {.p = pkl, .len = len, .what = what ? what : "the checkpoint",
-                   .record = record, .ctx = ctx, .err = err};
+                   .record = record, .ctx = ctx, .err = err, .each = each,
+                   .each_ctx = each_ctx, .each_data = each_data};
     value *root = NULL;
     md_status st = MD_OK;
     if (len >= 14 && md_ckpt_sniff(pkl, len) == MD_CKPT_LEGACY)
@@ -1070,4 +1101,20 @@ md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn rec
     }
     *out = t;
     return MD_OK;
+}
+
+md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn record, void *ctx,
+                           const char *what, md_tensors **out, md_err *err)
+{
+    return unpickle(pkl, len, record, ctx, what, NULL, NULL, 0, out, err);
+}
+
+md_status md_ckpt_unpickle_each(const uint8_t *pkl, size_t len, md_ckpt_record_fn record,
+                                void *ctx, const char *what, int with_data, md_ckpt_tensor_fn fn,
+                                void *fn_ctx, md_err *err)
+{
+    md_tensors *numbers = NULL;
+    md_status st = unpickle(pkl, len, record, ctx, what, fn, fn_ctx, with_data, &numbers, err);
+    md_tensors_free(numbers);
+    return st;
 }
