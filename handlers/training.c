@@ -84,7 +84,7 @@ static md_status arch_answer(const char *name, const char *sha, const char *path
                              md_err *err)
 {
     json_t *table = NULL;
-    md_status st = md_weights_table(path, &table, err);
+    md_status st = md_weights_table(path, sha, &table, err);
     if (st != MD_OK)
         return st;
     json_object_set_new(table, "model", json_string(name));
@@ -181,7 +181,7 @@ md_status md_version_weights(md_app *app, json_t *v, md_tensors **out, md_err *e
     if (arch)
         md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
     return md_weights_effective(path, format ? format : MD_FORMAT_TORCHSCRIPT,
-                                arch ? arch_path : NULL, out, err);
+                                arch ? arch_path : NULL, arch, out, err);
 }
 
 static void export_deferred(md_req *req)

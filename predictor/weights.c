@@ -13,6 +13,7 @@
  * loads back with load_state_dict(strict=True).
  */
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -110,37 +111,164 @@ md_status md_weights_load(const char *arch_path, const char *weights_path, const
     return st;
 }
 
-md_status md_weights_table(const char *arch_path, json_t **out, md_err *err)
+/*
+ * ---- the architectures' tables, cached ----
+ * An architecture's table (names, dtypes, shapes, in state_dict order) costs a
+ * libtorch load of its archive. Even onto the meta device (each record read,
+ * then dropped) that load can leave glibc's heap grown by about the archive's
+ * size: every record is read into a 64-byte-aligned buffer between small
+ * allocations that last, so the freed buffers do not fit the next one
+ * (measured: 21 to 129 MB from one run to the next for a 128 MB archive of
+ * 4 MB tensors; 9 MB every time with a fixed mmap threshold). Archives are content-addressed and never change, so each table
+ * is read once per process (at PUT, or on first use) and kept, the last
+ * ARCH_TABLES of them; an export or an average of a state_dict version then
+ * loads nothing of the architecture.
+ */
+#define ARCH_TABLES 32
+
+typedef struct arch_table {
+    char *sha256;               /* the key: the archive's content */
+    size_t n;
+    md_torch_named_tensor *ent; /* names and shapes owned here, data NULL */
+    unsigned char *is_buffer;
+    int refs;                   /* under tables_mu; the cache holds one */
+    unsigned long used;         /* last use, for eviction */
+} arch_table;
+
+static pthread_mutex_t tables_mu = PTHREAD_MUTEX_INITIALIZER;
+static arch_table *tables[ARCH_TABLES];
+static unsigned long tables_clock;
+
+static void table_free(arch_table *t)
+{
+    if (!t)
+        return;
+    for (size_t j = 0; j < t->n; j++) {
+        free((char *)t->ent[j].name);
+        free((int64_t *)t->ent[j].shape);
+    }
+    free(t->ent);
+    free(t->is_buffer);
+    free(t->sha256);
+    free(t);
+}
+
+/* A new table (refs 1) from the archive at `path`. */
+static md_status table_read(const char *path, arch_table **out, md_err *err)
 {
     *out = NULL;
     md_torch_state *s = NULL;
-    md_status st = md_torch_state_read(arch_path, &s, err);
+    md_status st = md_torch_state_read_shapes(path, &s, err);
+    if (st != MD_OK)
+        return st;
+    arch_table *t = md_xcalloc(1, sizeof *t);
+    t->n = md_torch_state_count(s);
+    t->refs = 1;
+    t->ent = md_xcalloc(t->n ? t->n : 1, sizeof *t->ent);
+    t->is_buffer = md_xcalloc(t->n ? t->n : 1, 1);
+    for (size_t j = 0; j < t->n; j++) {
+        md_torch_named_tensor a;
+        int is_buffer = 0;
+        md_torch_state_get(s, j, &a, &is_buffer);
+        int64_t *shape = md_xcalloc(a.ndim > 0 ? (size_t)a.ndim : 1, sizeof *shape);
+        if (a.ndim > 0)
+            memcpy(shape, a.shape, sizeof *shape * (size_t)a.ndim);
+        t->ent[j] = (md_torch_named_tensor){md_xstrdup(a.name), a.dtype, a.ndim, shape, NULL};
+        t->is_buffer[j] = (unsigned char)is_buffer;
+    }
+    md_torch_state_free(s);
+    *out = t;
+    return MD_OK;
+}
+
+/* The table of the archive at `path` whose content is `sha256` (NULL: not
+ * cached), a reference the caller gives back with table_put. Thread-safe. */
+static md_status table_get(const char *path, const char *sha256, arch_table **out, md_err *err)
+{
+    if (!sha256 || !*sha256)
+        return table_read(path, out, err);
+    pthread_mutex_lock(&tables_mu);
+    for (int i = 0; i < ARCH_TABLES; i++)
+        if (tables[i] && strcmp(tables[i]->sha256, sha256) == 0) {
+            tables[i]->refs++;
+            tables[i]->used = ++tables_clock;
+            *out = tables[i];
+            pthread_mutex_unlock(&tables_mu);
+            return MD_OK;
+        }
+    pthread_mutex_unlock(&tables_mu);
+    arch_table *t = NULL;
+    md_status st = table_read(path, &t, err); /* outside the lock: it takes a while */
+    if (st != MD_OK)
+        return st;
+    pthread_mutex_lock(&tables_mu);
+    int slot = -1, dup = 0; /* an empty slot, else the least recently used */
+    for (int i = 0; i < ARCH_TABLES && !dup; i++) {
+        if (!tables[i]) {
+            if (slot < 0 || tables[slot])
+                slot = i;
+        } else if (strcmp(tables[i]->sha256, sha256) == 0) {
+            dup = 1; /* another caller read it meanwhile: this copy is the caller's alone */
+        } else if (slot < 0 || (tables[slot] && tables[i]->used < tables[slot]->used)) {
+            slot = i;
+        }
+    }
+    if (!dup) {
+        t->sha256 = md_xstrdup(sha256);
+        arch_table *old = tables[slot];
+        if (old && --old->refs == 0)
+            table_free(old);
+        t->refs++; /* the cache's */
+        t->used = ++tables_clock;
+        tables[slot] = t;
+    }
+    pthread_mutex_unlock(&tables_mu);
+    *out = t;
+    return MD_OK;
+}
+
+static void table_put(arch_table *t)
+{
+    if (!t)
+        return;
+    pthread_mutex_lock(&tables_mu);
+    int last = --t->refs == 0;
+    pthread_mutex_unlock(&tables_mu);
+    if (last)
+        table_free(t);
+}
+
+md_status md_weights_table(const char *arch_path, const char *arch_sha256, json_t **out,
+                           md_err *err)
+{
+    *out = NULL;
+    arch_table *s = NULL;
+    md_status st = table_get(arch_path, arch_sha256, &s, err);
     if (st != MD_OK)
         return st;
     json_t *params = json_array();
     long long numel_total = 0;
-    for (size_t i = 0; i < md_torch_state_count(s); i++) {
-        md_torch_named_tensor t;
-        int is_buffer = 0;
-        md_torch_state_get(s, i, &t, &is_buffer);
+    for (size_t i = 0; i < s->n; i++) {
+        const md_torch_named_tensor *t = &s->ent[i];
         json_t *shape = json_array();
-        for (int d = 0; d < t.ndim; d++)
-            json_array_append_new(shape, json_integer(t.shape[d]));
+        for (int d = 0; d < t->ndim; d++)
+            json_array_append_new(shape, json_integer(t->shape[d]));
         int64_t numel = 0;
-        if (md_shape_product(t.shape, t.ndim, &numel) != 0 ||
+        if (md_shape_product(t->shape, t->ndim, &numel) != 0 ||
             __builtin_add_overflow(numel_total, (long long)numel, &numel_total)) {
             json_decref(shape);
             json_decref(params);
-            md_torch_state_free(s);
-            return md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
-                               "the architecture's tensor \"%.200s\" has an invalid shape",
-                               t.name);
+            st = md_err_setc(err, MD_EUNPROC, "invalid_checkpoint",
+                             "the architecture's tensor \"%.200s\" has an invalid shape",
+                             t->name);
+            table_put(s);
+            return st;
         }
-        json_array_append_new(params, json_pack("{s:s,s:o,s:s,s:s}", "name", t.name, "shape",
-                                                shape, "dtype", md_ckpt_dtype_name(t.dtype),
-                                                "kind", is_buffer ? "buffer" : "parameter"));
+        json_array_append_new(params, json_pack("{s:s,s:o,s:s,s:s}", "name", t->name, "shape",
+                                                shape, "dtype", md_ckpt_dtype_name(t->dtype),
+                                                "kind", s->is_buffer[i] ? "buffer" : "parameter"));
     }
-    md_torch_state_free(s);
+    table_put(s);
     *out = json_pack("{s:o,s:I,s:I}", "parameters", params, "count",
                      (json_int_t)json_array_size(params), "numel", (json_int_t)numel_total);
     return MD_OK;
@@ -183,7 +311,7 @@ static long find_name(const md_tensors *file, const char *name, int prefixed)
 }
 
 md_status md_weights_effective(const char *path, const char *format, const char *arch_path,
-                               md_tensors **out, md_err *err)
+                               const char *arch_sha256, md_tensors **out, md_err *err)
 {
     *out = NULL;
     md_torch_state *s = NULL;
@@ -201,7 +329,8 @@ md_status md_weights_effective(const char *path, const char *format, const char 
     md_tensors *file = NULL;
     if ((st = md_weights_read(path, format, &file, err)) != MD_OK)
         return st;
-    if ((st = md_torch_state_read(arch_path, &s, err)) != MD_OK) {
+    arch_table *arch = NULL;
+    if ((st = table_get(arch_path, arch_sha256, &arch, err)) != MD_OK) {
         md_tensors_free(file);
         return st;
     }
@@ -212,17 +341,15 @@ md_status md_weights_effective(const char *path, const char *format, const char 
     int all_prefixed = n > 0;
     for (size_t i = 0; i < n && all_prefixed; i++)
         all_prefixed = strncmp(md_tensors_name(file, i), "module.", 7) == 0;
-    for (size_t j = 0; j < md_torch_state_count(s); j++) {
-        md_torch_named_tensor a;
-        md_torch_state_get(s, j, &a, NULL);
+    for (size_t j = 0; j < arch->n; j++) {
+        md_torch_named_tensor a = arch->ent[j];
         raw_hits += find_name(file, a.name, 0) >= 0;
         stripped_hits += all_prefixed && find_name(file, a.name, 1) >= 0;
     }
     int strip = all_prefixed && stripped_hits > raw_hits;
     md_tensors *t = md_tensors_new();
-    for (size_t j = 0; j < md_torch_state_count(s) && st == MD_OK; j++) {
-        md_torch_named_tensor a;
-        md_torch_state_get(s, j, &a, NULL);
+    for (size_t j = 0; j < arch->n && st == MD_OK; j++) {
+        md_torch_named_tensor a = arch->ent[j];
         long k = find_name(file, a.name, strip);
         int64_t numel = 0;
         if (k < 0 || md_tensors_ndim(file, (size_t)k) != a.ndim ||
@@ -248,7 +375,7 @@ md_status md_weights_effective(const char *path, const char *format, const char 
         }
         st = md_tensors_adopt(t, a.name, a.dtype, a.ndim, a.shape, data, nbytes, err);
     }
-    md_torch_state_free(s);
+    table_put(arch);
     md_tensors_free(file);
     if (st != MD_OK) {
         md_tensors_free(t);

@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include "../checkpoint/formats.h"
+#include "../predictor/predictor.h"
 #include "../predictor/torch_backend.h"
 #include "test_util.h"
 
@@ -1069,6 +1070,34 @@ static void test_safetensors_header_alone(void **state)
     md_tensors_free(t);
 }
 
+/* The table read onto the meta device is md_torch_state_read's, without data. */
+static void test_architecture_shapes_only(void **state)
+{
+    (void)state;
+    md_torch_state *full, *shapes;
+    md_err err;
+    assert_int_equal(md_torch_state_read(CKPT "bn_arch.pt", &full, &err), MD_OK);
+    assert_int_equal(md_torch_state_read_shapes(CKPT "bn_arch.pt", &shapes, &err), MD_OK);
+    assert_int_equal(md_torch_state_count(shapes), md_torch_state_count(full));
+    for (size_t i = 0; i < md_torch_state_count(full); i++) {
+        md_torch_named_tensor a, b;
+        int ba = -1, bb = -1;
+        md_torch_state_get(full, i, &a, &ba);
+        md_torch_state_get(shapes, i, &b, &bb);
+        assert_string_equal(a.name, b.name);
+        assert_int_equal(a.dtype, b.dtype);
+        assert_int_equal(a.ndim, b.ndim);
+        assert_memory_equal(a.shape, b.shape, sizeof(int64_t) * (size_t)a.ndim);
+        assert_int_equal(ba, bb);
+        assert_non_null(a.data);
+        assert_null(b.data);
+    }
+    md_torch_state_free(full);
+    md_torch_state_free(shapes);
+    assert_int_equal(md_torch_state_read_shapes(CKPT "mlp_sd.pt", &shapes, &err), MD_EUNPROC);
+    assert_null(shapes);
+}
+
 
 int main(void)
 {
@@ -1094,6 +1123,7 @@ int main(void)
         cmocka_unit_test(test_zip_records),
         cmocka_unit_test(test_tensor_by_tensor_readers),
         cmocka_unit_test(test_safetensors_header_alone),
+        cmocka_unit_test(test_architecture_shapes_only),
     };
     return cmocka_run_group_tests(tests, load_expected, free_expected);
 }
