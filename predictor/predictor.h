@@ -266,6 +266,20 @@ md_status md_weights_effective(const char *path, const char *format, const char 
                                const char *arch_sha256, md_tensors **out, md_err *err);
 
 /*
+ * The same weights written to `fd` as a safetensors file with the metadata
+ * of `meta` (may be NULL), piece by piece: the header from the
+ * architecture's table (read without its data), then each tensor at its
+ * offset as the version's file yields it (pwrite from offset 0; *size is the
+ * file's length). Memory holds about one tensor of the file and its
+ * converted copy, never the model, except for a TorchScript version, whose
+ * module is loaded whole (the weights are its own). The errors of
+ * md_weights_effective, plus MD_EIO when `fd` cannot be written. Thread-safe.
+ */
+md_status md_weights_export(const char *path, const char *format, const char *arch_path,
+                            const char *arch_sha256, const md_tensors *meta, int fd,
+                            uint64_t *size, md_err *err);
+
+/*
  * A weighted mean built one source at a time, so that averaging n versions
  * holds one source's weights plus the sums (a double per floating element),
  * never all n: md_weights_avg_add each source with its weight `w` (used as

@@ -1098,6 +1098,62 @@ static void test_architecture_shapes_only(void **state)
     assert_null(shapes);
 }
 
+/* The streamed export is, byte for byte, the safetensors file of
+ * md_weights_effective: names "module."-stripped, f16/bf16/f64 converted, a
+ * TorchScript version's own weights; a mismatch is the same 422. */
+static void test_export_equals_effective_weights(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *path, *format;
+    } cases[] = {
+        {CKPT "mlp_sd.pt", "torch_save"},        {CKPT "mlp_sd_module.pt", "torch_save"},
+        {CKPT "mlp_sd_f16.pt", "torch_save"},    {CKPT "mlp_sd_f64.pt", "torch_save"},
+        {CKPT "mlp_sd_views.pt", "torch_save"},  {CKPT "mlp.safetensors", "safetensors"},
+        {CKPT "mlp_bf16.safetensors", "safetensors"}, {FIX "mlp.pt", "torchscript"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        for (int cached = 0; cached < 2; cached++) {
+            const char *sha = cached ? "mlp_arch" : NULL;
+            md_err err;
+            md_err_clear(&err);
+            md_tensors *eff = NULL;
+            if (md_weights_effective(cases[i].path, cases[i].format, CKPT "mlp_arch.pt", sha,
+                                     &eff, &err) != MD_OK)
+                fail_msg("%s: %s", cases[i].path, err.msg);
+            md_tensors_set_meta(eff, "model", "m");
+            uint8_t *want;
+            size_t want_len;
+            assert_int_equal(md_safetensors_write(eff, &want, &want_len, &err), MD_OK);
+            FILE *f = tmpfile();
+            assert_non_null(f);
+            uint64_t size = 0;
+            if (md_weights_export(cases[i].path, cases[i].format, CKPT "mlp_arch.pt", sha, eff,
+                                  fileno(f), &size, &err) != MD_OK)
+                fail_msg("%s: %s", cases[i].path, err.msg);
+            assert_int_equal(size, want_len);
+            uint8_t *got = malloc(want_len);
+            assert_int_equal(pread(fileno(f), got, want_len, 0), (ssize_t)want_len);
+            assert_memory_equal(got, want, want_len);
+            free(got);
+            free(want);
+            fclose(f);
+            md_tensors_free(eff);
+        }
+    }
+    /* another architecture's weights: the same refusal, nothing else */
+    md_err a, b;
+    md_tensors *eff = NULL;
+    FILE *f = tmpfile();
+    uint64_t size;
+    assert_int_equal(md_weights_effective(CKPT "bn_sd.pt", "torch_save", CKPT "mlp_arch.pt",
+                                          NULL, &eff, &a), MD_EUNPROC);
+    assert_int_equal(md_weights_export(CKPT "bn_sd.pt", "torch_save", CKPT "mlp_arch.pt", NULL,
+                                       NULL, fileno(f), &size, &b), MD_EUNPROC);
+    assert_string_equal(md_err_code(&a), "state_dict_mismatch");
+    assert_string_equal(a.msg, b.msg);
+    fclose(f);
+}
 
 int main(void)
 {
@@ -1124,6 +1180,7 @@ int main(void)
         cmocka_unit_test(test_tensor_by_tensor_readers),
         cmocka_unit_test(test_safetensors_header_alone),
         cmocka_unit_test(test_architecture_shapes_only),
+        cmocka_unit_test(test_export_equals_effective_weights),
     };
     return cmocka_run_group_tests(tests, load_expected, free_expected);
 }
