@@ -162,6 +162,20 @@ md_status md_blobs_check(md_store *s, md_err *err)
 
 /* ---- blobs ---- */
 
+md_status md_store_tmpfile(md_store *s, int *fd, md_err *err)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/tmp/upload-%ld-XXXXXX", s->dir, (long)getpid());
+    *fd = mkostemp(path, O_CLOEXEC);
+    if (*fd < 0)
+        return md_err_set(err, MD_EIO, "store %s: cannot create a temp file in tmp/: %s; check "
+                          "the store's disk and permissions", s->dir, strerror(errno));
+    /* unnamed at once: it goes when the last descriptor closes; a crash in
+     * between leaves an upload- file md_blobs_sweep_tmp removes */
+    unlink(path);
+    return MD_OK;
+}
+
 md_status md_blob_begin(md_store *s, long long max_bytes, md_blob_writer **out, md_err *err)
 {
     *out = NULL;

@@ -105,6 +105,10 @@ md_status md_blob_finish(md_blob_writer *w, const char *expect_sha256, char sha2
 md_status md_blob_link(const md_blob_writer *w, md_blob_writer **out, md_err *err);
 /* Drop an unfinished upload and its temp file. Accepts NULL. */
 void md_blob_abort(md_blob_writer *w);
+/* A new temp file in the store's tmp/ directory, already unlinked: *fd is
+ * the caller's (read-write), and the file's space goes back when it is
+ * closed. MD_EIO naming the store when it cannot be made. Thread-safe. */
+md_status md_store_tmpfile(md_store *store, int *fd, md_err *err);
 
 /* Check that `path` holds a PyTorch archive, TorchScript or torch.save (a
  * zip whose entries sit under one top-level folder with data.pkl). Exposed

@@ -151,6 +151,26 @@ void md_tensors_set_meta(md_tensors *t, const char *key, const char *value);
  * architecture, never when reading: the file's names are reported as-is. */
 const char *md_ckpt_strip_module(const char *name);
 
+/* ---- reading tensor by tensor ---- */
+
+/* What the *_each readers call once a tensor, in file order: `data`
+ * (`nbytes`, contiguous C order, native bytes) is borrowed for the call
+ * only, and NULL when the reader was asked for names and shapes alone
+ * (`with_data` 0). Anything but MD_OK (with `err` set) stops the read with
+ * that status. Unlike the readers into an md_tensors, duplicate names are
+ * not refused here: the callee sees each one. */
+typedef md_status (*md_ckpt_tensor_fn)(void *ctx, const char *name, md_ckpt_dtype dtype,
+                                       int ndim, const int64_t *shape, const void *data,
+                                       size_t nbytes, md_err *err);
+
+/* One tensor of a file written piece by piece (md_safetensors_header). */
+typedef struct md_ckpt_tensor_info {
+    const char *name;
+    md_ckpt_dtype dtype;
+    int ndim;
+    const int64_t *shape;
+} md_ckpt_tensor_info;
+
 /* ---- detecting a file's format ---- */
 
 typedef enum md_ckpt_format {
@@ -230,6 +250,20 @@ md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn rec
  * The archive is checked with md_zip_dir_read before libtorch opens it. */
 md_status md_ckpt_read_torch_zip(const char *path, const md_ckpt_budget *budget,
                                  md_tensors **out, md_err *err);
+/* As md_ckpt_unpickle, but each state_dict tensor goes to `fn` as it is
+ * copied out (at most one in memory), or without its data (`with_data` 0,
+ * nothing copied). Top-level numbers are dropped. Each tensor and their sum
+ * are bounded as md_ckpt_unpickle's with no budget given. */
+md_status md_ckpt_unpickle_each(const uint8_t *pkl, size_t len, md_ckpt_record_fn record,
+                                void *ctx, const char *what, int with_data, md_ckpt_tensor_fn fn,
+                                void *fn_ctx, md_err *err);
+
+/* The same archive's tensors one at a time (md_ckpt_unpickle_each): the
+ * file is mapped, each storage read in place (every data/ record must be
+ * stored, as torch.save writes them) and the mapped pages let go after each
+ * tensor, so memory holds about one tensor, never the archive. */
+md_status md_ckpt_each_torch_zip(const char *path, int with_data, md_ckpt_tensor_fn fn,
+                                 void *ctx, md_err *err);
 
 /* ---- safetensors ---- */
 
@@ -245,6 +279,20 @@ md_status md_safetensors_read_file(const char *path, md_tensors **out, md_err *e
 md_status md_safetensors_write(const md_tensors *t, uint8_t **buf, size_t *len, md_err *err);
 /* The same written to `fd` (all of it, retrying short writes). */
 md_status md_safetensors_write_fd(const md_tensors *t, int fd, md_err *err);
+/* The tensors of the safetensors file at `path` one at a time, in data
+ * order, checked as md_safetensors_read checks them: the file is mapped and
+ * each tensor's pages let go after its call, so memory holds about one
+ * tensor. */
+md_status md_safetensors_each_file(const char *path, int with_data, md_ckpt_tensor_fn fn,
+                                   void *ctx, md_err *err);
+/* The first bytes of a safetensors file holding `count` tensors as `info`
+ * says, in that order and back to back, and the metadata of `meta` (may be
+ * NULL; its tensors are ignored): the 8-byte length and the JSON header,
+ * padded as md_safetensors_write pads it, in a new buffer of *len bytes the
+ * caller frees. Tensor i's data follows at *len plus the bytes of the ones
+ * before it. */
+md_status md_safetensors_header(const md_ckpt_tensor_info *info, size_t count,
+                                const md_tensors *meta, uint8_t **out, size_t *len, md_err *err);
 
 #ifdef __cplusplus
 }

@@ -126,6 +126,9 @@ typedef struct unpickler {
     size_t memo_cap, memo_count; /* slots allocated, slots filled (MEMOIZE's next index) */
     long long tensors;
     const md_ckpt_budget *budget; /* NULL: MD_CKPT_MAX_TOTAL_BYTES */
+    md_ckpt_tensor_fn each; /* md_ckpt_unpickle_each: tensors go here, not into a list */
+    void *each_ctx;
+    int each_data;
 } unpickler;
 
 static value none_value = {.kind = V_NONE};
@@ -954,6 +957,23 @@ static md_status materialize(unpickler *u, const char *name, value *t, size_t by
     return st;
 }
 
+/* md_ckpt_unpickle_each: tensor `t` to the caller's function, copied out
+ * alone (a list of one, freed after the call) or without its data. */
+static md_status visit(unpickler *u, const char *name, value *t, size_t bytes)
+{
+    md_ckpt_dtype dtype = t->u.tensor.storage->u.storage.dtype;
+    if (!u->each_data)
+        return u->each(u->each_ctx, name, dtype, t->u.tensor.ndim, t->u.tensor.size, NULL,
+                       bytes, u->err);
+    md_tensors *one = md_tensors_new();
+    md_status st = materialize(u, name, t, bytes, one);
+    if (st == MD_OK)
+        st = u->each(u->each_ctx, name, dtype, md_tensors_ndim(one, 0), md_tensors_shape(one, 0),
+                     md_tensors_data(one, 0), md_tensors_nbytes(one, 0), u->err);
+    md_tensors_free(one);
+    return st;
+}
+
 /* The value of a one-element tensor (`"loss": loss.detach()` is common). */
 static double tensor_number(value *t)
 {
@@ -1087,16 +1107,19 @@ static md_status extract(unpickler *u, value *root, md_tensors *out)
         unsigned long long bytes;
         if (view_bytes(u, k->u.str.s, v, &bytes) < 0)
             return MD_ETOOBIG;
-        md_status st = materialize(u, k->u.str.s, v, (size_t)bytes, out);
+        md_status st = u->each ? visit(u, k->u.str.s, v, (size_t)bytes)
+                                : materialize(u, k->u.str.s, v, (size_t)bytes, out);
         if (st != MD_OK)
             return st;
     }
     return MD_OK;
 }
 
-md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn record, void *ctx,
-                           const char *what, const md_ckpt_budget *budget, md_tensors **out,
-                           md_err *err)
+/* md_ckpt_unpickle, or with `each` md_ckpt_unpickle_each (the list that
+ * *out receives then holds only the top-level numbers). */
+static md_status unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn record, void *ctx,
+                          const char *what, const md_ckpt_budget *budget, md_ckpt_tensor_fn each,
+                          void *each_ctx, int each_data, md_tensors **out, md_err *err)
 {
     *out = NULL;
     md_err local;
@@ -1104,7 +1127,8 @@ md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn rec
         err = &local;
     md_err_clear(err);
     unpickler u = {.p = pkl, .len = len, .what = what ? what : "the checkpoint",
-                   .record = record, .ctx = ctx, .err = err, .budget = budget};
+                   .record = record, .ctx = ctx, .err = err, .budget = budget, .each = each,
+                   .each_ctx = each_ctx, .each_data = each_data};
     value *root = NULL;
     md_status st = MD_OK;
     if (len >= 14 && md_ckpt_sniff(pkl, len) == MD_CKPT_LEGACY)
@@ -1130,4 +1154,24 @@ md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn rec
     }
     *out = t;
     return MD_OK;
+}
+
+md_status md_ckpt_unpickle(const uint8_t *pkl, size_t len, md_ckpt_record_fn record, void *ctx,
+                           const char *what, const md_ckpt_budget *budget, md_tensors **out,
+                           md_err *err)
+{
+    return unpickle(pkl, len, record, ctx, what, budget, NULL, NULL, 0, out, err);
+}
+
+md_status md_ckpt_unpickle_each(const uint8_t *pkl, size_t len, md_ckpt_record_fn record,
+                                void *ctx, const char *what, int with_data, md_ckpt_tensor_fn fn,
+                                void *fn_ctx, md_err *err)
+{
+    md_tensors *numbers = NULL;
+    /* one tensor in memory at a time, but each one and their sum still
+     * bounded as md_ckpt_unpickle's (an expanded view is one huge tensor) */
+    md_status st =
+        unpickle(pkl, len, record, ctx, what, NULL, fn, fn_ctx, with_data, &numbers, err);
+    md_tensors_free(numbers);
+    return st;
 }

@@ -153,9 +153,12 @@ static md_status header_bounded(const char *h, size_t n, md_err *err)
     return MD_OK;
 }
 
-md_status md_safetensors_read(const uint8_t *buf, size_t len, md_tensors **out, md_err *err)
+/* Parse and check the file in `buf`; then each tensor, in data order, into
+ * `t` (fn NULL) or to `fn` (with its data when `with_data`). The metadata
+ * goes into `t` either way. */
+static md_status read_buf(const uint8_t *buf, size_t len, md_tensors *t, md_ckpt_tensor_fn fn,
+                          void *ctx, int with_data, md_err *err)
 {
-    *out = NULL;
     if (len < 8)
         return md_err_set(err, MD_EUNPROC, "safetensors: the file is %zu bytes, shorter than "
                           "its 8-byte header length", len);
@@ -188,7 +191,6 @@ md_status md_safetensors_read(const uint8_t *buf, size_t len, md_tensors **out, 
     size_t count = json_object_size(h);
     entry *entries = md_malloc_checked((count ? count : 1) * sizeof *entries,
                                        "safetensors header", err);
-    md_tensors *t = entries ? md_tensors_new() : NULL;
     md_status st = entries ? MD_OK : MD_ENOMEM;
     size_t ne = 0;
     const char *key;
@@ -248,12 +250,25 @@ md_status md_safetensors_read(const uint8_t *buf, size_t len, md_tensors **out, 
         if (st == MD_OK && ne == 0)
             st = md_err_set(err, MD_EUNPROC, "safetensors: the file holds no tensors");
     }
-    for (size_t i = 0; i < ne && st == MD_OK; i++)
-        st = md_tensors_add(t, entries[i].name, entries[i].dtype, entries[i].ndim,
-                            entries[i].shape, data + entries[i].begin,
-                            (size_t)(entries[i].end - entries[i].begin), err);
+    for (size_t i = 0; i < ne && st == MD_OK; i++) {
+        const entry *e = &entries[i];
+        if (fn)
+            st = fn(ctx, e->name, e->dtype, e->ndim, e->shape,
+                    with_data ? data + e->begin : NULL, (size_t)(e->end - e->begin), err);
+        else
+            st = md_tensors_add(t, e->name, e->dtype, e->ndim, e->shape, data + e->begin,
+                                (size_t)(e->end - e->begin), err);
+    }
     free(entries);
     json_decref(h);
+    return st;
+}
+
+md_status md_safetensors_read(const uint8_t *buf, size_t len, md_tensors **out, md_err *err)
+{
+    *out = NULL;
+    md_tensors *t = md_tensors_new();
+    md_status st = read_buf(buf, len, t, NULL, NULL, 1, err);
     if (st != MD_OK) {
         md_tensors_free(t);
         return st;
@@ -262,9 +277,11 @@ md_status md_safetensors_read(const uint8_t *buf, size_t len, md_tensors **out, 
     return MD_OK;
 }
 
-md_status md_safetensors_read_file(const char *path, md_tensors **out, md_err *err)
+/* The file at `path` mapped read-only: *map NULL for an empty file. */
+static md_status map_file(const char *path, void **map, size_t *len, md_err *err)
 {
-    *out = NULL;
+    *map = NULL;
+    *len = 0;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return md_err_set(err, MD_EIO, "cannot open the safetensors file: %s", strerror(errno));
@@ -273,45 +290,112 @@ md_status md_safetensors_read_file(const char *path, md_tensors **out, md_err *e
         close(fd);
         return md_err_set(err, MD_EIO, "the safetensors file is not a regular file");
     }
-    size_t len = (size_t)sb.st_size;
-    if (len == 0) {
+    size_t n = (size_t)sb.st_size;
+    if (n == 0) {
         close(fd);
-        return md_safetensors_read((const uint8_t *)"", 0, out, err);
+        return MD_OK;
     }
-    void *map = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0);
+    void *m = mmap(NULL, n, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
-    if (map == MAP_FAILED)
+    if (m == MAP_FAILED)
         return md_err_set(err, MD_EIO, "cannot map the safetensors file: %s", strerror(errno));
-    md_status st = md_safetensors_read(map, len, out, err);
-    munmap(map, len);
+    *map = m;
+    *len = n;
+    return MD_OK;
+}
+
+md_status md_safetensors_read_file(const char *path, md_tensors **out, md_err *err)
+{
+    *out = NULL;
+    void *map;
+    size_t len;
+    md_status st = map_file(path, &map, &len, err);
+    if (st != MD_OK)
+        return st;
+    st = md_safetensors_read(map ? map : (const void *)"", len, out, err);
+    if (map)
+        munmap(map, len);
     return st;
 }
 
-/* The JSON header, padded with spaces to a multiple of 8; a new string. */
-static char *header_json(const md_tensors *t, size_t *hlen, md_err *err)
+/* md_safetensors_each_file's callee: the caller's, then the mapped pages
+ * let go (they count in the process's RSS while mapped; the page cache
+ * keeps them for whoever reads them next). */
+typedef struct each_mapped {
+    md_ckpt_tensor_fn fn;
+    void *ctx;
+    void *map;
+    size_t len;
+} each_mapped;
+
+static md_status each_then_drop(void *c, const char *name, md_ckpt_dtype dtype, int ndim,
+                                const int64_t *shape, const void *data, size_t nbytes,
+                                md_err *err)
+{
+    each_mapped *e = c;
+    md_status st = e->fn(e->ctx, name, dtype, ndim, shape, data, nbytes, err);
+    if (data)
+        madvise(e->map, e->len, MADV_DONTNEED);
+    return st;
+}
+
+md_status md_safetensors_each_file(const char *path, int with_data, md_ckpt_tensor_fn fn,
+                                   void *ctx, md_err *err)
+{
+    void *map;
+    size_t len;
+    md_status st = map_file(path, &map, &len, err);
+    if (st != MD_OK)
+        return st;
+    each_mapped e = {fn, ctx, map, len};
+    md_tensors *meta = md_tensors_new();
+    st = read_buf(map ? map : (const void *)"", len, meta, each_then_drop, &e, with_data, err);
+    md_tensors_free(meta);
+    if (map)
+        munmap(map, len);
+    return st;
+}
+
+/* The JSON header of `count` tensors and `meta`'s metadata (may be NULL),
+ * padded with spaces to a multiple of 8; a new string. */
+static char *header_json(const md_ckpt_tensor_info *info, size_t count, const md_tensors *meta,
+                         size_t *hlen, md_err *err)
 {
     json_t *h = json_object();
-    if (md_tensors_meta_count(t)) {
-        json_t *meta = json_object();
-        for (size_t i = 0; i < md_tensors_meta_count(t); i++)
-            json_object_set_new(meta, md_tensors_meta_key(t, i),
-                                json_string(md_tensors_meta_value(t, i)));
-        json_object_set_new(h, "__metadata__", meta);
+    if (meta && md_tensors_meta_count(meta)) {
+        json_t *m = json_object();
+        for (size_t i = 0; i < md_tensors_meta_count(meta); i++)
+            json_object_set_new(m, md_tensors_meta_key(meta, i),
+                                json_string(md_tensors_meta_value(meta, i)));
+        json_object_set_new(h, "__metadata__", m);
     }
     uint64_t at = 0;
-    for (size_t i = 0; i < md_tensors_count(t); i++) {
+    for (size_t i = 0; i < count; i++) {
         json_t *shape = json_array();
-        for (int d = 0; d < md_tensors_ndim(t, i); d++)
-            json_array_append_new(shape, json_integer(md_tensors_shape(t, i)[d]));
-        uint64_t end = at + md_tensors_nbytes(t, i);
-        if (strcmp(md_tensors_name(t, i), "__metadata__") == 0 ||
-            json_object_set_new(h, md_tensors_name(t, i),
+        uint64_t numel = 1, bytes, end;
+        for (int d = 0; d < info[i].ndim; d++) {
+            json_array_append_new(shape, json_integer(info[i].shape[d]));
+            if (info[i].shape[d] < 0 ||
+                __builtin_mul_overflow(numel, (uint64_t)info[i].shape[d], &numel))
+                numel = UINT64_MAX;
+        }
+        if (numel == UINT64_MAX ||
+            __builtin_mul_overflow(numel, (uint64_t)md_ckpt_dtype_size(info[i].dtype), &bytes) ||
+            __builtin_add_overflow(at, bytes, &end)) {
+            json_decref(shape);
+            json_decref(h);
+            md_err_set(err, MD_ETOOBIG, "tensor \"%.200s\" is too large for one file",
+                       info[i].name);
+            return NULL;
+        }
+        if (strcmp(info[i].name, "__metadata__") == 0 ||
+            json_object_set_new(h, info[i].name,
                                 json_pack("{s:s, s:o, s:[I,I]}", "dtype",
-                                      md_ckpt_dtype_name(md_tensors_dtype(t, i)), "shape", shape,
-                                      "data_offsets", (json_int_t)at, (json_int_t)end)) < 0) {
+                                          md_ckpt_dtype_name(info[i].dtype), "shape", shape,
+                                          "data_offsets", (json_int_t)at, (json_int_t)end)) < 0) {
             json_decref(h);
             md_err_set(err, MD_EINVAL, "tensor name \"%.200s\" cannot be written (reserved or "
-                       "not UTF-8)", md_tensors_name(t, i));
+                       "not UTF-8)", info[i].name);
             return NULL;
         }
         at = end;
@@ -335,12 +419,51 @@ static char *header_json(const md_tensors *t, size_t *hlen, md_err *err)
     return p;
 }
 
+/* header_json of an md_tensors' own tensors and metadata. */
+static char *list_header_json(const md_tensors *t, size_t *hlen, md_err *err)
+{
+    size_t n = md_tensors_count(t);
+    md_ckpt_tensor_info *info = md_calloc_checked(n ? n : 1, sizeof *info,
+                                                  "safetensors header", err);
+    if (!info)
+        return NULL;
+    for (size_t i = 0; i < n; i++)
+        info[i] = (md_ckpt_tensor_info){md_tensors_name(t, i), md_tensors_dtype(t, i),
+                                        md_tensors_ndim(t, i), md_tensors_shape(t, i)};
+    char *h = header_json(info, n, t, hlen, err);
+    free(info);
+    return h;
+}
+
+md_status md_safetensors_header(const md_ckpt_tensor_info *info, size_t count,
+                                const md_tensors *meta, uint8_t **out, size_t *len, md_err *err)
+{
+    *out = NULL;
+    *len = 0;
+    size_t hlen;
+    char *h = header_json(info, count, meta, &hlen, err);
+    if (!h)
+        return err ? err->status : MD_EINVAL;
+    uint8_t *b = md_malloc_checked(hlen + 8, "safetensors header", err);
+    if (!b) {
+        free(h);
+        return MD_ENOMEM;
+    }
+    for (int i = 0; i < 8; i++)
+        b[i] = (uint8_t)((uint64_t)hlen >> (8 * i));
+    memcpy(b + 8, h, hlen);
+    free(h);
+    *out = b;
+    *len = hlen + 8;
+    return MD_OK;
+}
+
 md_status md_safetensors_write(const md_tensors *t, uint8_t **buf, size_t *len, md_err *err)
 {
     *buf = NULL;
     *len = 0;
     size_t hlen, total;
-    char *h = header_json(t, &hlen, err);
+    char *h = list_header_json(t, &hlen, err);
     if (!h)
         return err ? err->status : MD_EINVAL;
     total = 8 + hlen;
@@ -388,7 +511,7 @@ static md_status write_all(int fd, const void *p, size_t n, md_err *err)
 md_status md_safetensors_write_fd(const md_tensors *t, int fd, md_err *err)
 {
     size_t hlen;
-    char *h = header_json(t, &hlen, err);
+    char *h = list_header_json(t, &hlen, err);
     if (!h)
         return err ? err->status : MD_EINVAL;
     uint8_t lenbuf[8];

@@ -204,19 +204,29 @@ static void submit(md_req *req, md_model *m, md_tensor *t, pctx *c)
  * query). A part is a file when it has a filename, a Content-Type other than
  * text/plain, or the bytes of a PNG or JPEG.
  *
- * Which thread decodes: a small image (MNIST's 28x28, a 224x224 photo)
- * decodes in well under a millisecond, less than starting a thread costs, so
- * it decodes on the libmicrohttpd thread that looked the model up. A request
- * whose images' headers say more than INLINE_PIXELS pixels in all (or that
- * cannot be told cheaply) is decoded on a deferred thread (md_req_defer), so
- * a large photo or a burst of them never holds the HTTP threads; the pixel
- * count read here only chooses the thread, md_image_to_tensor checks every
- * image's own header against max_image_pixels before decoding. Should the
- * hint be wrong, the inline decoder itself refuses any one image over
- * INLINE_PIXELS by its real header (inline_max) and the request is deferred
- * then, so an HTTP thread never waits for a large-decode slot. */
+ * Which thread decodes: a small image (MNIST's 28x28 in a few hundred bytes)
+ * decodes in well under a millisecond, less than handing it on costs, so it
+ * decodes on the libmicrohttpd thread that looked the model up. Only a body
+ * of at most INLINE_IMAGE_BYTES is small in that sense: the work of a decode
+ * follows the file's bytes as well as its pixels (a 28x28 PNG can carry
+ * megabytes of chunks; libpng skips them, but reading them is still a pass
+ * over the body, issue 24). So:
+ *  - a request whose images' headers say more than INLINE_PIXELS pixels in
+ *    all (or that cannot be told cheaply), or that declares a resize, is
+ *    decoded on a deferred thread (md_req_defer): it may wait there for a
+ *    large-decode slot, which an HTTP or decode-pool thread never does;
+ *  - any other body of more than INLINE_IMAGE_BYTES is decoded on the decode
+ *    pool (md_req_offload; a deferred thread when the pool's queue is full),
+ *    counted in modeld_http_decoded_off_thread_total;
+ *  - the rest decodes inline.
+ * The pixel count read here only chooses the thread, md_image_to_tensor
+ * checks every image's own header against max_image_pixels before decoding.
+ * Should the hint be wrong, the handler and pool decoders refuse any one
+ * image over INLINE_PIXELS by its real header (inline_max) and the request is
+ * deferred then, so neither ever waits for a large-decode slot. */
 
 #define INLINE_PIXELS ((int64_t)1 << 16)
+#define INLINE_IMAGE_BYTES (8 * 1024)
 /* an image decoded inline never waits for a large-decode slot */
 _Static_assert(INLINE_PIXELS < MD_IMAGE_GATE_PIXELS, "inline decodes must stay under the gate");
 
@@ -476,13 +486,19 @@ static md_status not_declared(md_model *m, md_err *err)
                        md_model_name(m), md_model_version(m), mode);
 }
 
+/* Where go_on runs: the handler thread hands large work on; the decode pool
+ * decodes small-pixel images but hands a large one on to a deferred thread;
+ * a deferred thread does everything itself. */
+typedef enum where { ON_DEFERRED = 0, ON_HANDLER, ON_POOL } where;
+
 static void images_deferred(md_req *req);
-static void go_on(md_req *req, pending *pd, md_model *m, int may_defer);
+static void images_offloaded(md_req *req);
+static void go_on(md_req *req, pending *pd, md_model *m, where at);
 
 /* The images of the body into pd->t for `m`. Returns 1 when done; 0 when it
- * replied (an error) or handed the request to a deferred thread (with
- * may_defer, from the handler thread), `m` taken in both cases. */
-static int images_to_tensor(md_req *req, pending *pd, md_model *m, int may_defer)
+ * replied (an error) or handed the request to another thread (from the
+ * handler thread or the decode pool), `m` taken in both cases. */
+static int images_to_tensor(md_req *req, pending *pd, md_model *m, where at)
 {
     md_err err;
     md_err_clear(&err);
@@ -493,13 +509,19 @@ static int images_to_tensor(md_req *req, pending *pd, md_model *m, int may_defer
     md_status st = o ? scan_images(req, pd, body, len, &scan, &err) : not_declared(m, &err);
     /* a declared resize is deferred whatever the headers say: a tiny image
      * of an extreme aspect ratio can resize to max_image_pixels (review) */
-    if (st == MD_OK && may_defer &&
+    if (st == MD_OK && at == ON_HANDLER &&
         (o->resize || scan.pixels < 0 || scan.pixels > INLINE_PIXELS)) {
         pd->model = m; /* the request's state owns it until images_deferred takes it */
         md_req_defer(req, images_deferred);
         return 0;
     }
-    if (st == MD_OK && may_defer) {
+    if (st == MD_OK && at == ON_HANDLER && len > INLINE_IMAGE_BYTES) {
+        pd->model = m; /* the request's state owns it until images_offloaded takes it */
+        if (!md_req_offload(req, images_offloaded))
+            md_req_defer(req, images_deferred); /* never inline: the body is not small */
+        return 0;
+    }
+    if (st == MD_OK && at != ON_DEFERRED) {
         /* the headers are only a hint (a JPEG may hide its real size from
          * it): the decoder itself refuses more than INLINE_PIXELS an image
          * here, and then the request goes to a deferred thread after all */
@@ -529,7 +551,22 @@ static void images_deferred(md_req *req)
     pending *pd = md_req_state(req);
     md_model *m = pd->model;
     pd->model = NULL;
-    go_on(req, pd, m, 0);
+    go_on(req, pd, m, ON_DEFERRED);
+}
+
+/* On the decode pool: decode the images (or hand a large one on), then
+ * submit; a client that hung up meanwhile is not decoded for. */
+static void images_offloaded(md_req *req)
+{
+    pending *pd = md_req_state(req);
+    md_model *m = pd->model;
+    pd->model = NULL;
+    if (md_req_client_gone(req)) {
+        md_model_release(m);
+        md_reply_bytes(req, 499, "application/json", NULL, 0);
+        return;
+    }
+    go_on(req, pd, m, ON_POOL);
 }
 
 /* On the decode pool: decode the rows (or read the V2 request), then
@@ -545,7 +582,7 @@ static void rows_offloaded(md_req *req)
         md_reply_bytes(req, 499, "application/json", NULL, 0);
         return;
     }
-    go_on(req, pd, m, 0);
+    go_on(req, pd, m, ON_DEFERRED);
 }
 
 
@@ -553,19 +590,19 @@ static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json
                          const char *bin, size_t bin_len, md_err *err);
 
 /* Decode the body if not done yet and submit to `m` (a reference, taken).
- * `may_defer`: on the handler thread, so big images may go to a deferred
- * one, and a JSON body of OFFLOAD_BYTES or more is decoded on the decode
+ * `at`: ON_HANDLER, so big images may go to a deferred thread or the decode
+ * pool, and a JSON body of OFFLOAD_BYTES or more is decoded on the decode
  * pool (md_req_offload): its parse (~1 ns a byte) would hold this
  * libmicrohttpd thread, and every connection it serves, meanwhile; so is a
  * V2 JSON request of that size (BODY_V2). NPY is a copy, cheaper than the
  * hand-off, and so is the JSON header of a binary V2 request. */
 #define OFFLOAD_BYTES (64 * 1024)
-static void go_on(md_req *req, pending *pd, md_model *m, int may_defer)
+static void go_on(md_req *req, pending *pd, md_model *m, where at)
 {
     md_err err;
     md_err_clear(&err);
     if (!pd->have_tensor && pd->body == BODY_V2) {
-        if (may_defer) {
+        if (at == ON_HANDLER) {
             pd->model = m;
             if (md_req_offload(req, rows_offloaded))
                 return;
@@ -579,13 +616,13 @@ static void go_on(md_req *req, pending *pd, md_model *m, int may_defer)
             return;
         }
     }
-    if (!pd->have_tensor && pd->body != BODY_ROWS && !images_to_tensor(req, pd, m, may_defer))
+    if (!pd->have_tensor && pd->body != BODY_ROWS && !images_to_tensor(req, pd, m, at))
         return;
     if (!pd->have_tensor) {
         size_t len;
         const char *body = md_req_body(req, &len);
         const char *ct = pd->has_content_type ? pd->content_type : NULL;
-        if (may_defer && len >= OFFLOAD_BYTES && md_tensor_json_type(ct)) {
+        if (at == ON_HANDLER && len >= OFFLOAD_BYTES && md_tensor_json_type(ct)) {
             pd->model = m; /* the request's state owns it until rows_offloaded takes it */
             if (md_req_offload(req, rows_offloaded))
                 return;
@@ -621,7 +658,7 @@ static void resolve_deferred(md_req *req)
         md_reply_error(req, &err);
         return;
     }
-    go_on(req, pd, m, 0);
+    go_on(req, pd, m, ON_DEFERRED);
 }
 
 /* Takes `pd` (request state from here). */
@@ -631,7 +668,7 @@ static void find_and_go(md_req *req, pending *pd)
     md_err err;
     md_model *m = md_app_lookup(md_req_app(req), pd->name, pd->version, &err);
     if (m)
-        go_on(req, pd, m, 1);
+        go_on(req, pd, m, ON_HANDLER);
     else if (err.status != MD_OK)
         md_reply_error(req, &err); /* known here: not found, a remembered failure */
     else

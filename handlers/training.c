@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 #include "../checkpoint/checkpoint.h"
 #include "../predictor/predictor.h"
@@ -84,7 +85,7 @@ static md_status arch_answer(const char *name, const char *sha, const char *path
                              md_err *err)
 {
     json_t *table = NULL;
-    md_status st = md_weights_table(path, &table, err);
+    md_status st = md_weights_table(path, sha, &table, err);
     if (st != MD_OK)
         return st;
     json_object_set_new(table, "model", json_string(name));
@@ -181,9 +182,12 @@ md_status md_version_weights(md_app *app, json_t *v, md_tensors **out, md_err *e
     if (arch)
         md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
     return md_weights_effective(path, format ? format : MD_FORMAT_TORCHSCRIPT,
-                                arch ? arch_path : NULL, out, err);
+                                arch ? arch_path : NULL, arch, out, err);
 }
 
+/* Written to an unlinked temp file in the store, tensor by tensor
+ * (md_weights_export), and sent from it as a checkpoint download is: the
+ * request holds about one tensor in memory, never the model (issue 24). */
 static void export_deferred(md_req *req)
 {
     md_app *app = md_req_app(req);
@@ -192,31 +196,39 @@ static void export_deferred(md_req *req)
     md_err err;
     md_err_clear(&err);
     json_t *v = NULL;
-    md_tensors *t = NULL;
+    int fd = -1;
+    uint64_t size = 0;
     md_status st = md_store_get_version(app->store, name, version, &v, &err);
     if (st == MD_OK)
-        st = md_version_weights(app, v, &t, &err);
+        st = md_store_tmpfile(app->store, &fd, &err);
     if (st == MD_OK) {
-        char text[64];
+        char text[64], path[4096], arch_path[4096];
+        const char *format = json_string_value(json_object_get(v, "format"));
+        const char *arch = json_string_value(json_object_get(v, "arch_sha256"));
+        md_store_sha_path(app->store, json_string_value(json_object_get(v, "sha256")), path,
+                          sizeof path);
+        if (arch)
+            md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
+        md_tensors *meta = md_tensors_new();
         snprintf(text, sizeof text, "%d", version);
-        md_tensors_set_meta(t, "model", name);
-        md_tensors_set_meta(t, "version", text);
-        md_tensors_set_meta(t, "sha256", json_string_value(json_object_get(v, "sha256")));
+        md_tensors_set_meta(meta, "model", name);
+        md_tensors_set_meta(meta, "version", text);
+        md_tensors_set_meta(meta, "sha256", json_string_value(json_object_get(v, "sha256")));
+        st = md_weights_export(path, format ? format : MD_FORMAT_TORCHSCRIPT,
+                               arch ? arch_path : NULL, arch, meta, fd, &size, &err);
+        md_tensors_free(meta);
     }
     json_decref(v);
-    uint8_t *buf = NULL;
-    size_t len = 0;
-    if (st == MD_OK)
-        st = md_safetensors_write(t, &buf, &len, &err);
-    md_tensors_free(t);
     if (st != MD_OK) {
+        if (fd >= 0)
+            close(fd);
         md_reply_error(req, &err);
         return;
     }
     char disp[160];
     snprintf(disp, sizeof disp, "attachment; filename=\"%s-v%d.safetensors\"", name, version);
     md_reply_header(req, "Content-Disposition", disp);
-    md_reply_bytes(req, 200, "application/octet-stream", (char *)buf, len);
+    md_reply_fd(req, 200, "application/octet-stream", fd, (size_t)size);
 }
 
 void md_version_export_safetensors(md_req *req, int version)

@@ -35,6 +35,11 @@
 /* The largest edge any step may make (PIL's own limit is int32). */
 #define MAX_EDGE (1 << 20)
 
+/* libpng's chunk limits (decode_png): ancillary chunks kept at most, and the
+ * least bound on one chunk's bytes (the file's own size above it). */
+#define PNG_KEPT_CHUNKS 16
+#define PNG_CHUNK_MIN_LIMIT ((size_t)64 * 1024)
+
 md_image_kind md_image_sniff(const void *data, size_t len)
 {
     const unsigned char *p = data;
@@ -346,6 +351,17 @@ static md_status decode_png(const unsigned char *data, size_t len, int64_t max_p
     png_set_read_fn(png, &src, png_read_mem);
     /* the header's size is checked below, before any row is allocated */
     png_set_user_limits(png, 0x7fffffff, 0x7fffffff);
+    /* Only IHDR, PLTE, tRNS (there is alpha to drop), IDAT and IEND make the
+     * pixels PIL answers (convert ignores gAMA, iCCP, sBIT...). libpng would
+     * otherwise inflate every zTXt/iTXt (8 MB each) and iCCP, and keep up to
+     * 1000 text chunks: a 4 MB file of zTXt chunks held 4.4 GB (issue 24).
+     * Every other chunk, known or not, is read past (CRC checked), never
+     * inflated or kept; the limits below stand should one slip through: no
+     * chunk may hold or inflate to more than the file itself (at least
+     * 64 KiB), and at most PNG_KEPT_CHUNKS are kept. */
+    png_set_keep_unknown_chunks(png, PNG_HANDLE_CHUNK_NEVER, NULL, -1);
+    png_set_chunk_cache_max(png, PNG_KEPT_CHUNKS);
+    png_set_chunk_malloc_max(png, len > PNG_CHUNK_MIN_LIMIT ? len : PNG_CHUNK_MIN_LIMIT);
     png_read_info(png, info);
     png_uint_32 w = png_get_image_width(png, info), h = png_get_image_height(png, info);
     int depth = png_get_bit_depth(png, info), ctype = png_get_color_type(png, info);
@@ -478,6 +494,11 @@ static md_status decode_jpeg(const unsigned char *data, size_t len, int64_t max_
     je.progress.progress_monitor = jpeg_on_progress;
     cinfo.progress = &je.progress;
     jpeg_mem_src(&cinfo, data, (unsigned long)len);
+    /* No jpeg_save_markers: COM and APPn segments (EXIF, ICC, XMP) are
+     * skipped as they are read, never kept, however many a file holds (the
+     * PNG text-chunk amplification of issue 24 has no JPEG twin); what a
+     * JPEG may cost is its pixels (max_image_pixels) times its scans
+     * (max_jpeg_scans). */
     jpeg_read_header(&cinfo, TRUE);
     int64_t w = cinfo.image_width, h = cinfo.image_height;
     if (w < 1 || h < 1 || w > MAX_EDGE || h > MAX_EDGE || w * h > max_pixels) {

@@ -271,8 +271,12 @@ md_status md_weights_load(const char *arch_path, const char *weights_path, const
 
 /* The architecture's parameter table: {"parameters": [{"name", "shape",
  * "dtype", "kind": "parameter"|"buffer"}], "count", "numel"}. MD_EUNPROC
- * when it is not a loadable TorchScript archive. New reference. Thread-safe. */
-md_status md_weights_table(const char *arch_path, json_t **out, md_err *err);
+ * when it is not a loadable TorchScript archive. `arch_sha256` (may be NULL)
+ * names the archive's content: tables are read once per process and kept
+ * by it (the last 32), as in the functions below. New reference.
+ * Thread-safe. */
+md_status md_weights_table(const char *arch_path, const char *arch_sha256, json_t **out,
+                           md_err *err);
 
 /*
  * A version's weights as its model uses them: the architecture's names, in
@@ -283,7 +287,21 @@ md_status md_weights_table(const char *arch_path, json_t **out, md_err *err);
  * buffers (arch_path unused). New list the caller frees. Thread-safe.
  */
 md_status md_weights_effective(const char *path, const char *format, const char *arch_path,
-                               md_tensors **out, md_err *err);
+                               const char *arch_sha256, md_tensors **out, md_err *err);
+
+/*
+ * The same weights written to `fd` as a safetensors file with the metadata
+ * of `meta` (may be NULL), piece by piece: the header from the
+ * architecture's table (read without its data), then each tensor at its
+ * offset as the version's file yields it (pwrite from offset 0; *size is the
+ * file's length). Memory holds about one tensor of the file and its
+ * converted copy, never the model, except for a TorchScript version, whose
+ * module is loaded whole (the weights are its own). The errors of
+ * md_weights_effective, plus MD_EIO when `fd` cannot be written. Thread-safe.
+ */
+md_status md_weights_export(const char *path, const char *format, const char *arch_path,
+                            const char *arch_sha256, const md_tensors *meta, int fd,
+                            uint64_t *size, md_err *err);
 
 /*
  * A weighted mean built one source at a time, so that averaging n versions

@@ -814,39 +814,63 @@ extern "C" md_status md_torch_set_state(md_torch_model *m, const md_torch_named_
 }
 
 struct md_torch_state {
-    std::vector<named_slot> slots; /* contiguous CPU copies */
+    std::vector<named_slot> slots; /* contiguous CPU tensors, or meta ones (shapes only) */
     std::vector<md_ckpt_dtype> dtypes;
 };
+
+/* The state of the archive at `path` loaded onto `device` (CPU or meta). */
+static md_status state_read_on(const char *path, torch::Device device, md_torch_state **out,
+                               md_err *err)
+{
+    torch::jit::script::Module module = torch::jit::load(path, device);
+    std::vector<named_slot> slots = state_slots(module);
+    std::vector<md_ckpt_dtype> dtypes;
+    for (auto &s : slots) {
+        md_ckpt_dtype d;
+        if (!ckpt_dtype_of(s.tensor.scalar_type(), &d))
+            return md_err_set(err, MD_EUNPROC, "%s \"%.200s\" has dtype %s, which checkpoint "
+                              "files cannot hold; use float, integer or bool tensors",
+                              s.is_buffer ? "buffer" : "parameter", s.name.c_str(),
+                              c10::toString(s.tensor.scalar_type()));
+        /* the module's own storage where it already is a contiguous CPU
+         * tensor (a copy of every tensor would hold the weights twice) */
+        s.tensor = s.tensor.detach();
+        if (!device.is_meta())
+            s.tensor = s.tensor.to(torch::kCPU).contiguous();
+        dtypes.push_back(d);
+    }
+    md_torch_state *st = new (std::nothrow) md_torch_state{std::move(slots), std::move(dtypes)};
+    if (!st)
+        return md_err_set(err, MD_ENOMEM, "out of memory reading an architecture");
+    *out = st;
+    return MD_OK;
+}
 
 extern "C" md_status md_torch_state_read(const char *path, md_torch_state **out, md_err *err)
 {
     *out = nullptr;
     try {
-        torch::jit::script::Module module = torch::jit::load(path, torch::kCPU);
-        std::vector<named_slot> slots = state_slots(module);
-        std::vector<md_ckpt_dtype> dtypes;
-        for (auto &s : slots) {
-            md_ckpt_dtype d;
-            if (!ckpt_dtype_of(s.tensor.scalar_type(), &d))
-                return md_err_set(err, MD_EUNPROC, "%s \"%.200s\" has dtype %s, which checkpoint "
-                                  "files cannot hold; use float, integer or bool tensors",
-                                  s.is_buffer ? "buffer" : "parameter", s.name.c_str(),
-                                  c10::toString(s.tensor.scalar_type()));
-            s.tensor = s.tensor.detach().to(torch::kCPU).contiguous().clone();
-            dtypes.push_back(d);
-        }
-        md_torch_state *st = new (std::nothrow) md_torch_state{std::move(slots),
-                                                               std::move(dtypes)};
-        if (!st)
-            return md_err_set(err, MD_ENOMEM, "out of memory reading an architecture");
-        *out = st;
-        return MD_OK;
+        return state_read_on(path, torch::kCPU, out, err);
     } catch (const std::exception &e) {
         set_torch_err(err, MD_EUNPROC, "libtorch could not load the architecture", error_text(e));
         return MD_EUNPROC;
     } catch (...) {
         return md_err_set(err, MD_EUNPROC, "libtorch could not load the architecture");
     }
+}
+
+extern "C" md_status md_torch_state_read_shapes(const char *path, md_torch_state **out,
+                                                md_err *err)
+{
+    *out = nullptr;
+    try {
+        md_status st = state_read_on(path, torch::Device(torch::kMeta), out, err);
+        if (st == MD_OK || st == MD_EUNPROC)
+            return st; /* a dtype no file holds is that on any device */
+    } catch (...) {
+        /* e.g. a __setstate__ that needs real values: read it whole below */
+    }
+    return md_torch_state_read(path, out, err);
 }
 
 extern "C" size_t md_torch_state_count(const md_torch_state *s) { return s->slots.size(); }
@@ -858,10 +882,10 @@ extern "C" void md_torch_state_get(const md_torch_state *s, size_t i, md_torch_n
     out->name = slot.name.c_str();
     out->dtype = s->dtypes[i];
     try {
-        /* cannot throw: the tensors are defined, contiguous CPU copies */
+        /* cannot throw: the tensors are defined, contiguous CPU or meta ones */
         out->ndim = (int)slot.tensor.dim();
         out->shape = slot.tensor.sizes().data();
-        out->data = slot.tensor.data_ptr();
+        out->data = slot.tensor.is_meta() ? nullptr : slot.tensor.data_ptr();
     } catch (...) {
         out->ndim = 0;
         out->shape = nullptr;

@@ -164,13 +164,21 @@ md_status md_torch_state_numel(const md_torch_model *m, int64_t *out, md_err *er
  * dtype) and a TorchScript version's weights for export or averaging. */
 typedef struct md_torch_state md_torch_state;
 
-/* Read the parameters and buffers of the TorchScript archive at `path`.
+/* Read the parameters and buffers of the TorchScript archive at `path`
+ * (the module's own tensors, copied only where not already contiguous).
  * MD_EUNPROC when it does not load or holds a dtype the checkpoint formats
  * cannot express (complex, quantized). */
 md_status md_torch_state_read(const char *path, md_torch_state **out, md_err *err);
+/* As md_torch_state_read, but only the table: names, shapes and dtypes, the
+ * data NULL. The archive is loaded onto libtorch's meta device, so its
+ * tensors are read one at a time and dropped (about the largest one in
+ * memory, not the whole archive); an archive that does not load so is
+ * loaded as md_torch_state_read does. */
+md_status md_torch_state_read_shapes(const char *path, md_torch_state **out, md_err *err);
 size_t md_torch_state_count(const md_torch_state *s);
-/* Entry `i` (< count): pointers borrowed until md_torch_state_free;
- * `*is_buffer` (may be NULL) is 1 for a buffer, 0 for a parameter. */
+/* Entry `i` (< count): pointers borrowed until md_torch_state_free (data NULL
+ * from md_torch_state_read_shapes); `*is_buffer` (may be NULL) is 1 for a
+ * buffer, 0 for a parameter. */
 void md_torch_state_get(const md_torch_state *s, size_t i, md_torch_named_tensor *out,
                         int *is_buffer);
 /* Accepts NULL. */

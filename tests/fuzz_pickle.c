@@ -13,7 +13,10 @@
  * names that are C strings; a failure has a status and a message. The same
  * input is read again under a budget of BUDGET bytes: it succeeds exactly
  * when the first read did with tensors of at most BUDGET bytes together,
- * else fails with MD_ETOOBIG (the budget is checked before any copy).
+ * else fails with MD_ETOOBIG (the budget is checked before any copy). The
+ * pickle read tensor by tensor (md_ckpt_unpickle_each, with and without the
+ * data) hands over exactly those tensors in that order when the list
+ * reader succeeds.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,6 +41,32 @@ static md_status record(void *ctx, const char *key, const uint8_t **data, size_t
         return md_err_set(err, MD_EUNPROC, "no record data/%s", key);
     *data = r->data;
     *size = r->size;
+    return MD_OK;
+}
+
+/* md_ckpt_unpickle_each's callee: tensor `at` must be the list's. */
+typedef struct compare {
+    const md_tensors *t;
+    size_t at;
+    int with_data;
+} compare;
+
+static md_status same(void *ctx, const char *name, md_ckpt_dtype dtype, int ndim,
+                      const int64_t *shape, const void *data, size_t nbytes, md_err *err)
+{
+    (void)err;
+    compare *c = ctx;
+    const md_tensors *t = c->t;
+    if (t) {
+        size_t i = c->at;
+        if (i >= md_tensors_count(t) || strcmp(name, md_tensors_name(t, i)) != 0 ||
+            dtype != md_tensors_dtype(t, i) || ndim != md_tensors_ndim(t, i) ||
+            (ndim && memcmp(shape, md_tensors_shape(t, i), sizeof *shape * (size_t)ndim)) ||
+            nbytes != md_tensors_nbytes(t, i) || (data == NULL) == c->with_data ||
+            (data && nbytes && memcmp(data, md_tensors_data(t, i), nbytes)))
+            abort();
+    }
+    c->at++;
     return MD_OK;
 }
 
@@ -85,9 +114,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         for (size_t i = 0; i < md_tensors_scalar_count(t); i++)
             if (!md_tensors_scalar_name(t, i))
                 abort();
+        for (int with_data = 0; with_data < 2; with_data++) {
+            compare c = {t, 0, with_data};
+            if (md_ckpt_unpickle_each(pkl, len, record, &r, "fuzz.pt", with_data, same, &c,
+                                      &err) != MD_OK ||
+                c.at != md_tensors_count(t))
+                abort();
+        }
         md_tensors_free(t);
     } else if (t || err.status != st || !err.msg[0]) {
         abort();
+    } else {
+        compare c = {NULL, 0, 1};
+        md_status each = md_ckpt_unpickle_each(pkl, len, record, &r, "fuzz.pt", 1, same, &c,
+                                               &err);
+        if (each != MD_OK && (err.status != each || !err.msg[0]))
+            abort();
     }
     free(pkl);
     free(rec);

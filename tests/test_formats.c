@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include "../checkpoint/formats.h"
+#include "../predictor/predictor.h"
 #include "../predictor/torch_backend.h"
 #include "test_util.h"
 
@@ -1237,6 +1238,219 @@ static void test_zip_records(void **state)
     assert_null(z);
 }
 
+/* ---- tensor by tensor (the streaming export, issue 24) ---- */
+
+/* What the *_each readers hand over, gathered into a list; without data,
+ * the names and sizes alone. */
+typedef struct gathered {
+    md_tensors *t;
+    char names[64][64];
+    size_t nbytes[64], count;
+} gathered;
+
+static md_status gather(void *ctx, const char *name, md_ckpt_dtype dtype, int ndim,
+                        const int64_t *shape, const void *data, size_t nbytes, md_err *err)
+{
+    gathered *g = ctx;
+    if (g->count < 64) {
+        snprintf(g->names[g->count], sizeof g->names[0], "%s", name);
+        g->nbytes[g->count] = nbytes;
+    }
+    g->count++;
+    return data ? md_tensors_add(g->t, name, dtype, ndim, shape, data, nbytes, err) : MD_OK;
+}
+
+static void assert_same_tensors(const md_tensors *a, const md_tensors *b, const char *file)
+{
+    if (md_tensors_count(a) != md_tensors_count(b))
+        fail_msg("%s: %zu tensors against %zu", file, md_tensors_count(a), md_tensors_count(b));
+    for (size_t i = 0; i < md_tensors_count(a); i++) {
+        assert_string_equal(md_tensors_name(a, i), md_tensors_name(b, i));
+        assert_int_equal(md_tensors_dtype(a, i), md_tensors_dtype(b, i));
+        assert_int_equal(md_tensors_ndim(a, i), md_tensors_ndim(b, i));
+        assert_memory_equal(md_tensors_shape(a, i), md_tensors_shape(b, i),
+                            sizeof(int64_t) * (size_t)md_tensors_ndim(a, i));
+        assert_int_equal(md_tensors_nbytes(a, i), md_tensors_nbytes(b, i));
+        assert_memory_equal(md_tensors_data(a, i), md_tensors_data(b, i),
+                            md_tensors_nbytes(a, i));
+    }
+}
+
+/* Each reader one tensor at a time yields what the whole-file reader reads,
+ * in the same order (views, strides, a compressed record, f16, buffers);
+ * asked for names only, the same names and sizes without data; a damaged
+ * file fails as the whole-file reader fails. */
+static void test_tensor_by_tensor_readers(void **state)
+{
+    (void)state;
+    static const char *const files[] = {"mlp_sd.pt",      "mlp_sd_views.pt", "good_strided.pt",
+                                        "deflated.pt",    "mlp_epoch3.pt",   "bn_sd.pt",
+                                        "mlp_sd_f16.pt",  "mlp_sd_module.pt", "mlp.safetensors",
+                                        "bn.safetensors", "mlp_bf16.safetensors"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        char path[256];
+        snprintf(path, sizeof path, CKPT "%s", files[i]);
+        int st_file = strstr(files[i], ".safetensors") != NULL;
+        md_tensors *whole = NULL;
+        md_err err;
+        md_err_clear(&err);
+        assert_int_equal(st_file ? md_safetensors_read_file(path, &whole, &err)
+                                 : md_ckpt_read_torch_zip(path, NULL, &whole, &err),
+                         MD_OK);
+        for (int with_data = 0; with_data < 2; with_data++) {
+            gathered g = {.t = md_tensors_new()};
+            md_status st = st_file ? md_safetensors_each_file(path, with_data, gather, &g, &err)
+                                   : md_ckpt_each_torch_zip(path, with_data, gather, &g, &err);
+            if (st != MD_OK)
+                fail_msg("%s: %s", files[i], err.msg);
+            assert_int_equal(g.count, md_tensors_count(whole));
+            if (with_data) {
+                assert_same_tensors(g.t, whole, files[i]);
+            } else {
+                for (size_t k = 0; k < g.count; k++) {
+                    assert_string_equal(g.names[k], md_tensors_name(whole, k));
+                    assert_int_equal(g.nbytes[k], md_tensors_nbytes(whole, k));
+                }
+            }
+            md_tensors_free(g.t);
+        }
+        md_tensors_free(whole);
+    }
+    static const struct {
+        const char *file, *a, *b;
+    } bad[] = {
+        {"oob_numel.pt", "storage data/0 claims 1000 elements", "holds 16 bytes"},
+        {"oob_missing_record.pt", "data/7", "does not hold"},
+        {"truncated.pt", "zip", NULL},
+        {"truncated.safetensors", "truncated or corrupt", NULL},
+        {"mlp_arch.pt", "TorchScript", NULL},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char path[256];
+        snprintf(path, sizeof path, CKPT "%s", bad[i].file);
+        gathered g = {.t = md_tensors_new()};
+        md_err err;
+        md_err_clear(&err);
+        md_status st = strstr(bad[i].file, ".safetensors")
+                           ? md_safetensors_each_file(path, 1, gather, &g, &err)
+                           : md_ckpt_each_torch_zip(path, 1, gather, &g, &err);
+        assert_int_equal(st, MD_EUNPROC);
+        assert_msg_has(err.msg, bad[i].a, bad[i].b, NULL);
+        md_tensors_free(g.t);
+    }
+}
+
+/* The header written alone, then the data, is md_safetensors_write's file. */
+static void test_safetensors_header_alone(void **state)
+{
+    (void)state;
+    md_tensors *t = read_zip_ok("bn_sd.pt");
+    md_tensors_set_meta(t, "model", "m");
+    uint8_t *whole, *head;
+    size_t whole_len, head_len;
+    md_err err;
+    assert_int_equal(md_safetensors_write(t, &whole, &whole_len, &err), MD_OK);
+    md_ckpt_tensor_info info[16];
+    size_t n = md_tensors_count(t), data = 0;
+    assert_true(n <= 16);
+    for (size_t i = 0; i < n; i++) {
+        info[i] = (md_ckpt_tensor_info){md_tensors_name(t, i), md_tensors_dtype(t, i),
+                                        md_tensors_ndim(t, i), md_tensors_shape(t, i)};
+        data += md_tensors_nbytes(t, i);
+    }
+    assert_int_equal(md_safetensors_header(info, n, t, &head, &head_len, &err), MD_OK);
+    assert_int_equal(head_len + data, whole_len);
+    assert_memory_equal(head, whole, head_len);
+    free(head);
+    free(whole);
+    md_tensors_free(t);
+}
+
+/* The table read onto the meta device is md_torch_state_read's, without data. */
+static void test_architecture_shapes_only(void **state)
+{
+    (void)state;
+    md_torch_state *full, *shapes;
+    md_err err;
+    assert_int_equal(md_torch_state_read(CKPT "bn_arch.pt", &full, &err), MD_OK);
+    assert_int_equal(md_torch_state_read_shapes(CKPT "bn_arch.pt", &shapes, &err), MD_OK);
+    assert_int_equal(md_torch_state_count(shapes), md_torch_state_count(full));
+    for (size_t i = 0; i < md_torch_state_count(full); i++) {
+        md_torch_named_tensor a, b;
+        int ba = -1, bb = -1;
+        md_torch_state_get(full, i, &a, &ba);
+        md_torch_state_get(shapes, i, &b, &bb);
+        assert_string_equal(a.name, b.name);
+        assert_int_equal(a.dtype, b.dtype);
+        assert_int_equal(a.ndim, b.ndim);
+        assert_memory_equal(a.shape, b.shape, sizeof(int64_t) * (size_t)a.ndim);
+        assert_int_equal(ba, bb);
+        assert_non_null(a.data);
+        assert_null(b.data);
+    }
+    md_torch_state_free(full);
+    md_torch_state_free(shapes);
+    assert_int_equal(md_torch_state_read_shapes(CKPT "mlp_sd.pt", &shapes, &err), MD_EUNPROC);
+    assert_null(shapes);
+}
+
+/* The streamed export is, byte for byte, the safetensors file of
+ * md_weights_effective: names "module."-stripped, f16/bf16/f64 converted, a
+ * TorchScript version's own weights; a mismatch is the same 422. */
+static void test_export_equals_effective_weights(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *path, *format;
+    } cases[] = {
+        {CKPT "mlp_sd.pt", "torch_save"},        {CKPT "mlp_sd_module.pt", "torch_save"},
+        {CKPT "mlp_sd_f16.pt", "torch_save"},    {CKPT "mlp_sd_f64.pt", "torch_save"},
+        {CKPT "mlp_sd_views.pt", "torch_save"},  {CKPT "mlp.safetensors", "safetensors"},
+        {CKPT "mlp_bf16.safetensors", "safetensors"}, {FIX "mlp.pt", "torchscript"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        for (int cached = 0; cached < 2; cached++) {
+            const char *sha = cached ? "mlp_arch" : NULL;
+            md_err err;
+            md_err_clear(&err);
+            md_tensors *eff = NULL;
+            if (md_weights_effective(cases[i].path, cases[i].format, CKPT "mlp_arch.pt", sha,
+                                     &eff, &err) != MD_OK)
+                fail_msg("%s: %s", cases[i].path, err.msg);
+            md_tensors_set_meta(eff, "model", "m");
+            uint8_t *want;
+            size_t want_len;
+            assert_int_equal(md_safetensors_write(eff, &want, &want_len, &err), MD_OK);
+            FILE *f = tmpfile();
+            assert_non_null(f);
+            uint64_t size = 0;
+            if (md_weights_export(cases[i].path, cases[i].format, CKPT "mlp_arch.pt", sha, eff,
+                                  fileno(f), &size, &err) != MD_OK)
+                fail_msg("%s: %s", cases[i].path, err.msg);
+            assert_int_equal(size, want_len);
+            uint8_t *got = malloc(want_len);
+            assert_int_equal(pread(fileno(f), got, want_len, 0), (ssize_t)want_len);
+            assert_memory_equal(got, want, want_len);
+            free(got);
+            free(want);
+            fclose(f);
+            md_tensors_free(eff);
+        }
+    }
+    /* another architecture's weights: the same refusal, nothing else */
+    md_err a, b;
+    md_tensors *eff = NULL;
+    FILE *f = tmpfile();
+    uint64_t size;
+    assert_int_equal(md_weights_effective(CKPT "bn_sd.pt", "torch_save", CKPT "mlp_arch.pt",
+                                          NULL, &eff, &a), MD_EUNPROC);
+    assert_int_equal(md_weights_export(CKPT "bn_sd.pt", "torch_save", CKPT "mlp_arch.pt", NULL,
+                                       NULL, fileno(f), &size, &b), MD_EUNPROC);
+    assert_string_equal(md_err_code(&a), "state_dict_mismatch");
+    assert_string_equal(a.msg, b.msg);
+    fclose(f);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1262,6 +1476,10 @@ int main(void)
         cmocka_unit_test(test_strict_mismatches_reported_together),
         cmocka_unit_test(test_architecture_table),
         cmocka_unit_test(test_zip_records),
+        cmocka_unit_test(test_tensor_by_tensor_readers),
+        cmocka_unit_test(test_safetensors_header_alone),
+        cmocka_unit_test(test_architecture_shapes_only),
+        cmocka_unit_test(test_export_equals_effective_weights),
     };
     return cmocka_run_group_tests(tests, load_expected, free_expected);
 }
