@@ -194,9 +194,12 @@ asan: deps
 
 # The real binary under faults (tests/e2e/test_faults.py, also part of make
 # test): kill -9 during 50 deploys, a full disk (a tmpfs: needs root), a
-# corrupt blob, a model that throws for some requests.
+# corrupt blob, a model that throws for some requests; and in a memory cgroup
+# of 1 GiB (test_memory_limit.py: needs a writable cgroup, skipped otherwise)
+# the hostile requests of issue 24 and 10 deploys of a 192 MB model.
 faults: all
-	MODELD_BIN=$(CURDIR)/$(MODELD) $(PYTHON) -m pytest -q tests/e2e/test_faults.py $(PYTEST_ARGS)
+	MODELD_BIN=$(CURDIR)/$(MODELD) $(PYTHON) -m pytest -q tests/e2e/test_faults.py \
+	  tests/e2e/test_memory_limit.py $(PYTEST_ARGS)
 
 # Five minutes of mixed load at 80% of capacity (predictions, deploys and
 # deletes, jobs), RSS flat after warm-up, 100 deploy/delete cycles without
