@@ -54,6 +54,12 @@ typedef struct zip_record {
 typedef struct zip_index {
     zip_record *rec;
     size_t count, cap;
+    /* the archive's folder: libtorch's reader takes it from the first entry
+     * and reads only "<it>/data/<key>"; records under another folder with
+     * the same key must not be the ones read here */
+    uint8_t top[256];
+    size_t top_len;
+    int top_set;
 } zip_index;
 
 /* Note entry `name` (nlen bytes) in `ix` when it is a storage record. */
@@ -63,6 +69,13 @@ static md_status index_entry(zip_index *ix, const uint8_t *name, size_t nlen, ui
     size_t top = 0;
     while (top < nlen && name[top] != '/')
         top++;
+    if (!ix->top_set) { /* the first entry of the directory, as libtorch */
+        ix->top_set = 1;
+        ix->top_len = top < sizeof ix->top ? top : sizeof ix->top;
+        memcpy(ix->top, name, ix->top_len);
+    }
+    if (top != ix->top_len || memcmp(name, ix->top, top) != 0)
+        return MD_OK; /* another folder's record: libtorch never reads it */
     if (nlen < top + 7 || memcmp(name + top, "/data/", 6) != 0)
         return MD_OK;
     size_t klen = nlen - top - 6;

@@ -766,7 +766,11 @@ static void run_job(md_jobs *J, int slot, const char *id)
                     int64_t top = md_classes_top(&cls, y);
                     labeled++;
                     correct += top == c->labels[i];
-                    if (conf && c->labels[i] >= 0 && c->labels[i] < classes)
+                    /* classes was fixed by this run's first chunk: a model
+                     * whose width changes with the batch (no test forward)
+                     * could give a class past it */
+                    if (conf && c->labels[i] >= 0 && c->labels[i] < classes && top >= 0 &&
+                        top < classes)
                         conf[c->labels[i] * classes + top]++;
                 }
                 if (o.kind != 2)

@@ -225,9 +225,14 @@ static md_status forward(md_model *m, int quiet, const float *input, const int64
                    "model's own succeeded (%s); forwarding without prepacking",
                    m->name, md_model_version(m), rerr.msg);
         pthread_mutex_lock(&m->pool_mu);
-        m->pool_max = 0; /* the copies in the pool go as they are taken */
-        m->pool_made--;
+        m->pool_max = 0; /* copies in a forward now go as they come back */
+        /* the idle copies go now (under the lock: a rare path, and a few
+         * at most), so resident bytes stop counting them */
+        m->pool_made -= 1 + m->pool_nfree;
         atomic_store(&m->prepacked, m->pool_made);
+        for (int i = 0; i < m->pool_nfree; i++)
+            md_torch_free(m->pool_free[i]);
+        m->pool_nfree = 0;
         pthread_cond_broadcast(&m->pool_cv);
         pthread_mutex_unlock(&m->pool_mu);
         md_torch_free(r);
@@ -553,6 +558,7 @@ static md_torch_model *pool_take(md_model *m)
             r = make_replica(m);
             pthread_mutex_lock(&m->pool_mu);
             m->pool_making--;
+            pthread_cond_broadcast(&m->pool_cv); /* pool_fill_one waits for making == 0 */
             break;
         }
         pthread_cond_wait(&m->pool_cv, &m->pool_mu);
@@ -574,7 +580,9 @@ static void pool_give(md_model *m, md_torch_model *r)
         return;
     }
     m->pool_free[m->pool_nfree++] = r;
-    pthread_cond_signal(&m->pool_cv);
+    /* two kinds of waiters share the cv (pool_take for a copy, pool_fill_one
+     * for making == 0): a signal could wake the wrong one */
+    pthread_cond_broadcast(&m->pool_cv);
     pthread_mutex_unlock(&m->pool_mu);
 }
 

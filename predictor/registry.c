@@ -386,15 +386,18 @@ md_status md_registry_admit(md_registry *r, md_model *m, int make_default, md_er
     int n = 0;
     int fits = make_room(r, 0, m, drop, &n);
     long long loaded = loaded_bytes(r), promised = r->reserved;
+    int found = 0;
     if (!fits) {
         /* over the budget with everything else in use: this one goes back
          * out, and its callers get the error. Not counted as an unload: it
-         * never served. */
+         * never served. (A delete or an unload between the put and here
+         * took it out already, and dropped the registry's reference.) */
         for (int i = 0; i < r->count; i++)
             if (r->items[i].model == m) {
                 if (r->items[i].is_default)
                     park(r, m);
                 r->items[i] = r->items[--r->count];
+                found = 1;
                 break;
             }
     }
@@ -408,7 +411,8 @@ md_status md_registry_admit(md_registry *r, md_model *m, int make_default, md_er
                 "under way); retry shortly, or raise max_loaded_bytes",
                 md_model_name(m), md_model_version(m), bytes, r->max_bytes, loaded - bytes,
                 promised);
-    md_model_release(m); /* the registry's reference */
+    if (found)
+        md_model_release(m); /* the registry's reference */
     return MD_EBUSY;
 }
 
