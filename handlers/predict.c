@@ -554,9 +554,10 @@ static void images_deferred(md_req *req)
     go_on(req, pd, m, ON_DEFERRED);
 }
 
-/* On the decode pool: decode the images (or hand a large one on), then
- * submit; a client that hung up meanwhile is not decoded for. */
-static void images_offloaded(md_req *req)
+/* On the decode pool: decode the images or rows (or read the V2 request; a
+ * large image is handed on), then submit; a client that hung up while its
+ * body waited is not decoded for (499 in the access log). */
+static void offloaded(md_req *req, where at)
 {
     pending *pd = md_req_state(req);
     md_model *m = pd->model;
@@ -566,24 +567,11 @@ static void images_offloaded(md_req *req)
         md_reply_bytes(req, 499, "application/json", NULL, 0);
         return;
     }
-    go_on(req, pd, m, ON_POOL);
+    go_on(req, pd, m, at);
 }
 
-/* On the decode pool: decode the rows (or read the V2 request), then
- * submit; a client that hung up while its body waited is not parsed for
- * (499 in the access log). */
-static void rows_offloaded(md_req *req)
-{
-    pending *pd = md_req_state(req);
-    md_model *m = pd->model;
-    pd->model = NULL;
-    if (md_req_client_gone(req)) {
-        md_model_release(m);
-        md_reply_bytes(req, 499, "application/json", NULL, 0);
-        return;
-    }
-    go_on(req, pd, m, ON_DEFERRED);
-}
+static void images_offloaded(md_req *req) { offloaded(req, ON_POOL); }
+static void rows_offloaded(md_req *req) { offloaded(req, ON_DEFERRED); }
 
 
 static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json_len,

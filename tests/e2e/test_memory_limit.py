@@ -24,6 +24,7 @@ import os
 import statistics
 import struct
 import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -40,15 +41,9 @@ BUDGET = 512 << 20  # max_loaded_bytes: two of the 192 MB models
 V1 = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
 
-MAKE_BIG = r"""
-import sys, torch
-torch.manual_seed(0)
-m = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
-                        torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
-                        torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
-                        torch.nn.Linear(4096, 10)).eval()
-torch.jit.script(m).save(sys.argv[1])
-"""
+# the 192 MB TorchScript MLP of issue 24, as bench/memory.py makes it
+sys.path.insert(0, str(REPO / "bench"))
+from memory import MAKE_BIG  # noqa: E402
 
 
 class Cgroup:
