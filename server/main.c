@@ -126,14 +126,15 @@ static void tune_malloc(void)
 {
     mallopt(M_MMAP_THRESHOLD, 32 << 20);
     mallopt(M_TRIM_THRESHOLD, 64 << 20);
-    /* One arena per core, not glibc's 8 per core: every worker thread of
-     * every version would otherwise get an arena of its own, each holding
-     * what its last batch freed (16 workers of a 192 MB model: 26 MB more
-     * than with 2 arenas on 2 cores, bench/memory.py). Threads beyond the
-     * cores share arenas; small blocks come from each thread's tcache. */
+    /* Four arenas per core, not glibc's 8: every worker thread of every
+     * version would otherwise get an arena of its own, each holding what its
+     * last batch freed. One per core held least (16 workers of a 192 MB
+     * model: 246 MB against 277 MB, bench/memory.py) but cost 5-15% more
+     * CPU a 1-row request in contention (bench/online_ab.sh); four per core
+     * kept the old speed. Small blocks come from each thread's tcache. */
     cpu_set_t set;
     int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
-    mallopt(M_ARENA_MAX, cores >= 2 ? cores : 2);
+    mallopt(M_ARENA_MAX, 4 * (cores >= 1 ? cores : 1));
 }
 
 int main(int argc, char **argv)
