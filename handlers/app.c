@@ -201,9 +201,10 @@ void md_app_forget(md_app *app, const char *name, int version)
 
 md_status md_app_load_file(md_app *app, const char *name, int version, const char *path,
                            const char *format, const char *arch_sha, json_t *config,
-                           md_model **out, md_err *err)
+                           md_model **out, long long *reserved_out, md_err *err)
 {
     *out = NULL;
+    *reserved_out = 0;
     /* make room first (see registry.c): the checkpoint's size is close to
      * what its weights will hold */
     struct stat sb;
@@ -222,7 +223,10 @@ md_status md_app_load_file(md_app *app, const char *name, int version, const cha
                                    &app->model_defaults, out, err);
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
-    md_registry_unreserve(app->registry, reserved);
+    if (st != MD_OK)
+        md_registry_unreserve(app->registry, reserved);
+    else
+        *reserved_out = reserved; /* held until md_registry_admit counts the real size */
     if (st == MD_OK)
         md_registry_note_load(app->registry, (double)(t1.tv_sec - t0.tv_sec) +
                                                  (double)(t1.tv_nsec - t0.tv_nsec) / 1e9);
@@ -233,14 +237,14 @@ md_status md_app_load_file(md_app *app, const char *name, int version, const cha
  * a state_dict into the architecture the version recorded (arch_sha256), so
  * a replaced architecture never changes what an existing version serves. */
 static md_status load_stored_weights(md_app *app, json_t *v, const char *path, md_model **m,
-                                     md_err *err)
+                                     long long *reserved, md_err *err)
 {
     const char *name = json_string_value(json_object_get(v, "model"));
     int version = (int)json_integer_value(json_object_get(v, "version"));
     const char *format = json_string_value(json_object_get(v, "format"));
     json_t *config = json_object_get(v, "config");
     if (!format || strcmp(format, MD_FORMAT_TORCHSCRIPT) == 0)
-        return md_app_load_file(app, name, version, path, format, NULL, config, m, err);
+        return md_app_load_file(app, name, version, path, format, NULL, config, m, reserved, err);
     const char *arch = json_string_value(json_object_get(v, "arch_sha256"));
     if (!arch)
         return md_err_setc(err, MD_EUNPROC, "no_architecture",
@@ -253,7 +257,7 @@ static md_status load_stored_weights(md_app *app, json_t *v, const char *path, m
                            "model %s version %d: its architecture file is missing from the store "
                            "(sha256 %.64s)",
                            name, version, arch);
-    return md_app_load_file(app, name, version, path, format, arch, config, m, err);
+    return md_app_load_file(app, name, version, path, format, arch, config, m, reserved, err);
 }
 
 /* Load the stored version described by `v` (its row from the store) and
@@ -261,8 +265,9 @@ static md_status load_stored_weights(md_app *app, json_t *v, const char *path, m
  * model with one reference, or NULL with `err` set. Blocks on libtorch and
  * SQLite; called only by load_once, so every load of a stored version goes
  * through its once-only slots. */
-static md_model *load_version(md_app *app, json_t *v, md_err *err)
+static md_model *load_version(md_app *app, json_t *v, long long *reserved, md_err *err)
 {
+    *reserved = 0;
     const char *name = json_string_value(json_object_get(v, "model"));
     int version = (int)json_integer_value(json_object_get(v, "version"));
     char path[4096];
@@ -279,7 +284,7 @@ static md_model *load_version(md_app *app, json_t *v, md_err *err)
                          "(sha256 %.64s); retry, or upload the version again",
                          name, version, json_string_value(json_object_get(v, "sha256")));
     else
-        st = load_stored_weights(app, v, path, &m, err);
+        st = load_stored_weights(app, v, path, &m, reserved, err);
     /* no room under max_loaded_bytes says nothing about the version */
     if (st != MD_EBUSY && !over_budget(err))
         md_store_set_state(app->store, name, version, st == MD_OK ? "ready" : "failed",
@@ -440,7 +445,8 @@ static md_model *load_once(md_app *app, json_t *v, unsigned long seen_epoch, con
         md_log(MD_LOG_INFO, "model %s version %d: loading %s", name, version, why);
         md_err lerr;
         md_err_clear(&lerr);
-        m = load_version(app, v, &lerr);
+        long long reserved = 0;
+        m = load_version(app, v, &reserved, &lerr);
         /* The registry gets it only while the row is still the one loaded: a
          * delete (or a delete and a new upload of the same number) during
          * the load must not find the old model back in the registry. When
@@ -471,13 +477,15 @@ static md_model *load_once(md_app *app, json_t *v, unsigned long seen_epoch, con
             /* the registry's reference; with the real size the budget may
              * unload others, or refuse this one when the rest is in use */
             md_model_retain(m);
-            if (md_registry_admit(app->registry, m, 0, &lerr) != MD_OK) {
+            if (md_registry_admit(app->registry, m, 0, reserved, &lerr) != MD_OK) {
                 md_log(MD_LOG_WARN, "model %s version %d not kept loaded: %s", name, version,
                        lerr.msg);
                 md_model_release(m);
                 m = NULL;
             }
         }
+        else
+            md_registry_unreserve(app->registry, reserved);
         settled++;
         pthread_cond_broadcast(&arrival_cv);
         s->done = 1;

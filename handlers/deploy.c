@@ -278,8 +278,9 @@ md_status md_deploy_commit(md_req *req, deploy_req *d, const char *sha, long lon
         md_reply_error(req, &err);
         return err.status;
     }
+    long long reserved = 0; /* under max_loaded_bytes, until admitted or released */
     if (md_app_load_file(app, d->name, d->version, path, format, arch_sha, d->config, &model,
-                         &err) != MD_OK) {
+                         &reserved, &err) != MD_OK) {
         md_blob_abort(blob);
         if (config_from) {
             md_err inner = err;
@@ -298,6 +299,7 @@ md_status md_deploy_commit(md_req *req, deploy_req *d, const char *sha, long lon
                     "the model's weights hold %lld bytes, more than max_loaded_bytes (%lld) "
                     "allows for all loaded versions together; raise max_loaded_bytes",
                     md_model_weight_bytes(model), budget);
+        md_registry_unreserve(app->registry, reserved);
         md_model_release(model);
         md_blob_abort(blob);
         md_reply_error(req, &err);
@@ -327,6 +329,7 @@ md_status md_deploy_commit(md_req *req, deploy_req *d, const char *sha, long lon
      * what app.c remembered about this name is stale */
     md_app_forget(app, d->name, 0);
     if (st != MD_OK) {
+        md_registry_unreserve(app->registry, reserved);
         md_model_release(model);
         json_decref(version);
         md_reply_error(req, &err);
@@ -340,10 +343,11 @@ md_status md_deploy_commit(md_req *req, deploy_req *d, const char *sha, long lon
         !json_is_true(json_object_get(version, "removed_by_retention"))) {
         md_model_set_version(model, number);
         md_err aerr;
-        if (md_registry_admit(app->registry, model, 1, &aerr) != MD_OK)
+        if (md_registry_admit(app->registry, model, 1, reserved, &aerr) != MD_OK)
             md_log(MD_LOG_WARN, "model %s version %d is the default but not kept loaded (its "
                    "next request loads it): %s", d->name, number, aerr.msg);
     } else {
+        md_registry_unreserve(app->registry, reserved);
         md_model_release(model);
     }
     md_app_add_residency(app, version);

@@ -165,13 +165,16 @@ md_model *md_app_load_stored(md_app *app, const char *name, int version, int mak
  * with `config` (borrowed, may be NULL): a TorchScript archive alone when
  * `arch_sha` is NULL or "", else a state_dict of `format` into the
  * architecture blob `arch_sha`. Does not touch the registry or the store's
- * rows. *out gets a new reference. The one call into md_model_load*: the
+ * rows. *out gets a new reference, and *reserved the bytes promised to it
+ * under max_loaded_bytes, which the caller gives back through
+ * md_registry_admit (or md_registry_unreserve when it does not admit it);
+ * 0 on failure. The one call into md_model_load*: the
  * once-only slots use it for stored versions, md_deploy_commit to validate
  * an upload before it is stored. Blocks on libtorch (deferred threads only);
  * thread-safe. */
 md_status md_app_load_file(md_app *app, const char *name, int version, const char *path,
                            const char *format, const char *arch_sha, json_t *config,
-                           md_model **out, md_err *err);
+                           md_model **out, long long *reserved, md_err *err);
 /* Add what the registry says of the stored version `v` (a version row as
  * the store answers it; changed in place): "loaded", "resident_bytes" (0
  * when not loaded) and "last_used" (ISO time of its last use, null when not

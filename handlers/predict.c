@@ -956,23 +956,49 @@ void md_handle_v2_model_version(md_req *req)
         v2_model_meta(req, v);
 }
 
-/* {"name", "ready"}: 200 when the version is loaded here, 503 while it is
- * not (yet); 404 when the model does not exist. */
+/* {"name", "ready", "loaded"}: 200 when the version serves a request now:
+ * loaded here, or stored and not failed (its first request loads it, as
+ * for a default unloaded to free memory under max_loaded_bytes: a load
+ * balancer must not take the replica out of rotation for that). 503 while
+ * the server starts or drains, for a model without a default, and for a
+ * version whose load failed (with the reason); 404 when the model or the
+ * version does not exist. */
 static void model_ready(md_req *req, const char *name, int version)
 {
     md_app *app = md_req_app(req);
     md_model *m = md_registry_get(app->registry, name, version);
     md_model_release(m);
-    if (!m) {
-        md_err err;
-        json_t *info = NULL;
-        if (md_store_get_model(app->store, name, &info, &err) != MD_OK) {
-            md_reply_error(req, &err);
-            return;
-        }
-        json_decref(info);
+    if (m && atomic_load(&app->ready) == MD_READY) {
+        md_reply_json(req, 200, json_pack("{s:s,s:b,s:b}", "name", name, "ready", 1, "loaded", 1));
+        return;
     }
-    md_reply_json(req, m ? 200 : 503, json_pack("{s:s,s:b}", "name", name, "ready", m != NULL));
+    md_err err;
+    json_t *info = NULL;
+    if (md_store_get_model(app->store, name, &info, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    int v = version;
+    if (!v)
+        v = (int)json_integer_value(json_object_get(info, "default_version"));
+    json_decref(info);
+    json_t *row = NULL;
+    if (v && md_store_get_version(app->store, name, v, &row, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    const char *state = json_string_value(json_object_get(row, "state"));
+    int failed = state && strcmp(state, "failed") == 0;
+    int ready = v && !failed && atomic_load(&app->ready) == MD_READY;
+    json_t *out = json_pack("{s:s,s:b,s:b}", "name", name, "ready", ready, "loaded", m != NULL);
+    if (!ready) {
+        const char *why = !v ? "the model has no default version"
+                          : failed ? json_string_value(json_object_get(row, "state_reason"))
+                          : "the server is starting or shutting down";
+        json_object_set_new(out, "reason", json_string(why ? why : "its load failed"));
+    }
+    json_decref(row);
+    md_reply_json(req, ready ? 200 : 503, out);
 }
 
 static void v2_model_ready(md_req *req, int version)

@@ -917,6 +917,10 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
                                 md_alive_fn alive, void *ctx, md_err *err)
 {
     md_status st;
+    if ((st = md_model_start(m, err)) != MD_OK) {
+        md_tensor_free(in);
+        return st;
+    }
     if (in->ndim == 1) {
         /* a flat list is one row */
         in->shape[1] = in->shape[0];

@@ -287,6 +287,27 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
         }
     }
     m->load_s = now_s() - load_t0;
+    /* no workers yet: they start when the version is admitted to serve
+     * (md_registry_put) or its first request comes, so a version that is
+     * only validated (a deploy that does not become the default) never
+     * starts threads nor makes packed copies */
+    *out = m;
+    return MD_OK;
+}
+
+md_status md_model_start(md_model *m, md_err *err)
+{
+    if (atomic_load_explicit(&m->running, memory_order_acquire))
+        return MD_OK; /* every request asks: no lock once started */
+    pthread_mutex_lock(&m->mu);
+    if (m->started) {
+        int failed = m->start_failed;
+        pthread_mutex_unlock(&m->mu);
+        return failed ? md_err_set(err, MD_EBUSY, "cannot start the worker threads of model %s "
+                                                  "version %d; lower its workers",
+                                   m->name, md_model_version(m))
+                      : MD_OK;
+    }
     /* `workers` online workers, then as many job workers */
     int total = 2 * m->workers;
     m->live_workers = total;
@@ -300,22 +321,23 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
         pthread_attr_destroy(&attr);
         if (rc != 0) {
             md_batcher_live_add(-(total - i));
-            if (i == 0) {
-                md_model_destroy(m);
+            m->live_workers -= total - i;
+            if (i == 0) { /* none started: the next request tries again */
+                pthread_mutex_unlock(&m->mu);
             } else {
-                /* the started workers exit at once; the last one frees m */
-                pthread_mutex_lock(&m->mu);
-                m->live_workers -= total - i;
-                m->stopping = 1;
-                pthread_cond_broadcast(&m->cv[0]);
-                pthread_cond_broadcast(&m->cv[1]);
+                /* the started ones wait, with nothing queued, for the last
+                 * release (which stops them; the last one frees m) */
+                m->started = 1;
+                m->start_failed = 1;
                 pthread_mutex_unlock(&m->mu);
             }
             return md_err_set(err, MD_EBUSY, "cannot start %d worker threads for model %s (%s); "
-                              "lower its workers", total, name, strerror(rc));
+                              "lower its workers", total, m->name, strerror(rc));
         }
     }
-    *out = m;
+    m->started = 1;
+    atomic_store_explicit(&m->running, 1, memory_order_release);
+    pthread_mutex_unlock(&m->mu);
     return MD_OK;
 }
 
@@ -327,9 +349,13 @@ void md_model_release(md_model *m)
         return;
     pthread_mutex_lock(&m->mu);
     m->stopping = 1;
+    /* no worker runs (never started, or none could be): nobody else frees it */
+    int unattended = m->live_workers == 0;
     pthread_cond_broadcast(&m->cv[0]);
     pthread_cond_broadcast(&m->cv[1]);
     pthread_mutex_unlock(&m->mu);
+    if (unattended)
+        md_model_destroy(m);
 }
 
 const char *md_model_name(const md_model *m) { return m->name; }

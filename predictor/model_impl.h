@@ -88,6 +88,9 @@ struct md_model {
     pthread_cond_t cv[2];      /* per queue: its pool of workers waits on it */
     queue q[2];
     int stopping;
+    int started;               /* md_model_start ran (its workers are live_workers) */
+    int start_failed;          /* ... and could not start them all: requests are refused */
+    atomic_int running;        /* started, all of them: md_model_start's lock-free answer */
     int live_workers;
     /* online pool, under mu (see wake_online) */
     int busy;                  /* workers that took rows and have not come back */

@@ -77,8 +77,8 @@ typedef struct md_model_defaults {
 /*
  * Load version `version` of model `name` from the TorchScript file `path`
  * with its `config` (borrowed), run one test forward on the declared input
- * shape, and start its batching workers. Returns a model holding one
- * reference. MD_EUNPROC with libtorch's message when it does not load or the
+ * shape. Returns a model holding one reference; its batching workers start
+ * with md_model_start (the registry's put, or its first request). MD_EUNPROC with libtorch's message when it does not load or the
  * test forward fails.
  */
 md_status md_model_load(const char *name, int version, const char *path, json_t *config,
@@ -93,6 +93,12 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
                                 const char *weights_path, const char *weights_format,
                                 json_t *config, const md_model_defaults *defaults, md_model **out,
                                 md_err *err);
+
+/* Start the version's batching workers (and the packed copies they make),
+ * once; later calls return at once. md_registry_put and every submit call
+ * it, so a version that is only loaded to be validated costs no threads.
+ * MD_EBUSY when the threads cannot be created. Thread-safe. */
+md_status md_model_start(md_model *m, md_err *err);
 
 /* Reference counting; the last release stops the workers (after the queue is
  * empty) and frees the model. Thread-safe; release accepts NULL. */
@@ -392,8 +398,12 @@ void md_registry_unreserve(md_registry *r, long long reserved);
  * last) are unloaded until everything fits. Takes the caller's reference
  * even on failure: MD_ETOOBIG when `m` alone is larger than the budget,
  * MD_EBUSY (naming max_loaded_bytes) when the versions in use leave no room;
- * `m` is not in the registry then. */
-md_status md_registry_admit(md_registry *r, md_model *m, int make_default, md_err *err);
+ * `m` is not in the registry then. `reserved` (md_registry_reserve's promise
+ * for this load, 0 for none) is given back in the same step that counts m's
+ * real size, whatever the outcome, so two loads never count on the same
+ * free bytes. */
+md_status md_registry_admit(md_registry *r, md_model *m, int make_default, long long reserved,
+                            md_err *err);
 /* Make a loaded version the default; 0 when it is not loaded. */
 int md_registry_set_default(md_registry *r, const char *name, int version);
 /* Drop one version (version 0: every version of `name`), releasing the

@@ -279,8 +279,24 @@ int md_registry_default_version(md_registry *r, const char *name)
 
 /* ---- changes ---- */
 
+static void md_registry_put_reserved(md_registry *r, md_model *m, int make_default,
+                                     long long reserved);
+
 void md_registry_put(md_registry *r, md_model *m, int make_default)
 {
+    md_registry_put_reserved(r, m, make_default, 0);
+}
+
+/* md_registry_put that also gives back `reserved` (promised to the load of
+ * `m`) in the same critical section that adds m's real size. */
+static void md_registry_put_reserved(md_registry *r, md_model *m, int make_default,
+                                     long long reserved)
+{
+    /* it serves from now on: its workers start (and pack) before the first
+     * request comes; a failure is the first request's error too */
+    md_err serr;
+    if (md_model_start(m, &serr) != MD_OK)
+        md_log(MD_LOG_WARN, "%s", serr.msg);
     md_model *drop[2] = {NULL, NULL};
     pthread_mutex_lock(&r->mu);
     int slot = -1;
@@ -313,6 +329,8 @@ void md_registry_put(md_registry *r, md_model *m, int make_default)
         slot = r->count++;
         r->items[slot].is_default = 0;
     }
+    if (reserved > 0)
+        r->reserved -= reserved;
     int was_default = drop[0] && r->items[slot].model == drop[0] && r->items[slot].is_default;
     r->items[slot].model = m;
     r->items[slot].is_default = make_default || was_default;
@@ -366,10 +384,12 @@ void md_registry_unreserve(md_registry *r, long long reserved)
     pthread_mutex_unlock(&r->mu);
 }
 
-md_status md_registry_admit(md_registry *r, md_model *m, int make_default, md_err *err)
+md_status md_registry_admit(md_registry *r, md_model *m, int make_default, long long reserved,
+                            md_err *err)
 {
     long long bytes = md_model_weight_bytes(m);
     if (r->max_bytes > 0 && bytes > r->max_bytes) {
+        md_registry_unreserve(r, reserved);
         md_err_setc(err, MD_ETOOBIG, "model_over_budget",
                     "model %s version %d holds %lld bytes of weights, more than "
                     "max_loaded_bytes (%lld) allows for all loaded versions together; raise "
@@ -378,9 +398,13 @@ md_status md_registry_admit(md_registry *r, md_model *m, int make_default, md_er
         md_model_release(m);
         return MD_ETOOBIG;
     }
-    md_registry_put(r, m, make_default);
-    if (r->max_bytes <= 0)
+    if (r->max_bytes <= 0) {
+        md_registry_put(r, m, make_default);
         return MD_OK;
+    }
+    /* the promise becomes the real size in one step under the lock: given
+     * back before the put, another load could count on the same bytes */
+    md_registry_put_reserved(r, m, make_default, reserved);
     pthread_mutex_lock(&r->mu);
     md_model **drop = drop_list(r);
     int n = 0;

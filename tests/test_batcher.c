@@ -524,6 +524,8 @@ static md_model *load_ex(const char *name, int version, const char *config, int 
         fail_msg("md_model_load: %d (%s)", (int)st, err.msg);
     assert_non_null(m);
     md_model_set_version(m, version);
+    /* served from now on, as md_registry_put starts it */
+    assert_int_equal(md_model_start(m, &err), MD_OK);
     hold(m);
     if (fake_id)
         *fake_id = id_before;
@@ -1616,8 +1618,7 @@ static md_status admit(const char *name, int version, int make_default, int *fak
     for (int i = 0; i < 16; i++)
         if (g_held[i] == m)
             g_held[i] = NULL; /* the registry takes the reference */
-    md_registry_unreserve(g_reg, reserved);
-    return md_registry_admit(g_reg, m, make_default, err);
+    return md_registry_admit(g_reg, m, make_default, reserved, err);
 }
 
 static int is_loaded(const char *name, int version)
@@ -1692,6 +1693,52 @@ static void test_registry_budget(void **state)
     assert_int_equal(md_registry_default_version(g_reg, "a"), 1);
     md_registry_remove(g_reg, "a", 1);
     assert_int_equal(md_registry_default_version(g_reg, "a"), 0);
+}
+
+/* The bytes promised to a load go back in the step that counts the loaded
+ * version's real size: were they given back before (or never), the next
+ * load would find the budget full of a promise. */
+static void test_registry_admit_takes_back_the_promise(void **state)
+{
+    (void)state;
+    g_reg = md_registry_new();
+    md_registry_set_budget(g_reg, 2000);
+    md_err err;
+    int id[3];
+    assert_int_equal(admit("a", 1, 1, &id[1], &err), MD_OK);
+    md_model *busy = md_registry_get(g_reg, "a", 1);
+    long long reserved = 0;
+    assert_int_equal(md_registry_reserve(g_reg, "a", 2, 1000, &reserved, &err), MD_OK);
+    assert_int_equal(reserved, 1000);
+    /* with 1 loaded and 2 promised, a third has no room while 1 is in use */
+    long long third = -1;
+    assert_int_equal(md_registry_reserve(g_reg, "a", 3, 1000, &third, &err), MD_EBUSY);
+    md_model *m = load_ex("a", 2, ROW2, 1, 64, 0, 100, 10000, &id[2]);
+    for (int i = 0; i < 16; i++)
+        if (g_held[i] == m)
+            g_held[i] = NULL;
+    assert_int_equal(md_registry_admit(g_reg, m, 0, reserved, &err), MD_OK);
+    assert_true(is_loaded("a", 1) && is_loaded("a", 2));
+    /* 2000 loaded, nothing promised: version 2 (idle) goes for a third */
+    assert_int_equal(md_registry_reserve(g_reg, "a", 3, 1000, &third, &err), MD_OK);
+    assert_true(is_loaded("a", 1) && !is_loaded("a", 2));
+    md_registry_unreserve(g_reg, third);
+    /* a refused admit gives its promise back too */
+    pthread_mutex_lock(&g_mu);
+    g_resident = 5000;
+    pthread_mutex_unlock(&g_mu);
+    assert_int_equal(md_registry_reserve(g_reg, "b", 1, 1000, &reserved, &err), MD_OK);
+    md_model *big = load_ex("b", 1, ROW2, 1, 64, 0, 100, 10000, &id[0]);
+    for (int i = 0; i < 16; i++)
+        if (g_held[i] == big)
+            g_held[i] = NULL;
+    assert_int_equal(md_registry_admit(g_reg, big, 1, reserved, &err), MD_ETOOBIG);
+    pthread_mutex_lock(&g_mu);
+    g_resident = 1000;
+    pthread_mutex_unlock(&g_mu);
+    assert_int_equal(md_registry_reserve(g_reg, "a", 3, 1000, &third, &err), MD_OK);
+    md_registry_unreserve(g_reg, third);
+    md_model_release(busy);
 }
 
 typedef struct stress_arg {
@@ -1875,6 +1922,51 @@ static int batches_where(int replica)
 /* Each online worker makes its replica before its first request and every
  * forward runs on one; two threads never share one; job workers make theirs
  * at their first chunk; all are freed with the model. */
+/* A version only loaded (a deploy's validation of a version that does not
+ * become the default) starts no worker and makes no packed copy; released,
+ * it is freed at once. Its first request starts them. */
+static void test_loaded_version_starts_workers_when_used(void **state)
+{
+    (void)state;
+    g_prepack_max = 1 << 20;
+    setenv("MD_TEST_CORES", "2", 1);
+    md_model_defaults def = {.workers = 2, .max_batch_size = 64, .max_delay_us = 0,
+                             .queue_limit = 1000, .timeout_ms = 10000,
+                             .prepack_max_bytes = g_prepack_max};
+    assert_int_equal(md_models_wait_stopped(WAIT_S), 0); /* the tests before have stopped */
+    json_t *cfg = json_loads(ROW2, 0, NULL);
+    md_model *m = NULL;
+    md_err err;
+    md_err_clear(&err);
+    int id = locked_int(&g_next_id);
+    g_loading = 1;
+    assert_int_equal(md_model_load("v", 1, "fake-v", cfg, &def, &m, &err), MD_OK);
+    g_loading = 0;
+    /* no thread of it is alive, and none made a copy */
+    assert_int_equal(md_models_wait_stopped(0), 0);
+    pthread_mutex_lock(&g_mu);
+    int made = g_replica_calls;
+    pthread_mutex_unlock(&g_mu);
+    assert_int_equal(made, 0);
+    md_model_release(m);
+    ASSERT_WAIT(g_free_seq[id] != 0);
+
+    /* the same, asked to predict: its workers start then */
+    g_loading = 1;
+    assert_int_equal(md_model_load("v", 2, "fake-v2", cfg, &def, &m, &err), MD_OK);
+    g_loading = 0;
+    json_decref(cfg);
+    md_model_set_version(m, 2);
+    hold(m);
+    submit_ok(m, 0, 1, 2, (const float[]){3, 1});
+    ASSERT_WAIT(reqs_done(0, 1));
+    assert_int_equal(g_req[0].st, MD_OK);
+    assert_true(g_req[0].out[0] == 6.0f);
+    assert_true(md_models_wait_stopped(0) > 0);
+    drop(m);
+    unsetenv("MD_TEST_CORES");
+}
+
 static void test_prepack_copies_are_a_pool(void **state)
 {
     (void)state;
@@ -2271,9 +2363,11 @@ int main(void)
         T(test_registry_swap_drains_old),
         T(test_registry_versions),
         T(test_registry_budget),
+        T(test_registry_admit_takes_back_the_promise),
         T(test_concurrent_submitters),
         T(test_release_drains_queue),
         T(test_eight_dim_row_shape),
+        T(test_loaded_version_starts_workers_when_used),
         T(test_prepack_copies_are_a_pool),
         T(test_prepack_pool_is_bounded_by_cores_and_bytes),
         T(test_prepack_off),

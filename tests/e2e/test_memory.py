@@ -247,6 +247,30 @@ def test_packed_copies_count_in_resident_bytes(start_server, models):
     assert body["resident_bytes"] >= size + copies * (size * 9 // 10), (body, copies, size)
 
 
+def test_a_version_only_validated_makes_no_packed_copies(start_server, models):
+    """A make_default=false deploy is loaded and tested, then not kept: it
+    starts no workers, so no packed copy of its weights is made for it
+    (each would be another copy of its linear weights, for nothing). Its
+    first request starts them."""
+    paths, _ = models
+    srv = start_server("--workers", "2", "--log-level", "debug")
+    packed = re.compile(r"model m version (\d+): packed \d+ bytes")
+    for i, make_default in ((0, True), (1, False)):
+        with open(paths[i], "rb") as f:
+            r = srv.request("POST", "/models/m/versions", files={"checkpoint": f},
+                            data={"config": json.dumps({"input": {"shape": [WIDTH_IN]}}),
+                                  "make_default": "true" if make_default else "false"},
+                            timeout=60 * TSCALE)
+        assert r.status_code == 201, r.text
+    predict(srv)  # the default's workers have packed (a forward waits for a copy)
+    wait_for(lambda: "1" in packed.findall(srv.stderr), "version 1's packed copies")
+    # only the default's: nothing for the validated version (numbered 0
+    # while it was validated, or 2)
+    assert set(packed.findall(srv.stderr)) == {"1"}, srv.stderr[-2000:]
+    assert predict(srv, 2).json()["version"] == 2
+    wait_for(lambda: "2" in packed.findall(srv.stderr), "version 2's packed copies")
+
+
 def test_operator_load_and_unload(start_server, models):
     paths, size = models
     s = start_server("--admin-token", ADMIN)
@@ -275,7 +299,18 @@ def test_operator_load_and_unload(start_server, models):
     r = s.request("POST", "/models/m/versions/1/unload", headers=auth)
     assert r.status_code == 200 and r.json()["loaded"] is False and r.json()["default"], r.text
     assert loaded(s) == {1: False, 2: False}
+    # unloaded to free memory, it still serves (its next request loads it):
+    # readiness probes must not take the replica out of rotation for it
+    for path in ("/v2/models/m/ready", "/v2/models/m/versions/1/ready",
+                 "/v2/models/m/versions/2/ready", "/v1/models/m"):
+        r = s.get(path, headers=auth)
+        assert r.status_code == 200, (path, r.text)
+        assert r.json()["ready"] is True and r.json()["loaded"] is False, (path, r.text)
+    r = s.get("/v2/models/m/versions/9/ready", headers=auth)
+    assert r.status_code == 404, r.text
     assert s.request("POST", "/predict", json=ROW).json()["version"] == 1
+    r = s.get("/v2/models/m/ready", headers=auth)
+    assert r.status_code == 200 and r.json()["loaded"] is True, r.text
     assert loaded(s) == {1: True, 2: False}
     # loading the default again keeps it the default
     s.request("POST", "/models/m/versions/1/unload", headers=auth)

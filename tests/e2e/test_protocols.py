@@ -283,7 +283,7 @@ def test_v1_predict_and_ready(server):
     deploy_mlp(server)
     r = server.request("GET", "/v1/models/mlp")
     assert r.status_code == 200, r.text
-    assert r.json() == {"name": "mlp", "ready": True}
+    assert r.json() == {"name": "mlp", "ready": True, "loaded": True}
     r = server.request("POST", "/v1/models/mlp:predict",
                        data=json.dumps({"instances": MLP_IN.tolist()}),
                        headers={"Content-Type": "application/json"})
