@@ -10,9 +10,9 @@ What must hold, as an operator would check it:
   server answers at the end);
 - every answer is a 2xx, a 4xx or a 503 (with Retry-After), never a reset
   or a 500;
-- /healthz answers throughout (every probe 200, the slowest under 100 ms at
-  the median of the run and under 1 s at worst: a probe that waits on
-  memory reclaim or a blocked thread would show there).
+- /healthz answers throughout (every probe 200, each under 100 ms, measured
+  from a process of its own: a probe that waits on memory reclaim or a
+  blocked thread would show there).
 
 cgroup v1 (these machines: /sys/fs/cgroup/memory, writable as root) or v2
 (memory.max); skipped, saying why, where neither is writable. `make faults`
@@ -25,7 +25,6 @@ import statistics
 import struct
 import subprocess
 import sys
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -143,24 +142,36 @@ def v2_with_junk(mb=30):
     return (head + ', "parameters": {"junk": [' + "{}," * (n - 1) + "{}]}}").encode()
 
 
+# /healthz every 20 ms until a line on stdin; one JSON line [seconds, status]
+# per probe (a status, or the exception's repr)
+PROBER = r"""
+import json, sys, threading, time, urllib.request
+url = sys.argv[1] + "/healthz"
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+while not stop.is_set():
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            r.read()
+            st = r.status
+    except Exception as e:
+        st = repr(e)
+    print(json.dumps([time.monotonic() - t0, st]), flush=True)
+    stop.wait(0.02)
+"""
+
+
 def test_a_memory_limited_server_is_never_killed(start_server, cgroup, big_model, tmp_path):
     srv = start_server("--max-loaded-bytes", str(BUDGET), "--workers", "2", wait=False)
     srv.argv = cgroup.wrap(srv.argv)
     srv.start()
     assert str(srv.proc.pid) in (cgroup.path / "cgroup.procs").read_text().split()
     answers = []
-    probes = []
-    stop = threading.Event()
-
-    def probe():
-        while not stop.is_set():
-            t0 = time.monotonic()
-            try:
-                r = requests.get(srv.url + "/healthz", timeout=10)
-                probes.append((time.monotonic() - t0, r.status_code))
-            except requests.RequestException as e:
-                probes.append((time.monotonic() - t0, repr(e)))
-            stop.wait(0.02)
+    # the prober is a process of its own: in this one, building a 60 MB body
+    # holds the GIL and its time would be counted as the server's
+    prober = subprocess.Popen([sys.executable, "-c", PROBER, srv.url],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def record(what, fn):
         try:
@@ -171,8 +182,6 @@ def test_a_memory_limited_server_is_never_killed(start_server, cgroup, big_model
             answers.append((what, repr(e), None, ""))
             return None
 
-    prober = threading.Thread(target=probe)
-    prober.start()
     try:
         # a small version that takes images, for the PNG below
         with open(REPO / "examples" / "fashion_mnist" / "model.pt", "rb") as f:
@@ -211,8 +220,8 @@ def test_a_memory_limited_server_is_never_killed(start_server, cgroup, big_model
         record("predict m9", lambda: requests.post(srv.url + "/models/m9/predict",
                                                    json=[[0.5] * 4096], timeout=300 * TSCALE))
     finally:
-        stop.set()
-        prober.join()
+        out, _ = prober.communicate("stop\n", timeout=60)
+    probes = [json.loads(line) for line in out.splitlines()]
     alive = srv.proc.poll() is None
     kills = cgroup.oom_kills()
     summary = "\n".join(f"  {a}" for a in answers)
@@ -233,7 +242,10 @@ def test_a_memory_limited_server_is_never_killed(start_server, cgroup, big_model
         assert 400 <= st < 500 or st == 200, f"{what}: {st}\n{summary}"
     failed = [p for p in probes if p[1] != 200]
     assert not failed, f"/healthz failed: {failed[:5]}"
-    assert statistics.median(lat) < 0.1 and lat[-1] < 1.0 * TSCALE, \
+    # measured 0.7 ms median, 5-6 ms at worst on a 2-core machine (the
+    # slowest 18-125 ms seen before were this test's own GIL, when the
+    # prober was a thread beside the code building 60 MB bodies)
+    assert statistics.median(lat) < 0.1 and lat[-1] < 0.1 * TSCALE, \
         f"/healthz median {statistics.median(lat):.3f} s, max {lat[-1]:.3f} s"
     r = requests.get(srv.url + "/healthz", timeout=10)
     assert r.status_code == 200
