@@ -203,8 +203,54 @@ static void pool_give(md_model *m, md_torch_model *r);
  * copy's is the width check it was given, split_with_sizes, which is no part
  * of the user's model). `quiet`: the model's failure is not logged either
  * (run_pieces says when). */
-static md_status forward(md_model *m, int quiet, const float *input, const int64_t *shape,
-                         int ndim, float **out, int64_t *out_shape, int *out_ndim, md_err *err)
+static md_status forward_on(md_model *m, int quiet, const float *input, const int64_t *shape,
+                            int ndim, float **out, int64_t *out_shape, int *out_ndim,
+                            md_err *err);
+
+/* ---- forward slots: at most one forward per core and queue at once ----
+ *
+ * Workers beyond the cores (16 on 2 cores, or many versions' workers) would
+ * otherwise all forward at once, time-sliced: no faster, and each holds its
+ * batch's activations and its BLAS buffer meanwhile, in its own malloc
+ * arena, which keeps them afterwards (bench/memory.py: a 192 MB model at 16
+ * workers on 2 cores held 240-289 MB, 226-237 MB with the slots). Online
+ * and job forwards have slots of their own, so a job never takes one an
+ * online request waits for. Admission is in arrival order (a ticket), so no
+ * worker starves. Process-wide: the cores are. */
+typedef struct fwd_slots {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    unsigned long next, done; /* tickets handed out, forwards finished */
+} fwd_slots;
+static fwd_slots slots[2] = {
+    {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0},
+    {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0},
+};
+
+static md_status forward(md_model *m, int qi, int quiet, const float *input,
+                         const int64_t *shape, int ndim, float **out, int64_t *out_shape,
+                         int *out_ndim, md_err *err)
+{
+    fwd_slots *f = &slots[qi];
+    unsigned long cap = (unsigned long)md_batcher_cores();
+    pthread_mutex_lock(&f->mu);
+    unsigned long ticket = f->next++;
+    while (ticket >= f->done + cap) /* the earlier tickets hold every slot */
+        pthread_cond_wait(&f->cv, &f->mu);
+    pthread_mutex_unlock(&f->mu);
+    md_status st = forward_on(m, quiet, input, shape, ndim, out, out_shape, out_ndim, err);
+    pthread_mutex_lock(&f->mu);
+    int waiting = f->next - f->done > cap;
+    f->done++;
+    if (waiting)
+        pthread_cond_broadcast(&f->cv); /* the next ticket, whichever thread holds it */
+    pthread_mutex_unlock(&f->mu);
+    return st;
+}
+
+static md_status forward_on(md_model *m, int quiet, const float *input, const int64_t *shape,
+                            int ndim, float **out, int64_t *out_shape, int *out_ndim,
+                            md_err *err)
 {
     md_status (*model_forward)(md_torch_model *, const float *, const int64_t *, int, float **,
                                int64_t *, int *, md_err *) =
@@ -290,7 +336,7 @@ static const md_err *explain_rows(const md_model *m, const item *it, const md_er
     return buf;
 }
 
-static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **batch_p,
+static void run_pieces(md_model *m, int qi, piece *pieces, int n, int64_t rows, float **batch_p,
                        size_t *batch_cap_p)
 {
     float *batch = *batch_p;
@@ -345,7 +391,7 @@ static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **
          * that has failed already changes nothing in its answer. */
         int quiet = n > 1 || atomic_load(&first->failed);
         double t0 = now_s();
-        st = forward(m, quiet, input, shape, ndim, &out, out_shape, &out_ndim, &ferr);
+        st = forward(m, qi, quiet, input, shape, ndim, &out, out_shape, &out_ndim, &ferr);
         md_hist_observe(&m->forward_hist, now_s() - t0);
     }
     if (st == MD_OK && (out_ndim < 1 || out_shape[0] != rows)) {
@@ -377,8 +423,8 @@ static void run_pieces(md_model *m, piece *pieces, int n, int64_t rows, float **
         int64_t first_rows = 0;
         for (int i = 0; i < half; i++)
             first_rows += pieces[i].rows;
-        run_pieces(m, pieces, half, first_rows, batch_p, batch_cap_p);
-        run_pieces(m, pieces + half, n - half, rows - first_rows, batch_p, batch_cap_p);
+        run_pieces(m, qi, pieces, half, first_rows, batch_p, batch_cap_p);
+        run_pieces(m, qi, pieces + half, n - half, rows - first_rows, batch_p, batch_cap_p);
         return;
     }
     atomic_fetch_add(&m->n_batches, 1);
@@ -474,11 +520,19 @@ int md_batcher_cores(void)
     const char *t = getenv("MD_TEST_CORES");
     if (t && atoi(t) > 0)
         return atoi(t);
+    static atomic_int cached; /* asked on every forward: one syscall, once */
+    int c = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (c > 0)
+        return c;
     cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
-        return CPU_COUNT(&set);
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int)n : 1;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {
+        c = CPU_COUNT(&set);
+    } else {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        c = n > 0 ? (int)n : 1;
+    }
+    atomic_store_explicit(&cached, c, memory_order_relaxed);
+    return c;
 }
 
 /* Make one packed copy, counted in pool_made; NULL when there is none to
@@ -768,7 +822,7 @@ static void worker_loop(md_model *m, int qi)
         if (n == 0)
             continue;
         double t0 = qi == 0 ? now_s() : 0;
-        run_pieces(m, pieces, n, rows, &batch, &batch_cap);
+        run_pieces(m, qi, pieces, n, rows, &batch, &batch_cap);
         if (qi == 0)
             fwd_s = now_s() - t0;
         /* a large gather buffer is not kept between batches: 16 workers of

@@ -2052,6 +2052,35 @@ static void test_prepack_pool_is_bounded_by_cores_and_bytes(void **state)
     unsetenv("MD_TEST_CORES");
 }
 
+/* 8 workers on 2 cores forward 2 at a time: once every worker has taken a
+ * request (none queued, none idle), exactly 2 are inside a forward and the
+ * other 6 wait for a slot; a job's forward has slots of its own, so it runs
+ * while the online ones are all taken; every request is answered. */
+static void test_forwards_at_once_are_bounded_by_cores(void **state)
+{
+    (void)state;
+    g_prepack_max = 0;
+    setenv("MD_TEST_CORES", "2", 1);
+    md_model *m = load(ROW2, 8, 1, 0, 1000, 10000);
+    for (int i = 0; i < 8; i++)
+        submit_ok(m, i, 1, 2, (const float[]){GATE, (float)i});
+    ASSERT_WAIT(g_gate_entered == 2);
+    wait_stat(m, "queued", 0);
+    wait_stat(m, "idle_workers", 0);
+    /* every online worker holds a request; only the slots' two forward */
+    assert_int_equal(locked_int(&g_gate_entered), 2);
+    md_err err;
+    assert_int_equal(submit_prio(m, 8, 1, 2, (const float[]){GATE, 8}, MD_PRIO_BATCH, &err),
+                     MD_OK);
+    ASSERT_WAIT(g_gate_entered == 3);
+    open_gate();
+    ASSERT_WAIT(reqs_done(0, 9));
+    for (int i = 0; i < 9; i++)
+        assert_int_equal(g_req[i].st, MD_OK);
+    drop(m);
+    unsetenv("MD_TEST_CORES");
+}
+
 /* config "prepack": false, prepack_max_bytes 0, or weights over the bound:
  * no replica is used, the module itself computes */
 static void test_prepack_off(void **state)
@@ -2368,6 +2397,7 @@ int main(void)
         T(test_release_drains_queue),
         T(test_eight_dim_row_shape),
         T(test_loaded_version_starts_workers_when_used),
+        T(test_forwards_at_once_are_bounded_by_cores),
         T(test_prepack_copies_are_a_pool),
         T(test_prepack_pool_is_bounded_by_cores_and_bytes),
         T(test_prepack_off),
