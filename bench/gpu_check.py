@@ -13,7 +13,8 @@ Python torch of the same machine, on the CPU, in float32:
      random inputs predicted, max abs diff <= TOL; the modeld process holds
      GPU memory (nvidia-smi);
   2. concurrent clients (threads, 1..64 rows each, random) batched on the GPU,
-     every answer against the CPU reference;
+     every answer against the CPU reference; a version loaded, asked and
+     unloaded 100 times gives its GPU memory back (nvidia-smi within 5 %);
   3. batch jobs on cuda models: mlp over tests/fixtures/datasets/small_f32.npy
      (NPY out) and, when the FashionMNIST test set is at FMNIST_DIR, the
      example model over its IDX.gz (accuracy must be PyTorch's 8675/10000,
@@ -179,6 +180,50 @@ def check_models(srv, refs):
     mib = gpu_mib_of(srv.proc.pid)
     report(mib is not None and mib > 0, "modeld holds GPU memory",
            f"nvidia-smi: {mib} MiB for pid {srv.proc.pid}")
+
+
+def check_unload_gives_gpu_memory_back(srv, cycles=100):
+    """Issue 24: a version unloaded gives its GPU memory back. A second
+    version of the CNN on cuda (make_default=false: it loads on demand) is
+    loaded, asked, and unloaded `cycles` times; nvidia-smi's memory for the
+    process must end within 5 % of its value after the first cycle (the CUDA
+    context and kernels are made once)."""
+    name = "cnn_unload"
+    config = {**CNN_CONFIG, "device": CUDA}
+    for default in (True, False):
+        with open(FIX / "cnn.pt", "rb") as f:
+            r = requests.post(f"{srv.url}/models/{name}/versions", files={"checkpoint": f},
+                              data={"config": json.dumps(config),
+                                    "make_default": "true" if default else "false"},
+                              timeout=120)
+        if r.status_code != 201:
+            report(False, "unload gives GPU memory back", f"deploy: {r.status_code} {r.text[:300]}")
+            return
+    rows = json.loads((FIX / "cnn_input.json").read_text())
+
+    def cycle():
+        for step in ("load", "unload"):
+            r = requests.post(f"{srv.url}/models/{name}/versions/2/{step}", timeout=120)
+            if r.status_code != 200:
+                raise RuntimeError(f"{step}: {r.status_code} {r.text[:300]}")
+            if step == "load":
+                r = requests.post(f"{srv.url}/models/{name}/versions/2/predict",
+                                  json={"instances": rows}, timeout=60)
+                if r.status_code != 200:
+                    raise RuntimeError(f"predict: {r.status_code} {r.text[:300]}")
+
+    try:
+        cycle()
+        base = gpu_mib_of(srv.proc.pid)
+        for _ in range(cycles - 1):
+            cycle()
+        after = gpu_mib_of(srv.proc.pid)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        report(False, "unload gives GPU memory back", str(e))
+        return
+    ok = base is not None and after is not None and after <= base * 1.05 + 2
+    report(ok, "unload gives GPU memory back",
+           f"nvidia-smi {base} MiB after the first load/unload, {after} MiB after {cycles}")
 
 
 def check_concurrent(srv, refs, threads=8, per_thread=100):
@@ -506,6 +551,7 @@ def main():
         try:
             check_models(srv, refs)
             check_concurrent(srv, refs)
+            check_unload_gives_gpu_memory_back(srv)
             check_errors(srv)
             check_jobs(srv, refs)
             check_protocols(srv, refs)

@@ -22,6 +22,7 @@
 #include <caffe2/serialize/inline_container.h>
 #ifdef WITH_CUDA
 /* Only what needs CUDA headers sits here: one stream per worker thread. */
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -379,7 +380,26 @@ extern "C" md_status md_torch_forward_quiet(md_torch_model *m, const float *inpu
     return forward(m, input, shape, ndim, out, out_shape, out_ndim, true, err);
 }
 
-extern "C" void md_torch_free(md_torch_model *m) { delete m; }
+extern "C" void md_torch_free(md_torch_model *m)
+{
+#ifdef WITH_CUDA
+    bool on_cuda = m && m->device.is_cuda();
+#endif
+    delete m;
+#ifdef WITH_CUDA
+    /* the caching allocator keeps what the version's weights and forwards
+     * freed for reuse: an unloaded version's GPU memory would stay taken
+     * (nvidia-smi) for this process only. Give back the unused blocks; the
+     * other versions' blocks in use stay (issue 24). */
+    if (on_cuda) {
+        try {
+            c10::cuda::CUDACachingAllocator::emptyCache();
+        } catch (const std::exception &) {
+            /* nothing to give back is not an error worth more than that */
+        }
+    }
+#endif
+}
 
 extern "C" md_status md_torch_resident_bytes(const md_torch_model *m, size_t *out, md_err *err)
 {
