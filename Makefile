@@ -71,7 +71,7 @@ BUILD := build$(if $(SAN_FLAGS),-asan,)
 
 # every C module but main.c; the binary and the unit tests link these
 LIB_C   := config/md_err.c config/md_json.c config/md_metrics.c config/config.c server/router.c server/http.c \
-	server/multipart.c checkpoint/store.c \
+	server/multipart.c checkpoint/store.c checkpoint/index.c checkpoint/index_sqlite.c \
 	checkpoint/versions.c checkpoint/promotion.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c checkpoint/zipdir.c \
 	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/batcher.c predictor/model.c predictor/registry.c \

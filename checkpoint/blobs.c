@@ -70,16 +70,16 @@ void md_blobs_sweep_tmp(md_store *s)
 
 static int sha_referenced(md_store *s, const char *sha)
 {
-    sqlite3_stmt *st = prep(s,
+    md_ixstmt *st = prep(s,
                             "SELECT 1 FROM versions WHERE sha256 = ?1 OR arch_sha256 = ?1 "
                             "UNION ALL SELECT 1 FROM models WHERE arch_sha256 = ?1 LIMIT 1",
                             NULL);
     if (!st)
         return 1; /* when unsure, keep the file */
-    sqlite3_bind_text(st, 1, sha, -1, SQLITE_STATIC);
-    int rc = sqlite3_step(st);
-    sqlite3_finalize(st);
-    return rc != SQLITE_DONE;
+    ix_bind_text(st, 1, sha);
+    int rc = ix_step(st);
+    ix_finalize(st);
+    return rc != MD_IX_DONE;
 }
 
 /* Blobs no row references (a crash between rename and commit), decided and
@@ -123,18 +123,18 @@ void md_blobs_sweep_orphans(md_store *s)
 /* Rows whose blob is missing are marked failed with the reason. */
 md_status md_blobs_check(md_store *s, md_err *err)
 {
-    sqlite3_stmt *st = prep(s, "SELECT model, version, sha256 FROM versions WHERE state != "
+    md_ixstmt *st = prep(s, "SELECT model, version, sha256 FROM versions WHERE state != "
                                "'failed' OR state_reason NOT LIKE 'checkpoint file %'", err);
     if (!st)
         return MD_EIO;
-    sqlite3_stmt *up = prep(s, "UPDATE versions SET state = 'failed', state_reason = ? WHERE "
+    md_ixstmt *up = prep(s, "UPDATE versions SET state = 'failed', state_reason = ? WHERE "
                                "model = ? AND version = ?", err);
     if (!up) {
-        sqlite3_finalize(st);
+        ix_finalize(st);
         return MD_EIO;
     }
-    while (sqlite3_step(st) == SQLITE_ROW) {
-        const char *sha = (const char *)sqlite3_column_text(st, 2);
+    while (ix_step(st) == MD_IX_ROW) {
+        const char *sha = ix_column_text(st, 2);
         char path[4096];
         blob_path(s, sha, path, sizeof path);
         if (access(path, R_OK) == 0)
@@ -142,21 +142,21 @@ md_status md_blobs_check(md_store *s, md_err *err)
         char reason[4200];
         snprintf(reason, sizeof reason, "checkpoint file %s is missing; upload the version again",
                  path);
-        sqlite3_bind_text(up, 1, reason, -1, SQLITE_TRANSIENT);
-        sqlite3_bind_text(up, 2, (const char *)sqlite3_column_text(st, 0), -1, SQLITE_TRANSIENT);
-        sqlite3_bind_int(up, 3, sqlite3_column_int(st, 1));
-        int urc = sqlite3_step(up);
-        sqlite3_reset(up);
-        if (urc != SQLITE_DONE) {
-            sqlite3_finalize(up);
-            sqlite3_finalize(st);
+        ix_bind_text(up, 1, reason);
+        ix_bind_text(up, 2, ix_column_text(st, 0));
+        ix_bind_int64(up, 3, (int)ix_column_int64(st, 1));
+        int urc = ix_step(up);
+        ix_reset(up);
+        if (urc != MD_IX_DONE) {
+            ix_finalize(up);
+            ix_finalize(st);
             return db_fail(s, err, "mark a version with a missing blob failed");
         }
-        md_log(MD_LOG_WARN, "model %s version %d: %s", sqlite3_column_text(st, 0),
-               sqlite3_column_int(st, 1), reason);
+        md_log(MD_LOG_WARN, "model %s version %d: %s", ix_column_text(st, 0),
+               (int)ix_column_int64(st, 1), reason);
     }
-    sqlite3_finalize(up);
-    sqlite3_finalize(st);
+    ix_finalize(up);
+    ix_finalize(st);
     return MD_OK;
 }
 

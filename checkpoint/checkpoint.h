@@ -62,8 +62,15 @@ typedef void (*md_store_hook_fn)(md_store *store, const char *point, void *ctx);
 void md_store_set_test_hook(md_store_hook_fn fn, void *ctx);
 
 /* Open (creating if needed) the store in `dir`: migrate the schema forward,
- * sweep temp files, check every blob. */
+ * sweep temp files, check every blob. The index is dir/index.sqlite. */
 md_status md_store_open(const char *dir, md_store **out, md_err *err);
+/* As md_store_open, with the index at `index_url`: NULL or "" for
+ * dir/index.sqlite, "postgresql://..." (a libpq URI) for PostgreSQL 15;
+ * blobs and temp files stay in `dir`. An unknown scheme is MD_EINVAL
+ * index_url_invalid, a backend this build lacks index_backend_not_built; a
+ * database that cannot be reached is MD_EUNAVAIL index_unavailable. */
+md_status md_store_open_index(const char *dir, const char *index_url, md_store **out,
+                              md_err *err);
 /* Close the store. Accepts NULL. */
 void md_store_close(md_store *store);
 

@@ -75,17 +75,17 @@ md_status md_promote_check(json_t *p, md_err *err)
 md_status md_promotion_decide(md_store *s, const md_version_spec *spec, int *make_default,
                               char *reason, size_t size, md_err *err)
 {
-    sqlite3_stmt *st = prep(s, "SELECT settings, default_version FROM models WHERE name = ?", err);
+    md_ixstmt *st = prep(s, "SELECT settings, default_version FROM models WHERE name = ?", err);
     if (!st)
         return MD_EIO;
-    sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
+    ix_bind_text(st, 1, spec->model);
     json_t *settings = NULL;
     int dv = 0;
-    if (sqlite3_step(st) == SQLITE_ROW) {
+    if (ix_step(st) == MD_IX_ROW) {
         settings = json_col(st, 0);
-        dv = sqlite3_column_type(st, 1) == SQLITE_NULL ? 0 : sqlite3_column_int(st, 1);
+        dv = ix_column_type(st, 1) == MD_IXT_NULL ? 0 : (int)ix_column_int64(st, 1);
     }
-    sqlite3_finalize(st);
+    ix_finalize(st);
     json_t *p = json_object_get(settings, "promote");
     if (!json_is_object(p)) {
         json_decref(settings);
@@ -98,11 +98,11 @@ md_status md_promotion_decide(md_store *s, const md_version_spec *spec, int *mak
     json_t *cur_metrics = NULL;
     if (dv > 0 && (st = prep(s, "SELECT metrics FROM versions WHERE model = ? AND version = ?",
                              err)) != NULL) {
-        sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
-        sqlite3_bind_int(st, 2, dv);
-        if (sqlite3_step(st) == SQLITE_ROW)
+        ix_bind_text(st, 1, spec->model);
+        ix_bind_int64(st, 2, dv);
+        if (ix_step(st) == MD_IX_ROW)
             cur_metrics = json_col(st, 0);
-        sqlite3_finalize(st);
+        ix_finalize(st);
     }
     json_t *theirs = json_object_get(cur_metrics, metric);
     if (dv <= 0) {
@@ -139,7 +139,7 @@ md_status md_store_set_promote(md_store *s, const char *name, json_t *policy, md
     pthread_mutex_lock(&s->mu);
     if ((rc = txn_begin(s, err)) == MD_OK) {
         rc = md_model_exists(s, name)
-                 ? md_set_setting(s, name, "$.promote", policy, 1, "set the promotion policy", err)
+                 ? md_set_setting(s, name, "promote", policy, 1, "set the promotion policy", err)
                  : md_model_missing(name, err);
         rc = txn_end(s, rc, TXN_BUMP, err);
     }
@@ -163,16 +163,16 @@ md_status md_store_set_architecture(md_store *s, const char *name, md_blob_write
         goto end;
     char now[32];
     now_iso(now);
-    sqlite3_stmt *st = prep(s, "SELECT arch_sha256 FROM models WHERE name = ?", err);
+    md_ixstmt *st = prep(s, "SELECT arch_sha256 FROM models WHERE name = ?", err);
     if (!st) {
         rc = MD_EIO;
         goto end;
     }
-    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-    if (sqlite3_step(st) == SQLITE_ROW && sqlite3_column_type(st, 0) != SQLITE_NULL &&
-        strcmp((const char *)sqlite3_column_text(st, 0), sha) != 0)
-        md_sha_list_add(&released, (const char *)sqlite3_column_text(st, 0));
-    sqlite3_finalize(st);
+    ix_bind_text(st, 1, name);
+    if (ix_step(st) == MD_IX_ROW && ix_column_type(st, 0) != MD_IXT_NULL &&
+        strcmp(ix_column_text(st, 0), sha) != 0)
+        md_sha_list_add(&released, ix_column_text(st, 0));
+    ix_finalize(st);
     st = prep(s,
               "INSERT INTO models (name, created_at, updated_at, arch_sha256) VALUES (?1, ?2, ?2, "
               "?3) ON CONFLICT(name) DO UPDATE SET updated_at = ?2, arch_sha256 = ?3",
@@ -181,12 +181,12 @@ md_status md_store_set_architecture(md_store *s, const char *name, md_blob_write
         rc = MD_EIO;
         goto end;
     }
-    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 2, now, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 3, sha, -1, SQLITE_STATIC);
-    if (sqlite3_step(st) != SQLITE_DONE)
+    ix_bind_text(st, 1, name);
+    ix_bind_text(st, 2, now);
+    ix_bind_text(st, 3, sha);
+    if (ix_step(st) != MD_IX_DONE)
         rc = db_fail(s, err, "set the architecture");
-    sqlite3_finalize(st);
+    ix_finalize(st);
 end:
     rc = txn_end(s, rc, TXN_BUMP, err);
     /* committed: the old architecture, unless a version still uses it */
@@ -203,24 +203,24 @@ md_status md_store_architecture(md_store *s, const char *name, char sha256[MD_SH
     sha256[0] = '\0';
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    sqlite3_stmt *st = prep(s, "SELECT arch_sha256 FROM models WHERE name = ?", err);
+    md_ixstmt *st = prep(s, "SELECT arch_sha256 FROM models WHERE name = ?", err);
     if (!st) {
         rc = MD_EIO;
         goto out;
     }
-    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-    int step = sqlite3_step(st);
-    if (step != SQLITE_ROW)
+    ix_bind_text(st, 1, name);
+    int step = ix_step(st);
+    if (step != MD_IX_ROW)
         rc = md_model_missing(name, err);
-    else if (sqlite3_column_type(st, 0) == SQLITE_NULL)
+    else if (ix_column_type(st, 0) == MD_IXT_NULL)
         rc = md_err_setc(err, MD_ENOTFOUND, "no_architecture",
                          "model %s has no architecture; PUT /models/%s/architecture with the "
                          "network as TorchScript (torch.jit.script(model).save(\"arch.pt\")): "
                          "curl -T arch.pt .../models/%s/architecture",
                          name, name, name);
     else
-        snprintf(sha256, MD_SHA256_HEX, "%s", (const char *)sqlite3_column_text(st, 0));
-    sqlite3_finalize(st);
+        snprintf(sha256, MD_SHA256_HEX, "%s", ix_column_text(st, 0));
+    ix_finalize(st);
 out:
     pthread_mutex_unlock(&s->mu);
     return rc == MD_ENOTFOUND && strcmp(md_err_code(err), "model_not_found") == 0
@@ -237,41 +237,48 @@ static md_status promote_recorded(md_store *s, const char *name, int version, co
                                   double value, int *promoted, md_err *err)
 {
     *promoted = 0;
-    sqlite3_stmt *st = prep(s,
-                            "SELECT json_extract(m.settings, '$.promote.metric'), "
-                            "json_extract(m.settings, '$.promote.order'), m.default_version, "
-                            "json_extract(d.metrics, ?3) FROM models m LEFT JOIN versions d ON "
-                            "d.model = m.name AND d.version = m.default_version WHERE m.name = ?1 "
-                            "AND EXISTS (SELECT 1 FROM versions v WHERE v.model = ?1 AND "
-                            "v.version = ?2 AND v.state = 'ready')",
-                            err);
+    md_ixstmt *st = prep(s,
+                         "SELECT m.settings, m.default_version, d.metrics FROM models m "
+                         "LEFT JOIN versions d ON d.model = m.name AND d.version = "
+                         "m.default_version WHERE m.name = ?1 AND EXISTS (SELECT 1 FROM "
+                         "versions v WHERE v.model = ?1 AND v.version = ?2 AND v.state = "
+                         "'ready')",
+                         err);
     if (!st)
         return MD_EIO;
-    char path[MD_METRIC_NAME_MAX + 8]; /* the name was checked by the caller */
-    snprintf(path, sizeof path, "$.\"%s\"", metric);
-    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-    sqlite3_bind_int(st, 2, version);
-    sqlite3_bind_text(st, 3, path, -1, SQLITE_TRANSIENT);
+    ix_bind_text(st, 1, name);
+    ix_bind_int64(st, 2, version);
     int apply = 0;
-    if (sqlite3_step(st) == SQLITE_ROW && sqlite3_column_type(st, 0) == SQLITE_TEXT &&
-        strcmp((const char *)sqlite3_column_text(st, 0), metric) == 0) {
-        const char *order = (const char *)sqlite3_column_text(st, 1);
-        int desc = !order || strcmp(order, "desc") == 0;
-        int dv = sqlite3_column_type(st, 2) == SQLITE_NULL ? 0 : sqlite3_column_int(st, 2);
-        int kind = sqlite3_column_type(st, 3);
-        if (dv != version) {
-            if (dv <= 0 || (kind != SQLITE_INTEGER && kind != SQLITE_FLOAT))
-                apply = 1;
-            else {
-                double theirs = sqlite3_column_double(st, 3);
-                apply = desc ? value > theirs : value < theirs;
+    int step = ix_step(st);
+    if (step == MD_IX_ROW) {
+        json_t *settings = json_col(st, 0);
+        json_t *p = json_object_get(settings, "promote");
+        const char *pm = json_string_value(json_object_get(p, "metric"));
+        if (pm && strcmp(pm, metric) == 0) {
+            const char *order = json_string_value(json_object_get(p, "order"));
+            int desc = !order || strcmp(order, "desc") == 0;
+            int dv = ix_column_type(st, 1) == MD_IXT_NULL ? 0 : (int)ix_column_int64(st, 1);
+            json_t *dm = ix_column_type(st, 2) == MD_IXT_NULL ? NULL : json_col(st, 2);
+            json_t *theirs = json_object_get(dm, metric);
+            if (dv != version) {
+                if (dv <= 0 || !json_is_number(theirs))
+                    apply = 1;
+                else {
+                    double d = json_number_value(theirs);
+                    apply = desc ? value > d : value < d;
+                }
             }
+            json_decref(dm);
         }
+        json_decref(settings);
     }
-    sqlite3_finalize(st);
+    md_status rc = step == MD_IX_ERROR ? db_fail(s, err, "read the promotion policy") : MD_OK;
+    ix_finalize(st);
+    if (rc != MD_OK)
+        return rc;
     if (!apply)
         return MD_OK;
-    md_status rc = md_set_default_locked(s, name, version, "promote a version", err);
+    rc = md_set_default_locked(s, name, version, "promote a version", err);
     if (rc == MD_OK)
         *promoted = 1;
     return rc;
@@ -282,35 +289,50 @@ md_status md_store_record_metric(md_store *s, const char *name, int version, con
 {
     if (promoted)
         *promoted = 0;
-    /* SQLite does not unescape a quoted JSON path label: a name with a quote
-     * or a backslash would set another key or none, so such names are
-     * refused and the rest need no quoting */
+    /* metric names stay within A-Z a-z 0-9 _ . - (they once became JSON
+     * paths in SQL; the API keeps refusing the rest) */
     md_status rc = md_metric_name_check(metric, "record_metric", "invalid_metric", err);
     if (rc != MD_OK)
         return rc;
     pthread_mutex_lock(&s->mu);
     if ((rc = txn_begin(s, err)) != MD_OK)
         goto out;
-    char path[MD_METRIC_NAME_MAX + 8];
-    snprintf(path, sizeof path, "$.\"%s\"", metric);
-    sqlite3_stmt *st = prep(s,
-                            "UPDATE versions SET metrics = json_set(metrics, ?1, ?2) WHERE model = "
-                            "?3 AND version = ?4",
-                            err);
+    /* read, set with jansson, write back: inside the write transaction */
+    md_ixstmt *st = prep(s, "SELECT metrics FROM versions WHERE model = ?1 AND version = ?2", err);
+    json_t *metrics = NULL;
     if (!st) {
         rc = MD_EIO;
     } else {
-        sqlite3_bind_text(st, 1, path, -1, SQLITE_TRANSIENT);
-        sqlite3_bind_double(st, 2, value);
-        sqlite3_bind_text(st, 3, name, -1, SQLITE_STATIC);
-        sqlite3_bind_int(st, 4, version);
-        if (sqlite3_step(st) != SQLITE_DONE)
-            rc = db_fail(s, err, "record a metric");
-        else if (sqlite3_changes(s->db) == 0)
+        ix_bind_text(st, 1, name);
+        ix_bind_int64(st, 2, version);
+        int step = ix_step(st);
+        if (step == MD_IX_ROW)
+            metrics = json_col(st, 0);
+        else if (step == MD_IX_DONE)
             rc = md_err_setc(err, MD_ENOTFOUND, "version_not_found",
                              "model %s has no version %d", name, version);
-        sqlite3_finalize(st);
+        else
+            rc = db_fail(s, err, "record a metric");
+        ix_finalize(st);
     }
+    if (rc == MD_OK) {
+        if (!json_is_object(metrics)) {
+            json_decref(metrics);
+            metrics = json_object();
+        }
+        json_object_set_new(metrics, metric, json_real(value));
+        char *text = json_dumps(metrics, JSON_COMPACT);
+        md_assert(text != NULL);
+        st = prep(s, "UPDATE versions SET metrics = ?1 WHERE model = ?2 AND version = ?3", err);
+        ix_bind_text(st, 1, text);
+        ix_bind_text(st, 2, name);
+        ix_bind_int64(st, 3, version);
+        if (ix_step(st) != MD_IX_DONE)
+            rc = db_fail(s, err, "record a metric");
+        ix_finalize(st);
+        free(text);
+    }
+    json_decref(metrics);
     if (rc == MD_OK && promoted)
         rc = promote_recorded(s, name, version, metric, value, promoted, err);
     rc = txn_end(s, rc, TXN_BUMP, err);

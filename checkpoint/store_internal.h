@@ -1,12 +1,14 @@
 /*
  * store_internal.h - PRIVATE to the store's implementation. Include it only
  * from the checkpoint/ files (store.c, versions.c, promotion.c, retention.c,
- * blobs.c) and jobs/job_store.c, whose job table lives in the same SQLite
- * index; every other file goes through checkpoint.h or jobs/jobs.h, where
- * md_store and md_blob_writer stay opaque.
+ * blobs.c) and jobs/job_store.c, whose job table lives in the same index;
+ * every other file goes through checkpoint.h or jobs/jobs.h, where md_store
+ * and md_blob_writer stay opaque.
  *
  * It holds the two struct bodies and the small helpers all those files use
- * on the connection. Locking: s->mu serialises this process's use of s->db;
+ * on the index (index_impl.h: SQLite or PostgreSQL behind one seam; the SQL
+ * here and in those files is written once, for both). Locking: s->mu
+ * serialises this process's use of s->ix;
  * the public md_store_* functions take it, the helpers here expect it held
  * (or the store not yet shared, during md_store_open) unless they say
  * otherwise. The crash-safety and replica DESIGN is in store.c.
@@ -17,15 +19,15 @@
 #include <jansson.h>
 #include <openssl/evp.h>
 #include <pthread.h>
-#include <sqlite3.h>
 #include <stdio.h>
 #include <time.h>
 
 #include "checkpoint.h"
+#include "index_impl.h"
 
 struct md_store {
     char *dir;
-    sqlite3 *db;
+    md_index *ix;
     pthread_mutex_t mu;
 };
 
@@ -47,27 +49,24 @@ static inline void hook(md_store *s, const char *point) { md_store_test_point(s,
 /* config/md_err.h's md_now_iso, under the name the store's code uses. */
 static inline void now_iso(char out[32]) { md_now_iso(out); }
 
+/* The index's last failure as a status (index_impl.h: each backend maps its
+ * own codes), `what` naming the step. */
 static inline md_status db_fail(md_store *s, md_err *err, const char *what)
 {
-    return md_err_set(err, MD_EIO, "store index %s/index.sqlite: %s: %s", s->dir, what,
-                      sqlite3_errmsg(s->db));
+    return ix_fail(s->ix, what, err);
 }
 
 static inline md_status exec(md_store *s, const char *sql, md_err *err)
 {
-    char *msg = NULL;
-    if (sqlite3_exec(s->db, sql, NULL, NULL, &msg) != SQLITE_OK) {
-        md_err_set(err, MD_EIO, "store index %s/index.sqlite: %s", s->dir, msg ? msg : "error");
-        sqlite3_free(msg);
-        return MD_EIO;
-    }
-    return MD_OK;
+    return ix_exec(s->ix, sql, err);
 }
 
 /* ---- one write transaction ----
  *
- * Every change to the index is one BEGIN IMMEDIATE ... COMMIT (the write lock
- * every replica shares; see DESIGN in store.c). The frame is always:
+ * Every change to the index is one write transaction holding the write lock
+ * every replica shares (SQLite: BEGIN IMMEDIATE; PostgreSQL: BEGIN and a
+ * transaction-scoped advisory lock; see DESIGN in store.c). The frame is
+ * always:
  *
  *     if ((rc = txn_begin(s, err)) != MD_OK)
  *         return rc;                     (nothing to roll back)
@@ -84,37 +83,31 @@ enum {
     TXN_BUMP = 1  /* bump meta.generation first: replicas reload what they serve */
 };
 
-static inline md_status txn_begin(md_store *s, md_err *err)
-{
-    return exec(s, "BEGIN IMMEDIATE", err);
-}
+static inline md_status txn_begin(md_store *s, md_err *err) { return ix_begin(s->ix, err); }
 
 static inline md_status txn_end(md_store *s, md_status rc, int flags, md_err *err)
 {
     if (rc == MD_OK && (flags & TXN_BUMP))
         rc = exec(s,
-                  "UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'generation'",
+                  "UPDATE meta SET value = CAST(CAST(value AS BIGINT) + 1 AS TEXT) "
+                  "WHERE key = 'generation'",
                   err);
     if (rc == MD_OK)
-        rc = exec(s, "COMMIT", err);
+        rc = ix_commit(s->ix, err);
     if (rc != MD_OK)
-        exec(s, "ROLLBACK", NULL);
+        ix_rollback(s->ix);
     return rc;
 }
 
-static inline sqlite3_stmt *prep(md_store *s, const char *sql, md_err *err)
+static inline md_ixstmt *prep(md_store *s, const char *sql, md_err *err)
 {
-    sqlite3_stmt *st = NULL;
-    if (sqlite3_prepare_v2(s->db, sql, -1, &st, NULL) != SQLITE_OK) {
-        db_fail(s, err, "prepare");
-        return NULL;
-    }
-    return st;
+    return ix_prepare(s->ix, sql, err);
 }
 
-static inline json_t *json_col(sqlite3_stmt *st, int col)
+/* A TEXT column holding JSON, parsed (an empty object when NULL or bad). */
+static inline json_t *json_col(md_ixstmt *st, int col)
 {
-    const char *text = (const char *)sqlite3_column_text(st, col);
+    const char *text = ix_column_text(st, col);
     json_t *v = text ? json_loads(text, JSON_DECODE_ANY, NULL) : NULL;
     return v ? v : json_object();
 }
@@ -184,9 +177,10 @@ md_status md_get_version_locked(md_store *s, const char *name, int version, json
  * error. */
 md_status md_set_default_locked(md_store *s, const char *name, int version, const char *what,
                                 md_err *err);
-/* The JSON `path` ("$.retention") of the model's settings becomes `value`
- * (borrowed); with remove_null, a JSON null removes the key instead. `what`
- * names the change in an error. */
+/* The key `key` ("retention") of the model's settings becomes `value`
+ * (borrowed); with remove_null, a JSON null removes the key instead. Read,
+ * changed with jansson and written back inside the caller's write
+ * transaction. `what` names the change in an error. */
 md_status md_set_setting(md_store *s, const char *name, const char *path, json_t *value,
                          int remove_null, const char *what, md_err *err);
 
@@ -199,6 +193,13 @@ md_status md_promotion_decide(md_store *s, const md_version_spec *spec, int *mak
                               char *reason, size_t size, md_err *err);
 
 /* ---- retention (retention.c) ---- */
+
+/* The value at `dotted` ("loss", "eval.loss": nested keys) in the metrics
+ * object, NULL when absent or JSON null (borrowed). */
+json_t *md_metric_get(json_t *metrics, const char *dotted);
+/* Orders two metric values as SQLite orders json_extract's results: numbers
+ * (true/false as 1/0) before text, numbers by value, text bytewise. */
+int md_metric_cmp(json_t *a, json_t *b);
 
 /* Apply the model's retention policy inside the open transaction: keep the
  * default, the newest keep_last and the best keep_best; delete the rest,

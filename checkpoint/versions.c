@@ -33,58 +33,59 @@ int md_model_name_ok(const char *name)
 
 #define VERSION_COLS                                                                          \
     "v.model, v.version, v.sha256, v.size, v.format, v.source, v.config, v.metadata, "        \
-    "v.metrics, v.state, v.state_reason, v.created_at, (m.default_version = v.version), "   \
+    "v.metrics, v.state, v.state_reason, v.created_at, "                                    \
+    "CASE WHEN m.default_version = v.version THEN 1 ELSE 0 END, "   \
     "v.arch_sha256 "
 
-static json_t *version_json(sqlite3_stmt *st)
+static json_t *version_json(md_ixstmt *st)
 {
     json_t *v = json_pack("{s:s,s:i,s:s,s:I,s:s,s:s,s:o,s:o,s:o,s:s,s:s,s:b}", "model",
-                          sqlite3_column_text(st, 0), "version", sqlite3_column_int(st, 1),
-                          "sha256", sqlite3_column_text(st, 2), "size",
-                          (json_int_t)sqlite3_column_int64(st, 3), "format",
-                          sqlite3_column_text(st, 4), "source", sqlite3_column_text(st, 5),
+                          ix_column_text(st, 0), "version", (int)ix_column_int64(st, 1),
+                          "sha256", ix_column_text(st, 2), "size",
+                          (json_int_t)ix_column_int64(st, 3), "format",
+                          ix_column_text(st, 4), "source", ix_column_text(st, 5),
                           "config", json_col(st, 6), "metadata", json_col(st, 7), "metrics",
-                          json_col(st, 8), "state", sqlite3_column_text(st, 9), "created_at",
-                          sqlite3_column_text(st, 11), "default", sqlite3_column_int(st, 12));
-    if (sqlite3_column_type(st, 10) != SQLITE_NULL)
-        json_object_set_new(v, "state_reason", json_string((const char *)sqlite3_column_text(st, 10)));
-    if (sqlite3_column_type(st, 13) != SQLITE_NULL)
+                          json_col(st, 8), "state", ix_column_text(st, 9), "created_at",
+                          ix_column_text(st, 11), "default", (int)ix_column_int64(st, 12));
+    if (ix_column_type(st, 10) != MD_IXT_NULL)
+        json_object_set_new(v, "state_reason", json_string(ix_column_text(st, 10)));
+    if (ix_column_type(st, 13) != MD_IXT_NULL)
         json_object_set_new(v, "arch_sha256",
-                            json_string((const char *)sqlite3_column_text(st, 13)));
+                            json_string(ix_column_text(st, 13)));
     return v;
 }
 
 md_status md_get_version_locked(md_store *s, const char *name, int version, json_t **out,
                                 md_err *err)
 {
-    sqlite3_stmt *st = prep(s,
+    md_ixstmt *st = prep(s,
                             "SELECT " VERSION_COLS
                             "FROM versions v JOIN models m ON m.name = v.model "
                             "WHERE v.model = ? AND v.version = ?",
                             err);
     if (!st)
         return MD_EIO;
-    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-    sqlite3_bind_int(st, 2, version);
+    ix_bind_text(st, 1, name);
+    ix_bind_int64(st, 2, version);
     md_status rc = MD_OK;
-    if (sqlite3_step(st) == SQLITE_ROW)
+    if (ix_step(st) == MD_IX_ROW)
         *out = version_json(st);
     else
         rc = md_err_setc(err, MD_ENOTFOUND, "version_not_found",
                          "model %s has no version %d; GET /models/%s lists its versions", name,
                          version, name);
-    sqlite3_finalize(st);
+    ix_finalize(st);
     return rc;
 }
 
 int md_model_exists(md_store *s, const char *name)
 {
-    sqlite3_stmt *st = prep(s, "SELECT 1 FROM models WHERE name = ?", NULL);
+    md_ixstmt *st = prep(s, "SELECT 1 FROM models WHERE name = ?", NULL);
     if (!st)
         return 0;
-    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-    int found = sqlite3_step(st) == SQLITE_ROW;
-    sqlite3_finalize(st);
+    ix_bind_text(st, 1, name);
+    int found = ix_step(st) == MD_IX_ROW;
+    ix_finalize(st);
     return found;
 }
 
@@ -106,16 +107,16 @@ md_status md_model_hint(md_store *s, md_status rc, const char *name, md_err *err
     size_t n = 0;
     if (buf && names) {
         pthread_mutex_lock(&s->mu);
-        sqlite3_stmt *st = prep(s, "SELECT name FROM models ORDER BY name LIMIT 4096", NULL);
-        while (st && n < MAX_NAMES && sqlite3_step(st) == SQLITE_ROW) {
-            const char *v = (const char *)sqlite3_column_text(st, 0);
+        md_ixstmt *st = prep(s, "SELECT name FROM models ORDER BY name LIMIT 4096", NULL);
+        while (st && n < MAX_NAMES && ix_step(st) == MD_IX_ROW) {
+            const char *v = ix_column_text(st, 0);
             if (v) {
                 snprintf(buf[n], NAME_BYTES, "%s", v);
                 names[n] = buf[n];
                 n++;
             }
         }
-        sqlite3_finalize(st);
+        ix_finalize(st);
         pthread_mutex_unlock(&s->mu);
     }
     hook(s, "hint");
@@ -139,38 +140,55 @@ static md_status json_text(json_t *v, char **out)
 md_status md_set_default_locked(md_store *s, const char *name, int version, const char *what,
                                 md_err *err)
 {
-    sqlite3_stmt *st =
+    md_ixstmt *st =
         prep(s, "UPDATE models SET default_version = ?, updated_at = ? WHERE name = ?", err);
     if (!st)
         return MD_EIO;
     char now[32];
     now_iso(now);
-    sqlite3_bind_int(st, 1, version);
-    sqlite3_bind_text(st, 2, now, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 3, name, -1, SQLITE_STATIC);
-    md_status rc = sqlite3_step(st) == SQLITE_DONE ? MD_OK : db_fail(s, err, what);
-    sqlite3_finalize(st);
+    ix_bind_int64(st, 1, version);
+    ix_bind_text(st, 2, now);
+    ix_bind_text(st, 3, name);
+    md_status rc = ix_step(st) == MD_IX_DONE ? MD_OK : db_fail(s, err, what);
+    ix_finalize(st);
     return rc;
 }
 
-md_status md_set_setting(md_store *s, const char *name, const char *path, json_t *value,
+md_status md_set_setting(md_store *s, const char *name, const char *key, json_t *value,
                          int remove_null, const char *what, md_err *err)
 {
-    sqlite3_stmt *st = prep(s,
-                            remove_null && json_is_null(value)
-                                ? "UPDATE models SET settings = json_remove(settings, ?3) "
-                                  "WHERE name = ?2 AND ?1 IS NOT NULL"
-                                : "UPDATE models SET settings = json_set(settings, ?3, json(?1)) "
-                                  "WHERE name = ?2",
-                            err);
+    /* read, change in C, write back: inside the caller's write transaction,
+     * so no replica changes the row in between */
+    md_ixstmt *st = prep(s, "SELECT settings FROM models WHERE name = ?1", err);
     if (!st)
         return MD_EIO;
-    char *text = json_dumps(value, JSON_COMPACT | JSON_ENCODE_ANY);
-    sqlite3_bind_text(st, 1, text, -1, SQLITE_TRANSIENT);
-    sqlite3_bind_text(st, 2, name, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 3, path, -1, SQLITE_STATIC);
-    md_status rc = sqlite3_step(st) == SQLITE_DONE ? MD_OK : db_fail(s, err, what);
-    sqlite3_finalize(st);
+    ix_bind_text(st, 1, name);
+    int step = ix_step(st);
+    json_t *settings = step == MD_IX_ROW ? json_col(st, 0) : NULL;
+    md_status rc = step == MD_IX_ERROR ? db_fail(s, err, what) : MD_OK;
+    ix_finalize(st);
+    if (rc != MD_OK || !settings)
+        return rc; /* no such model: nothing to change, as an UPDATE of no row */
+    if (!json_is_object(settings)) {
+        json_decref(settings);
+        settings = json_object();
+    }
+    if (remove_null && json_is_null(value))
+        json_object_del(settings, key);
+    else
+        json_object_set(settings, key, value);
+    char *text = json_dumps(settings, JSON_COMPACT);
+    md_assert(text != NULL);
+    json_decref(settings);
+    st = prep(s, "UPDATE models SET settings = ?1 WHERE name = ?2", err);
+    if (!st) {
+        free(text);
+        return MD_EIO;
+    }
+    ix_bind_text(st, 1, text);
+    ix_bind_text(st, 2, name);
+    rc = ix_step(st) == MD_IX_DONE ? MD_OK : db_fail(s, err, what);
+    ix_finalize(st);
     free(text);
     return rc;
 }
@@ -226,35 +244,37 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
     }
     char now[32];
     now_iso(now);
-    sqlite3_stmt *st = prep(s,
-                            "INSERT INTO models (name, created_at, updated_at) VALUES (?1, ?2, ?2) "
-                            "ON CONFLICT(name) DO UPDATE SET updated_at = ?2",
-                            err);
+    /* The version number is allocated by the database in this one statement:
+     * an upsert on the model row that moves last_version and returns the
+     * number (never MAX()+1 read apart from its write). 0 asks for the next
+     * number; an explicit one moves last_version up to it, and a duplicate
+     * fails the versions row's primary key below (409). */
+    md_ixstmt *st = prep(s,
+                         "INSERT INTO models (name, created_at, updated_at, last_version) "
+                         "VALUES (?1, ?2, ?2, CASE WHEN ?3 = 0 THEN 1 ELSE ?3 END) "
+                         "ON CONFLICT(name) DO UPDATE SET updated_at = ?2, last_version = "
+                         "CASE WHEN ?3 = 0 THEN models.last_version + 1 "
+                         "WHEN ?3 > models.last_version THEN ?3 ELSE models.last_version END "
+                         "RETURNING CASE WHEN ?3 = 0 THEN last_version ELSE ?3 END",
+                         err);
     if (!st) {
         rc = MD_EIO;
         goto end;
     }
-    sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 2, now, -1, SQLITE_STATIC);
-    int ok = sqlite3_step(st) == SQLITE_DONE;
-    sqlite3_finalize(st);
-    if (!ok) {
-        rc = db_fail(s, err, "insert model");
+    ix_bind_text(st, 1, spec->model);
+    ix_bind_text(st, 2, now);
+    ix_bind_int64(st, 3, version);
+    int step = ix_step(st);
+    if (step == MD_IX_ROW) {
+        version = (int)ix_column_int64(st, 0);
+        step = ix_step(st);
+    }
+    if (step != MD_IX_DONE || version <= 0) {
+        rc = db_fail(s, err, "allocate the version number");
+        ix_finalize(st);
         goto end;
     }
-    if (version == 0) {
-        st = prep(s,
-                  "SELECT MAX(last_version, (SELECT COALESCE(MAX(version), 0) FROM versions "
-                  "WHERE model = ?1)) + 1 FROM models WHERE name = ?1",
-                  err);
-        if (!st) {
-            rc = MD_EIO;
-            goto end;
-        }
-        sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
-        version = sqlite3_step(st) == SQLITE_ROW ? sqlite3_column_int(st, 0) : 1;
-        sqlite3_finalize(st);
-    }
+    ix_finalize(st);
     st = prep(s,
               "INSERT INTO versions (model, version, sha256, size, source, config, metadata, "
               "metrics, state, created_at, format, arch_sha256) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -263,46 +283,32 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
         rc = MD_EIO;
         goto end;
     }
-    sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
-    sqlite3_bind_int(st, 2, version);
-    sqlite3_bind_text(st, 3, sha, -1, SQLITE_STATIC);
-    sqlite3_bind_int64(st, 4, blob ? blob->size : spec->size);
-    sqlite3_bind_text(st, 5, spec->source ? spec->source : "upload", -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 6, config, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 7, metadata, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 8, metrics, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 9, spec->state ? spec->state : "stored", -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 10, now, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 11, spec->format ? spec->format : "torchscript", -1, SQLITE_STATIC);
+    ix_bind_text(st, 1, spec->model);
+    ix_bind_int64(st, 2, version);
+    ix_bind_text(st, 3, sha);
+    ix_bind_int64(st, 4, blob ? blob->size : spec->size);
+    ix_bind_text(st, 5, spec->source ? spec->source : "upload");
+    ix_bind_text(st, 6, config);
+    ix_bind_text(st, 7, metadata);
+    ix_bind_text(st, 8, metrics);
+    ix_bind_text(st, 9, spec->state ? spec->state : "stored");
+    ix_bind_text(st, 10, now);
+    ix_bind_text(st, 11, spec->format ? spec->format : "torchscript");
     if (spec->arch_sha256 && spec->arch_sha256[0])
-        sqlite3_bind_text(st, 12, spec->arch_sha256, -1, SQLITE_STATIC);
+        ix_bind_text(st, 12, spec->arch_sha256);
     else
-        sqlite3_bind_null(st, 12);
-    int step = sqlite3_step(st);
-    sqlite3_finalize(st);
-    if (step == SQLITE_CONSTRAINT) {
-        rc = md_err_setc(err, MD_ECONFLICT, "version_exists",
-                         "model %s already has version %d; choose another number or omit it",
-                         spec->model, version);
-        goto end;
-    }
-    if (step != SQLITE_DONE) {
+        ix_bind_null(st, 12);
+    step = ix_step(st);
+    if (step != MD_IX_DONE) {
         rc = db_fail(s, err, "insert version");
-        goto end;
+        if (rc == MD_ECONFLICT)
+            rc = md_err_setc(err, MD_ECONFLICT, "version_exists",
+                             "model %s already has version %d; choose another number or omit it",
+                             spec->model, version);
     }
-    st = prep(s, "UPDATE models SET last_version = MAX(last_version, ?2) WHERE name = ?1", err);
-    if (!st) {
-        rc = MD_EIO;
+    ix_finalize(st);
+    if (rc != MD_OK)
         goto end;
-    }
-    sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
-    sqlite3_bind_int(st, 2, version);
-    ok = sqlite3_step(st) == SQLITE_DONE;
-    sqlite3_finalize(st);
-    if (!ok) {
-        rc = db_fail(s, err, "record the version number");
-        goto end;
-    }
     /* The first version of a model is its default whatever make_default says;
      * a promotion policy (issue 12) may decide instead. */
     char promotion[320] = "";
@@ -311,20 +317,21 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
                                                 sizeof promotion, err)) != MD_OK)
         goto end;
     st = prep(s,
-              "UPDATE models SET default_version = ?2 WHERE name = ?1 AND (?3 OR default_version "
-              "IS NULL)",
+              "UPDATE models SET default_version = ?2 WHERE name = ?1 AND (?3 != 0 OR "
+              "default_version IS NULL)",
               err);
     if (!st) {
         rc = MD_EIO;
         goto end;
     }
-    sqlite3_bind_text(st, 1, spec->model, -1, SQLITE_STATIC);
-    sqlite3_bind_int(st, 2, version);
-    sqlite3_bind_int(st, 3, make_default);
-    ok = sqlite3_step(st) == SQLITE_DONE;
-    sqlite3_finalize(st);
-    if (!ok) {
+    ix_bind_text(st, 1, spec->model);
+    ix_bind_int64(st, 2, version);
+    ix_bind_int64(st, 3, make_default);
+    int ok = ix_step(st) == MD_IX_DONE;
+    if (!ok)
         rc = db_fail(s, err, "set default");
+    ix_finalize(st);
+    if (!ok) {
         goto end;
     }
     /* the answer describes the new row even if retention removes it at once */
@@ -365,7 +372,7 @@ md_status md_store_list_models(md_store *s, const char *after, int limit, json_t
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    sqlite3_stmt *st = prep(s,
+    md_ixstmt *st = prep(s,
                             "SELECT m.name, m.default_version, m.created_at, m.updated_at, "
                             "(SELECT COUNT(*) FROM versions v WHERE v.model = m.name), "
                             "(SELECT state FROM versions v WHERE v.model = m.name AND v.version = "
@@ -376,48 +383,69 @@ md_status md_store_list_models(md_store *s, const char *after, int limit, json_t
         rc = MD_EIO;
         goto out;
     }
-    sqlite3_bind_text(st, 1, after ? after : "", -1, SQLITE_STATIC);
-    sqlite3_bind_int(st, 2, limit + 1);
+    ix_bind_text(st, 1, after ? after : "");
+    ix_bind_int64(st, 2, limit + 1);
     json_t *models = json_array();
     json_t *next = json_null();
     int n = 0;
-    while (sqlite3_step(st) == SQLITE_ROW) {
+    while (ix_step(st) == MD_IX_ROW) {
         if (n++ == limit) {
             json_decref(next);
             json_t *last = json_array_get(models, json_array_size(models) - 1);
             next = json_incref(json_object_get(last, "name"));
             break;
         }
-        json_t *m = json_pack("{s:s,s:o,s:s,s:s,s:i}", "name", sqlite3_column_text(st, 0),
+        json_t *m = json_pack("{s:s,s:o,s:s,s:s,s:i}", "name", ix_column_text(st, 0),
                               "default_version",
-                              sqlite3_column_type(st, 1) == SQLITE_NULL
+                              ix_column_type(st, 1) == MD_IXT_NULL
                                   ? json_null()
-                                  : json_integer(sqlite3_column_int(st, 1)),
-                              "created_at", sqlite3_column_text(st, 2), "updated_at",
-                              sqlite3_column_text(st, 3), "versions", sqlite3_column_int(st, 4));
-        if (sqlite3_column_type(st, 5) != SQLITE_NULL)
-            json_object_set_new(m, "state", json_string((const char *)sqlite3_column_text(st, 5)));
+                                  : json_integer((int)ix_column_int64(st, 1)),
+                              "created_at", ix_column_text(st, 2), "updated_at",
+                              ix_column_text(st, 3), "versions", (int)ix_column_int64(st, 4));
+        if (ix_column_type(st, 5) != MD_IXT_NULL)
+            json_object_set_new(m, "state", json_string(ix_column_text(st, 5)));
         json_array_append_new(models, m);
     }
-    sqlite3_finalize(st);
+    ix_finalize(st);
     *out = json_pack("{s:o,s:o}", "models", models, "next", next);
 out:
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
 
+/* Sort context of list_versions_locked: the metric path and direction. */
+static const char *sort_metric;
+static int sort_asc;
+static pthread_mutex_t sort_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* ORDER BY metric IS NULL, metric ASC|DESC, version ASC|DESC, in C. */
+static int by_metric(const void *pa, const void *pb)
+{
+    json_t *a = *(json_t *const *)pa, *b = *(json_t *const *)pb;
+    json_t *ma = md_metric_get(json_object_get(a, "metrics"), sort_metric);
+    json_t *mb = md_metric_get(json_object_get(b, "metrics"), sort_metric);
+    if (!ma != !mb)
+        return ma ? -1 : 1; /* the versions without it last, either way */
+    int c = ma ? md_metric_cmp(ma, mb) : 0;
+    if (c == 0) {
+        json_int_t va = json_integer_value(json_object_get(a, "version"));
+        json_int_t vb = json_integer_value(json_object_get(b, "version"));
+        c = va < vb ? -1 : va > vb;
+    }
+    return sort_asc ? c : -c;
+}
+
 static md_status list_versions_locked(md_store *s, const char *name, const char *order_by,
                                       int asc, json_t **out, md_err *err)
 {
-    char path[80] = "";
-    const char *order_expr;
+    const char *order_expr, *metric = NULL;
     if (!order_by || strcmp(order_by, "version") == 0)
         order_expr = "v.version";
     else if (strcmp(order_by, "created_at") == 0)
         order_expr = "v.created_at";
     else if (strncmp(order_by, "metrics.", 8) == 0 && md_model_name_ok(order_by + 8)) {
-        snprintf(path, sizeof path, "$.%s", order_by + 8);
-        order_expr = "json_extract(v.metrics, ?2)";
+        metric = order_by + 8; /* sorted in C: the metrics are JSON text */
+        order_expr = "v.version";
     } else
         return md_err_setc(err, MD_EINVAL, "invalid_order_by",
                            "order_by=%s is not supported; use version, created_at or "
@@ -426,18 +454,37 @@ static md_status list_versions_locked(md_store *s, const char *name, const char 
     char sql[600];
     snprintf(sql, sizeof sql,
              "SELECT " VERSION_COLS "FROM versions v JOIN models m ON m.name = v.model "
-             "WHERE v.model = ?1 ORDER BY %s IS NULL, %s %s, v.version %s",
-             order_expr, order_expr, asc ? "ASC" : "DESC", asc ? "ASC" : "DESC");
-    sqlite3_stmt *st = prep(s, sql, err);
+             "WHERE v.model = ?1 ORDER BY %s %s, v.version %s",
+             order_expr, asc ? "ASC" : "DESC", asc ? "ASC" : "DESC");
+    md_ixstmt *st = prep(s, sql, err);
     if (!st)
         return MD_EIO;
-    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-    if (path[0])
-        sqlite3_bind_text(st, 2, path, -1, SQLITE_STATIC);
+    ix_bind_text(st, 1, name);
     json_t *a = json_array();
-    while (sqlite3_step(st) == SQLITE_ROW)
+    int step;
+    while ((step = ix_step(st)) == MD_IX_ROW)
         json_array_append_new(a, version_json(st));
-    sqlite3_finalize(st);
+    md_status rc = step == MD_IX_DONE ? MD_OK : db_fail(s, err, "list versions");
+    ix_finalize(st);
+    if (rc != MD_OK) {
+        json_decref(a);
+        return rc;
+    }
+    size_t n = json_array_size(a);
+    if (metric && n > 1) {
+        json_t **items = md_xcalloc(n, sizeof *items);
+        for (size_t i = 0; i < n; i++)
+            items[i] = json_incref(json_array_get(a, i));
+        pthread_mutex_lock(&sort_mu);
+        sort_metric = metric;
+        sort_asc = asc;
+        qsort(items, n, sizeof *items, by_metric);
+        pthread_mutex_unlock(&sort_mu);
+        json_array_clear(a);
+        for (size_t i = 0; i < n; i++)
+            json_array_append_new(a, items[i]);
+        free(items);
+    }
     *out = a;
     return MD_OK;
 }
@@ -446,7 +493,7 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    sqlite3_stmt *st = prep(s,
+    md_ixstmt *st = prep(s,
                             "SELECT name, default_version, settings, created_at, updated_at, "
                             "arch_sha256 FROM models WHERE name = ?",
                             err);
@@ -454,33 +501,33 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
         rc = MD_EIO;
         goto out;
     }
-    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-    if (sqlite3_step(st) != SQLITE_ROW) {
-        sqlite3_finalize(st);
+    ix_bind_text(st, 1, name);
+    if (ix_step(st) != MD_IX_ROW) {
+        ix_finalize(st);
         rc = md_model_missing(name, err);
         goto out;
     }
     json_t *settings = json_col(st, 2);
-    json_t *m = json_pack("{s:s,s:o,s:O,s:s,s:s}", "name", sqlite3_column_text(st, 0),
+    json_t *m = json_pack("{s:s,s:o,s:O,s:s,s:s}", "name", ix_column_text(st, 0),
                           "default_version",
-                          sqlite3_column_type(st, 1) == SQLITE_NULL
+                          ix_column_type(st, 1) == MD_IXT_NULL
                               ? json_null()
-                              : json_integer(sqlite3_column_int(st, 1)),
+                              : json_integer((int)ix_column_int64(st, 1)),
                           "retention",
                           json_object_get(settings, "retention") ? json_object_get(settings,
                                                                                    "retention")
                                                                  : json_null(),
-                          "created_at", sqlite3_column_text(st, 3), "updated_at",
-                          sqlite3_column_text(st, 4));
+                          "created_at", ix_column_text(st, 3), "updated_at",
+                          ix_column_text(st, 4));
     json_object_set_new(m, "architecture",
-                        sqlite3_column_type(st, 5) == SQLITE_NULL
+                        ix_column_type(st, 5) == MD_IXT_NULL
                             ? json_null()
-                            : json_pack("{s:s}", "sha256", sqlite3_column_text(st, 5)));
+                            : json_pack("{s:s}", "sha256", ix_column_text(st, 5)));
     json_object_set(m, "promote",
                     json_object_get(settings, "promote") ? json_object_get(settings, "promote")
                                                          : json_null());
     json_decref(settings);
-    sqlite3_finalize(st);
+    ix_finalize(st);
     json_t *versions = NULL;
     if ((rc = list_versions_locked(s, name, "version", 1, &versions, err)) != MD_OK) {
         json_decref(m);
@@ -556,7 +603,7 @@ md_status md_store_set_retention(md_store *s, const char *name, json_t *retentio
     if ((rc = txn_begin(s, err)) == MD_OK) {
         /* inside the transaction: a replica cannot delete the model in between */
         rc = md_model_exists(s, name)
-                 ? md_set_setting(s, name, "$.retention", retention, 0, "set retention", err)
+                 ? md_set_setting(s, name, "retention", retention, 0, "set retention", err)
                  : md_model_missing(name, err);
         if (rc == MD_OK)
             rc = md_store_apply_retention(s, name, &released, err);
@@ -585,7 +632,7 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
     if ((rc = md_get_version_locked(s, name, version, &v, err)) != MD_OK)
         goto end;
     int is_default = json_is_true(json_object_get(v, "default"));
-    sqlite3_stmt *st;
+    md_ixstmt *st;
     if (is_default) {
         st = prep(s, "SELECT MAX(version) FROM versions WHERE model = ? AND version != ? AND "
                      "state != 'failed'", err);
@@ -593,19 +640,19 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
             rc = MD_EIO;
             goto end;
         }
-        sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-        sqlite3_bind_int(st, 2, version);
+        ix_bind_text(st, 1, name);
+        ix_bind_int64(st, 2, version);
         /* an error must not read as "no other version": that would set the
          * default to NULL without force */
-        if (sqlite3_step(st) != SQLITE_ROW) {
+        if (ix_step(st) != MD_IX_ROW) {
             rc = db_fail(s, err, "find the next default");
-            sqlite3_finalize(st);
+            ix_finalize(st);
             goto end;
         }
         int other = 0;
-        if (sqlite3_column_type(st, 0) != SQLITE_NULL)
-            other = sqlite3_column_int(st, 0);
-        sqlite3_finalize(st);
+        if (ix_column_type(st, 0) != MD_IXT_NULL)
+            other = (int)ix_column_int64(st, 0);
+        ix_finalize(st);
         if (other && !force) {
             rc = md_err_setc(err, MD_ECONFLICT, "version_is_default",
                              "version %d is the default of model %s; make another version the "
@@ -616,22 +663,22 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
         }
         st = prep(s, "UPDATE models SET default_version = ? WHERE name = ?", err);
         if (other)
-            sqlite3_bind_int(st, 1, other);
+            ix_bind_int64(st, 1, other);
         else
-            sqlite3_bind_null(st, 1);
-        sqlite3_bind_text(st, 2, name, -1, SQLITE_STATIC);
-        int moved_ok = sqlite3_step(st) == SQLITE_DONE;
-        sqlite3_finalize(st);
+            ix_bind_null(st, 1);
+        ix_bind_text(st, 2, name);
+        int moved_ok = ix_step(st) == MD_IX_DONE;
+        ix_finalize(st);
         if (!moved_ok) {
             rc = db_fail(s, err, "move the default");
             goto end;
         }
     }
     st = prep(s, "DELETE FROM versions WHERE model = ? AND version = ?", err);
-    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-    sqlite3_bind_int(st, 2, version);
-    int ok = sqlite3_step(st) == SQLITE_DONE;
-    sqlite3_finalize(st);
+    ix_bind_text(st, 1, name);
+    ix_bind_int64(st, 2, version);
+    int ok = ix_step(st) == MD_IX_DONE;
+    ix_finalize(st);
     if (!ok) {
         rc = db_fail(s, err, "delete version");
         goto end;
@@ -663,28 +710,28 @@ md_status md_store_delete_model(md_store *s, const char *name, md_err *err)
         rc = md_model_missing(name, err);
         goto end;
     }
-    sqlite3_stmt *st = prep(s,
+    md_ixstmt *st = prep(s,
                             "SELECT sha256 FROM versions WHERE model = ?1 UNION SELECT "
                             "arch_sha256 FROM versions WHERE model = ?1 AND arch_sha256 IS NOT "
                             "NULL UNION SELECT arch_sha256 FROM models WHERE name = ?1 AND "
                             "arch_sha256 IS NOT NULL",
                             err);
-    int step = SQLITE_ERROR;
+    int step = MD_IX_ERROR;
     if (st) {
-        sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-        while ((step = sqlite3_step(st)) == SQLITE_ROW)
-            md_sha_list_add(&released, (const char *)sqlite3_column_text(st, 0));
-        sqlite3_finalize(st);
+        ix_bind_text(st, 1, name);
+        while ((step = ix_step(st)) == MD_IX_ROW)
+            md_sha_list_add(&released, ix_column_text(st, 0));
+        ix_finalize(st);
     }
-    if (step != SQLITE_DONE) {
+    if (step != MD_IX_DONE) {
         /* the blobs to collect are unknown: delete nothing */
         rc = st ? db_fail(s, err, "list the model's versions") : MD_EIO;
         goto end;
     }
     st = prep(s, "DELETE FROM models WHERE name = ?", err);
-    sqlite3_bind_text(st, 1, name, -1, SQLITE_STATIC);
-    int ok = sqlite3_step(st) == SQLITE_DONE;
-    sqlite3_finalize(st);
+    ix_bind_text(st, 1, name);
+    int ok = ix_step(st) == MD_IX_DONE;
+    ix_finalize(st);
     if (!ok)
         rc = db_fail(s, err, "delete model");
 end:
@@ -700,7 +747,7 @@ md_status md_store_set_state(md_store *s, const char *name, int version, const c
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    sqlite3_stmt *st = prep(s,
+    md_ixstmt *st = prep(s,
                             "UPDATE versions SET state = ?, state_reason = ? WHERE model = ? AND "
                             "version = ?",
                             err);
@@ -708,19 +755,19 @@ md_status md_store_set_state(md_store *s, const char *name, int version, const c
         rc = MD_EIO;
         goto out;
     }
-    sqlite3_bind_text(st, 1, state, -1, SQLITE_STATIC);
+    ix_bind_text(st, 1, state);
     if (reason)
-        sqlite3_bind_text(st, 2, reason, -1, SQLITE_STATIC);
+        ix_bind_text(st, 2, reason);
     else
-        sqlite3_bind_null(st, 2);
-    sqlite3_bind_text(st, 3, name, -1, SQLITE_STATIC);
-    sqlite3_bind_int(st, 4, version);
-    if (sqlite3_step(st) != SQLITE_DONE)
+        ix_bind_null(st, 2);
+    ix_bind_text(st, 3, name);
+    ix_bind_int64(st, 4, version);
+    if (ix_step(st) != MD_IX_DONE)
         rc = db_fail(s, err, "set state");
-    else if (sqlite3_changes(s->db) == 0)
+    else if (ix_changes(s->ix) == 0)
         rc = md_err_setc(err, MD_ENOTFOUND, "version_not_found", "model %s has no version %d",
                          name, version);
-    sqlite3_finalize(st);
+    ix_finalize(st);
 out:
     pthread_mutex_unlock(&s->mu);
     return rc;
@@ -743,7 +790,7 @@ md_status md_store_defaults(md_store *s, json_t **out, md_err *err)
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    sqlite3_stmt *st = prep(s,
+    md_ixstmt *st = prep(s,
                             "SELECT " VERSION_COLS "FROM versions v JOIN models m ON m.name = "
                             "v.model AND m.default_version = v.version ORDER BY v.model",
                             err);
@@ -752,14 +799,14 @@ md_status md_store_defaults(md_store *s, json_t **out, md_err *err)
         goto out;
     }
     json_t *a = json_array();
-    while (sqlite3_step(st) == SQLITE_ROW) {
+    while (ix_step(st) == MD_IX_ROW) {
         json_t *v = version_json(st);
         char path[4096];
         blob_path(s, json_string_value(json_object_get(v, "sha256")), path, sizeof path);
         json_object_set_new(v, "path", json_string(path));
         json_array_append_new(a, v);
     }
-    sqlite3_finalize(st);
+    ix_finalize(st);
     *out = a;
 out:
     pthread_mutex_unlock(&s->mu);
@@ -771,16 +818,16 @@ void md_store_write_metrics(md_store *s, FILE *f)
     long long models = 0, versions = 0, bytes = 0;
     pthread_mutex_lock(&s->mu);
     md_err err;
-    sqlite3_stmt *st = prep(s,
+    md_ixstmt *st = prep(s,
                             "SELECT (SELECT count(*) FROM models), count(*), "
                             "coalesce(sum(size), 0) FROM versions",
                             &err);
-    if (st && sqlite3_step(st) == SQLITE_ROW) {
-        models = sqlite3_column_int64(st, 0);
-        versions = sqlite3_column_int64(st, 1);
-        bytes = sqlite3_column_int64(st, 2);
+    if (st && ix_step(st) == MD_IX_ROW) {
+        models = ix_column_int64(st, 0);
+        versions = ix_column_int64(st, 1);
+        bytes = ix_column_int64(st, 2);
     }
-    sqlite3_finalize(st);
+    ix_finalize(st);
     pthread_mutex_unlock(&s->mu);
     md_prom_family(f, "modeld_store_models", "gauge", "Models in the store.");
     md_prom_sample(f, "modeld_store_models", "", (double)models);

@@ -337,3 +337,50 @@ void md_thread_nice(int steps, const char *who)
         md_log(MD_LOG_WARN, "%s: cannot lower the priority to nice %d: %s", who, target,
                strerror(errno));
 }
+
+/* strncasecmp for ASCII, without <strings.h>'s feature macros. */
+static int strncasecmp_ascii(const char *a, const char *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        int x = (unsigned char)a[i], y = (unsigned char)b[i];
+        if (x >= 'A' && x <= 'Z')
+            x += 32;
+        if (y >= 'A' && y <= 'Z')
+            y += 32;
+        if (x != y || !x)
+            return x - y;
+    }
+    return 0;
+}
+
+void md_url_mask(const char *url, char *out, size_t size)
+{
+    if (!size)
+        return;
+    if (!url) {
+        out[0] = '\0';
+        return;
+    }
+    /* scheme://user:PASSWORD@host... */
+    const char *sch = strstr(url, "://");
+    const char *at = sch ? strchr(sch + 3, '@') : NULL;
+    const char *slash = sch ? strchr(sch + 3, '/') : NULL;
+    const char *colon = sch ? strchr(sch + 3, ':') : NULL;
+    char tmp[2048];
+    if (at && (!slash || at < slash) && colon && colon < at)
+        snprintf(tmp, sizeof tmp, "%.*s:***%s", (int)(colon - url), url, at);
+    else
+        snprintf(tmp, sizeof tmp, "%s", url);
+    /* ...?password=SECRET&... (any case) */
+    char *q = strchr(tmp, '?');
+    for (char *p = q; p && *p; p++) {
+        if ((*p != '?' && *p != '&') || strncasecmp_ascii(p + 1, "password=", 9) != 0)
+            continue;
+        char *v = p + 10, *end = strchr(v, '&');
+        char rest[2048];
+        snprintf(rest, sizeof rest, "%s", end ? end : "");
+        snprintf(v, sizeof tmp - (size_t)(v - tmp), "***%s", rest);
+        p = v + 2;
+    }
+    snprintf(out, size, "%s", tmp);
+}

@@ -70,6 +70,11 @@ md_status md_err_setc(md_err *err, md_status status, const char *code, const cha
  * refuses invalid UTF-8). Thread-safe. */
 size_t md_text_escape(char *out, size_t size, const char *in);
 
+/* `url` with the password of its userinfo (scheme://user:PASSWORD@host) and
+ * of a password= query parameter replaced by "***", into out (size bytes,
+ * always terminated): for logs, errors and --print-config. NULL: "". */
+void md_url_mask(const char *url, char *out, size_t size);
+
 /* The HTTP status for `status`: the single mapping the handlers use. */
 int md_status_http(md_status status);
 

@@ -1,9 +1,10 @@
 /*
  * job_store.c - the job table's queries: batch-predict jobs, their committed
  * progress, and the leases by which replicas sharing a store run each job
- * once. The table lives in the store's SQLite index (its migrations are with
- * the others in checkpoint/store.c), so this file uses the store's private
- * header; nothing else outside checkpoint/ may.
+ * once. The table lives in the store's index (SQLite or PostgreSQL behind
+ * checkpoint/index_impl.h; its schema is with the others in the backends'
+ * migration lists), so this file uses the store's private header; nothing
+ * else outside checkpoint/ may. Its SQL is written once, for both engines.
  */
 #include "jobs.h"
 
@@ -17,21 +18,21 @@
     "output_bytes, correct, labeled, confusion, rows_per_s, partial, error, created_at, "    \
     "started_at, finished_at, updated_at, owner, files_skipped, accuracy_note "
 
-static json_t *col_or_null(sqlite3_stmt *st, int i)
+static json_t *col_or_null(md_ixstmt *st, int i)
 {
-    switch (sqlite3_column_type(st, i)) {
-    case SQLITE_NULL:
+    switch (ix_column_type(st, i)) {
+    case MD_IXT_NULL:
         return json_null();
-    case SQLITE_INTEGER:
-        return json_integer(sqlite3_column_int64(st, i));
-    case SQLITE_FLOAT:
-        return json_real(sqlite3_column_double(st, i));
+    case MD_IXT_INT:
+        return json_integer(ix_column_int64(st, i));
+    case MD_IXT_FLOAT:
+        return json_real(ix_column_double(st, i));
     default:
-        return json_string((const char *)sqlite3_column_text(st, i));
+        return json_string(ix_column_text(st, i));
     }
 }
 
-static json_t *job_json(sqlite3_stmt *st)
+static json_t *job_json(md_ixstmt *st)
 {
     static const char *names[] = {"id", "model", "version", "spec", "status", "rows_done",
                                   "rows_total", "rows_skipped", "output_path", "output_bytes",
@@ -41,11 +42,11 @@ static json_t *job_json(sqlite3_stmt *st)
     json_t *j = json_object();
     for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++) {
         if (i == 3 || i == 12) {
-            json_object_set_new(j, names[i], sqlite3_column_type(st, i) == SQLITE_NULL
+            json_object_set_new(j, names[i], ix_column_type(st, i) == MD_IXT_NULL
                                                  ? json_null()
                                                  : json_col(st, i));
         } else if (i == 14) {
-            json_object_set_new(j, names[i], json_boolean(sqlite3_column_int(st, i)));
+            json_object_set_new(j, names[i], json_boolean((int)ix_column_int64(st, i)));
         } else {
             json_object_set_new(j, names[i], col_or_null(st, i));
         }
@@ -61,7 +62,7 @@ md_status md_store_job_create(md_store *s, const char *id, const char *model, in
     now_iso(now);
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    sqlite3_stmt *st = prep(s,
+    md_ixstmt *st = prep(s,
                             "INSERT INTO jobs (id, model, version, spec, status, output_path, "
                             "created_at, updated_at) VALUES (?,?,?,?, 'queued', ?, ?, ?)",
                             err);
@@ -69,19 +70,19 @@ md_status md_store_job_create(md_store *s, const char *id, const char *model, in
         rc = MD_EIO;
         goto out;
     }
-    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 2, model, -1, SQLITE_STATIC);
+    ix_bind_text(st, 1, id);
+    ix_bind_text(st, 2, model);
     if (version)
-        sqlite3_bind_int(st, 3, version);
+        ix_bind_int64(st, 3, version);
     else
-        sqlite3_bind_null(st, 3);
-    sqlite3_bind_text(st, 4, text, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 5, output_path, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 6, now, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 7, now, -1, SQLITE_STATIC);
-    if (sqlite3_step(st) != SQLITE_DONE)
+        ix_bind_null(st, 3);
+    ix_bind_text(st, 4, text);
+    ix_bind_text(st, 5, output_path);
+    ix_bind_text(st, 6, now);
+    ix_bind_text(st, 7, now);
+    if (ix_step(st) != MD_IX_DONE)
         rc = db_fail(s, err, "insert job");
-    sqlite3_finalize(st);
+    ix_finalize(st);
 out:
     pthread_mutex_unlock(&s->mu);
     free(text);
@@ -92,18 +93,18 @@ md_status md_store_job_get(md_store *s, const char *id, json_t **out, md_err *er
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    sqlite3_stmt *st = prep(s, "SELECT " JOB_COLS "FROM jobs WHERE id = ?", err);
+    md_ixstmt *st = prep(s, "SELECT " JOB_COLS "FROM jobs WHERE id = ?", err);
     if (!st) {
         rc = MD_EIO;
         goto out;
     }
-    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
-    if (sqlite3_step(st) == SQLITE_ROW)
+    ix_bind_text(st, 1, id);
+    if (ix_step(st) == MD_IX_ROW)
         *out = job_json(st);
     else
         rc = md_err_setc(err, MD_ENOTFOUND, "job_not_found",
                          "job %s does not exist; GET /jobs lists the jobs", id);
-    sqlite3_finalize(st);
+    ix_finalize(st);
 out:
     pthread_mutex_unlock(&s->mu);
     return rc;
@@ -114,7 +115,7 @@ md_status md_store_job_list(md_store *s, const char *status, const char *model,
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    sqlite3_stmt *st = prep(s,
+    md_ixstmt *st = prep(s,
                             "SELECT " JOB_COLS "FROM jobs WHERE (?1 IS NULL OR status = ?1) AND "
                             "(?2 IS NULL OR model = ?2) AND (?3 IS NULL OR id < ?3) "
                             "ORDER BY id DESC LIMIT ?4",
@@ -124,23 +125,23 @@ md_status md_store_job_list(md_store *s, const char *status, const char *model,
         goto out;
     }
     if (status)
-        sqlite3_bind_text(st, 1, status, -1, SQLITE_STATIC);
+        ix_bind_text(st, 1, status);
     if (model)
-        sqlite3_bind_text(st, 2, model, -1, SQLITE_STATIC);
+        ix_bind_text(st, 2, model);
     if (before)
-        sqlite3_bind_text(st, 3, before, -1, SQLITE_STATIC);
-    sqlite3_bind_int(st, 4, limit + 1);
+        ix_bind_text(st, 3, before);
+    ix_bind_int64(st, 4, limit + 1);
     json_t *jobs = json_array();
     json_t *next = json_null();
     int n = 0;
-    while (sqlite3_step(st) == SQLITE_ROW) {
+    while (ix_step(st) == MD_IX_ROW) {
         if (n++ == limit) {
             next = json_incref(json_object_get(json_array_get(jobs, (size_t)limit - 1), "id"));
             break;
         }
         json_array_append_new(jobs, job_json(st));
     }
-    sqlite3_finalize(st);
+    ix_finalize(st);
     *out = json_pack("{s:o,s:o}", "jobs", jobs, "next", next);
 out:
     pthread_mutex_unlock(&s->mu);
@@ -188,51 +189,51 @@ static md_status job_update(md_store *s, const char *id, const char *owner, doub
     now_iso(now);
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    sqlite3_stmt *st = prep(s, sql, err);
+    md_ixstmt *st = prep(s, sql, err);
     if (!st) {
         rc = MD_EIO;
         goto out;
     }
-    sqlite3_bind_text(st, 1, now, -1, SQLITE_TRANSIENT);
+    ix_bind_text(st, 1, now);
     idx = 2;
     json_object_foreach(fields, key, v)
     {
         if (json_is_integer(v))
-            sqlite3_bind_int64(st, idx, json_integer_value(v));
+            ix_bind_int64(st, idx, json_integer_value(v));
         else if (json_is_real(v))
-            sqlite3_bind_double(st, idx, json_real_value(v));
+            ix_bind_double(st, idx, json_real_value(v));
         else if (json_is_string(v))
-            sqlite3_bind_text(st, idx, json_string_value(v), -1, SQLITE_TRANSIENT);
+            ix_bind_text(st, idx, json_string_value(v));
         else if (json_is_boolean(v))
-            sqlite3_bind_int(st, idx, json_is_true(v));
+            ix_bind_int64(st, idx, json_is_true(v));
         else if (json_is_null(v))
-            sqlite3_bind_null(st, idx);
+            ix_bind_null(st, idx);
         else {
             char *t = json_dumps(v, JSON_COMPACT);
-            sqlite3_bind_text(st, idx, t, -1, SQLITE_TRANSIENT);
+            ix_bind_text(st, idx, t);
             free(t);
         }
         idx++;
     }
-    sqlite3_bind_text(st, id_idx, id, -1, SQLITE_TRANSIENT);
+    ix_bind_text(st, id_idx, id);
     if (owner) {
-        sqlite3_bind_double(st, id_idx + 1, wall_now() + lease_s);
-        sqlite3_bind_text(st, id_idx + 2, owner, -1, SQLITE_TRANSIENT);
-        int r = sqlite3_step(st);
-        if (r == SQLITE_ROW) {
+        ix_bind_double(st, id_idx + 1, wall_now() + lease_s);
+        ix_bind_text(st, id_idx + 2, owner);
+        int r = ix_step(st);
+        if (r == MD_IX_ROW) {
             if (cancel_requested)
-                *cancel_requested = sqlite3_column_int(st, 0);
-            r = sqlite3_step(st);
-        } else if (r == SQLITE_DONE) {
+                *cancel_requested = (int)ix_column_int64(st, 0);
+            r = ix_step(st);
+        } else if (r == MD_IX_DONE) {
             rc = md_err_setc(err, MD_ECONFLICT, "job_lease_lost",
                              "job %s is no longer held by this process (%s)", id, owner);
         }
-        if (rc == MD_OK && r != SQLITE_DONE)
+        if (rc == MD_OK && r != MD_IX_DONE)
             rc = db_fail(s, err, "update job");
-    } else if (sqlite3_step(st) != SQLITE_DONE) {
+    } else if (ix_step(st) != MD_IX_DONE) {
         rc = db_fail(s, err, "update job");
     }
-    sqlite3_finalize(st);
+    ix_finalize(st);
 out:
     pthread_mutex_unlock(&s->mu);
     return rc;
@@ -262,49 +263,49 @@ md_status md_store_job_claim_next(md_store *s, const char *owner, double lease_s
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
     double now = wall_now();
-    sqlite3_stmt *sel = prep(s,
+    md_ixstmt *sel = prep(s,
                              "SELECT id, owner, lease_until FROM jobs WHERE status IN "
                              "('queued','running') AND (owner IS NULL OR owner != ?1) "
                              "ORDER BY created_at, id",
                              err);
-    sqlite3_stmt *upd = prep(s,
+    md_ixstmt *upd = prep(s,
                              "UPDATE jobs SET owner = ?1, lease_until = ?2 WHERE id = ?3 AND "
-                             "status IN ('queued','running') AND owner IS ?4",
+                             "status IN ('queued','running') AND (owner = ?4 OR (owner IS NULL AND ?4 IS NULL))",
                              err);
     if (!sel || !upd) {
         rc = MD_EIO;
         goto out;
     }
-    sqlite3_bind_text(sel, 1, owner, -1, SQLITE_STATIC);
+    ix_bind_text(sel, 1, owner);
     int r;
-    while ((r = sqlite3_step(sel)) == SQLITE_ROW) {
-        const char *cand = (const char *)sqlite3_column_text(sel, 0);
-        const char *held = (const char *)sqlite3_column_text(sel, 1);
-        double until = sqlite3_column_double(sel, 2);
+    while ((r = ix_step(sel)) == MD_IX_ROW) {
+        const char *cand = ix_column_text(sel, 0);
+        const char *held = ix_column_text(sel, 1);
+        double until = ix_column_double(sel, 2);
         if (held && until >= now && !(owner_dead && owner_dead(held, ctx)))
             continue; /* a live lease */
-        sqlite3_reset(upd);
-        sqlite3_bind_text(upd, 1, owner, -1, SQLITE_STATIC);
-        sqlite3_bind_double(upd, 2, now + lease_s);
-        sqlite3_bind_text(upd, 3, cand, -1, SQLITE_TRANSIENT);
+        ix_reset(upd);
+        ix_bind_text(upd, 1, owner);
+        ix_bind_double(upd, 2, now + lease_s);
+        ix_bind_text(upd, 3, cand);
         if (held)
-            sqlite3_bind_text(upd, 4, held, -1, SQLITE_TRANSIENT);
+            ix_bind_text(upd, 4, held);
         else
-            sqlite3_bind_null(upd, 4);
-        if (sqlite3_step(upd) != SQLITE_DONE) {
+            ix_bind_null(upd, 4);
+        if (ix_step(upd) != MD_IX_DONE) {
             rc = db_fail(s, err, "claim job");
             break;
         }
-        if (sqlite3_changes(s->db) == 1) { /* another process may have taken it first */
+        if (ix_changes(s->ix) == 1) { /* another process may have taken it first */
             snprintf(id, 64, "%s", cand);
             break;
         }
     }
-    if (rc == MD_OK && r != SQLITE_ROW && r != SQLITE_DONE)
+    if (rc == MD_OK && r != MD_IX_ROW && r != MD_IX_DONE)
         rc = db_fail(s, err, "list claimable jobs");
 out:
-    sqlite3_finalize(sel);
-    sqlite3_finalize(upd);
+    ix_finalize(sel);
+    ix_finalize(upd);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -314,17 +315,17 @@ out:
 static md_status exec2(md_store *s, const char *sql, const char *p1, const char *p2,
                        const char *what, int *changes, md_err *err)
 {
-    sqlite3_stmt *st = prep(s, sql, err);
+    md_ixstmt *st = prep(s, sql, err);
     if (!st)
         return MD_EIO;
-    sqlite3_bind_text(st, 1, p1, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 2, p2, -1, SQLITE_STATIC);
+    ix_bind_text(st, 1, p1);
+    ix_bind_text(st, 2, p2);
     md_status rc = MD_OK;
-    if (sqlite3_step(st) != SQLITE_DONE)
+    if (ix_step(st) != MD_IX_DONE)
         rc = db_fail(s, err, what);
     else if (changes)
-        *changes = sqlite3_changes(s->db);
-    sqlite3_finalize(st);
+        *changes = ix_changes(s->ix);
+    ix_finalize(st);
     return rc;
 }
 
@@ -369,18 +370,18 @@ void md_jobs_write_metrics(md_store *s, FILE *f)
     long long count[5] = {0}, rows[5] = {0};
     pthread_mutex_lock(&s->mu);
     md_err err;
-    sqlite3_stmt *st =
+    md_ixstmt *st =
         prep(s, "SELECT status, count(*), coalesce(sum(rows_done), 0) FROM jobs GROUP BY status",
              &err);
-    while (st && sqlite3_step(st) == SQLITE_ROW) {
-        const char *status = (const char *)sqlite3_column_text(st, 0);
+    while (st && ix_step(st) == MD_IX_ROW) {
+        const char *status = ix_column_text(st, 0);
         for (int i = 0; status && i < 5; i++)
             if (!strcmp(status, states[i])) {
-                count[i] = sqlite3_column_int64(st, 1);
-                rows[i] = sqlite3_column_int64(st, 2);
+                count[i] = ix_column_int64(st, 1);
+                rows[i] = ix_column_int64(st, 2);
             }
     }
-    sqlite3_finalize(st);
+    ix_finalize(st);
     pthread_mutex_unlock(&s->mu);
     char l[64];
     md_prom_family(f, "modeld_jobs", "gauge", "Batch jobs in the store, by state.");
