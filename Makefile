@@ -15,12 +15,12 @@ DATA    ?=
 # Debian packages the build, the tests and the benchmarks need (nginx: run as a
 # plain subprocess by tests/e2e/test_nginx.py, no system service is needed).
 # BUILD_PACKAGES build ./modeld (the Docker build stage installs only these).
-BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev \
+BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev libsqlite3-dev libpq-dev \
 	libcurl4-openssl-dev libssl-dev zlib1g-dev libtorch-dev libopenblas0-pthread \
 	libfast-float-dev libpng-dev libjpeg62-turbo-dev libisal-dev
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
 	python3-numpy python3-yaml python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist \
-	git jq nginx python3-pil python3-torchvision
+	git jq nginx python3-pil python3-torchvision postgresql-15
 # IMAGE_PACKAGES: `make image-check` only (builds and runs the image without Docker)
 IMAGE_PACKAGES := buildah debootstrap crun fuse-overlayfs
 
@@ -51,6 +51,17 @@ ifeq ($(WITH_CUDA),1)
 TORCH_CFLAGS += -DWITH_CUDA=1
 endif
 
+# The index in PostgreSQL (index_url=postgresql://...): libpq; WITH_PG=0
+# builds without it (such an index_url is then refused as not built).
+WITH_PG ?= 1
+ifeq ($(WITH_PG),1)
+PG_CFLAGS := -DMD_WITH_PG=1 $(shell pkg-config --cflags libpq 2>/dev/null || echo -I/usr/include/postgresql)
+PG_LIBS   := $(shell pkg-config --libs libpq 2>/dev/null || echo -lpq)
+else
+PG_CFLAGS :=
+PG_LIBS   :=
+endif
+
 SAN_FLAGS ?=
 # Hooks for dependencies outside the system paths, e.g. Debian packages
 # unpacked into DIR (bench/gpu_check.sh): EXTRA_CFLAGS=-IDIR/usr/include
@@ -62,10 +73,10 @@ OPT       ?= -O2 -g
 # preprocess loops that jobs run per row need the cheap model (clang: default)
 VECT      := $(if $(shell $(CC) --version 2>/dev/null | grep -q clang || echo gcc),-fvect-cost-model=cheap,)
 WARN      := -Wall -Wextra -Werror
-CFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(OPT) $(VECT) $(WARN) -pthread $(SAN_FLAGS) $(EXTRA_CFLAGS)
+CFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(OPT) $(VECT) $(WARN) -pthread $(PG_CFLAGS) $(SAN_FLAGS) $(EXTRA_CFLAGS)
 CXXFLAGS  := -std=c++17 $(OPT) $(WARN) -Wno-unused-parameter -pthread $(TORCH_CFLAGS) $(SAN_FLAGS) \
 	$(EXTRA_CFLAGS)
-LIBS      := $(EXTRA_LDFLAGS) -lmicrohttpd -ljansson -lsqlite3 -lcurl -lcrypto -lz -lisal -lpng -ljpeg $(TORCH_LIBS) -lstdc++ -lm -pthread
+LIBS      := $(EXTRA_LDFLAGS) -lmicrohttpd -ljansson -lsqlite3 $(PG_LIBS) -lcurl -lcrypto -lz -lisal -lpng -ljpeg $(TORCH_LIBS) -lstdc++ -lm -pthread
 
 BUILD := build$(if $(SAN_FLAGS),-asan,)
 
@@ -78,6 +89,9 @@ LIB_C   := config/md_err.c config/md_json.c config/md_metrics.c config/config.c 
 	jobs/readers.c jobs/scheduler.c jobs/writers.c jobs/job_store.c handlers/app.c handlers/jobs.c \
 	handlers/deploy.c handlers/upload.c handlers/models.c handlers/predict.c handlers/answer.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
+ifeq ($(WITH_PG),1)
+LIB_C   += checkpoint/index_pg.c
+endif
 # training checkpoints: weights apart from their architecture (issue 12)
 LIB_C   += predictor/weights.c handlers/training.c handlers/metrics.c
 # jobs over image folders (issue 15)
@@ -100,7 +114,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
-.PHONY: all run test unit e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
+.PHONY: all run test unit unit-pg e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
 	fixtures-check fuzz \
 	cuda-compile-check docker-check image-check deps-image
 
@@ -145,6 +159,12 @@ run: deps
 unit: $(UNIT_BINS)
 	@fail=0; for t in $(UNIT_BINS); do echo "== $$t"; $$t || fail=1; done; exit $$fail
 
+# The store's suite (test_store: versions, retention, GC, jobs, leases) again
+# with the index in PostgreSQL 15: tests/with_pg.sh starts a throwaway
+# cluster (as nobody, on a private socket and port) and stops it after.
+unit-pg: $(BUILD)/tests/test_store
+	$(if $(filter 1,$(WITH_PG)),tests/with_pg.sh $(BUILD)/tests/test_store,@echo "unit-pg: skipped (WITH_PG=0)")
+
 # promtool (tests/e2e/test_metrics.py checks GET /metrics with it) comes from
 # Debian's prometheus package, unpacked here rather than installed: installing
 # it would start a Prometheus server on the machine
@@ -169,6 +189,7 @@ lint-openapi:
 test: deps
 	$(MAKE) all
 	$(MAKE) unit
+	$(MAKE) unit-pg
 	$(MAKE) e2e
 	$(MAKE) fixtures-check
 	$(MAKE) lint-openapi
@@ -190,7 +211,7 @@ image-check: deps deps-image
 # Address + undefined sanitizers over the whole suite, in a separate build dir.
 asan: deps
 	$(MAKE) SAN_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" \
-	  OPT="-O1 -g" ASAN_E2E=1 unit e2e
+	  OPT="-O1 -g" ASAN_E2E=1 unit unit-pg e2e
 
 # The real binary under faults (tests/e2e/test_faults.py, also part of make
 # test): kill -9 during 50 deploys, a full disk (a tmpfs: needs root), a

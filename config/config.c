@@ -52,6 +52,11 @@ static const setting settings[] = {
      "least severe message logged"},
     {"store", T_STR, OFF(store), 0, 0, "./modeld-data", NULL,
      "store directory: index.sqlite and checkpoint blobs"},
+    {"index_url", T_STR, OFF(index_url), 0, 0, "", NULL,
+     "where the index (models, versions, settings, jobs) lives: empty = index.sqlite in the "
+     "store directory; postgresql://USER:PASSWORD@HOST:PORT/DB?sslmode=... (a libpq URI) = "
+     "PostgreSQL 15, shared by replicas on several hosts (the store directory keeps the "
+     "blobs); the password is never printed"},
     {"max_checkpoint_bytes", T_SIZE, OFF(max_checkpoint_bytes), 1, 1024 * GiB, "4294967296", NULL,
      "largest checkpoint accepted by upload or download"},
     {"max_average_bytes", T_SIZE, OFF(max_average_bytes), 1, 1024 * GiB, "17179869184", NULL,
@@ -695,6 +700,12 @@ static json_t *setting_json(const md_cfg *cfg, const setting *s)
     case T_SIZE:
         return json_integer(*(const long long *)cfield(cfg, s));
     case T_STR:
+        if (strcmp(s->key, "index_url") == 0) {
+            char masked[1024];
+            md_url_mask(*(char *const *)cfield(cfg, s), masked, sizeof masked);
+            return json_string(masked);
+        }
+        return json_string(*(char *const *)cfield(cfg, s));
     case T_ENUM:
         return json_string(*(char *const *)cfield(cfg, s));
     case T_LIST: {

@@ -44,6 +44,7 @@ typedef struct md_cfg {
     char *log_level;            /* debug | info | warn | error */
     /* store */
     char *store;                /* store directory (index.sqlite, blobs/) */
+    char *index_url;            /* "" = store/index.sqlite; postgresql://... = PostgreSQL */
     long long max_checkpoint_bytes; /* largest checkpoint upload or download */
     long long max_average_bytes;    /* most stored bytes one weight average reads */
     md_strlist allowed_paths;   /* file:// sources and job inputs must be under one */

@@ -317,7 +317,10 @@ void md_reply_json(md_req *r, int http_status, json_t *body)
 
 void md_reply_error(md_req *r, const md_err *err)
 {
-    if (err->status == MD_EBUSY && r->n_headers < MAX_REPLY_HEADERS)
+    /* both may pass: a full queue, an index that is unreachable or
+     * restarting (index_unavailable), a server starting or draining */
+    if ((err->status == MD_EBUSY || err->status == MD_EUNAVAIL) &&
+        r->n_headers < MAX_REPLY_HEADERS)
         md_reply_header(r, "Retry-After", "1");
     md_reply_json(r, md_status_http(err->status), md_error_body(err, r->v2));
 }

@@ -187,7 +187,7 @@ int main(int argc, char **argv)
 
     /* Open the store before binding: a replica that cannot read its store
      * must not take traffic. */
-    if (md_store_open(cfg.store, &app.store, &err) != MD_OK) {
+    if (md_store_open_index(cfg.store, cfg.index_url, &app.store, &err) != MD_OK) {
         fprintf(stderr, "modeld: %s\n", err.msg);
         md_cfg_free(&cfg);
         return 1;

@@ -63,7 +63,7 @@ static md_status load(md_cfg *cfg, char **argv, char **envp, md_cfg_action *acti
 
 static const char *const all_keys[] = {
     "host", "port", "threads", "max_body_bytes", "connection_timeout_s", "keepalive_timeout_s",
-    "drain_seconds", "access_log", "log_level", "store", "max_checkpoint_bytes", "max_average_bytes",
+    "drain_seconds", "access_log", "log_level", "store", "index_url", "max_checkpoint_bytes", "max_average_bytes",
     "allowed_paths",
     "allowed_urls", "download_connect_timeout_s", "download_timeout_s", "download_max_redirects",
     "workers", "intra_op_threads", "max_batch_size", "max_delay_us", "coalesce_us", "queue_limit", "timeout_ms",
@@ -492,6 +492,28 @@ static void test_help_lists_flags_and_env(void **state)
 
 /* ---- JSON dump ---- */
 
+/* index_url is printed without its password (userinfo or password=). */
+static void test_index_url_masked(void **state)
+{
+    (void)state;
+    md_cfg cfg;
+    md_cfg_action action;
+    md_err err;
+    char **argv = ARGV("--index-url", "postgresql://modeld:s3cret@db:5432/modeld?password=s3cret");
+    assert_int_equal(load(&cfg, argv, ENVP("MODELD_LOG_LEVEL=error"), &action, &err), MD_OK);
+    assert_string_equal(cfg.index_url, "postgresql://modeld:s3cret@db:5432/modeld?password=s3cret");
+    char *text = md_cfg_to_json(&cfg);
+    assert_null(strstr(text, "s3cret"));
+    assert_non_null(strstr(text, "postgresql://modeld:***@db:5432/modeld?password=***"));
+    free(text);
+    md_cfg_free(&cfg);
+    assert_int_equal(load(&cfg, ARGV("--port", "9400"), ENVP("MODELD_INDEX_URL=postgresql://u@h/d"),
+                          &action, &err),
+                     MD_OK);
+    assert_string_equal(cfg.index_url, "postgresql://u@h/d");
+    md_cfg_free(&cfg);
+}
+
 static void test_to_json_has_every_key(void **state)
 {
     (void)state;
@@ -514,6 +536,7 @@ static void test_to_json_has_every_key(void **state)
 
     assert_true(json_is_integer(json_object_get(root, "port")));
     assert_int_equal(json_integer_value(json_object_get(root, "port")), 9400);
+    assert_string_equal(json_string_value(json_object_get(root, "index_url")), "");
     assert_int_equal(json_integer_value(json_object_get(root, "max_body_bytes")), 67108864LL);
     assert_int_equal(json_integer_value(json_object_get(root, "max_checkpoint_bytes")),
                      4294967296LL);
@@ -930,6 +953,7 @@ int main(void)
         cmocka_unit_test_teardown(test_actions, remove_temps),
         cmocka_unit_test_teardown(test_help_lists_flags_and_env, remove_temps),
         cmocka_unit_test_teardown(test_to_json_has_every_key, remove_temps),
+        cmocka_unit_test(test_index_url_masked),
         cmocka_unit_test_teardown(test_port_out_of_range_each_source, remove_temps),
         cmocka_unit_test_teardown(test_not_an_integer, remove_temps),
         cmocka_unit_test_teardown(test_negative_timeout, remove_temps),

@@ -12,6 +12,14 @@
  *
  * Fixtures are read from tests/fixtures relative to the working directory
  * (make runs the tests from the repository root).
+ *
+ * Both index backends run this suite: SQLite (index.sqlite in the test's
+ * directory) by default, PostgreSQL when MODELD_TEST_INDEX_URL names one
+ * (tests/with_pg.sh starts a throwaway cluster and sets it; `make unit-pg`).
+ * Under PostgreSQL each test starts from an empty database (the public
+ * schema dropped and created again); the few checks of SQLite's own files
+ * and PRAGMAs are skipped, the rest use idx_exec/schema_version, which
+ * speak to whichever backend is under test.
  */
 #define _GNU_SOURCE
 #include <setjmp.h>
@@ -33,6 +41,9 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sqlite3.h>
+#ifdef MD_WITH_PG
+#include <libpq-fe.h>
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +53,7 @@
 #include <unistd.h>
 
 #include "../checkpoint/checkpoint.h"
+#include "../checkpoint/index_impl.h"
 #include "../jobs/jobs.h"
 
 #define FIXTURES "tests/fixtures"
@@ -52,8 +64,36 @@ typedef struct fx {
     char dir[256];
 } fx;
 
+/* The index under test: NULL = SQLite in the store directory. */
+static const char *index_url;
+
+/* Run `sql` (statements without rows) on the PostgreSQL index; 0 on success. */
+static int pg_exec(const char *sql, char *errbuf, size_t size)
+{
+#ifdef MD_WITH_PG
+    PGconn *c = PQconnectdb(index_url);
+    int ok = PQstatus(c) == CONNECTION_OK;
+    PGresult *r = ok ? PQexec(c, sql) : NULL;
+    ok = ok && (PQresultStatus(r) == PGRES_COMMAND_OK || PQresultStatus(r) == PGRES_TUPLES_OK);
+    if (!ok)
+        snprintf(errbuf, size, "%s", PQerrorMessage(c));
+    PQclear(r);
+    PQfinish(c);
+    return ok ? 0 : -1;
+#else
+    snprintf(errbuf, size, "built without PostgreSQL (WITH_PG=0)");
+    (void)sql;
+    return -1;
+#endif
+}
+
 static int setup(void **state)
 {
+    if (index_url) {
+        char msg[512];
+        if (pg_exec("SET client_min_messages = warning; DROP SCHEMA public CASCADE; CREATE SCHEMA public;", msg, sizeof msg) != 0)
+            fail_msg("cannot empty the PostgreSQL index %s: %s", index_url, msg);
+    }
     fx *f = calloc(1, sizeof *f);
     snprintf(f->dir, sizeof f->dir, "/tmp/modeld-test-store-XXXXXX");
     if (!mkdtemp(f->dir)) {
@@ -147,7 +187,7 @@ static void open_store(const fx *f, md_store **s)
 {
     md_err err;
     md_err_clear(&err);
-    md_status st = md_store_open(f->dir, s, &err);
+    md_status st = md_store_open_index(f->dir, index_url, s, &err);
     if (st != MD_OK)
         fail_msg("md_store_open(%s): %d %s", f->dir, (int)st, err.msg);
     assert_non_null(*s);
@@ -232,8 +272,26 @@ static int default_version(md_store *s, const char *model)
     return v;
 }
 
+/* Skip the calling test under PostgreSQL: it checks SQLite's own files. */
+#define SQLITE_ONLY()                                                                         \
+    do {                                                                                      \
+        if (index_url)                                                                        \
+            skip();                                                                           \
+    } while (0)
+
 static int user_version(const fx *f)
 {
+    if (index_url) {
+#ifdef MD_WITH_PG
+        PGconn *c = PQconnectdb(index_url);
+        PGresult *r = PQexec(c, "SELECT max(version) FROM modeld_schema");
+        assert_int_equal(PQresultStatus(r), PGRES_TUPLES_OK);
+        int v = atoi(PQgetvalue(r, 0, 0));
+        PQclear(r);
+        PQfinish(c);
+        return v;
+#endif
+    }
     char path[512];
     snprintf(path, sizeof path, "%s/index.sqlite", f->dir);
     sqlite3 *db = NULL;
@@ -247,8 +305,15 @@ static int user_version(const fx *f)
     return v;
 }
 
+/* Run `sql` on the index under test (written for both engines). */
 static void sql_exec(const fx *f, const char *sql)
 {
+    if (index_url) {
+        char msg[512];
+        if (pg_exec(sql, msg, sizeof msg) != 0)
+            fail_msg("%s: %s", sql, msg);
+        return;
+    }
     char path[512];
     snprintf(path, sizeof path, "%s/index.sqlite", f->dir);
     sqlite3 *db = NULL;
@@ -290,7 +355,7 @@ static void test_open_creates_layout_and_schema(void **state)
     fx *f = *state;
     md_store *s = NULL;
     open_store(f, &s);
-    assert_true(exists(f, "index.sqlite"));
+    assert_true(index_url || exists(f, "index.sqlite"));
     assert_int_equal(count_dir(f, "blobs"), 0);
     assert_int_equal(count_dir(f, "tmp"), 0);
     /* migrated to the newest schema: at least the first migration */
@@ -362,6 +427,7 @@ static const char *const schema_v1 =
  * forward to the schema of a fresh store and keeps its rows and blobs. */
 static void test_old_schema_migrated_forward(void **state)
 {
+    SQLITE_ONLY(); /* builds a version-1 index.sqlite by hand */
     fx *f = *state;
     /* the newest schema, from a fresh store elsewhere */
     fx fresh;
@@ -425,11 +491,11 @@ static void test_newer_schema_refused(void **state)
     md_store *s = NULL;
     open_store(f, &s);
     md_store_close(s);
-    sql_exec(f, "PRAGMA user_version = 99");
+    sql_exec(f, index_url ? "UPDATE modeld_schema SET version = 99" : "PRAGMA user_version = 99");
     md_err err;
     md_err_clear(&err);
     s = (md_store *)0x1;
-    assert_int_equal(md_store_open(f->dir, &s, &err), MD_EIO);
+    assert_int_equal(md_store_open_index(f->dir, index_url, &s, &err), MD_EIO);
     assert_null(s);
     if (!strstr(err.msg, "schema version 99"))
         fail_msg("message does not name the schema version: %s", err.msg);
@@ -747,7 +813,7 @@ static void *open_replica(void *p)
 {
     race *r = p;
     open_args *o = r->other_arg;
-    o->st = md_store_open(o->dir, &o->opened, &o->err);
+    o->st = md_store_open_index(o->dir, index_url, &o->opened, &o->err);
     race_other_finished(r);
     return NULL;
 }
@@ -1675,10 +1741,17 @@ static void hint_hook(md_store *store, const char *point, void *ctx)
         return;
     h->calls++;
     /* another connection (a replica) can take the write lock at once */
+    if (index_url) {
+        char msg[512];
+        if (pg_exec("BEGIN; SELECT 1/CASE WHEN pg_try_advisory_xact_lock(120282346121316) "
+                    "THEN 1 ELSE 0 END; ROLLBACK",
+                    msg, sizeof msg) == 0)
+            h->write_lock_free++;
+    }
     char path[512];
     snprintf(path, sizeof path, "%s/index.sqlite", h->f->dir);
     sqlite3 *db = NULL;
-    if (sqlite3_open(path, &db) == SQLITE_OK) {
+    if (!index_url && sqlite3_open(path, &db) == SQLITE_OK) {
         sqlite3_busy_timeout(db, 0);
         if (sqlite3_exec(db, "BEGIN IMMEDIATE", NULL, NULL, NULL) == SQLITE_OK) {
             h->write_lock_free++;
@@ -1845,6 +1918,55 @@ static void test_record_metric_names(void **state)
     free(mlp.data);
 }
 
+/* Every backend's table has every required slot (as md_index_open checks),
+ * and the same number of schema steps. */
+static void test_index_ops_complete(void **state)
+{
+    (void)state;
+    assert_null(md_index_ops_missing(&md_index_sqlite_ops));
+#ifdef MD_WITH_PG
+    assert_null(md_index_ops_missing(&md_index_pg_ops));
+    assert_int_equal(md_index_pg_ops.n_migrations, md_index_sqlite_ops.n_migrations);
+#endif
+    md_index_ops broken = md_index_sqlite_ops;
+    broken.step = NULL;
+    assert_string_equal(md_index_ops_missing(&broken), "step");
+    assert_string_equal(md_index_ops_missing(NULL), "ops");
+}
+
+/* The index_url's scheme chooses the backend; an unknown one and one not
+ * reachable are different errors, and neither message shows a password. */
+static void test_index_url_schemes(void **state)
+{
+    fx *f = *state;
+    md_err err;
+    md_err_clear(&err);
+    md_store *s = (md_store *)0x1;
+    assert_int_equal(md_store_open_index(f->dir, "mysql://u:hunter2@h/db", &s, &err), MD_EINVAL);
+    assert_null(s);
+    assert_string_equal(md_err_code(&err), "index_url_invalid");
+    assert_null(strstr(err.msg, "hunter2"));
+#ifdef MD_WITH_PG
+    /* nothing listens on port 1: unavailable (503), not a crash or a hang */
+    md_err_clear(&err);
+    assert_int_equal(md_store_open_index(f->dir, "postgresql://u:hunter2@127.0.0.1:1/db?connect_timeout=2",
+                                         &s, &err),
+                     MD_EUNAVAIL);
+    assert_null(s);
+    assert_string_equal(md_err_code(&err), "index_unavailable");
+    assert_null(strstr(err.msg, "hunter2"));
+#else
+    md_err_clear(&err);
+    assert_int_equal(md_store_open_index(f->dir, "postgresql://u@h/db", &s, &err), MD_EINVAL);
+    assert_string_equal(md_err_code(&err), "index_backend_not_built");
+#endif
+    char m[256];
+    md_url_mask("postgresql://u:pw@h:5/db?sslmode=require&password=x", m, sizeof m);
+    assert_string_equal(m, "postgresql://u:***@h:5/db?sslmode=require&password=***");
+    md_url_mask("postgresql://u@h/db", m, sizeof m);
+    assert_string_equal(m, "postgresql://u@h/db");
+}
+
 static void test_model_name_ok(void **state)
 {
     (void)state;
@@ -1898,10 +2020,20 @@ int main(void)
                                         teardown),
         cmocka_unit_test_setup_teardown(test_record_metric_names, setup, teardown),
         cmocka_unit_test(test_model_name_ok),
+        cmocka_unit_test(test_index_ops_complete),
+        cmocka_unit_test_setup_teardown(test_index_url_schemes, setup, teardown),
         cmocka_unit_test(test_addr_is_internal),
         cmocka_unit_test(test_allowed_urls_compare_parsed_urls),
         cmocka_unit_test(test_path_open_follows_no_symlink),
         cmocka_unit_test_setup_teardown(test_typo_hint_computed_outside_locks, setup, teardown),
     };
+    index_url = getenv("MODELD_TEST_INDEX_URL");
+    if (index_url && !index_url[0])
+        index_url = NULL;
+    if (index_url) {
+        char masked[512];
+        md_url_mask(index_url, masked, sizeof masked);
+        fprintf(stderr, "test_store: the index is PostgreSQL at %s\n", masked);
+    }
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
