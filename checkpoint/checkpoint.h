@@ -75,7 +75,9 @@ md_status md_store_open_index(const char *dir, const char *index_url, md_store *
 void md_store_close(md_store *store);
 
 /* The current index generation: bumped by every change, so replicas sharing
- * the store can notice changes made by another process. */
+ * the store can notice changes made by another process. -1 when the index
+ * cannot be read now (PostgreSQL unreachable or restarting): keep what is
+ * served and ask again later. */
 long long md_store_generation(md_store *store);
 /* The store directory (borrowed, valid until md_store_close). */
 const char *md_store_dir(const md_store *store);

@@ -169,7 +169,7 @@ void md_store_close(md_store *s)
 long long md_store_generation(md_store *s)
 {
     pthread_mutex_lock(&s->mu);
-    long long g = 0;
+    long long g = -1; /* the index cannot be read now (PostgreSQL restarting) */
     md_ixstmt *st = prep(s, "SELECT CAST(value AS BIGINT) FROM meta WHERE key = 'generation'",
                          NULL);
     if (ix_step(st) == MD_IX_ROW)

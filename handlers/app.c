@@ -676,7 +676,7 @@ void md_app_sync(md_app *app)
     /* read the generation first: a change made while this pass runs moves
      * it again, so the next pass corrects whatever this one raced with */
     long long gen = md_store_generation(app->store);
-    if (gen == app->synced_generation)
+    if (gen == app->synced_generation || gen < 0) /* < 0: the index is unreachable now */
         return;
     /* the store changed, maybe through a replica: what app.c remembered
      * (failed loads, names not found) may be stale now */

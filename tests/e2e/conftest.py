@@ -19,6 +19,9 @@ stderr holds a sanitizer report.
 
 Raw-socket helpers (import with `from conftest import ...`): free_port,
 raw_connect, read_http_response.
+
+PostgreSQL (pg.py, for the index in PostgreSQL): pg_cluster (a throwaway
+cluster for the session) and pg_url (a fresh database in it per test).
 """
 import json
 import os
@@ -30,6 +33,8 @@ from pathlib import Path
 
 import pytest
 import requests
+
+from pg import pg_cluster, pg_url  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[2]
 SANITIZED = os.environ.get("ASAN_E2E") == "1" or os.environ.get("TSAN_E2E") == "1"
