@@ -79,6 +79,12 @@ void md_store_close(md_store *store);
  * cannot be read now (PostgreSQL unreachable or restarting): keep what is
  * served and ask again later. */
 long long md_store_generation(md_store *store);
+/* Wait up to timeout_ms for another replica's change (PostgreSQL LISTEN/
+ * NOTIFY): 1 when one may have come (look: md_store_generation), 0 on
+ * timeout, -1 when the listener is down (poll meanwhile; it reconnects),
+ * -2 at once when the index cannot notify (SQLite: poll). Holds no lock the
+ * other md_store_* calls take; one caller at a time. */
+int md_store_wait_change(md_store *store, int timeout_ms);
 /* The store directory (borrowed, valid until md_store_close). */
 const char *md_store_dir(const md_store *store);
 /* Write the store's metric families (models, versions, bytes; Prometheus

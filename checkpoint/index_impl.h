@@ -92,6 +92,9 @@ struct md_index_ops {
     md_status (*map_error)(md_index *ix, const char *what, md_err *err);
 
     /* optional (NULL: absent) */
+    /* A hint, inside a write transaction that bumped the generation: tell
+     * listening replicas at commit (PostgreSQL: NOTIFY). */
+    md_status (*notify_change)(md_index *ix, md_err *err);
     /* MD_IX_CAP_NOTIFY: wait up to timeout_ms for a change notification;
      * 1 when one came, 0 on timeout, -1 when the connection failed. */
     int (*wait_change)(md_index *ix, int timeout_ms);
@@ -213,6 +216,11 @@ static inline const char *const *ix_migrations(md_index *ix, int *n)
 {
     *n = ix->ops->n_migrations;
     return ix->ops->migrations;
+}
+/* Does nothing where the backend has no notifications. */
+static inline md_status ix_notify_change(md_index *ix, md_err *err)
+{
+    return ix->ops->notify_change ? ix->ops->notify_change(ix, err) : MD_OK;
 }
 /* -2 when the backend cannot notify (the caller polls instead). */
 static inline int ix_wait_change(md_index *ix, int timeout_ms)

@@ -29,6 +29,7 @@
 #include "index_impl.h"
 
 #include <libpq-fe.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,6 +117,11 @@ static const char *const migrations[MD_INDEX_SCHEMA] = {
 typedef struct md_index_pg {
     md_index base;
     PGconn *conn;
+    char *url;
+    /* LISTEN modeld_change: a connection of its own, used only by
+     * pg_wait_change (the store's poll thread) */
+    PGconn *listen;
+    double listen_try;
     char masked[1024]; /* the URL without its password, for messages */
     void (*on_wait)(void *ctx);
     void *ctx;
@@ -256,7 +262,62 @@ static void pg_close(md_index *base)
     md_index_pg *ix = IX(base);
     if (ix->conn)
         PQfinish(ix->conn);
+    if (ix->listen)
+        PQfinish(ix->listen);
+    free(ix->url);
     free(ix);
+}
+
+static md_status pg_exec(md_index *base, const char *sql, md_err *err);
+
+/* Inside the write transaction, after the generation bump: every
+ * listening replica hears of the change when it commits (not before, and
+ * not at all when it rolls back). */
+static md_status pg_notify_change(md_index *base, md_err *err)
+{
+    return pg_exec(base, "NOTIFY modeld_change", err);
+}
+
+static PGconn *connect_url(const char *url);
+
+/* MD_IX_CAP_NOTIFY: wait for a NOTIFY modeld_change. A (re)connected
+ * listener answers 1 at once: what changed while it was not listening is
+ * unknown, so the caller looks. */
+static int pg_wait_change(md_index *base, int timeout_ms)
+{
+    md_index_pg *ix = IX(base);
+    if (!ix->listen || PQstatus(ix->listen) != CONNECTION_OK) {
+        if (ix->listen) {
+            PQfinish(ix->listen);
+            ix->listen = NULL;
+        }
+        double now = mono_now();
+        if (ix->listen_try && now - ix->listen_try < 1.0)
+            return -1; /* at most one try a second while PostgreSQL is away */
+        ix->listen_try = now;
+        PGconn *c = connect_url(ix->url);
+        PGresult *r = c && PQstatus(c) == CONNECTION_OK ? PQexec(c, "LISTEN modeld_change") : NULL;
+        int ok = r && PQresultStatus(r) == PGRES_COMMAND_OK;
+        PQclear(r);
+        if (!ok) {
+            if (c)
+                PQfinish(c);
+            return -1;
+        }
+        ix->listen = c;
+        return 1;
+    }
+    struct pollfd p = {.fd = PQsocket(ix->listen), .events = POLLIN};
+    int n = poll(&p, 1, timeout_ms);
+    if (n > 0 && !PQconsumeInput(ix->listen))
+        return -1; /* reconnected at the next call */
+    int got = 0;
+    PGnotify *note;
+    while ((note = PQnotifies(ix->listen)) != NULL) {
+        got = 1;
+        PQfreemem(note);
+    }
+    return got;
 }
 
 static md_status pg_exec(md_index *base, const char *sql, md_err *err)
@@ -528,14 +589,9 @@ static md_status pg_schema_set(md_index *base, int version, md_err *err)
     return pg_exec(base, sql, err);
 }
 
-static md_status pg_open(const md_index_args *args, md_index **out, md_err *err)
+/* A connection to `url` with the defaults that keep every call bounded. */
+static PGconn *connect_url(const char *url)
 {
-    *out = NULL;
-    md_index_pg *ix = md_xcalloc(1, sizeof *ix);
-    ix->base.ops = &md_index_pg_ops;
-    ix->on_wait = args->on_wait;
-    ix->ctx = args->ctx;
-    md_url_mask(args->url, ix->masked, sizeof ix->masked);
     /* our defaults first: the URL (dbname, expanded) overrides any of them */
     const char *keys[] = {"connect_timeout",
                           "keepalives",
@@ -556,9 +612,22 @@ static md_status pg_open(const md_index_args *args, md_index **out, md_err *err)
                           "modeld",
                           "-c statement_timeout=30000 -c idle_in_transaction_session_timeout=60000 "
                           "-c client_min_messages=warning",
-                          args->url,
+                          url,
                           NULL};
-    ix->conn = PQconnectdbParams(keys, vals, 1);
+    return PQconnectdbParams(keys, vals, 1);
+}
+
+static md_status pg_open(const md_index_args *args, md_index **out, md_err *err)
+{
+    *out = NULL;
+    md_index_pg *ix = md_xcalloc(1, sizeof *ix);
+    ix->base.ops = &md_index_pg_ops;
+    ix->base.caps = MD_IX_CAP_NOTIFY;
+    ix->on_wait = args->on_wait;
+    ix->ctx = args->ctx;
+    md_url_mask(args->url, ix->masked, sizeof ix->masked);
+    ix->url = md_xstrdup(args->url);
+    ix->conn = connect_url(args->url);
     if (!ix->conn || PQstatus(ix->conn) != CONNECTION_OK) {
         set_msg(ix, ix->conn ? PQerrorMessage(ix->conn) : "out of memory");
         md_err_setc(err, MD_EUNAVAIL, "index_unavailable",
@@ -598,5 +667,6 @@ const md_index_ops md_index_pg_ops = {
     .schema_get = pg_schema_get,
     .schema_set = pg_schema_set,
     .map_error = pg_fail,
-    .wait_change = NULL,
+    .notify_change = pg_notify_change,
+    .wait_change = pg_wait_change,
 };

@@ -297,5 +297,6 @@ const md_index_ops md_index_sqlite_ops = {
     .schema_get = sq_schema_get,
     .schema_set = sq_schema_set,
     .map_error = sq_fail,
+    .notify_change = NULL,
     .wait_change = NULL,
 };

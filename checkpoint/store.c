@@ -134,6 +134,7 @@ md_status md_store_open_index(const char *dir, const char *index_url, md_store *
     md_store *s = md_xcalloc(1, sizeof *s);
     s->dir = md_xstrdup(dir);
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->listen_mu, NULL);
     /* the one choice of backend: nothing after it branches on it */
     md_index_args args = {.url = index_url, .dir = dir, .on_wait = on_wait, .ctx = s};
     md_status st;
@@ -162,6 +163,7 @@ void md_store_close(md_store *s)
         return;
     ix_close(s->ix);
     pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->listen_mu);
     free(s->dir);
     free(s);
 }
@@ -177,6 +179,15 @@ long long md_store_generation(md_store *s)
     ix_finalize(st);
     pthread_mutex_unlock(&s->mu);
     return g;
+}
+
+int md_store_wait_change(md_store *s, int timeout_ms)
+{
+    /* not s->mu: the index waits on a connection of its own */
+    pthread_mutex_lock(&s->listen_mu);
+    int r = ix_wait_change(s->ix, timeout_ms);
+    pthread_mutex_unlock(&s->listen_mu);
+    return r;
 }
 
 const char *md_store_dir(const md_store *s) { return s->dir; }

@@ -29,6 +29,7 @@ struct md_store {
     char *dir;
     md_index *ix;
     pthread_mutex_t mu;
+    pthread_mutex_t listen_mu; /* md_store_wait_change: one waiter at a time */
 };
 
 struct md_blob_writer {
@@ -92,6 +93,8 @@ static inline md_status txn_end(md_store *s, md_status rc, int flags, md_err *er
                   "UPDATE meta SET value = CAST(CAST(value AS BIGINT) + 1 AS TEXT) "
                   "WHERE key = 'generation'",
                   err);
+    if (rc == MD_OK && (flags & TXN_BUMP))
+        rc = ix_notify_change(s->ix, err); /* heard by replicas at the commit */
     if (rc == MD_OK)
         rc = ix_commit(s->ix, err);
     if (rc != MD_OK)

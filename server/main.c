@@ -78,7 +78,8 @@ static int stop_pending(void)
     return sigismember(&pending, SIGTERM) || sigismember(&pending, SIGINT);
 }
 
-/* Replicas sharing a store: look for the others' changes every store_poll_ms.
+/* Replicas sharing a store: look for the others' changes every store_poll_ms,
+ * and at once when the index notifies of one (PostgreSQL LISTEN/NOTIFY).
  * The same thread hands the memory malloc keeps free back to the system once
  * a second (tune_malloc lets every arena keep up to 64 MiB for speed: with a
  * worker thread per arena that is hundreds of MiB a container pays for
@@ -94,15 +95,32 @@ static void *poll_main(void *arg)
     double interval = sync && app->cfg->store_poll_ms < 1000 ? app->cfg->store_poll_ms / 1000.0
                                                               : 1.0;
     double next = now_s(), next_sync = next, next_trim = next;
+    /* with an index that notifies (PostgreSQL), a change is looked at as
+     * soon as it commits; the poll stays as the fallback for a missed one */
+    int notify = sync;
     while (!atomic_load(&poll_stop)) {
         next += interval;
+        int notified = 0;
         while (!atomic_load(&poll_stop) && now_s() < next) {
+            if (notify) {
+                int r = md_store_wait_change(app->store, 20);
+                if (r == 1) {
+                    notified = 1;
+                    break;
+                }
+                if (r == 0)
+                    continue; /* waited its 20 ms */
+                notify = r != -2; /* -2: the index cannot notify; -1: down for now */
+            }
             struct timespec ts = {0, 20 * 1000 * 1000};
             nanosleep(&ts, NULL);
         }
         if (atomic_load(&poll_stop))
             break;
-        if (sync && now_s() >= next_sync) {
+        if (notified) {
+            md_app_sync(app);
+            next = now_s(); /* the next slice starts now */
+        } else if (sync && now_s() >= next_sync) {
             next_sync += app->cfg->store_poll_ms / 1000.0;
             md_app_sync(app);
         }

@@ -1918,6 +1918,35 @@ static void test_record_metric_names(void **state)
     free(mlp.data);
 }
 
+/* A change committed through one handle (a replica) wakes another's
+ * md_store_wait_change (PostgreSQL LISTEN/NOTIFY); SQLite answers -2 (poll). */
+static void test_wait_change_notifies(void **state)
+{
+    fx *f = *state;
+    md_store *a = NULL, *b = NULL;
+    open_store(f, &a);
+    open_store(f, &b);
+    if (!index_url) {
+        assert_int_equal(md_store_wait_change(b, 10), -2);
+    } else {
+        /* the first call subscribes and answers 1 (something may have been missed) */
+        assert_int_equal(md_store_wait_change(b, 10), 1);
+        /* nothing committed: a rolled-back change notifies nobody either */
+        md_err err;
+        assert_int_equal(md_store_set_default(a, "nosuch", 1, &err), MD_ENOTFOUND);
+        assert_int_equal(md_store_wait_change(b, 50), 0);
+        bytes mlp = fixture("mlp.pt");
+        assert_int_equal(add(a, "m", &mlp, 0, NULL, 1), 1);
+        int got = 0;
+        for (int i = 0; i < 500 && !got; i++) /* a deadline of 500 x 20 ms, not an order */
+            got = md_store_wait_change(b, 20) == 1;
+        assert_true(got);
+        free(mlp.data);
+    }
+    md_store_close(a);
+    md_store_close(b);
+}
+
 /* Every backend's table has every required slot (as md_index_open checks),
  * and the same number of schema steps. */
 static void test_index_ops_complete(void **state)
@@ -2021,6 +2050,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_record_metric_names, setup, teardown),
         cmocka_unit_test(test_model_name_ok),
         cmocka_unit_test(test_index_ops_complete),
+        cmocka_unit_test_setup_teardown(test_wait_change_notifies, setup, teardown),
         cmocka_unit_test_setup_teardown(test_index_url_schemes, setup, teardown),
         cmocka_unit_test(test_addr_is_internal),
         cmocka_unit_test(test_allowed_urls_compare_parsed_urls),

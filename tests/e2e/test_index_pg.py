@@ -304,3 +304,31 @@ def test_restart_during_deploys_nothing_half_applied(start_server, pg_cluster, p
     # every row's blob is there
     for v in srv.get("/models/m").json()["versions"]:
         assert (srv.store / "blobs" / v["sha256"]).exists(), v
+
+
+# ------------------------------------------------------------ LISTEN/NOTIFY
+
+
+def test_change_reaches_the_other_replica_by_notify(start_server, pg_cluster, pg_url, tmp_path):
+    """With the generation poll all but off (60 s), a new default through
+    replica A is served by replica B because PostgreSQL notified it; after a
+    restart of PostgreSQL B listens again by itself."""
+    store = tmp_path / "shared-store"
+    a = start_server("--index-url", pg_url, "--store-poll-ms", "60000", store=store)
+    b = start_server("--index-url", pg_url, "--store-poll-ms", "60000", store=store)
+    created(upload(a, "m"))
+    poll(lambda: predict_ok(b)[0], "replica b serves m")  # loads version 1 on b
+    waits = []
+    for version in (2, 3):
+        t0 = time.monotonic()
+        assert created(upload(a, "m"))["version"] == version
+        poll(lambda: b.get(f"/models/m/versions/{version}").json().get("loaded") is True,
+             f"replica b loads version {version} without its poll", timeout=20)
+        waits.append(time.monotonic() - t0)
+    print(f"NOTIFY convergence (deploy answered + load on b): {[round(w, 3) for w in waits]} s")
+    pg_cluster.restart("fast")
+    r = poll(lambda: (lambda r: r if r.status_code != 503 else None)(upload(a, "m")),
+             "a deploy succeeds after the restart")
+    assert created(r)["version"] == 4
+    poll(lambda: b.get("/models/m/versions/4").json().get("loaded") is True,
+         "replica b loads version 4 after re-listening", timeout=20)
