@@ -126,6 +126,11 @@ const char *md_index_ops_missing(const md_index_ops *ops);
 md_status md_index_open(const md_index_args *args, md_index **out, md_err *err);
 
 
+/* The index under a store (store.c), for the unit tests' fault-injecting
+ * pass-through backend only: nothing else may reach past the store. */
+struct md_store;
+md_index *md_store_index_for_test(struct md_store *s);
+
 /* ---- the only callers of ops ---- */
 
 static inline void ix_close(md_index *ix)

@@ -190,4 +190,6 @@ int md_store_wait_change(md_store *s, int timeout_ms)
     return r;
 }
 
+md_index *md_store_index_for_test(md_store *s) { return s->ix; }
+
 const char *md_store_dir(const md_store *s) { return s->dir; }

@@ -68,8 +68,11 @@ md_status md_get_version_locked(md_store *s, const char *name, int version, json
     ix_bind_text(st, 1, name);
     ix_bind_int64(st, 2, version);
     md_status rc = MD_OK;
-    if (ix_step(st) == MD_IX_ROW)
+    int step = ix_step(st);
+    if (step == MD_IX_ROW)
         *out = version_json(st);
+    else if (step == MD_IX_ERROR)
+        rc = db_fail(s, err, "read a version"); /* not "not found": the index failed */
     else
         rc = md_err_setc(err, MD_ENOTFOUND, "version_not_found",
                          "model %s has no version %d; GET /models/%s lists its versions", name,
@@ -335,7 +338,8 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
         goto end;
     }
     /* the answer describes the new row even if retention removes it at once */
-    md_get_version_locked(s, spec->model, version, &added, NULL);
+    if ((rc = md_get_version_locked(s, spec->model, version, &added, err)) != MD_OK)
+        goto end;
     if (added && promotion[0])
         json_object_set_new(added, "promotion",
                             json_pack("{s:b,s:s}", "promoted",
@@ -349,7 +353,7 @@ end:
     md_blobs_settle(s, rc, &released, moved ? sha : NULL);
     if (rc == MD_OK) {
         json_t *still = NULL;
-        if (md_get_version_locked(s, spec->model, version, &still, NULL) != MD_OK && added)
+        if (md_get_version_locked(s, spec->model, version, &still, NULL) == MD_ENOTFOUND && added)
             json_object_set_new(added, "removed_by_retention", json_true());
         json_decref(still);
         if (out) {

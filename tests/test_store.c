@@ -997,6 +997,131 @@ static void test_version_conflict_keeps_nothing(void **state)
     free(cnn.data);
 }
 
+/* ---- a failing index (SQLite's testvfs, for either backend) ----
+ *
+ * A pass-through ops table over the real one that fails the Nth call of
+ * begin, commit, exec or step with MD_EUNAVAIL (as a lost PostgreSQL
+ * connection does): every error path of an add is taken in turn. */
+static const md_index_ops *real_ops;
+static int fault_at, fault_calls, fault_hit;
+
+static int fault_now(void) { return ++fault_calls == fault_at ? (fault_hit = 1) : 0; }
+static md_status f_map_error(md_index *ix, const char *what, md_err *err)
+{
+    if (fault_hit) {
+        fault_hit = 0;
+        return md_err_setc(err, MD_EUNAVAIL, "index_unavailable", "injected failure: %s", what);
+    }
+    return real_ops->map_error(ix, what, err);
+}
+static md_status f_begin(md_index *ix, md_err *err)
+{
+    return fault_now() ? f_map_error(ix, "begin", err) : real_ops->begin(ix, err);
+}
+static md_status f_commit(md_index *ix, md_err *err)
+{
+    if (fault_now()) {
+        real_ops->rollback(ix); /* a commit that failed committed nothing */
+        return f_map_error(ix, "commit", err);
+    }
+    return real_ops->commit(ix, err);
+}
+static md_status f_exec(md_index *ix, const char *sql, md_err *err)
+{
+    return fault_now() ? f_map_error(ix, "exec", err) : real_ops->exec(ix, sql, err);
+}
+static int f_step(md_ixstmt *st) { return fault_now() ? MD_IX_ERROR : real_ops->step(st); }
+
+static void fault_install(md_store *s, md_index_ops *ops, int at)
+{
+    md_index *ix = md_store_index_for_test(s);
+    real_ops = ix->ops;
+    *ops = *real_ops;
+    ops->begin = f_begin;
+    ops->commit = f_commit;
+    ops->exec = f_exec;
+    ops->step = f_step;
+    ops->map_error = f_map_error;
+    assert_null(md_index_ops_missing(ops));
+    fault_at = at;
+    fault_calls = 0;
+    fault_hit = 0;
+    ix->ops = ops;
+}
+
+static void fault_remove(md_store *s)
+{
+    md_store_index_for_test(s)->ops = real_ops;
+    fault_at = 0;
+}
+
+/* An add failing at each of its index calls in turn leaves the store as it
+ * was (no row, no new blob, the default and generation unmoved) or, when
+ * the failure came after its commit (the blob collection), the new row
+ * whole with its blob; the next add gets the next number either way. */
+static void test_add_version_fails_at_every_index_call(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt"), cnn = fixture("cnn.pt");
+    char sc[MD_SHA256_HEX];
+    sha_hex(cnn.data, cnn.len, sc);
+    md_store *s = NULL;
+    open_store(f, &s);
+    assert_int_equal(add(s, "m", &mlp, 0, NULL, 1), 1);
+    md_index_ops ops;
+    int failed = 0;
+    for (int at = 1; at < 200; at++) {
+        long long gen = md_store_generation(s);
+        md_err err;
+        md_err_clear(&err);
+        md_blob_writer *w = write_blob(s, &cnn, 4096);
+        char sha[MD_SHA256_HEX];
+        long long size;
+        assert_int_equal(md_blob_finish(w, NULL, sha, &size, &err), MD_OK);
+        md_version_spec spec = {.model = "m", .sha256 = sha, .size = size, .source = "upload",
+                                .make_default = 1};
+        json_t *out = NULL;
+        fault_install(s, &ops, at);
+        md_status rc = md_store_add_version(s, &spec, w, &out, &err);
+        int reached = fault_calls >= at;
+        fault_remove(s);
+        json_t *m = NULL;
+        assert_int_equal(md_store_get_model(s, "m", &m, &err), MD_OK);
+        size_t nv = json_array_size(json_object_get(m, "versions"));
+        if (rc != MD_OK) {
+            failed++;
+            assert_null(out);
+            assert_int_equal(err.status, MD_EUNAVAIL);
+            assert_int_equal(nv, 1); /* nothing half-applied */
+            assert_int_equal(md_store_generation(s), gen);
+            assert_int_equal(default_version(s, "m"), 1);
+            assert_false(blob_exists(f, sc));
+        } else {
+            assert_non_null(out);
+            json_decref(out);
+            assert_int_equal(nv, 2);
+            assert_true(blob_exists(f, sc));
+            /* back to one version for the next round */
+            assert_int_equal(md_store_set_default(s, "m", 1, &err), MD_OK);
+            int v = (int)json_integer_value(
+                json_object_get(json_array_get(json_object_get(m, "versions"), 1), "version"));
+            assert_int_equal(md_store_delete_version(s, "m", v, 0, &err), MD_OK);
+            assert_false(blob_exists(f, sc));
+        }
+        assert_int_equal(count_dir(f, "tmp"), 0);
+        json_decref(m);
+        if (!reached)
+            break; /* the add made fewer calls than `at`: every one has failed once */
+    }
+    assert_true(failed >= 5);
+    /* the next add still gets a number one past the last ever given */
+    int next = add(s, "m", &cnn, 0, NULL, 1);
+    assert_true(next >= 2);
+    md_store_close(s);
+    free(mlp.data);
+    free(cnn.data);
+}
+
 /* ---- crash points ---- */
 
 /* (a) bytes written to tmp/ but never finished: swept at the next open when
@@ -2028,6 +2153,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_blob_finish_errors_leave_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shared_blobs, setup, teardown),
         cmocka_unit_test_setup_teardown(test_version_conflict_keeps_nothing, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_add_version_fails_at_every_index_call, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_replica_gc_waits_for_add_of_same_bytes, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_replica_sweep_waits_for_add_of_orphan_bytes, setup,
