@@ -171,8 +171,8 @@ static void note_failure(md_index_pg *ix, const PGresult *res)
 {
     const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
     snprintf(ix->sqlstate, sizeof ix->sqlstate, "%s", state ? state : "");
-    ix->lost = PQstatus(ix->conn) != CONNECTION_OK || !state || strncmp(ix->sqlstate, "08", 2) == 0 ||
-               strncmp(ix->sqlstate, "57P0", 4) == 0;
+    ix->lost = PQstatus(ix->conn) != CONNECTION_OK || !state ||
+               strncmp(ix->sqlstate, "08", 2) == 0 || strncmp(ix->sqlstate, "57P0", 4) == 0;
     set_msg(ix, res && PQresultErrorMessage(res)[0] ? PQresultErrorMessage(res)
                                                     : PQerrorMessage(ix->conn));
 }

@@ -174,7 +174,8 @@ md_status md_store_apply_retention(md_store *s, const char *name, sha_list *rele
         ret_row *row = &rows[n++];
         memset(row, 0, sizeof *row);
         row->version = (int)ix_column_int64(st, 0);
-        snprintf(row->sha, sizeof row->sha, "%s", ix_column_text(st, 1) ? ix_column_text(st, 1) : "");
+        const char *sha = ix_column_text(st, 1);
+        snprintf(row->sha, sizeof row->sha, "%s", sha ? sha : "");
         if (ix_column_text(st, 2))
             snprintf(row->arch, sizeof row->arch, "%s", ix_column_text(st, 2));
         const char *state = ix_column_text(st, 3);

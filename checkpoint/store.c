@@ -1,8 +1,9 @@
 /*
  * store.c - the checkpoint store: opening it (directories, the index -
  * SQLite in --store or PostgreSQL by index_url, behind index_impl.h - its
- * forward-only migrations, the sweeps at open) and closing it. The rest of the store is split by concern, sharing
- * store_internal.h: versions.c (model and version rows), retention.c,
+ * forward-only migrations, the sweeps at open) and closing it. The rest of
+ * the store is split by concern, sharing store_internal.h: versions.c
+ * (model and version rows), retention.c,
  * blobs.c (blob files, uploads, garbage collection), archive.c (the
  * TorchScript zip check); the job table's queries are jobs/job_store.c.
  * The migrations of every table are in the backends' ordered lists.
@@ -26,8 +27,9 @@
  * threads only, so every decision about a blob's file is taken inside an
  * index write transaction, which holds one write lock across processes
  * (SQLite: BEGIN IMMEDIATE; PostgreSQL: BEGIN and pg_advisory_xact_lock on
- * one constant, so the same holds for replicas on one PostgreSQL): an add checks "are these bytes already in blobs/?",
- * renames its temp file there and inserts its row in one transaction, and
+ * one constant, so the same holds for replicas on one PostgreSQL): an add
+ * checks "are these bytes already in blobs/?", renames its temp file there
+ * and inserts its row in one transaction, and
  * garbage collection (after a delete or retention, a failed add, the orphan
  * sweep at open) re-checks "does any row reference it?" and unlinks in
  * another. So no replica can unlink a blob between another's check and its
@@ -146,8 +148,8 @@ md_status md_store_open_index(const char *dir, const char *index_url, md_store *
     } else {
         snprintf(where, sizeof where, "%s", dir);
     }
-    if ((st = md_index_open(&args, &s->ix, err)) != MD_OK || (st = migrate(s, where, err)) != MD_OK ||
-        (st = md_blobs_check(s, err)) != MD_OK) {
+    if ((st = md_index_open(&args, &s->ix, err)) != MD_OK ||
+        (st = migrate(s, where, err)) != MD_OK || (st = md_blobs_check(s, err)) != MD_OK) {
         md_store_close(s);
         return st;
     }

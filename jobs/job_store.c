@@ -270,7 +270,8 @@ md_status md_store_job_claim_next(md_store *s, const char *owner, double lease_s
                              err);
     md_ixstmt *upd = prep(s,
                              "UPDATE jobs SET owner = ?1, lease_until = ?2 WHERE id = ?3 AND "
-                             "status IN ('queued','running') AND (owner = ?4 OR (owner IS NULL AND ?4 IS NULL))",
+                             "status IN ('queued','running') AND "
+                             "(owner = ?4 OR (owner IS NULL AND ?4 IS NULL))",
                              err);
     if (!sel || !upd) {
         rc = MD_EIO;

@@ -63,7 +63,8 @@ static md_status load(md_cfg *cfg, char **argv, char **envp, md_cfg_action *acti
 
 static const char *const all_keys[] = {
     "host", "port", "threads", "max_body_bytes", "connection_timeout_s", "keepalive_timeout_s",
-    "drain_seconds", "access_log", "log_level", "store", "index_url", "max_checkpoint_bytes", "max_average_bytes",
+    "drain_seconds", "access_log", "log_level", "store", "index_url", "max_checkpoint_bytes",
+    "max_average_bytes",
     "allowed_paths",
     "allowed_urls", "download_connect_timeout_s", "download_timeout_s", "download_max_redirects",
     "workers", "intra_op_threads", "max_batch_size", "max_delay_us", "coalesce_us", "queue_limit", "timeout_ms",

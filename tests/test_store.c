@@ -91,7 +91,9 @@ static int setup(void **state)
 {
     if (index_url) {
         char msg[512];
-        if (pg_exec("SET client_min_messages = warning; DROP SCHEMA public CASCADE; CREATE SCHEMA public;", msg, sizeof msg) != 0)
+        if (pg_exec("SET client_min_messages = warning; DROP SCHEMA public CASCADE; "
+                    "CREATE SCHEMA public;",
+                    msg, sizeof msg) != 0)
             fail_msg("cannot empty the PostgreSQL index %s: %s", index_url, msg);
     }
     fx *f = calloc(1, sizeof *f);
@@ -2103,8 +2105,9 @@ static void test_index_url_schemes(void **state)
 #ifdef MD_WITH_PG
     /* nothing listens on port 1: unavailable (503), not a crash or a hang */
     md_err_clear(&err);
-    assert_int_equal(md_store_open_index(f->dir, "postgresql://u:hunter2@127.0.0.1:1/db?connect_timeout=2",
-                                         &s, &err),
+    assert_int_equal(md_store_open_index(
+                         f->dir, "postgresql://u:hunter2@127.0.0.1:1/db?connect_timeout=2", &s,
+                         &err),
                      MD_EUNAVAIL);
     assert_null(s);
     assert_string_equal(md_err_code(&err), "index_unavailable");
