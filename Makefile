@@ -86,12 +86,16 @@ LIB_C   += jobs/images.c
 LIB_C   += jobs/gzstream.c
 # one rule for how an output row reads as classes (issue 29: binary, multi-label)
 LIB_C   += predictor/classes.c
+# the S3 client the blob store and s3:// sources are built on (issue 25)
+LIB_C   += checkpoint/s3.c
 LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
 
 UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_batcher test_formats \
 	test_image test_multipart
+# the S3 client against a loopback listener: AWS's SigV4 examples, failures, resume
+UNIT_TESTS += test_s3
 # the batcher is tested over a fake backend: the linker seam replaces libtorch calls
 LDFLAGS_test_batcher := -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free \
     -Wl,--wrap=md_torch_replica -Wl,--wrap=md_torch_forward_quiet \
