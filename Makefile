@@ -20,7 +20,7 @@ BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev li
 	libfast-float-dev libpng-dev libjpeg62-turbo-dev libisal-dev
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
 	python3-numpy python3-yaml python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist \
-	git jq nginx python3-pil python3-torchvision
+	git jq nginx python3-pil python3-torchvision nodejs npm python3-boto3
 # IMAGE_PACKAGES: `make image-check` only (builds and runs the image without Docker)
 IMAGE_PACKAGES := buildah debootstrap crun fuse-overlayfs
 
@@ -105,7 +105,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
 .PHONY: all run test unit e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
-	fixtures-check fuzz \
+	fixtures-check fuzz s3rver s3-live \
 	cuda-compile-check docker-check image-check deps-image
 
 all: $(MODELD)
@@ -129,9 +129,12 @@ $(BUILD)/tests/%: tests/%.c tests/test_util.h $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $(filter-out %.h,$^) $(LDFLAGS_$*) $(LIBS) -lcmocka
 
-# Install the Debian packages that are missing (non-interactive).
+# Install the Debian packages that are missing (non-interactive). npm counts
+# as present when an npm command is: NodeSource's nodejs package ships its own
+# npm and conflicts with Debian's. `make deps` then installs s3rver (below).
 deps deps-build deps-image:
 	@missing=""; for p in $(if $(filter deps-build,$@),$(BUILD_PACKAGES),$(if $(filter deps-image,$@),$(IMAGE_PACKAGES),$(DEB_PACKAGES))); do \
+	  if [ "$$p" = npm ] && command -v npm >/dev/null 2>&1; then continue; fi; \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -139,6 +142,24 @@ deps deps-build deps-image:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
+	@if [ "$@" = deps ]; then $(MAKE) --no-print-directory s3rver || \
+	  echo "warning: s3rver was not installed (npm failed): the S3 tests need it"; fi
+
+# npm's s3rver, the S3 server of the tests (tests/e2e/s3.py, tests/with_s3.sh),
+# pinned with its dependencies by tests/s3rver/package-lock.json, installed
+# into build/tools/s3rver (git-ignored), never globally.
+S3RVER := build/tools/s3rver/node_modules/s3rver/bin/s3rver.js
+$(S3RVER): tests/s3rver/package.json tests/s3rver/package-lock.json
+	@mkdir -p build/tools/s3rver
+	cp tests/s3rver/package.json tests/s3rver/package-lock.json build/tools/s3rver/
+	cd build/tools/s3rver && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+s3rver: $(S3RVER)
+
+# The S3 client against s3rver behind the SigV4-checking proxy (also run by
+# tests/e2e/test_s3_harness.py in make e2e).
+s3-live: $(BUILD)/tests/test_s3_live $(S3RVER)
+	tests/with_s3.sh $(BUILD)/tests/test_s3_live
 
 # Serve on :8080 with the committed FashionMNIST model deployed as `fashion`
 # (examples/serve.sh deploys it when the store ./modeld-data does not have it).
@@ -160,8 +181,9 @@ $(PROMTOOL):
 	    { $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq && apt-get download prometheus; }; } && \
 	  dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb && touch usr/bin/promtool
 
-e2e: $(MODELD) $(PROMTOOL)
-	MODELD_BIN=$(CURDIR)/$(MODELD) PROMTOOL=$(CURDIR)/$(PROMTOOL) $(PYTHON) -m pytest -q tests/e2e \
+e2e: $(MODELD) $(PROMTOOL) $(S3RVER) $(BUILD)/tests/test_s3_live
+	MODELD_BIN=$(CURDIR)/$(MODELD) PROMTOOL=$(CURDIR)/$(PROMTOOL) \
+	  S3_LIVE_BIN=$(CURDIR)/$(BUILD)/tests/test_s3_live $(PYTHON) -m pytest -q tests/e2e \
 	  $(PYTEST_ARGS)
 
 
