@@ -286,8 +286,8 @@ clean:
 	rm -rf build build-asan build-tsan build-fuzz modeld
 
 # libFuzzer over the request decoders, the dataset readers, the configuration
-# loader, the router, the multipart/form-data iterator, the checkpoint readers
-# and image input (clang); not part of `make test`. FUZZ_SECONDS per target.
+# loader, the router, the multipart/form-data iterator, the checkpoint readers,
+# image input and the S3 client's XML answers (clang); not part of `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
 # FUZZ_RUNS=1000000 runs each target that many executions instead of FUZZ_SECONDS
 FUZZ_RUNS ?=
@@ -340,7 +340,11 @@ fuzz:
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -DMD_GZ_IN_SIZE=32 -DMD_GZ_OUT_SIZE=32 \
 	  -o build-fuzz/fuzz_gzstream tests/fuzz_gzstream.c jobs/gzstream.c -lisal -lz
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_s3_xml tests/fuzz_s3_xml.c \
+	  checkpoint/s3.c config/md_err.c -lcurl -lcrypto -lm
 	mkdir -p build-fuzz/corpus_number && cp tests/fuzz_corpus_number/* build-fuzz/corpus_number/
+	mkdir -p build-fuzz/corpus_s3_xml && cp tests/fuzz_corpus_s3_xml/* build-fuzz/corpus_s3_xml/
 	mkdir -p build-fuzz/corpus_gzstream && cp tests/fuzz_corpus_gzstream/* build-fuzz/corpus_gzstream/
 	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers build-fuzz/corpus_config \
 	  build-fuzz/corpus_router build-fuzz/corpus_pickle build-fuzz/corpus_safetensors
@@ -371,6 +375,7 @@ fuzz:
 	build-fuzz/fuzz_image $(FUZZ_LIMIT) -max_len=16384 build-fuzz/corpus_image
 	build-fuzz/fuzz_multipart $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_multipart
 	build-fuzz/fuzz_gzstream $(FUZZ_LIMIT) -max_len=65536 build-fuzz/corpus_gzstream
+	build-fuzz/fuzz_s3_xml $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_s3_xml
 
 # The CUDA path of the backend must keep compiling even where no CUDA libtorch
 # exists to link it: compile it against Debian's libtorch headers and the CUDA
