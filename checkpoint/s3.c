@@ -408,34 +408,58 @@ long md_s3_uri_encode(char *out, size_t size, const char *in, size_t len, int ke
     return (long)o;
 }
 
-#define QUERY_PARAMS_MAX 16
+/* One byte's SigV4 encoding ('/' encoded) into out; its length. */
+static size_t enc1(unsigned char c, char out[3])
+{
+    static const char hex[] = "0123456789ABCDEF";
+    if ((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' ||
+        c == '.' || c == '_' || c == '~') {
+        out[0] = (char)c;
+        return 1;
+    }
+    out[0] = '%';
+    out[1] = hex[c >> 4];
+    out[2] = hex[c & 15];
+    return 3;
+}
+
+/* strcmp of the encodings of a and b, without writing them out: the order
+ * SigV4 sorts parameters in (it differs from the raw bytes' order: '|' is
+ * "%7C", before 'A'). */
+static int enc_cmp(const char *a, const char *b)
+{
+    char ba[3], bb[3];
+    size_t na = 0, nb = 0, ia = 0, ib = 0;
+    for (;;) {
+        if (ia == na) {
+            na = *a ? enc1((unsigned char)*a++, ba) : 0;
+            ia = 0;
+        }
+        if (ib == nb) {
+            nb = *b ? enc1((unsigned char)*b++, bb) : 0;
+            ib = 0;
+        }
+        if (na == 0 || nb == 0)
+            return (na != 0) - (nb != 0);
+        unsigned char x = (unsigned char)ba[ia++], y = (unsigned char)bb[ib++];
+        if (x != y)
+            return x < y ? -1 : 1;
+    }
+}
 
 long md_s3_query_build(char *out, size_t size, const md_s3_param *params, size_t n)
 {
-    if (size == 0 || n > QUERY_PARAMS_MAX)
+    if (size == 0 || n > MD_S3_QUERY_PARAMS_MAX)
         return -1;
-    /* each pair encoded once into scratch, then sorted by (name, value) */
-    static const size_t part = 3 * MD_S3_CONT_TOKEN_MAX + 1;
-    char *enc = malloc(2 * n * part + 1);
-    if (!enc)
-        return -1;
-    size_t order[QUERY_PARAMS_MAX];
-    long rc = 0;
-    for (size_t i = 0; i < n; i++) {
-        const char *v = params[i].value ? params[i].value : "";
-        if (md_s3_uri_encode(enc + 2 * i * part, part, params[i].name, strlen(params[i].name), 0) < 0 ||
-            md_s3_uri_encode(enc + (2 * i + 1) * part, part, v, strlen(v), 0) < 0) {
-            free(enc);
-            return -1;
-        }
+    size_t order[MD_S3_QUERY_PARAMS_MAX];
+    for (size_t i = 0; i < n; i++)
         order[i] = i;
-    }
     for (size_t i = 1; i < n; i++) /* insertion sort: a handful of parameters */
         for (size_t j = i; j > 0; j--) {
-            const char *a = enc + 2 * order[j - 1] * part, *b = enc + 2 * order[j] * part;
-            int c = strcmp(a, b);
+            const md_s3_param *a = &params[order[j - 1]], *b = &params[order[j]];
+            int c = enc_cmp(a->name, b->name);
             if (c == 0)
-                c = strcmp(a + part, b + part);
+                c = enc_cmp(a->value ? a->value : "", b->value ? b->value : "");
             if (c <= 0)
                 break;
             size_t t = order[j];
@@ -445,16 +469,26 @@ long md_s3_query_build(char *out, size_t size, const md_s3_param *params, size_t
     size_t o = 0;
     out[0] = '\0';
     for (size_t i = 0; i < n; i++) {
-        const char *name = enc + 2 * order[i] * part, *value = name + part;
-        int w = snprintf(out + o, size - o, "%s%s=%s", i ? "&" : "", name, value);
-        if (w < 0 || (size_t)w >= size - o) {
-            rc = -1;
-            break;
+        const md_s3_param *p = &params[order[i]];
+        const char *v = p->value ? p->value : "";
+        long w;
+        if (i) {
+            if (o + 1 >= size)
+                return -1;
+            out[o++] = '&';
         }
+        if ((w = md_s3_uri_encode(out + o, size - o, p->name, strlen(p->name), 0)) < 0)
+            return -1;
+        o += (size_t)w;
+        if (o + 1 >= size)
+            return -1;
+        out[o++] = '=';
+        if ((w = md_s3_uri_encode(out + o, size - o, v, strlen(v), 0)) < 0)
+            return -1;
         o += (size_t)w;
     }
-    free(enc);
-    return rc < 0 ? -1 : (long)o;
+    out[o] = '\0';
+    return (long)o;
 }
 
 /* ---- the XML extractor ---- */
@@ -752,6 +786,7 @@ typedef struct s3_call {
     size_t mem_len, mem_cap, mem_max;
     int mem_keep_all;     /* a 2xx listing: past mem_max is an error */
     int mem_overflow;
+    int mem_nomem;        /* the answer's buffer could not grow */
     /* the upload */
     int src_fd;
     int src_errno;
@@ -825,7 +860,7 @@ static int mem_append(s3_call *c, const char *data, size_t len)
             cap = c->mem_max + 1;
         char *m = realloc(c->mem, cap);
         if (!m) {
-            c->mem_overflow = 1;
+            c->mem_nomem = 1;
             return -1;
         }
         c->mem = m;
@@ -1094,6 +1129,8 @@ static md_status call_verdict(md_s3 *s3, s3_call *c, CURLcode cc, const char *op
     if (cc == CURLE_WRITE_ERROR && c->sink_errno)
         return md_err_set(err, c->sink_errno == ENOSPC ? MD_ENOSPC : MD_EIO,
                           "writing s3://%s/%s to disk failed: %s", s3->bucket, k, strerror(c->sink_errno));
+    if (c->mem_nomem)
+        return md_err_set(err, MD_ENOMEM, "no memory for S3's answer to %s s3://%s/%s", op, s3->bucket, k);
     if (c->mem_overflow)
         return md_err_set(err, MD_EIO, "S3's answer to %s s3://%s/%s is larger than %zu bytes", op,
                           s3->bucket, k, c->mem_max);

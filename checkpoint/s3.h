@@ -49,6 +49,7 @@ typedef struct md_s3 md_s3;
 #define MD_S3_LIST_PAGE_MAX (8 << 20) /* bytes of one ListObjectsV2 answer */
 #define MD_S3_ERROR_BODY_MAX (16 << 10) /* bytes of an error answer kept */
 #define MD_S3_CONT_TOKEN_MAX 2048 /* a continuation token's bytes */
+#define MD_S3_QUERY_PARAMS_MAX 16 /* parameters of one request */
 
 /* Credentials and where to reach S3. Holds secrets: never log or print it. */
 typedef struct md_s3_config {
@@ -197,10 +198,11 @@ md_status md_s3_request_send(md_s3 *s3, const md_s3_request *req, md_s3_response
  * `size` bytes. */
 long md_s3_uri_encode(char *out, size_t size, const char *in, size_t len, int keep_slash);
 
-/* The canonical query string of `params`: each name and value encoded as
- * above ('/' as %2F), sorted by encoded name then value, "name=value" joined
- * by '&', "name=" for an empty value: the form libcurl 7.88 must be given,
- * since it signs the query as it finds it. -1 when it does not fit. */
+/* The canonical query string of `params` (at most MD_S3_QUERY_PARAMS_MAX):
+ * each name and value encoded as above ('/' as %2F), sorted by encoded name
+ * then value, "name=value" joined by '&', "name=" for an empty (or NULL)
+ * value: the form libcurl 7.88 must be given, since it signs the query as it
+ * finds it. -1 when it does not fit in `size` bytes. */
 long md_s3_query_build(char *out, size_t size, const md_s3_param *params, size_t n);
 
 /* Parse one ListObjectsV2 answer: `fn` per <Contents> (Key, Size,

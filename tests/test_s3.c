@@ -410,6 +410,10 @@ static void test_query_builder(void **state)
     md_s3_param p3[] = {{"b", "2"}, {"a", "x y"}, {"a", "1"}, {"A", "~"}};
     assert_true(md_s3_query_build(q, sizeof q, p3, 4) > 0);
     assert_string_equal(q, "A=~&a=1&a=x%20y&b=2");
+    /* the encoded order, not the raw one: '|' is "%7C", before 'A' */
+    md_s3_param p4[] = {{"bA", "1"}, {"b|", "2"}, {"c", "A"}, {"c", "|"}};
+    assert_true(md_s3_query_build(q, sizeof q, p4, 4) > 0);
+    assert_string_equal(q, "b%7C=2&bA=1&c=%7C&c=A");
     assert_int_equal(md_s3_query_build(q, sizeof q, NULL, 0), 0);
     assert_string_equal(q, "");
     assert_int_equal(md_s3_query_build(q, 8, p1, 2), -1); /* does not fit */
