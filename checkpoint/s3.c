@@ -17,7 +17,9 @@
  *  - every header we add (Range, If-Match, x-amz-security-token, and the
  *    x-amz-date of the tests' worked examples) is signed, since 7.88 signs
  *    every CURLOPT_HTTPHEADER entry; none of ours has an empty value, which
- *    7.88 would sign but not send.
+ *    7.88 would sign but not send. 7.88 sorts the signed headers as whole
+ *    "name:value" lines, so no header name of ours may be another's prefix
+ *    followed by '-' (x-amz-meta-a and x-amz-meta-a-b would sort wrongly).
  * A call never hangs: a connect timeout, a low-speed limit (a peer that
  * accepts and stops answering trips it) and, for small calls, a total bound.
  * A download that is cut resumes from the bytes written with a Range request
@@ -233,6 +235,17 @@ md_status md_s3_config_from_env(md_s3_config *cfg, md_err *err)
             return md_err_set(err, MD_EINVAL, "%s=%s is not an endpoint: use http(s)://HOST[:PORT], "
                               "e.g. http://127.0.0.1:9000 for MinIO", ep_var, shown);
         }
+    }
+    const char *ca = env("AWS_CA_BUNDLE");
+    if (ca) {
+        char shown[128];
+        md_text_escape(shown, sizeof shown, ca);
+        if (strlen(ca) >= sizeof cfg->ca_bundle || access(ca, R_OK) != 0) {
+            memset(cfg, 0, sizeof *cfg);
+            return md_err_set(err, MD_EINVAL, "AWS_CA_BUNDLE=%s is not a readable file: point it at "
+                              "the PEM file of the CA that signed the endpoint's certificate", shown);
+        }
+        snprintf(cfg->ca_bundle, sizeof cfg->ca_bundle, "%s", ca);
     }
     return MD_OK;
 }
@@ -1070,6 +1083,8 @@ static md_status call_perform(md_s3 *s3, s3_call *c, const call_spec *sp, CURLco
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, on_write);
     curl_easy_setopt(e, CURLOPT_WRITEDATA, c);
     curl_easy_setopt(e, CURLOPT_ERRORBUFFER, c->errbuf);
+    if (s3->cfg.ca_bundle[0])
+        curl_easy_setopt(e, CURLOPT_CAINFO, s3->cfg.ca_bundle);
     struct curl_slist *connect_to = NULL;
     if (s3->net.connect_to) {
         connect_to = curl_slist_append(NULL, s3->net.connect_to);

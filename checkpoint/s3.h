@@ -7,7 +7,8 @@
  * Configuration is the one every AWS client reads (md_s3_config_from_env):
  * AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN (each also as
  * *_FILE: a file holding it), AWS_REGION / AWS_DEFAULT_REGION, and
- * AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL for MinIO, Ceph or any other S3.
+ * AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL for MinIO, Ceph or any other S3,
+ * and AWS_CA_BUNDLE for an endpoint whose certificate a private CA signed.
  * A custom endpoint is addressed path-style (http://host/BUCKET/KEY) unless
  * told otherwise; AWS itself virtual-hosted (https://BUCKET.s3.REGION...).
  *
@@ -58,6 +59,7 @@ typedef struct md_s3_config {
     char session_token[MD_S3_TOKEN_MAX]; /* "" = none */
     char region[MD_S3_REGION_MAX];       /* "us-east-1" when unset */
     char endpoint[MD_S3_ENDPOINT_MAX];   /* "" = AWS; else scheme://host[:port] */
+    char ca_bundle[MD_S3_ENDPOINT_MAX];  /* "" = the system's CAs; else a PEM file */
     int path_style;                      /* -1 = auto (on for a custom endpoint), 0, 1 */
 } md_s3_config;
 

@@ -764,7 +764,7 @@ static void clear_aws_env(void)
     static const char *const vars[] = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
                                        "AWS_ACCESS_KEY_ID_FILE", "AWS_SECRET_ACCESS_KEY_FILE",
                                        "AWS_SESSION_TOKEN_FILE", "AWS_REGION", "AWS_DEFAULT_REGION",
-                                       "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", NULL};
+                                       "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_CA_BUNDLE", NULL};
     for (int i = 0; vars[i]; i++)
         unsetenv(vars[i]);
 }
@@ -823,6 +823,14 @@ static void test_config_from_env(void **state)
     assert_msg_has(err.msg, "AWS_SECRET_ACCESS_KEY_FILE", "one line", NULL);
     assert_null(strstr(err.msg, "ab"));
     setenv("AWS_SECRET_ACCESS_KEY_FILE", secret_file, 1);
+
+    setenv("AWS_CA_BUNDLE", secret_file, 1); /* any readable file will do here */
+    assert_int_equal(md_s3_config_from_env(&cfg, &err), MD_OK);
+    assert_string_equal(cfg.ca_bundle, secret_file);
+    setenv("AWS_CA_BUNDLE", "/nonexistent/ca.pem", 1);
+    assert_int_equal(md_s3_config_from_env(&cfg, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "AWS_CA_BUNDLE=/nonexistent/ca.pem is not a readable file", NULL);
+    unsetenv("AWS_CA_BUNDLE");
 
     setenv("AWS_REGION", "US East", 1);
     assert_int_equal(md_s3_config_from_env(&cfg, &err), MD_EINVAL);

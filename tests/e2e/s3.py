@@ -36,6 +36,7 @@ import http.server
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import socketserver
@@ -345,26 +346,34 @@ class S3Harness:
              "-p", "0"], stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL,
             start_new_session=True)
         deadline = time.monotonic() + timeout
-        line = b""
-        # the port it chose, from "S3rver listening on 127.0.0.1:PORT"
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
+        seen = b""
+        # the port it chose, from "S3rver listening on 127.0.0.1:PORT"; read
+        # with a deadline, so a server that never says it is up fails the start
+        fd = self.proc.stdout.fileno()
+        while time.monotonic() < deadline and not self.upstream_port:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
                 break
-            m = re.search(rb"listening on 127\.0\.0\.1:(\d+)", line)
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            seen += chunk
+            m = re.search(rb"listening on 127\.0\.0\.1:(\d+)\n", seen)
             if m:
                 self.upstream_port = int(m.group(1))
-                break
         if not self.upstream_port:
             self.stop()
             raise RuntimeError("s3rver did not start: %s" % self._log_tail())
-        threading.Thread(target=self._drain_stdout, daemon=True).start()
+        threading.Thread(target=self._drain_stdout, args=(fd,), daemon=True).start()
         self.proxy = SigV4Proxy(self.upstream_port, self.secret, str(spool)).start()
         self.client().create_bucket(Bucket=self.bucket)
         return self
 
-    def _drain_stdout(self):
-        for _ in iter(self.proc.stdout.readline, b""):
+    def _drain_stdout(self, fd):
+        try:
+            while os.read(fd, 4096):
+                pass
+        except OSError:
             pass
 
     def _log_tail(self):
@@ -439,6 +448,8 @@ def _main(argv):
     if len(argv) < 2 or argv[1] not in ("run", "serve"):
         sys.stderr.write("usage: s3.py run -- CMD [ARGS...] | s3.py serve\n")
         return 2
+    # SIGTERM (a CI timeout, say) still stops s3rver: it runs in a session of its own
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = tempfile.mkdtemp(prefix="modeld-s3-")
     harness = S3Harness(work)
     try:
