@@ -370,7 +370,10 @@ md_status md_s3_open(const md_s3_config *cfg, const char *url, const md_s3_net *
         snprintf(ep, sizeof ep, "https://s3.%s.amazonaws.com", cfg->region);
     }
     snprintf(s->where, sizeof s->where, "%s", ep);
-    s->bucket_path = cfg->path_style < 0 ? custom : cfg->path_style;
+    /* auto: path-style for a custom endpoint; on AWS virtual-hosted, except a
+     * bucket with a '.', which the *.s3.REGION.amazonaws.com certificate
+     * cannot cover over https (the SDKs fall back the same way) */
+    s->bucket_path = cfg->path_style >= 0 ? cfg->path_style : custom || strchr(s->bucket, '.') != NULL;
     if (s->bucket_path) {
         snprintf(s->base, sizeof s->base, "%s/%s", ep, s->bucket);
     } else {
@@ -849,6 +852,9 @@ static size_t on_header(char *data, size_t size, size_t n, void *ud)
             v64 = v64 * 10 + (v[i] - '0');
         c->content_length = i == vlen && i > 0 ? v64 : -1;
     }
+    for (size_t i = 0; dst && i < vlen; i++)
+        if ((unsigned char)v[i] < 0x20 || v[i] == 0x7f)
+            dst = NULL; /* never echoed into a request header (If-Match) */
     if (dst && vlen < cap) {
         memcpy(dst, v, vlen);
         dst[vlen] = '\0';

@@ -10,7 +10,8 @@
  * AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL for MinIO, Ceph or any other S3,
  * and AWS_CA_BUNDLE for an endpoint whose certificate a private CA signed.
  * A custom endpoint is addressed path-style (http://host/BUCKET/KEY) unless
- * told otherwise; AWS itself virtual-hosted (https://BUCKET.s3.REGION...).
+ * told otherwise; AWS itself virtual-hosted (https://BUCKET.s3.REGION...),
+ * but path-style for a bucket name with a '.' (no certificate covers it).
  *
  * Secrets stay in md_s3_config and the handle: no log line and no md_err
  * message ever holds one. Every failure maps to the shared md_status in one
