@@ -1220,7 +1220,18 @@ md_status md_s3_request_send(md_s3 *s3, const md_s3_request *req, md_s3_response
     return st;
 }
 
-md_status md_s3_put_file(md_s3 *s3, const char *key, const char *path, md_err *err)
+static int sha256_hex_ok(const char *h)
+{
+    if (!h || strlen(h) != 64)
+        return 0;
+    for (const char *c = h; *c; c++)
+        if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'f')))
+            return 0;
+    return 1;
+}
+
+static md_status put_file(md_s3 *s3, const char *key, const char *path, const char *known_sha,
+                          md_err *err)
 {
     char fkey[MD_S3_KEY_MAX + 1], shown[160];
     md_status st = full_key(s3, key, fkey, err);
@@ -1241,7 +1252,9 @@ md_status md_s3_put_file(md_s3 *s3, const char *key, const char *path, md_err *e
                           (long long)stt.st_size);
     }
     char sha[65];
-    if ((st = file_sha256(fd, sha, err, shown)) != MD_OK) {
+    if (known_sha)
+        memcpy(sha, known_sha, 65);
+    else if ((st = file_sha256(fd, sha, err, shown)) != MD_OK) {
         close(fd);
         return st;
     }
@@ -1256,6 +1269,19 @@ md_status md_s3_put_file(md_s3 *s3, const char *key, const char *path, md_err *e
     call_free(&c);
     close(fd);
     return st;
+}
+
+md_status md_s3_put_file(md_s3 *s3, const char *key, const char *path, md_err *err)
+{
+    return put_file(s3, key, path, NULL, err);
+}
+
+md_status md_s3_put_file_sha256(md_s3 *s3, const char *key, const char *path, const char *sha256_hex,
+                                md_err *err)
+{
+    if (!sha256_hex_ok(sha256_hex))
+        return md_err_set(err, MD_EINVAL, "a sha256 must be 64 lower-case hex digits");
+    return put_file(s3, key, path, sha256_hex, err);
 }
 
 md_status md_s3_head(md_s3 *s3, const char *key, md_s3_object *info, md_err *err)

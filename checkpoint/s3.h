@@ -129,6 +129,14 @@ const char *md_s3_prefix(const md_s3 *s3);
  * streamed. Objects past 5 GiB (S3's single PUT limit) are MD_ETOOBIG. */
 md_status md_s3_put_file(md_s3 *s3, const char *key, const char *path, md_err *err);
 
+/* As md_s3_put_file when the file's sha256 is already known (a
+ * content-addressed blob): `sha256_hex` (64 lower-case hex digits) is sent as
+ * x-amz-content-sha256 without reading the file twice. S3 checks the bytes
+ * against it: a file that is not those bytes is refused (HTTP 400
+ * XAmzContentSHA256Mismatch, MD_EIO) and nothing is stored. */
+md_status md_s3_put_file_sha256(md_s3 *s3, const char *key, const char *path, const char *sha256_hex,
+                                md_err *err);
+
 /* Download `key` into `fd` (opened for writing; truncated to 0 first), and
  * fsync it. A transfer cut mid-way resumes with "Range: bytes=N-" (and
  * If-Match the first answer's ETag) from the bytes already written, up to

@@ -5,6 +5,7 @@
  * only under tests/with_s3.sh (make s3-live, part of make test), which
  * exports AWS_* for it, S3_URL, S3RVER_PID and S3_HARNESS_CONTROL:
  *  - put, head, get, delete of keys with characters that need encoding;
+ *  - a put with a known sha256: S3 refuses bytes that are not those;
  *  - a ~20 MB object whose download the proxy cuts mid-way: it resumes with
  *    Range and arrives whole;
  *  - a listing of more than one page (max-keys 2) with continuation tokens;
@@ -151,6 +152,31 @@ static void test_put_head_get_delete(void **state)
         assert_int_equal(md_s3_get_path(s3, keys[i], dst, &info, &err), MD_ENOTFOUND);
         assert_msg_has(err.msg, "no object", NULL);
     }
+    unlink(src);
+    md_s3_close(s3);
+}
+
+/* A known sha256 is sent as is, and S3 holds the bytes to it. */
+static void test_put_with_a_known_sha256(void **state)
+{
+    (void)state;
+    md_s3 *s3 = client(NULL, 0);
+    char src[64];
+    write_temp(src, "blob bytes");
+    /* sha256("blob bytes") */
+    static const char right[] = "269d6dd0cedf40e040fbe1b1be1860175a7bb24322549b9064c531f525af3a5b";
+    static const char wrong[] = "0000000000000000000000000000000000000000000000000000000000000000";
+    md_err err;
+    md_s3_object info;
+    assert_int_equal(md_s3_put_file_sha256(s3, "blobs/x", src, wrong, &err), MD_EIO);
+    assert_msg_has(err.msg, "400", "XAmzContentSHA256Mismatch", "blobs/x", NULL);
+    assert_int_equal(md_s3_head(s3, "blobs/x", &info, &err), MD_ENOTFOUND);
+    if (md_s3_put_file_sha256(s3, "blobs/x", src, right, &err) != MD_OK)
+        fail_msg("put: %s", err.msg);
+    assert_int_equal(md_s3_head(s3, "blobs/x", &info, &err), MD_OK);
+    assert_int_equal(info.size, 10);
+    assert_int_equal(md_s3_put_file_sha256(s3, "blobs/x", src, "ABC", &err), MD_EINVAL);
+    assert_int_equal(md_s3_delete(s3, "blobs/x", &err), MD_OK);
     unlink(src);
     md_s3_close(s3);
 }
@@ -313,6 +339,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_put_head_get_delete, remove_temps),
+        cmocka_unit_test_teardown(test_put_with_a_known_sha256, remove_temps),
         cmocka_unit_test_teardown(test_large_object_cut_and_resumed, remove_temps),
         cmocka_unit_test_teardown(test_list_pages, remove_temps),
         cmocka_unit_test_teardown(test_wrong_secret_is_forbidden, remove_temps),

@@ -141,4 +141,4 @@ def test_the_c_client_through_with_s3_sh():
     r = subprocess.run([str(REPO / "tests/with_s3.sh"), str(live)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "[  PASSED  ] 5 test(s)." in r.stdout + r.stderr
+    assert "[  PASSED  ] 6 test(s)." in r.stdout + r.stderr
