@@ -20,7 +20,7 @@ BUILD_PACKAGES := build-essential pkg-config libmicrohttpd-dev libjansson-dev li
 	libfast-float-dev libpng-dev libjpeg62-turbo-dev libisal-dev
 DEB_PACKAGES := $(BUILD_PACKAGES) libcmocka-dev python3 python3-pytest python3-requests \
 	python3-numpy python3-yaml python3-torch curl ca-certificates sqlite3 dataset-fashion-mnist \
-	git jq nginx python3-pil python3-torchvision postgresql-15
+	git jq nginx python3-pil python3-torchvision postgresql-15 nodejs npm python3-boto3
 # IMAGE_PACKAGES: `make image-check` only (builds and runs the image without Docker)
 IMAGE_PACKAGES := buildah debootstrap crun fuse-overlayfs
 
@@ -100,12 +100,16 @@ LIB_C   += jobs/images.c
 LIB_C   += jobs/gzstream.c
 # one rule for how an output row reads as classes (issue 29: binary, multi-label)
 LIB_C   += predictor/classes.c
+# the S3 client the blob store and s3:// sources are built on (issue 25)
+LIB_C   += checkpoint/s3.c
 LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
 
 UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_batcher test_formats \
 	test_image test_multipart
+# the S3 client against a loopback listener: AWS's SigV4 examples, failures, resume
+UNIT_TESTS += test_s3
 # the batcher is tested over a fake backend: the linker seam replaces libtorch calls
 LDFLAGS_test_batcher := -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free \
     -Wl,--wrap=md_torch_replica -Wl,--wrap=md_torch_forward_quiet \
@@ -115,7 +119,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
 .PHONY: all run test unit unit-pg e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
-	fixtures-check fuzz \
+	fixtures-check fuzz s3rver s3-live \
 	cuda-compile-check docker-check image-check deps-image
 
 all: $(MODELD)
@@ -139,9 +143,12 @@ $(BUILD)/tests/%: tests/%.c tests/test_util.h $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $(filter-out %.h,$^) $(LDFLAGS_$*) $(LIBS) -lcmocka
 
-# Install the Debian packages that are missing (non-interactive).
+# Install the Debian packages that are missing (non-interactive). npm counts
+# as present when an npm command is: NodeSource's nodejs package ships its own
+# npm and conflicts with Debian's. `make deps` then installs s3rver (below).
 deps deps-build deps-image:
 	@missing=""; for p in $(if $(filter deps-build,$@),$(BUILD_PACKAGES),$(if $(filter deps-image,$@),$(IMAGE_PACKAGES),$(DEB_PACKAGES))); do \
+	  if [ "$$p" = npm ] && command -v npm >/dev/null 2>&1; then continue; fi; \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -149,6 +156,24 @@ deps deps-build deps-image:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
+	@if [ "$@" = deps ]; then $(MAKE) --no-print-directory s3rver || \
+	  echo "warning: s3rver was not installed (npm failed): the S3 tests need it"; fi
+
+# npm's s3rver, the S3 server of the tests (tests/e2e/s3.py, tests/with_s3.sh),
+# pinned with its dependencies by tests/s3rver/package-lock.json, installed
+# into build/tools/s3rver (git-ignored), never globally.
+S3RVER := build/tools/s3rver/node_modules/s3rver/bin/s3rver.js
+$(S3RVER): tests/s3rver/package.json tests/s3rver/package-lock.json
+	@mkdir -p build/tools/s3rver
+	cp tests/s3rver/package.json tests/s3rver/package-lock.json build/tools/s3rver/
+	cd build/tools/s3rver && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+s3rver: $(S3RVER)
+
+# The S3 client against s3rver behind the SigV4-checking proxy (also run by
+# tests/e2e/test_s3_harness.py in make e2e).
+s3-live: $(BUILD)/tests/test_s3_live $(S3RVER)
+	tests/with_s3.sh $(BUILD)/tests/test_s3_live
 
 # Serve on :8080 with the committed FashionMNIST model deployed as `fashion`
 # (examples/serve.sh deploys it when the store ./modeld-data does not have it).
@@ -176,8 +201,9 @@ $(PROMTOOL):
 	    { $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq && apt-get download prometheus; }; } && \
 	  dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb && touch usr/bin/promtool
 
-e2e: $(MODELD) $(PROMTOOL)
-	MODELD_BIN=$(CURDIR)/$(MODELD) PROMTOOL=$(CURDIR)/$(PROMTOOL) $(PYTHON) -m pytest -q tests/e2e \
+e2e: $(MODELD) $(PROMTOOL) $(S3RVER) $(BUILD)/tests/test_s3_live
+	MODELD_BIN=$(CURDIR)/$(MODELD) PROMTOOL=$(CURDIR)/$(PROMTOOL) \
+	  S3_LIVE_BIN=$(CURDIR)/$(BUILD)/tests/test_s3_live $(PYTHON) -m pytest -q tests/e2e \
 	  $(PYTEST_ARGS)
 
 
@@ -281,8 +307,8 @@ clean:
 	rm -rf build build-asan build-tsan build-fuzz modeld
 
 # libFuzzer over the request decoders, the dataset readers, the configuration
-# loader, the router, the multipart/form-data iterator, the checkpoint readers
-# and image input (clang); not part of `make test`. FUZZ_SECONDS per target.
+# loader, the router, the multipart/form-data iterator, the checkpoint readers,
+# image input and the S3 client's XML answers (clang); not part of `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
 # FUZZ_RUNS=1000000 runs each target that many executions instead of FUZZ_SECONDS
 FUZZ_RUNS ?=
@@ -335,7 +361,11 @@ fuzz:
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -DMD_GZ_IN_SIZE=32 -DMD_GZ_OUT_SIZE=32 \
 	  -o build-fuzz/fuzz_gzstream tests/fuzz_gzstream.c jobs/gzstream.c -lisal -lz
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_s3_xml tests/fuzz_s3_xml.c \
+	  checkpoint/s3.c config/md_err.c -lcurl -lcrypto -lm
 	mkdir -p build-fuzz/corpus_number && cp tests/fuzz_corpus_number/* build-fuzz/corpus_number/
+	mkdir -p build-fuzz/corpus_s3_xml && cp tests/fuzz_corpus_s3_xml/* build-fuzz/corpus_s3_xml/
 	mkdir -p build-fuzz/corpus_gzstream && cp tests/fuzz_corpus_gzstream/* build-fuzz/corpus_gzstream/
 	mkdir -p build-fuzz/corpus build-fuzz/corpus_readers build-fuzz/corpus_config \
 	  build-fuzz/corpus_router build-fuzz/corpus_pickle build-fuzz/corpus_safetensors
@@ -366,6 +396,7 @@ fuzz:
 	build-fuzz/fuzz_image $(FUZZ_LIMIT) -max_len=16384 build-fuzz/corpus_image
 	build-fuzz/fuzz_multipart $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_multipart
 	build-fuzz/fuzz_gzstream $(FUZZ_LIMIT) -max_len=65536 build-fuzz/corpus_gzstream
+	build-fuzz/fuzz_s3_xml $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_s3_xml
 
 # The CUDA path of the backend must keep compiling even where no CUDA libtorch
 # exists to link it: compile it against Debian's libtorch headers and the CUDA

@@ -12,6 +12,7 @@ Fixtures:
                 waits for /healthz and then /readyz (ready=False: /healthz only)
   run_modeld    run the binary to completion (config errors, --help, ...)
   tscale        timeout multiplier: 3 when ASAN_E2E=1, 5 when TSAN_E2E=1, else 1
+  s3            a real S3 server (s3rver behind a SigV4-checking proxy: s3.py)
 
 Under a sanitizer build (ASAN_E2E=1 or TSAN_E2E=1) every server is stopped with
 SIGTERM at teardown, so LeakSanitizer runs, and a test fails when the server's
@@ -303,3 +304,16 @@ def run_modeld(tmp_path):
                         f"(stderr: {e.stderr!r})")
 
     return run
+
+
+@pytest.fixture
+def s3(tmp_path):
+    """A real S3 server for the test (tests/e2e/s3.py): s3rver behind the
+    SigV4-checking proxy, bucket created; .env() gives a client's AWS_*
+    variables, .client() a boto3 client, .pid s3rver's process (to stop)."""
+    from s3 import S3Harness
+    harness = S3Harness(tmp_path)
+    try:
+        yield harness.start()
+    finally:
+        harness.stop()
