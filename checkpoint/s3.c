@@ -1284,19 +1284,29 @@ md_status md_s3_put_file_sha256(md_s3 *s3, const char *key, const char *path, co
     return put_file(s3, key, path, sha256_hex, err);
 }
 
-md_status md_s3_head(md_s3 *s3, const char *key, md_s3_object *info, md_err *err)
+/* A HEAD or a DELETE of `key`: no body either way. `c` stays for the
+ * caller to read (HEAD) and free, whatever the outcome. */
+static md_status bodiless_call(md_s3 *s3, const char *method, const char *key, s3_call *c,
+                               md_err *err)
 {
+    call_init(c, MD_S3_ERROR_BODY_MAX, 0);
     char fkey[MD_S3_KEY_MAX + 1];
     md_status st = full_key(s3, key, fkey, err);
     if (st != MD_OK)
         return st;
-    call_spec sp = {.method = "HEAD", .fkey = fkey, .query = "", .upload_fd = -1, .bounded = 1};
-    s3_call c;
-    call_init(&c, MD_S3_ERROR_BODY_MAX, 0);
+    call_spec sp = {.method = method, .fkey = fkey, .query = "", .upload_fd = -1, .bounded = 1};
     CURLcode cc = CURLE_FAILED_INIT;
-    st = c.curl ? call_perform(s3, &c, &sp, &cc, err) : md_err_set(err, MD_ENOMEM, "no libcurl handle");
+    st = c->curl ? call_perform(s3, c, &sp, &cc, err)
+                 : md_err_set(err, MD_ENOMEM, "no libcurl handle");
     if (st == MD_OK)
-        st = call_verdict(s3, &c, cc, "HEAD", fkey, NULL, err);
+        st = call_verdict(s3, c, cc, method, fkey, NULL, err);
+    return st;
+}
+
+md_status md_s3_head(md_s3 *s3, const char *key, md_s3_object *info, md_err *err)
+{
+    s3_call c;
+    md_status st = bodiless_call(s3, "HEAD", key, &c, err);
     if (st == MD_OK && info) {
         memset(info, 0, sizeof *info);
         snprintf(info->key, sizeof info->key, "%s", key);
@@ -1309,17 +1319,8 @@ md_status md_s3_head(md_s3 *s3, const char *key, md_s3_object *info, md_err *err
 
 md_status md_s3_delete(md_s3 *s3, const char *key, md_err *err)
 {
-    char fkey[MD_S3_KEY_MAX + 1];
-    md_status st = full_key(s3, key, fkey, err);
-    if (st != MD_OK)
-        return st;
-    call_spec sp = {.method = "DELETE", .fkey = fkey, .query = "", .upload_fd = -1, .bounded = 1};
     s3_call c;
-    call_init(&c, MD_S3_ERROR_BODY_MAX, 0);
-    CURLcode cc = CURLE_FAILED_INIT;
-    st = c.curl ? call_perform(s3, &c, &sp, &cc, err) : md_err_set(err, MD_ENOMEM, "no libcurl handle");
-    if (st == MD_OK)
-        st = call_verdict(s3, &c, cc, "DELETE", fkey, NULL, err);
+    md_status st = bodiless_call(s3, "DELETE", key, &c, err);
     call_free(&c);
     return st;
 }
