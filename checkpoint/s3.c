@@ -1170,6 +1170,25 @@ static md_status call_verdict(md_s3 *s3, s3_call *c, CURLcode cc, const char *op
 
 /* ---- operations ---- */
 
+/* Open the file an upload sends (`shown`: its name escaped for messages):
+ * *fd and its *size, or MD_EIO naming it. */
+static md_status open_upload(const char *path, const char *shown, int *fd, long long *size,
+                             md_err *err)
+{
+    *fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat stt;
+    if (*fd < 0 || fstat(*fd, &stt) != 0) {
+        md_status st = md_err_set(err, MD_EIO, "cannot open %s to upload it: %s", shown,
+                                  strerror(errno));
+        if (*fd >= 0)
+            close(*fd);
+        *fd = -1;
+        return st;
+    }
+    *size = (long long)stt.st_size;
+    return MD_OK;
+}
+
 md_status md_s3_request_send(md_s3 *s3, const md_s3_request *req, md_s3_response *resp, md_err *err)
 {
     char fkey[MD_S3_KEY_MAX + 1], query[8192];
@@ -1184,21 +1203,16 @@ md_status md_s3_request_send(md_s3 *s3, const md_s3_request *req, md_s3_response
     int fd = -1;
     if (req->upload_path) {
         md_text_escape(shown, sizeof shown, req->upload_path);
-        fd = open(req->upload_path, O_RDONLY | O_CLOEXEC);
-        struct stat stt;
-        if (fd < 0 || fstat(fd, &stt) != 0) {
-            st = md_err_set(err, MD_EIO, "cannot open %s to upload it: %s", shown, strerror(errno));
-            if (fd >= 0)
-                close(fd);
+        long long size = 0;
+        if ((st = open_upload(req->upload_path, shown, &fd, &size, err)) != MD_OK)
             return st;
-        }
         if ((st = file_sha256(fd, sha, err, shown)) != MD_OK) {
             close(fd);
             return st;
         }
         sp.payload_sha = sha;
         sp.upload_fd = fd;
-        sp.upload_size = stt.st_size;
+        sp.upload_size = size;
     }
     s3_call c;
     call_init(&c, MD_S3_ERROR_BODY_MAX, 0);
@@ -1238,18 +1252,14 @@ static md_status put_file(md_s3 *s3, const char *key, const char *path, const ch
     if (st != MD_OK)
         return st;
     md_text_escape(shown, sizeof shown, path);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    struct stat stt;
-    if (fd < 0 || fstat(fd, &stt) != 0) {
-        st = md_err_set(err, MD_EIO, "cannot open %s to upload it: %s", shown, strerror(errno));
-        if (fd >= 0)
-            close(fd);
+    int fd = -1;
+    long long size = 0;
+    if ((st = open_upload(path, shown, &fd, &size, err)) != MD_OK)
         return st;
-    }
-    if (stt.st_size > PUT_MAX) {
+    if (size > PUT_MAX) {
         close(fd);
         return md_err_set(err, MD_ETOOBIG, "%s is %lld bytes, past S3's 5 GiB for one PUT", shown,
-                          (long long)stt.st_size);
+                          size);
     }
     char sha[65];
     if (known_sha)
@@ -1259,7 +1269,7 @@ static md_status put_file(md_s3 *s3, const char *key, const char *path, const ch
         return st;
     }
     call_spec sp = {.method = "PUT", .fkey = fkey, .query = "", .payload_sha = sha, .upload_fd = fd,
-                    .upload_size = stt.st_size};
+                    .upload_size = size};
     s3_call c;
     call_init(&c, MD_S3_ERROR_BODY_MAX, 0);
     CURLcode cc = CURLE_FAILED_INIT;
