@@ -133,7 +133,8 @@ md_status md_blobs_check(md_store *s, md_err *err)
         ix_finalize(st);
         return MD_EIO;
     }
-    while (ix_step(st) == MD_IX_ROW) {
+    int step;
+    while ((step = ix_step(st)) == MD_IX_ROW) {
         const char *sha = ix_column_text(st, 2);
         char path[4096];
         blob_path(s, sha, path, sizeof path);
@@ -156,8 +157,9 @@ md_status md_blobs_check(md_store *s, md_err *err)
                (int)ix_column_int64(st, 1), reason);
     }
     ix_finalize(up);
+    md_status rc = step == MD_IX_ERROR ? db_fail(s, err, "list the versions' blobs") : MD_OK;
     ix_finalize(st);
-    return MD_OK;
+    return rc;
 }
 
 /* ---- blobs ---- */

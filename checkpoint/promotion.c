@@ -81,11 +81,14 @@ md_status md_promotion_decide(md_store *s, const md_version_spec *spec, int *mak
     ix_bind_text(st, 1, spec->model);
     json_t *settings = NULL;
     int dv = 0;
-    if (ix_step(st) == MD_IX_ROW) {
+    int step = ix_step(st);
+    if (step == MD_IX_ROW) {
         settings = json_col(st, 0);
         dv = ix_column_type(st, 1) == MD_IXT_NULL ? 0 : (int)ix_column_int64(st, 1);
     }
     ix_finalize(st);
+    if (step == MD_IX_ERROR) /* not "no policy": the index failed */
+        return db_fail(s, err, "read the promotion policy");
     json_t *p = json_object_get(settings, "promote");
     if (!json_is_object(p)) {
         json_decref(settings);
@@ -100,9 +103,14 @@ md_status md_promotion_decide(md_store *s, const md_version_spec *spec, int *mak
                              err)) != NULL) {
         ix_bind_text(st, 1, spec->model);
         ix_bind_int64(st, 2, dv);
-        if (ix_step(st) == MD_IX_ROW)
+        step = ix_step(st);
+        if (step == MD_IX_ROW)
             cur_metrics = json_col(st, 0);
         ix_finalize(st);
+        if (step == MD_IX_ERROR) {
+            json_decref(settings);
+            return db_fail(s, err, "read the default's metrics");
+        }
     }
     json_t *theirs = json_object_get(cur_metrics, metric);
     if (dv <= 0) {
@@ -138,9 +146,9 @@ md_status md_store_set_promote(md_store *s, const char *name, json_t *policy, md
         return rc;
     pthread_mutex_lock(&s->mu);
     if ((rc = txn_begin(s, err)) == MD_OK) {
-        rc = md_model_exists(s, name)
-                 ? md_set_setting(s, name, "promote", policy, 1, "set the promotion policy", err)
-                 : md_model_missing(name, err);
+        rc = md_model_check(s, name, err);
+        if (rc == MD_OK)
+            rc = md_set_setting(s, name, "promote", policy, 1, "set the promotion policy", err);
         rc = txn_end(s, rc, TXN_BUMP, err);
     }
     pthread_mutex_unlock(&s->mu);
@@ -169,10 +177,15 @@ md_status md_store_set_architecture(md_store *s, const char *name, md_blob_write
         goto end;
     }
     ix_bind_text(st, 1, name);
-    if (ix_step(st) == MD_IX_ROW && ix_column_type(st, 0) != MD_IXT_NULL &&
+    int step = ix_step(st);
+    if (step == MD_IX_ROW && ix_column_type(st, 0) != MD_IXT_NULL &&
         strcmp(ix_column_text(st, 0), sha) != 0)
         md_sha_list_add(&released, ix_column_text(st, 0));
     ix_finalize(st);
+    if (step == MD_IX_ERROR) {
+        rc = db_fail(s, err, "read the architecture");
+        goto end;
+    }
     st = prep(s,
               "INSERT INTO models (name, created_at, updated_at, arch_sha256) VALUES (?1, ?2, ?2, "
               "?3) ON CONFLICT(name) DO UPDATE SET updated_at = ?2, arch_sha256 = ?3",
@@ -210,7 +223,9 @@ md_status md_store_architecture(md_store *s, const char *name, char sha256[MD_SH
     }
     ix_bind_text(st, 1, name);
     int step = ix_step(st);
-    if (step != MD_IX_ROW)
+    if (step == MD_IX_ERROR)
+        rc = db_fail(s, err, "read the architecture");
+    else if (step != MD_IX_ROW)
         rc = md_model_missing(name, err);
     else if (ix_column_type(st, 0) == MD_IXT_NULL)
         rc = md_err_setc(err, MD_ENOTFOUND, "no_architecture",

@@ -162,8 +162,9 @@ void md_blobs_settle(md_store *s, md_status rc, sha_list *released, const char *
 /* ---- model and version rows (versions.c), shared with promotion.c ----
  * All expect s->mu held; those that write expect a write transaction. */
 
-/* Whether model `name` has a row. */
-int md_model_exists(md_store *s, const char *name);
+/* MD_OK when model `name` has a row; model_not_found (md_model_missing)
+ * when it has none; the index's failure (db_fail) when it could not tell. */
+md_status md_model_check(md_store *s, const char *name, md_err *err);
 /* Sets model_not_found on err, without the "did you mean" hint: cheap, so it
  * may be decided under the mutex and inside a write transaction. The public
  * function adds the hint (md_model_hint) once it holds neither. Returns

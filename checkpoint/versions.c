@@ -81,15 +81,20 @@ md_status md_get_version_locked(md_store *s, const char *name, int version, json
     return rc;
 }
 
-int md_model_exists(md_store *s, const char *name)
+md_status md_model_check(md_store *s, const char *name, md_err *err)
 {
-    md_ixstmt *st = prep(s, "SELECT 1 FROM models WHERE name = ?", NULL);
+    md_ixstmt *st = prep(s, "SELECT 1 FROM models WHERE name = ?", err);
     if (!st)
-        return 0;
+        return MD_EIO;
     ix_bind_text(st, 1, name);
-    int found = ix_step(st) == MD_IX_ROW;
+    int step = ix_step(st);
+    /* an index that cannot answer is not a model that does not exist: a 404
+     * there would be remembered, and a store sync would unload the model */
+    md_status rc = step == MD_IX_ROW     ? MD_OK
+                   : step == MD_IX_ERROR ? db_fail(s, err, "look up the model")
+                                         : md_model_missing(name, err);
     ix_finalize(st);
-    return found;
+    return rc;
 }
 
 md_status md_model_missing(const char *name, md_err *err)
@@ -391,8 +396,8 @@ md_status md_store_list_models(md_store *s, const char *after, int limit, json_t
     ix_bind_int64(st, 2, limit + 1);
     json_t *models = json_array();
     json_t *next = json_null();
-    int n = 0;
-    while (ix_step(st) == MD_IX_ROW) {
+    int n = 0, step;
+    while ((step = ix_step(st)) == MD_IX_ROW) {
         if (n++ == limit) {
             json_decref(next);
             json_t *last = json_array_get(models, json_array_size(models) - 1);
@@ -409,6 +414,13 @@ md_status md_store_list_models(md_store *s, const char *after, int limit, json_t
         if (ix_column_type(st, 5) != MD_IXT_NULL)
             json_object_set_new(m, "state", json_string(ix_column_text(st, 5)));
         json_array_append_new(models, m);
+    }
+    if (step == MD_IX_ERROR) { /* not an empty or shorter list: the index failed */
+        rc = db_fail(s, err, "list models");
+        ix_finalize(st);
+        json_decref(models);
+        json_decref(next);
+        goto out;
     }
     ix_finalize(st);
     *out = json_pack("{s:o,s:o}", "models", models, "next", next);
@@ -506,9 +518,10 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
         goto out;
     }
     ix_bind_text(st, 1, name);
-    if (ix_step(st) != MD_IX_ROW) {
+    int step = ix_step(st);
+    if (step != MD_IX_ROW) {
+        rc = step == MD_IX_ERROR ? db_fail(s, err, "read the model") : md_model_missing(name, err);
         ix_finalize(st);
-        rc = md_model_missing(name, err);
         goto out;
     }
     json_t *settings = json_col(st, 2);
@@ -548,8 +561,9 @@ md_status md_store_get_version(md_store *s, const char *name, int version, json_
                                md_err *err)
 {
     pthread_mutex_lock(&s->mu);
-    md_status rc = md_model_exists(s, name) ? md_get_version_locked(s, name, version, out, err)
-                                         : md_model_missing(name, err);
+    md_status rc = md_model_check(s, name, err);
+    if (rc == MD_OK)
+        rc = md_get_version_locked(s, name, version, out, err);
     pthread_mutex_unlock(&s->mu);
     return md_model_hint(s, rc, name, err);
 }
@@ -558,8 +572,9 @@ md_status md_store_list_versions(md_store *s, const char *name, const char *orde
                                  json_t **out, md_err *err)
 {
     pthread_mutex_lock(&s->mu);
-    md_status rc = md_model_exists(s, name) ? list_versions_locked(s, name, order_by, asc, out, err)
-                                         : md_model_missing(name, err);
+    md_status rc = md_model_check(s, name, err);
+    if (rc == MD_OK)
+        rc = list_versions_locked(s, name, order_by, asc, out, err);
     pthread_mutex_unlock(&s->mu);
     return md_model_hint(s, rc, name, err);
 }
@@ -574,10 +589,8 @@ md_status md_store_set_default(md_store *s, const char *name, int version, md_er
      * or fail the version in between, nor see a move without its bump) */
     if ((rc = txn_begin(s, err)) != MD_OK)
         goto unlock;
-    if (!md_model_exists(s, name)) {
-        rc = md_model_missing(name, err);
+    if ((rc = md_model_check(s, name, err)) != MD_OK)
         goto end;
-    }
     if ((rc = md_get_version_locked(s, name, version, &v, err)) != MD_OK)
         goto end;
     const char *state = json_string_value(json_object_get(v, "state"));
@@ -606,9 +619,9 @@ md_status md_store_set_retention(md_store *s, const char *name, json_t *retentio
     pthread_mutex_lock(&s->mu);
     if ((rc = txn_begin(s, err)) == MD_OK) {
         /* inside the transaction: a replica cannot delete the model in between */
-        rc = md_model_exists(s, name)
-                 ? md_set_setting(s, name, "retention", retention, 0, "set retention", err)
-                 : md_model_missing(name, err);
+        rc = md_model_check(s, name, err);
+        if (rc == MD_OK)
+            rc = md_set_setting(s, name, "retention", retention, 0, "set retention", err);
         if (rc == MD_OK)
             rc = md_store_apply_retention(s, name, &released, err);
         rc = txn_end(s, rc, TXN_BUMP, err);
@@ -629,10 +642,8 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
      * replica's set_default cannot move it between the read and the delete */
     if ((rc = txn_begin(s, err)) != MD_OK)
         goto out;
-    if (!md_model_exists(s, name)) {
-        rc = md_model_missing(name, err);
+    if ((rc = md_model_check(s, name, err)) != MD_OK)
         goto end;
-    }
     if ((rc = md_get_version_locked(s, name, version, &v, err)) != MD_OK)
         goto end;
     int is_default = json_is_true(json_object_get(v, "default"));
@@ -710,10 +721,8 @@ md_status md_store_delete_model(md_store *s, const char *name, md_err *err)
     if ((rc = txn_begin(s, err)) != MD_OK)
         goto out;
     /* inside the transaction: a replica cannot delete it in between */
-    if (!md_model_exists(s, name)) {
-        rc = md_model_missing(name, err);
+    if ((rc = md_model_check(s, name, err)) != MD_OK)
         goto end;
-    }
     md_ixstmt *st = prep(s,
                             "SELECT sha256 FROM versions WHERE model = ?1 UNION SELECT "
                             "arch_sha256 FROM versions WHERE model = ?1 AND arch_sha256 IS NOT "
@@ -803,12 +812,18 @@ md_status md_store_defaults(md_store *s, json_t **out, md_err *err)
         goto out;
     }
     json_t *a = json_array();
-    while (ix_step(st) == MD_IX_ROW) {
+    int step;
+    while ((step = ix_step(st)) == MD_IX_ROW) {
         json_t *v = version_json(st);
         char path[4096];
         blob_path(s, json_string_value(json_object_get(v, "sha256")), path, sizeof path);
         json_object_set_new(v, "path", json_string(path));
         json_array_append_new(a, v);
+    }
+    if (step == MD_IX_ERROR) {
+        rc = db_fail(s, err, "list the defaults");
+        json_decref(a);
+        a = NULL;
     }
     ix_finalize(st);
     *out = a;

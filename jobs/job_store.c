@@ -99,8 +99,11 @@ md_status md_store_job_get(md_store *s, const char *id, json_t **out, md_err *er
         goto out;
     }
     ix_bind_text(st, 1, id);
-    if (ix_step(st) == MD_IX_ROW)
+    int step = ix_step(st);
+    if (step == MD_IX_ROW)
         *out = job_json(st);
+    else if (step == MD_IX_ERROR) /* not a 404: the index could not answer */
+        rc = db_fail(s, err, "read the job");
     else
         rc = md_err_setc(err, MD_ENOTFOUND, "job_not_found",
                          "job %s does not exist; GET /jobs lists the jobs", id);
@@ -133,8 +136,8 @@ md_status md_store_job_list(md_store *s, const char *status, const char *model,
     ix_bind_int64(st, 4, limit + 1);
     json_t *jobs = json_array();
     json_t *next = json_null();
-    int n = 0;
-    while (ix_step(st) == MD_IX_ROW) {
+    int n = 0, step;
+    while ((step = ix_step(st)) == MD_IX_ROW) {
         if (n++ == limit) {
             next = json_incref(json_object_get(json_array_get(jobs, (size_t)limit - 1), "id"));
             break;
@@ -142,6 +145,12 @@ md_status md_store_job_list(md_store *s, const char *status, const char *model,
         json_array_append_new(jobs, job_json(st));
     }
     ix_finalize(st);
+    if (step == MD_IX_ERROR) { /* not a shorter list: the index failed */
+        rc = db_fail(s, err, "list jobs");
+        json_decref(jobs);
+        json_decref(next);
+        goto out;
+    }
     *out = json_pack("{s:o,s:o}", "jobs", jobs, "next", next);
 out:
     pthread_mutex_unlock(&s->mu);

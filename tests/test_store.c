@@ -1124,6 +1124,62 @@ static void test_add_version_fails_at_every_index_call(void **state)
     free(cnn.data);
 }
 
+/* A read the index fails (PostgreSQL restarting) is never "not found" nor
+ * an empty or shorter list: a 404 there would be remembered by the server,
+ * and its store sync would unload a model the store still has. */
+static void test_failed_reads_are_not_not_found(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    md_store *s = NULL;
+    open_store(f, &s);
+    assert_int_equal(add(s, "m", &mlp, 0, NULL, 1), 1);
+    md_err err;
+    json_t *spec = json_pack("{s:s}", "input", "x");
+    assert_int_equal(md_store_job_create(s, "j1", "m", 0, spec, "/o1", &err), MD_OK);
+    json_decref(spec);
+    md_index_ops ops;
+    for (int read = 0; read < 7; read++) {
+        int failed = 0;
+        for (int at = 1; at < 20; at++) {
+            json_t *out = NULL;
+            char sha[MD_SHA256_HEX];
+            md_err_clear(&err);
+            fault_install(s, &ops, at);
+            md_status rc;
+            switch (read) {
+            case 0: rc = md_store_get_model(s, "m", &out, &err); break;
+            case 1: rc = md_store_get_version(s, "m", 1, &out, &err); break;
+            case 2: rc = md_store_list_versions(s, "m", NULL, 1, &out, &err); break;
+            case 3: rc = md_store_defaults(s, &out, &err); break;
+            case 4: rc = md_store_list_models(s, NULL, 10, &out, &err); break;
+            case 5: rc = md_store_architecture(s, "m", sha, &err); break;
+            default: rc = md_store_job_get(s, "j1", &out, &err); break;
+            }
+            int reached = fault_calls >= at;
+            fault_remove(s);
+            if (rc != MD_OK) {
+                failed++;
+                /* 5: no architecture is a real "not found" once the read worked */
+                if (!(read == 5 && strcmp(md_err_code(&err), "no_architecture") == 0)) {
+                    assert_int_equal(rc, MD_EUNAVAIL);
+                    assert_string_equal(md_err_code(&err), "index_unavailable");
+                }
+                assert_null(out);
+            } else if (read == 3 || read == 4) {
+                json_t *list = read == 3 ? out : json_object_get(out, "models");
+                assert_int_equal(json_array_size(list), 1);
+            }
+            json_decref(out);
+            if (!reached)
+                break;
+        }
+        assert_true(failed >= 1);
+    }
+    md_store_close(s);
+    free(mlp.data);
+}
+
 /* ---- crash points ---- */
 
 /* (a) bytes written to tmp/ but never finished: swept at the next open when
@@ -2156,6 +2212,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_blob_finish_errors_leave_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shared_blobs, setup, teardown),
         cmocka_unit_test_setup_teardown(test_version_conflict_keeps_nothing, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_failed_reads_are_not_not_found, setup, teardown),
         cmocka_unit_test_setup_teardown(test_add_version_fails_at_every_index_call, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_replica_gc_waits_for_add_of_same_bytes, setup,
