@@ -83,11 +83,11 @@ BUILD := build$(if $(SAN_FLAGS),-asan,)
 # every C module but main.c; the binary and the unit tests link these
 LIB_C   := config/md_err.c config/md_json.c config/md_metrics.c config/config.c server/router.c server/http.c \
 	server/multipart.c checkpoint/store.c checkpoint/index.c checkpoint/index_sqlite.c \
-	checkpoint/versions.c checkpoint/promotion.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
+	checkpoint/versions.c checkpoint/promotion.c checkpoint/retention.c checkpoint/traffic.c checkpoint/blobs.c checkpoint/archive.c \
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c checkpoint/zipdir.c \
 	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/npy.c predictor/v2.c predictor/batcher.c predictor/model.c predictor/registry.c \
 	jobs/readers.c jobs/scheduler.c jobs/writers.c jobs/job_store.c handlers/app.c handlers/jobs.c \
-	handlers/deploy.c handlers/upload.c handlers/models.c handlers/predict.c handlers/answer.c \
+	handlers/deploy.c handlers/upload.c handlers/models.c handlers/traffic.c handlers/predict.c handlers/answer.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
 ifeq ($(WITH_PG),1)
 LIB_C   += checkpoint/index_pg.c
