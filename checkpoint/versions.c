@@ -550,6 +550,10 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
                     json_is_string(json_object_get(settings, "sticky_header"))
                         ? json_object_get(settings, "sticky_header")
                         : json_null());
+    json_object_set(m, "promote_when",
+                    json_is_object(json_object_get(settings, "promote_when"))
+                        ? json_object_get(settings, "promote_when")
+                        : json_null());
     json_decref(settings);
     ix_finalize(st);
     json_t *versions = NULL;
@@ -588,6 +592,12 @@ md_status md_store_list_versions(md_store *s, const char *name, const char *orde
 
 md_status md_store_set_default(md_store *s, const char *name, int version, md_err *err)
 {
+    return md_store_set_default_noted(s, name, version, NULL, err);
+}
+
+md_status md_store_set_default_noted(md_store *s, const char *name, int version, json_t *note,
+                                     md_err *err)
+{
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
     json_t *v = NULL;
@@ -609,6 +619,11 @@ md_status md_store_set_default(md_store *s, const char *name, int version, md_er
     }
     hook(s, "set_default_checked");
     rc = md_set_default_locked(s, name, version, "set default", err);
+    if (rc == MD_OK && note) {
+        json_t *change = json_pack("{s:i}", "default_version", version);
+        rc = md_history_add_locked(s, name, note, change, err);
+        json_decref(change);
+    }
 end:
     rc = txn_end(s, rc, TXN_BUMP, err);
 unlock:

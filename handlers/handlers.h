@@ -108,6 +108,7 @@ void md_handle_version_upload(md_req *req);
  * version defer (they may load a version). */
 void md_handle_models_list(md_req *req);
 void md_handle_model_get(md_req *req);
+void md_handle_model_history(md_req *req);
 void md_handle_model_patch(md_req *req);
 void md_handle_model_delete(md_req *req);
 void md_handle_versions_list(md_req *req);
@@ -193,9 +194,11 @@ int md_app_stored_default(md_app *app, const char *name);
 void md_app_forget(md_app *app, const char *name, int version);
 /* At start: load every model's default version into the registry, asking
  * `stop` (may be NULL) between models whether to give up (a stop signal).
+ * Returns -1 when the index could not be read (the splits or the defaults),
+ * else 0.
  * Called by main once, while HTTP threads already serve (through the same
  * slots, so a request for a model being loaded waits for this load). */
-void md_app_load_defaults(md_app *app, int (*stop)(void));
+int md_app_load_defaults(md_app *app, int (*stop)(void));
 /* Converge on changes another process made to a shared store (a deploy, a
  * rollback, a delete): when the store's generation moved, load or switch to
  * every model's stored default and unload versions the store no longer has.
@@ -207,15 +210,21 @@ void md_app_sync(md_app *app);
  * Every function is thread-safe. */
 md_traffic *md_traffic_new(void);
 void md_traffic_free(md_traffic *t);
-/* Set `name`'s split ({"3": 90, "4": 10}, checked by md_traffic_check) and
- * sticky header (NULL: none); traffic NULL or null drops the split. */
-void md_traffic_set(md_traffic *t, const char *name, json_t *traffic, const char *sticky_header);
+/* Set `name`'s split ({"3": 90, "4": 10}, checked by md_traffic_check),
+ * sticky header (NULL: none) and promote_when (NULL or null: none); traffic
+ * NULL or null drops the split. Copies what it keeps. */
+void md_traffic_set(md_traffic *t, const char *name, json_t *traffic, const char *sticky_header,
+                    json_t *promote_when);
 /* Replace every split with md_store_traffic_all's object. */
 void md_traffic_replace(md_traffic *t, json_t *all);
 /* The version the split of `name` sends an unversioned request to (reading
  * the split's sticky header from `req`), or 0 when it has no split (the
  * default answers). Never blocks on I/O. */
 int md_traffic_pick(md_traffic *t, const char *name, md_req *req);
+/* Judge every split with promote_when on this server's live numbers and
+ * promote or roll back its canaries (traffic.c). From main's store poller,
+ * once a second: it writes the store. */
+void md_app_judge_canaries(md_app *app);
 /* modeld_traffic_routed_total, per model and version. */
 void md_traffic_write_metrics(md_traffic *t, FILE *f);
 /* Read every split from the store into app->traffic; a store that cannot

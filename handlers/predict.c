@@ -53,28 +53,27 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
 {
     pctx *c = ctx;
     (void)st;
-    int closed = !out && strcmp(md_err_code(err), "client_closed") == 0;
-    if (!closed)
-        md_model_note_answer(c->model, out != NULL, md_req_elapsed_s(c->req));
-    if (closed) {
+    if (!out && strcmp(md_err_code(err), "client_closed") == 0) {
         /* nobody reads this: it records the hang-up (nginx's 499) in the access log */
         md_reply_bytes(c->req, 499, "application/json", NULL, 0);
         finish(c);
         return;
     }
+    /* every answer names the version that made it, whatever its body can
+     * say (a traffic split may have chosen it), its errors too */
+    char v[16];
+    snprintf(v, sizeof v, "%d", md_model_version(c->model));
+    md_reply_header(c->req, "X-Model-Version", v);
     if (!out) {
+        md_model_note_answer(c->model, 0, 0);
         md_reply_error(c->req, err);
         finish(c);
         return;
     }
-    /* every answer names the version that made it, whatever its body can
-     * say (a traffic split may have chosen it) */
-    char v[16];
-    snprintf(v, sizeof v, "%d", md_model_version(c->model));
-    md_reply_header(c->req, "X-Model-Version", v);
     if (c->npy) {
         size_t len;
         char *npy = md_npy_encode(out, shape, ndim, &len);
+        md_model_note_answer(c->model, 1, md_req_elapsed_s(c->req));
         md_reply_bytes(c->req, 200, "application/x-npy", npy, len);
         finish(c);
         return;
@@ -110,8 +109,13 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
         md_err_setc(&e, MD_ENOMEM, "out_of_memory",
                     "the answer of %lld rows does not fit in memory; send fewer rows a request",
                     ndim > 0 ? (long long)shape[0] : 0LL);
+        md_model_note_answer(c->model, 0, 0);
         md_reply_error(c->req, &e);
-    } else if (c->v2 && c->v2_binary) {
+        finish(c);
+        return;
+    }
+    md_model_note_answer(c->model, 1, md_req_elapsed_s(c->req));
+    if (c->v2 && c->v2_binary) {
         char head[32];
         snprintf(head, sizeof head, "%zu", json_len);
         md_reply_header(c->req, "Inference-Header-Content-Length", head);
@@ -188,8 +192,11 @@ static void submit(md_req *req, md_model *m, md_tensor *t, pctx *c)
     md_req_suspend(req);
     if (md_model_submit_alive(m, t, MD_PRIO_ONLINE, predict_done, client_alive, c, &err) !=
         MD_OK) {
-        if (err.status != MD_EINVAL) /* a full queue, a stopping version: not the client's */
+        if (md_status_http(err.status) >= 500) /* a full queue, a stopping version */
             md_model_note_answer(m, 0, 0);
+        char v[16];
+        snprintf(v, sizeof v, "%d", md_model_version(m));
+        md_reply_header(req, "X-Model-Version", v);
         md_reply_error(req, &err);
         finish(c);
     }
