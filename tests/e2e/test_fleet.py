@@ -9,7 +9,10 @@ behave as one server to a client (issue 25):
 - a default change, a version's delete and a model's delete through nginx
   are seen by every replica;
 - concurrent deploys through nginx get exactly 1..N, one default, and every
-  replica ends up serving the default the index names.
+  replica ends up serving the default the index names;
+- PostgreSQL stopped (fast and immediate): predictions through nginx keep
+  answering, a deploy answers 503 index_unavailable with Retry-After, every
+  replica stays ready; started again, deploys work and reach every replica.
 
 Blobs: for now the replicas share one local --store directory (the blob seam,
 blob_url = s3://..., is other work). The `blobs` fixture is the only place
@@ -221,3 +224,36 @@ def test_concurrent_deploys_through_nginx(fleet, n):
                                   == list(range(1, n * per + 1)), mm["default_version"]))(
                s.get("/models/m").json()))
     f.each(f"every replica serves the default, version {default}", serves(default))
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_postgresql_down_behind_nginx(fleet, pg_cluster, mode):
+    """PostgreSQL stopped under two replicas: through nginx predictions keep
+    answering and a deploy answers 503 index_unavailable with Retry-After;
+    every replica stays ready (in rotation). Started again, a deploy through
+    nginx succeeds with the next number and every replica serves it."""
+    f = fleet(2)
+    created(f.deploy())
+    f.each("every replica serves version 1", serves(1))
+    pg_cluster.stop(mode)
+    try:
+        for _ in range(10):
+            r = requests.post(f.url + "/models/m/predict", json=MLP_IN, timeout=10 * TSCALE)
+            assert r.status_code == 200 and r.json()["version"] == 1, r.text
+        r = f.deploy()
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "index_unavailable", r.text
+        assert r.headers.get("Retry-After"), r.headers
+        for s in f.replicas:
+            assert s.get("/readyz").status_code == 200, s.port
+            assert serves(1)(s)[0], s.port
+    finally:
+        pg_cluster.start()
+    deadline = time.monotonic() + CONVERGE_S * TSCALE
+    while True:
+        r = f.deploy()
+        if r.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert created(r)["version"] == 2, r.text
+    f.each("every replica serves version 2 after the restart", serves(2))
