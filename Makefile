@@ -119,7 +119,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
 .PHONY: all run test unit unit-pg e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
-	fixtures-check fuzz s3rver s3-live \
+	fixtures-check fuzz s3rver s3-live bench-cluster \
 	cuda-compile-check docker-check image-check deps-image
 
 all: $(MODELD)
@@ -303,6 +303,14 @@ bench: deps
 	$(BUILD)/bench/encode
 	bash bench/run.sh
 	$(PYTHON) bench/memory.py --modeld $(CURDIR)/$(MODELD)
+	$(MAKE) --no-print-directory bench-cluster
+
+# Several hosts (issue 25): single-host and cluster mode (index_url on a
+# throwaway PostgreSQL 15) side by side under the same wrk load, and how fast
+# a change through one replica reaches another (bench/cluster.py).
+bench-cluster: deps
+	$(MAKE) all
+	$(PYTHON) bench/cluster.py --modeld $(CURDIR)/$(MODELD)
 
 clean:
 	rm -rf build build-asan build-tsan build-fuzz modeld
