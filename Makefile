@@ -87,7 +87,7 @@ LIB_C   := config/md_err.c config/md_json.c config/md_metrics.c config/config.c 
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c checkpoint/zipdir.c \
 	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/npy.c predictor/v2.c predictor/batcher.c predictor/model.c predictor/registry.c \
 	jobs/readers.c jobs/scheduler.c jobs/writers.c jobs/job_store.c handlers/app.c handlers/jobs.c \
-	handlers/deploy.c handlers/upload.c handlers/models.c handlers/traffic.c handlers/predict.c handlers/answer.c \
+	handlers/deploy.c handlers/upload.c handlers/models.c handlers/traffic.c handlers/shadow.c handlers/predict.c handlers/answer.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
 ifeq ($(WITH_PG),1)
 LIB_C   += checkpoint/index_pg.c

@@ -285,6 +285,14 @@ md_status md_store_check_traffic(md_store *store, const char *name, json_t *traf
  * "promote_when": {...}|null}}. */
 md_status md_store_traffic_all(md_store *store, json_t **out, md_err *err);
 
+/* Validate a shadow {"version": N, "percent": 1..100 (default 100)} (null
+ * clears; NULL: not given) without storing it. */
+md_status md_shadow_check(json_t *shadow, md_err *err);
+/* Set (or with JSON null clear) the model's shadow version, checking it
+ * exists and has not failed, and record it in the history with `note`
+ * (NULL: no record), in one transaction. GET /models/NAME shows "shadow". */
+md_status md_store_set_shadow(md_store *store, const char *name, json_t *shadow, json_t *note,
+                              md_err *err);
 /* Validate a promote_when policy {"min_requests": N >= 1, "max_error_rate": 0..1}
  * (null clears; NULL: not given) without storing it. */
 md_status md_promote_when_check(json_t *policy, md_err *err);

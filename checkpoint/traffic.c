@@ -85,6 +85,82 @@ md_status md_traffic_check(json_t *traffic, json_t *sticky_header, md_err *err)
     return MD_OK;
 }
 
+static md_status versions_usable(md_store *s, const char *name, json_t *traffic, md_err *err);
+
+int md_settings_route_to(json_t *settings, int version)
+{
+    json_t *shadow = json_object_get(settings, "shadow");
+    return md_traffic_names_version(json_object_get(settings, "traffic"), version) ||
+           (json_is_object(shadow) && json_integer_value(json_object_get(shadow, "version")) ==
+                                          version);
+}
+
+md_status md_shadow_check(json_t *shadow, md_err *err)
+{
+    if (!shadow || json_is_null(shadow))
+        return MD_OK;
+    const char *example = "e.g. {\"version\": 4, \"percent\": 100}";
+    json_t *v = json_object_get(shadow, "version"), *p = json_object_get(shadow, "percent");
+    if (!json_is_object(shadow) || !json_is_integer(v) || json_integer_value(v) < 1 ||
+        json_integer_value(v) > 2147483647 ||
+        (p && (!json_is_integer(p) || json_integer_value(p) < 1 || json_integer_value(p) > 100)))
+        return md_err_setc(err, MD_EINVAL, "invalid_shadow",
+                           "shadow must be {\"version\": N, \"percent\": 1..100} (percent "
+                           "defaults to 100), %s, or null",
+                           example);
+    const char *key;
+    json_t *x;
+    json_object_foreach(shadow, key, x)
+    {
+        if (strcmp(key, "version") != 0 && strcmp(key, "percent") != 0)
+            return md_err_setc(err, MD_EINVAL, "invalid_shadow",
+                               "shadow has an unknown key \"%.40s\"; allowed: version, percent",
+                               key);
+    }
+    return MD_OK;
+}
+
+md_status md_store_set_shadow(md_store *s, const char *name, json_t *shadow, json_t *note,
+                              md_err *err)
+{
+    md_status rc = md_shadow_check(shadow, err);
+    if (rc != MD_OK)
+        return rc;
+    json_t *pct = json_object_get(shadow, "percent");
+    json_t *value = json_is_object(shadow)
+                        ? json_pack("{s:O,s:I}", "version", json_object_get(shadow, "version"),
+                                    "percent", pct ? json_integer_value(pct) : (json_int_t)100)
+                        : json_null();
+    pthread_mutex_lock(&s->mu);
+    if ((rc = txn_begin(s, err)) != MD_OK)
+        goto unlock;
+    if ((rc = md_model_check(s, name, err)) != MD_OK)
+        goto end;
+    if (json_is_object(value)) {
+        json_t *one = json_object();
+        char k[16];
+        snprintf(k, sizeof k, "%lld", (long long)json_integer_value(json_object_get(value,
+                                                                                  "version")));
+        json_object_set_new(one, k, json_integer(100));
+        rc = versions_usable(s, name, one, err);
+        json_decref(one);
+        if (rc != MD_OK)
+            goto end;
+    }
+    rc = md_set_setting(s, name, "shadow", value, 1, "set the shadow", err);
+    if (rc == MD_OK && note) {
+        json_t *change = json_pack("{s:O}", "shadow", value);
+        rc = md_history_add_locked(s, name, note, change, err);
+        json_decref(change);
+    }
+end:
+    rc = txn_end(s, rc, TXN_BUMP, err);
+unlock:
+    pthread_mutex_unlock(&s->mu);
+    json_decref(value);
+    return md_model_hint(s, rc, name, err);
+}
+
 int md_traffic_names_version(json_t *traffic, int version)
 {
     const char *key;
@@ -296,13 +372,16 @@ md_status md_store_traffic_all(md_store *s, json_t **out, md_err *err)
     while ((step = ix_step(st)) == MD_IX_ROW) {
         json_t *settings = json_col(st, 1);
         json_t *t = json_object_get(settings, "traffic");
-        if (json_is_object(t)) {
+        json_t *sh = json_object_get(settings, "shadow");
+        if (json_is_object(t) || json_is_object(sh)) {
             json_t *h = json_object_get(settings, "sticky_header");
             json_t *p = json_object_get(settings, "promote_when");
             json_object_set_new(all, ix_column_text(st, 0),
-                                json_pack("{s:O,s:O,s:O}", "traffic", t, "sticky_header",
+                                json_pack("{s:O,s:O,s:O,s:O}", "traffic",
+                                          json_is_object(t) ? t : json_null(), "sticky_header",
                                           json_is_string(h) ? h : json_null(), "promote_when",
-                                          json_is_object(p) ? p : json_null()));
+                                          json_is_object(p) ? p : json_null(), "shadow",
+                                          json_is_object(sh) ? sh : json_null()));
         }
         json_decref(settings);
     }

@@ -554,6 +554,10 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
                     json_is_object(json_object_get(settings, "promote_when"))
                         ? json_object_get(settings, "promote_when")
                         : json_null());
+    json_object_set(m, "shadow",
+                    json_is_object(json_object_get(settings, "shadow"))
+                        ? json_object_get(settings, "shadow")
+                        : json_null());
     json_decref(settings);
     ix_finalize(st);
     json_t *versions = NULL;
@@ -665,10 +669,11 @@ static md_status refuse_if_in_traffic(md_store *s, const char *name, int version
     json_t *settings = step == MD_IX_ROW ? json_col(st, 0) : NULL;
     md_status rc = step == MD_IX_ERROR ? db_fail(s, err, "read the traffic split") : MD_OK;
     ix_finalize(st);
-    if (rc == MD_OK && md_traffic_names_version(json_object_get(settings, "traffic"), version))
+    if (rc == MD_OK && md_settings_route_to(settings, version))
         rc = md_err_setc(err, MD_ECONFLICT, "version_in_traffic",
-                         "version %d of model %s takes part of its traffic; change the split "
-                         "first (PATCH /models/%s {\"traffic\": ...} or {\"traffic\": null})",
+                         "version %d of model %s takes part of its traffic (a share of the "
+                         "split or the shadow); change them first (PATCH /models/%s "
+                         "{\"traffic\": null} or {\"shadow\": null})",
                          version, name, name);
     json_decref(settings);
     return rc;

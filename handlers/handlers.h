@@ -211,16 +211,34 @@ void md_app_sync(md_app *app);
 md_traffic *md_traffic_new(void);
 void md_traffic_free(md_traffic *t);
 /* Set `name`'s split ({"3": 90, "4": 10}, checked by md_traffic_check),
- * sticky header (NULL: none) and promote_when (NULL or null: none); traffic
- * NULL or null drops the split. Copies what it keeps. */
+ * sticky header (NULL: none), promote_when (NULL or null: none) and shadow
+ * ({"version", "percent"}; NULL or null: none); traffic NULL or null drops
+ * the split. Copies what it keeps. */
 void md_traffic_set(md_traffic *t, const char *name, json_t *traffic, const char *sticky_header,
-                    json_t *promote_when);
+                    json_t *promote_when, json_t *shadow);
+/* The version to send a copy of an unversioned request answered by
+ * `primary` to (the model's shadow, for its share of the requests), or 0. */
+int md_traffic_shadow(md_traffic *t, const char *name, int primary);
 /* Replace every split with md_store_traffic_all's object. */
 void md_traffic_replace(md_traffic *t, json_t *all);
 /* The version the split of `name` sends an unversioned request to (reading
  * the split's sticky header from `req`), or 0 when it has no split (the
  * default answers). Never blocks on I/O. */
 int md_traffic_pick(md_traffic *t, const char *name, md_req *req);
+/* shadow.c: shadow versions (issue 28). Thread-safe. */
+/* A copy of `in`'s values and shape into `out`; 0 when it cannot be made. */
+int md_shadow_copy(const md_tensor *in, md_tensor *out);
+/* Send `in` (taken) to version `shadow` of `name` at job priority, unless
+ * it is not loaded here or too many copies wait for it (then dropped), and
+ * compare its answer with the primary's `out` (copied) when it comes. */
+void md_shadow_run(md_app *app, const char *name, int primary, int shadow, md_tensor *in,
+                   const float *out, const int64_t *shape, int ndim, double primary_s);
+/* The comparisons of `name`'s pairs: [{"primary", "shadow", "compared",
+ * "rows", "agreement", "max_abs_diff", "errors", "dropped", ...}]. */
+json_t *md_shadow_json(const char *name);
+/* modeld_shadow_* per model, primary and shadow version. */
+void md_shadow_write_metrics(FILE *f);
+void md_handle_model_shadow(md_req *req);
 /* Judge every split with promote_when on this server's live numbers and
  * promote or roll back its canaries (traffic.c). From main's store poller,
  * once a second: it writes the store. */

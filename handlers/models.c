@@ -284,10 +284,10 @@ static void model_patch_deferred(md_req *req)
         if (strcmp(key, "default_version") != 0 && strcmp(key, "retention") != 0 &&
             strcmp(key, "promote") != 0 && strcmp(key, "traffic") != 0 &&
             strcmp(key, "sticky_header") != 0 && strcmp(key, "promote_when") != 0 &&
-            strcmp(key, "reason") != 0) {
+            strcmp(key, "reason") != 0 && strcmp(key, "shadow") != 0) {
             st = md_err_setc(&err, MD_EINVAL, "unknown_field",
                              "unknown key \"%.40s\"; allowed: default_version, retention, "
-                             "promote, traffic, sticky_header, promote_when, reason",
+                             "promote, traffic, sticky_header, promote_when, shadow, reason",
                              key);
             break;
         }
@@ -299,6 +299,9 @@ static void model_patch_deferred(md_req *req)
     json_t *sticky = json_object_get(body, "sticky_header");
     json_t *when = json_object_get(body, "promote_when");
     json_t *reason = json_object_get(body, "reason");
+    json_t *shadow = json_object_get(body, "shadow");
+    if (st == MD_OK && shadow)
+        st = md_shadow_check(shadow, &err);
     if (st == MD_OK && (traffic || sticky))
         st = md_traffic_check(traffic, sticky, &err);
     if (st == MD_OK && when)
@@ -320,10 +323,18 @@ static void model_patch_deferred(md_req *req)
         st = md_retention_check(ret, &err);
     if (st == MD_OK && promote)
         st = md_promote_check(promote, &err);
-    if (st == MD_OK && !dv && !ret && !promote && !traffic && !sticky && !when)
+    if (st == MD_OK && !dv && !ret && !promote && !traffic && !sticky && !when && !shadow)
         st = md_err_setc(&err, MD_EINVAL, "empty_patch",
                          "nothing to change; give default_version, retention, promote, traffic, "
-                         "sticky_header and/or promote_when");
+                         "sticky_header, promote_when and/or shadow");
+    if (st == MD_OK && json_is_object(shadow)) {
+        /* the shadow version must load too, before anything changes */
+        md_model *m = md_app_load_stored(
+            app, name, (int)json_integer_value(json_object_get(shadow, "version")), 0, &err);
+        if (!m)
+            st = err.status;
+        md_model_release(m);
+    }
     if (st == MD_OK && json_is_object(traffic))
         st = md_store_check_traffic(app->store, name, traffic, &err);
     if (st == MD_OK && json_is_object(traffic)) {
@@ -360,6 +371,8 @@ static void model_patch_deferred(md_req *req)
         st = md_store_set_promote(app->store, name, promote, &err);
     if (st == MD_OK && (traffic || sticky || when))
         st = md_store_set_traffic(app->store, name, traffic, sticky, when, note, &err);
+    if (st == MD_OK && shadow)
+        st = md_store_set_shadow(app->store, name, shadow, note, &err);
     /* retention last: it keeps the versions the split (new or old) gives a share */
     if (st == MD_OK && ret) {
         st = md_store_set_retention(app->store, name, ret, &err);
@@ -370,10 +383,10 @@ static void model_patch_deferred(md_req *req)
     json_t *out = NULL;
     if (st == MD_OK)
         st = md_store_get_model(app->store, name, &out, &err);
-    if (st == MD_OK && (traffic || sticky || when)) /* here at once; the others at their sync */
+    if (st == MD_OK && (traffic || sticky || when || shadow)) /* here now; others at sync */
         md_traffic_set(app->traffic, name, json_object_get(out, "traffic"),
                        json_string_value(json_object_get(out, "sticky_header")),
-                       json_object_get(out, "promote_when"));
+                       json_object_get(out, "promote_when"), json_object_get(out, "shadow"));
     reply_result(req, st, out, &err);
 }
 
@@ -393,6 +406,24 @@ static void history_deferred(md_req *req)
 }
 
 void md_handle_model_history(md_req *req) { md_req_defer(req, history_deferred); }
+
+static void shadow_deferred(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    const char *name = md_req_param(req, "name");
+    json_t *info = NULL;
+    md_status st = md_store_get_model(app->store, name, &info, &err);
+    json_t *out = NULL;
+    if (st == MD_OK)
+        out = json_pack("{s:s,s:O,s:o}", "model", name, "shadow",
+                        json_object_get(info, "shadow"), "pairs", md_shadow_json(name));
+    json_decref(info);
+    reply_result(req, st, out, &err);
+}
+
+void md_handle_model_shadow(md_req *req) { md_req_defer(req, shadow_deferred); }
 
 typedef struct delete_args {
     int version, force;
@@ -459,7 +490,7 @@ void md_handle_model_delete(md_req *req)
     md_status st = md_store_delete_model(app->store, name, &err);
     if (st == MD_OK) {
         md_app_forget(app, name, 0); /* first: see the version delete */
-        md_traffic_set(app->traffic, name, NULL, NULL, NULL);
+        md_traffic_set(app->traffic, name, NULL, NULL, NULL, NULL);
         md_registry_remove(app->registry, name, 0);
     }
     reply_result(req, st, st == MD_OK ? json_pack("{s:{s:s}}", "deleted", "model", name) : NULL,

@@ -34,6 +34,9 @@ typedef struct split {
     char sticky[72];                  /* "" = none */
     json_t *traffic;                  /* the split as stored (for the judge's compare) */
     json_t *when;                     /* promote_when, or NULL */
+    int shadow_version;               /* 0: no shadow */
+    int shadow_percent;               /* 1..100 */
+    unsigned long long shadow_ticket;
     unsigned long long ticket;
     long long routed[MD_TRAFFIC_MAX_VERSIONS];
 } split;
@@ -82,9 +85,11 @@ static split *find(md_traffic *t, const char *name)
 static int parse(split *s, const char *name, json_t *traffic, const char *sticky)
 {
     memset(s, 0, sizeof *s);
-    if (!json_is_object(traffic) || strlen(name) >= NAME_LEN)
+    if (strlen(name) >= NAME_LEN)
         return 0;
     snprintf(s->name, sizeof s->name, "%s", name);
+    if (!json_is_object(traffic))
+        return 0;
     snprintf(s->sticky, sizeof s->sticky, "%s", sticky && strlen(sticky) < 72 ? sticky : "");
     int weight[MD_TRAFFIC_MAX_VERSIONS];
     const char *key;
@@ -127,18 +132,26 @@ static void drop_locked(md_traffic *t, int i)
 /* Set or drop (traffic NULL or not a split) `name`'s split; mu held. The
  * counters of an unchanged split carry over. */
 static void set_locked(md_traffic *t, const char *name, json_t *traffic, const char *sticky,
-                       json_t *when)
+                       json_t *when, json_t *shadow)
 {
     split s;
     int ok = parse(&s, name, traffic, sticky);
+    if (!ok) /* no split: the entry may still hold a shadow */
+        s.n = 0;
+    int sv = (int)json_integer_value(json_object_get(shadow, "version"));
+    int sp = (int)json_integer_value(json_object_get(shadow, "percent"));
+    if (sv > 0 && sp >= 1 && sp <= 100) {
+        s.shadow_version = sv;
+        s.shadow_percent = sp;
+    }
     split *cur = find(t, name);
-    if (!ok) {
+    if (s.n == 0 && !s.shadow_version) {
         if (cur)
             drop_locked(t, (int)(cur - t->items));
         return;
     }
-    s.traffic = json_deep_copy(traffic);
-    s.when = json_is_object(when) ? json_deep_copy(when) : NULL;
+    s.traffic = s.n ? json_deep_copy(traffic) : NULL;
+    s.when = s.n && json_is_object(when) ? json_deep_copy(when) : NULL;
     if (cur) {
         if (cur->n == s.n && !memcmp(cur->version, s.version, sizeof s.version) &&
             !memcmp(cur->cum, s.cum, sizeof s.cum)) {
@@ -146,6 +159,11 @@ static void set_locked(md_traffic *t, const char *name, json_t *traffic, const c
             split_clear(cur);
             cur->traffic = s.traffic;
             cur->when = s.when;
+            if (cur->shadow_version != s.shadow_version ||
+                cur->shadow_percent != s.shadow_percent)
+                cur->shadow_ticket = 0;
+            cur->shadow_version = s.shadow_version;
+            cur->shadow_percent = s.shadow_percent;
             return;
         }
         split_clear(cur);
@@ -162,10 +180,10 @@ static void set_locked(md_traffic *t, const char *name, json_t *traffic, const c
 }
 
 void md_traffic_set(md_traffic *t, const char *name, json_t *traffic, const char *sticky_header,
-                    json_t *promote_when)
+                    json_t *promote_when, json_t *shadow)
 {
     pthread_mutex_lock(&t->mu);
-    set_locked(t, name, traffic, sticky_header, promote_when);
+    set_locked(t, name, traffic, sticky_header, promote_when, shadow);
     pthread_mutex_unlock(&t->mu);
 }
 
@@ -182,7 +200,7 @@ void md_traffic_replace(md_traffic *t, json_t *all)
     {
         set_locked(t, name, json_object_get(v, "traffic"),
                    json_string_value(json_object_get(v, "sticky_header")),
-                   json_object_get(v, "promote_when"));
+                   json_object_get(v, "promote_when"), json_object_get(v, "shadow"));
     }
     pthread_mutex_unlock(&t->mu);
 }
@@ -204,7 +222,7 @@ int md_traffic_pick(md_traffic *t, const char *name, md_req *req)
     int version = 0;
     pthread_mutex_lock(&t->mu);
     split *s = find(t, name);
-    if (s) {
+    if (s && s->n > 0) {
         const char *value = s->sticky[0] ? md_req_header(req, s->sticky) : NULL;
         int slot = value && value[0] ? (int)(fnv1a(value) % 100)
                                      : (int)((s->ticket++ % 100) * 37 % 100);
@@ -214,6 +232,20 @@ int md_traffic_pick(md_traffic *t, const char *name, md_req *req)
         version = s->version[i];
         s->routed[i]++;
     }
+    pthread_mutex_unlock(&t->mu);
+    return version;
+}
+
+int md_traffic_shadow(md_traffic *t, const char *name, int primary)
+{
+    if (!t || atomic_load(&t->any) == 0)
+        return 0;
+    int version = 0;
+    pthread_mutex_lock(&t->mu);
+    split *s = find(t, name);
+    if (s && s->shadow_version && s->shadow_version != primary &&
+        (int)((s->shadow_ticket++ % 100) * 37 % 100) < s->shadow_percent)
+        version = s->shadow_version;
     pthread_mutex_unlock(&t->mu);
     return version;
 }
@@ -341,7 +373,10 @@ static int judge_one(md_app *app, json_t *item)
                                               note, &err);
         if (st == MD_OK) {
             md_log(MD_LOG_INFO, "model %s: %s", name, why);
-            md_traffic_set(app->traffic, name, next, NULL, json_is_null(next) ? NULL : when);
+            /* this replica follows at once (the shadow, unchanged, with it) */
+            md_err lerr;
+            if (md_app_load_traffic(app, &lerr) != MD_OK)
+                md_traffic_set(app->traffic, name, NULL, NULL, NULL, NULL); /* sync redoes it */
             if (promote)
                 md_registry_set_default(app->registry, name, v);
         } else if (st != MD_ECONFLICT) {

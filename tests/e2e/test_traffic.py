@@ -408,3 +408,139 @@ def test_an_error_answer_names_its_version_too(start_server):
     assert patch(srv, {"traffic": {"2": 100}}).status_code == 200
     r = requests.post(f"{srv.url}/models/m/predict", json=[[-1.0, 2.0, 3.0, 4.0]], timeout=30)
     assert r.status_code == 422 and r.headers["X-Model-Version"] == "2", (r.status_code, r.text)
+
+
+# ---------------------------------------------------------------- shadow
+
+
+def shadow_pair(srv, name="m"):
+    r = srv.get(f"/models/{name}/shadow")
+    assert r.status_code == 200, r.text
+    pairs = r.json()["pairs"]
+    return pairs[0] if pairs else None
+
+
+def settled(srv, n, name="m"):
+    """The shadow pair once n requests were compared, failed or dropped."""
+    def done():
+        p = shadow_pair(srv, name)
+        return p if p and p["compared"] + p["errors"] + p["dropped"] + \
+            p["shape_mismatches"] >= n else None
+    return poll(done, f"{n} shadow requests settled")
+
+
+def rows(seed, n=3):
+    import random
+    rnd = random.Random(seed)
+    return [[rnd.uniform(-2, 2) for _ in range(4)] for _ in range(n)]
+
+
+def test_a_shadow_copy_of_the_same_model_agrees_fully(start_server):
+    srv = start_server()
+    deploy(srv)
+    deploy(srv, make_default="false")
+    r = patch(srv, {"shadow": {"version": 2}})
+    assert r.status_code == 200, r.text
+    assert r.json()["shadow"] == {"version": 2, "percent": 100}
+    s = requests.Session()
+    for i in range(50):
+        r = s.post(f"{srv.url}/models/m/predict", json=rows(i), timeout=30)
+        assert answered_by(r) == 1  # the client only ever sees the primary
+    p = settled(srv, 50)
+    assert p["primary"] == 1 and p["shadow"] == 2, p
+    assert p["compared"] == 50 and p["rows"] == 150 and p["errors"] == 0, p
+    assert p["agreement"] == 1.0 and p["max_abs_diff"] <= 1e-5, p
+    assert p["primary_p50_ms"] > 0 and p["shadow_p50_ms"] > 0, p
+    # a request naming a version is not shadowed
+    for i in range(5):
+        assert answered_by(s.post(f"{srv.url}/models/m/versions/1/predict", json=rows(i),
+                                  timeout=30)) == 1
+    assert shadow_pair(srv)["compared"] == 50
+    text = srv.get("/metrics").text
+    assert 'modeld_shadow_compared_total{model="m",primary="1",shadow="2"} 50' in text
+
+
+def test_a_shadow_agrees_with_the_primary_as_pytorch_says(start_server, tmp_path):
+    torch = pytest.importorskip("torch")
+    paths = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
+        path = tmp_path / f"lin{seed}.pt"
+        torch.jit.script(net).save(str(path))
+        paths.append((path, net))
+    srv = start_server()
+    for (path, _), default in zip(paths, ("true", "false")):
+        r = srv.request("POST", "/models/m/versions",
+                        data={"config": json.dumps(CONFIG), "make_default": default},
+                        files={"checkpoint": ("m.pt", path.read_bytes(),
+                                              "application/octet-stream")},
+                        timeout=30 * TSCALE)
+        assert r.status_code == 201, r.text
+    assert patch(srv, {"shadow": {"version": 2, "percent": 100}}).status_code == 200
+    s = requests.Session()
+    sent = []
+    for i in range(40):
+        x = rows(100 + i, 4)
+        sent.extend(x)
+        assert answered_by(s.post(f"{srv.url}/models/m/predict", json=x, timeout=30)) == 1
+    p = settled(srv, 40)
+    with torch.no_grad():
+        x = torch.tensor(sent, dtype=torch.float32)
+        a, b = paths[0][1](x), paths[1][1](x)
+    agree = int((a.argmax(1) == b.argmax(1)).sum())
+    assert p["rows"] == 160 and p["compared"] == 40, p
+    assert 0 < agree < 160  # two different models: some rows disagree
+    assert p["agreement"] == pytest.approx(agree / 160, abs=1e-12), (p, agree)
+    assert p["max_abs_diff"] == pytest.approx(float((a - b).abs().max()), abs=1e-5), p
+
+
+def test_a_shadow_that_throws_never_affects_the_primary(start_server):
+    srv = start_server()
+    deploy(srv)
+    throws = (FIXTURES / "throws.pt").read_bytes()
+    r = srv.request("POST", "/models/m/versions",
+                    data={"config": json.dumps(CONFIG), "make_default": "false"},
+                    files={"checkpoint": ("t.pt", throws, "application/octet-stream")},
+                    timeout=30 * TSCALE)
+    assert r.status_code == 201, r.text
+    s = requests.Session()
+    want = {}
+    for i in range(100):
+        row = [[-1.0, 2.0, 3.0, 4.0]] if i % 10 == 0 else [[abs(v) for v in rows(i, 1)[0]]]
+        want[i] = s.post(f"{srv.url}/models/m/versions/1/predict", json=row,
+                         timeout=30).json()["predictions"]
+    assert patch(srv, {"shadow": {"version": 2}}).status_code == 200
+    for i in range(100):
+        row = [[-1.0, 2.0, 3.0, 4.0]] if i % 10 == 0 else [[abs(v) for v in rows(i, 1)[0]]]
+        r = s.post(f"{srv.url}/models/m/predict", json=row, timeout=30)
+        assert answered_by(r) == 1
+        assert r.json()["predictions"] == want[i]
+    p = settled(srv, 100)
+    # the MLP answers 3 classes where x * 2 answers 4 values: no rows to compare
+    assert p["errors"] == 10 and p["shape_mismatches"] == 90 and p["dropped"] == 0, p
+    live = srv.get("/models/m/versions/1").json()["live"]
+    assert live["errors"] == 0 and live["requests"] == 200, live  # both rounds, no error
+
+
+def test_a_shadow_share_and_its_rules(start_server):
+    srv = three_versions(start_server())
+    assert patch(srv, {"shadow": {"version": 1, "percent": 30}}).status_code == 200
+    s = requests.Session()
+    for i in range(100):
+        assert predict(srv, session=s) == 3
+    p = settled(srv, 30)
+    assert p["compared"] + p["dropped"] + p["errors"] + p["shape_mismatches"] == 30, p
+    r = srv.request("DELETE", "/models/m/versions/1")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "version_in_traffic", r.text
+    for bad in ({"version": 0}, {"version": 1, "percent": 0}, {"version": 1, "percent": 101},
+                {"percent": 50}, {"version": "1"}, {"version": 1, "extra": 1}, 7):
+        r = patch(srv, {"shadow": bad})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_shadow", r.text
+    r = patch(srv, {"shadow": {"version": 9}})
+    assert r.status_code == 404, r.text
+    assert srv.get("/models/m").json()["shadow"] == {"version": 1, "percent": 30}
+    r = patch(srv, {"shadow": None, "reason": "enough"})
+    assert r.status_code == 200 and r.json()["shadow"] is None, r.text
+    assert srv.request("DELETE", "/models/m/versions/1").status_code == 200
+    assert history(srv)[-1]["change"] == {"shadow": None}
