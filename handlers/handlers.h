@@ -236,6 +236,11 @@ void md_shadow_run(md_app *app, const char *name, int primary, int shadow, md_te
 /* The comparisons of `name`'s pairs: [{"primary", "shadow", "compared",
  * "rows", "agreement", "max_abs_diff", "errors", "dropped", ...}]. */
 json_t *md_shadow_json(const char *name);
+/* The numbers promote_when judges a shadow by: requests compared (answers
+ * of another shape included), its errors, and top-1 agreement (0 when an
+ * answer had another shape). 0 when the pair has none here. */
+int md_shadow_numbers(const char *name, int primary, int shadow, long long *compared,
+                      long long *errors, double *agreement);
 /* modeld_shadow_* per model, primary and shadow version. */
 void md_shadow_write_metrics(FILE *f);
 void md_handle_model_shadow(md_req *req);

@@ -296,3 +296,17 @@ void md_shadow_write_metrics(FILE *f)
         md_prom_sample(f, "modeld_shadow_max_abs_diff", labels, d);
     }
 }
+
+int md_shadow_numbers(const char *name, int primary, int shadow, long long *compared,
+                      long long *errors, double *agreement)
+{
+    pair *p = find_pair(name, primary, shadow, 0);
+    if (!p)
+        return 0;
+    long long rows = atomic_load(&p->rows), agree = atomic_load(&p->agree);
+    /* a shadow answer of another shape agrees on nothing */
+    *compared = atomic_load(&p->compared) + atomic_load(&p->mismatched);
+    *errors = atomic_load(&p->errors);
+    *agreement = rows && !atomic_load(&p->mismatched) ? (double)agree / (double)rows : 0;
+    return 1;
+}
