@@ -226,6 +226,9 @@ void md_traffic_replace(md_traffic *t, json_t *all);
  * default answers). Never blocks on I/O. */
 int md_traffic_pick(md_traffic *t, const char *name, md_req *req);
 /* shadow.c: shadow versions (issue 28). Thread-safe. */
+/* Whether a copy for version `shadow` would be taken now (fewer than the
+ * most copies wait for it); when not, it counts the request dropped. */
+int md_shadow_room(const char *name, int primary, int shadow);
 /* A copy of `in`'s values and shape into `out`; 0 when it cannot be made. */
 int md_shadow_copy(const md_tensor *in, md_tensor *out);
 /* Send `in` (taken) to version `shadow` of `name` at job priority, unless
