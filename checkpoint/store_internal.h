@@ -162,6 +162,10 @@ void md_blobs_settle(md_store *s, md_status rc, sha_list *released, const char *
 /* ---- model and version rows (versions.c), shared with promotion.c ----
  * All expect s->mu held; those that write expect a write transaction. */
 
+/* The settings JSON of model `name` into *settings (new reference; NULL when
+ * there is no such row), or the index's failure (db_fail naming `what`). */
+md_status md_settings_read(md_store *s, const char *name, json_t **settings, const char *what,
+                           md_err *err);
 /* Append to the model's history (settings.history, the newest
  * MD_HISTORY_MAX kept) an entry of `note` ({"by", "reason"?, "request_id"?},
  * borrowed) with "at" (now) and "change" (borrowed): inside the write

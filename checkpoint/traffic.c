@@ -212,15 +212,10 @@ md_status md_promote_when_check(json_t *p, md_err *err)
 md_status md_history_add_locked(md_store *s, const char *name, json_t *note, json_t *change,
                                 md_err *err)
 {
-    md_ixstmt *st = prep(s, "SELECT settings FROM models WHERE name = ?1", err);
-    if (!st)
-        return MD_EIO;
-    ix_bind_text(st, 1, name);
-    int step = ix_step(st);
-    json_t *settings = step == MD_IX_ROW ? json_col(st, 0) : NULL;
-    ix_finalize(st);
-    if (step == MD_IX_ERROR)
-        return db_fail(s, err, "read the history");
+    json_t *settings;
+    md_status rc = md_settings_read(s, name, &settings, "read the history", err);
+    if (rc != MD_OK)
+        return rc;
     json_t *h = json_object_get(settings, "history");
     json_t *list = json_is_array(h) ? json_copy(h) : json_array();
     json_decref(settings);
@@ -236,7 +231,7 @@ md_status md_history_add_locked(md_store *s, const char *name, json_t *note, jso
     json_array_append_new(list, e);
     while (json_array_size(list) > MD_HISTORY_MAX)
         json_array_remove(list, 0);
-    md_status rc = md_set_setting(s, name, "history", list, 0, "record the history", err);
+    rc = md_set_setting(s, name, "history", list, 0, "record the history", err);
     json_decref(list);
     return rc;
 }
@@ -413,19 +408,9 @@ md_status md_store_apply_verdict_on(md_store *s, const char *name, const char *k
     md_status rc;
     if ((rc = txn_begin(s, err)) != MD_OK)
         goto unlock;
-    md_ixstmt *st = prep(s, "SELECT settings FROM models WHERE name = ?1", err);
-    if (!st) {
-        rc = MD_EIO;
+    json_t *settings;
+    if ((rc = md_settings_read(s, name, &settings, "read the traffic split", err)) != MD_OK)
         goto end;
-    }
-    ix_bind_text(st, 1, name);
-    int step = ix_step(st);
-    json_t *settings = step == MD_IX_ROW ? json_col(st, 0) : NULL;
-    ix_finalize(st);
-    if (step == MD_IX_ERROR) {
-        rc = db_fail(s, err, "read the traffic split");
-        goto end;
-    }
     /* inside the write transaction: exactly one replica acts on a split */
     int same = settings && json_equal(json_object_get(settings, key), expect);
     int split_left = settings && json_is_object(json_object_get(settings, "traffic"));
@@ -466,25 +451,14 @@ md_status md_store_history(md_store *s, const char *name, json_t **out, md_err *
 {
     *out = NULL;
     pthread_mutex_lock(&s->mu);
-    md_status rc = md_model_check(s, name, err);
-    md_ixstmt *st = rc == MD_OK ? prep(s, "SELECT settings FROM models WHERE name = ?1", err)
-                                : NULL;
-    if (rc == MD_OK && !st)
-        rc = MD_EIO;
-    if (st) {
-        ix_bind_text(st, 1, name);
-        int step = ix_step(st);
-        json_t *settings = step == MD_IX_ROW ? json_col(st, 0) : NULL;
-        if (step == MD_IX_ERROR)
-            rc = db_fail(s, err, "read the history");
-        else if (step == MD_IX_DONE) /* deleted since the check */
-            rc = md_model_missing(name, err);
-        ix_finalize(st);
-        json_t *h = json_object_get(settings, "history");
-        if (rc == MD_OK)
-            *out = json_is_array(h) ? json_incref(h) : json_array();
-        json_decref(settings);
-    }
+    json_t *settings = NULL;
+    md_status rc = md_settings_read(s, name, &settings, "read the history", err);
+    if (rc == MD_OK && !settings)
+        rc = md_model_missing(name, err);
+    json_t *h = json_object_get(settings, "history");
+    if (rc == MD_OK)
+        *out = json_is_array(h) ? json_incref(h) : json_array();
+    json_decref(settings);
     pthread_mutex_unlock(&s->mu);
     return md_model_hint(s, rc, name, err);
 }

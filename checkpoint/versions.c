@@ -162,19 +162,29 @@ md_status md_set_default_locked(md_store *s, const char *name, int version, cons
     return rc;
 }
 
-md_status md_set_setting(md_store *s, const char *name, const char *key, json_t *value,
-                         int remove_null, const char *what, md_err *err)
+md_status md_settings_read(md_store *s, const char *name, json_t **settings, const char *what,
+                           md_err *err)
 {
-    /* read, change in C, write back: inside the caller's write transaction,
-     * so no replica changes the row in between */
+    *settings = NULL;
     md_ixstmt *st = prep(s, "SELECT settings FROM models WHERE name = ?1", err);
     if (!st)
         return MD_EIO;
     ix_bind_text(st, 1, name);
     int step = ix_step(st);
-    json_t *settings = step == MD_IX_ROW ? json_col(st, 0) : NULL;
+    if (step == MD_IX_ROW)
+        *settings = json_col(st, 0);
     md_status rc = step == MD_IX_ERROR ? db_fail(s, err, what) : MD_OK;
     ix_finalize(st);
+    return rc;
+}
+
+md_status md_set_setting(md_store *s, const char *name, const char *key, json_t *value,
+                         int remove_null, const char *what, md_err *err)
+{
+    /* read, change in C, write back: inside the caller's write transaction,
+     * so no replica changes the row in between */
+    json_t *settings;
+    md_status rc = md_settings_read(s, name, &settings, what, err);
     if (rc != MD_OK || !settings)
         return rc; /* no such model: nothing to change, as an UPDATE of no row */
     if (!json_is_object(settings)) {
@@ -188,7 +198,7 @@ md_status md_set_setting(md_store *s, const char *name, const char *key, json_t 
     char *text = json_dumps(settings, JSON_COMPACT);
     md_assert(text != NULL);
     json_decref(settings);
-    st = prep(s, "UPDATE models SET settings = ?1 WHERE name = ?2", err);
+    md_ixstmt *st = prep(s, "UPDATE models SET settings = ?1 WHERE name = ?2", err);
     if (!st) {
         free(text);
         return MD_EIO;
@@ -661,14 +671,8 @@ md_status md_store_set_retention(md_store *s, const char *name, json_t *retentio
  * would send requests to nothing (inside the caller's transaction). */
 static md_status refuse_if_in_traffic(md_store *s, const char *name, int version, md_err *err)
 {
-    md_ixstmt *st = prep(s, "SELECT settings FROM models WHERE name = ?1", err);
-    if (!st)
-        return MD_EIO;
-    ix_bind_text(st, 1, name);
-    int step = ix_step(st);
-    json_t *settings = step == MD_IX_ROW ? json_col(st, 0) : NULL;
-    md_status rc = step == MD_IX_ERROR ? db_fail(s, err, "read the traffic split") : MD_OK;
-    ix_finalize(st);
+    json_t *settings;
+    md_status rc = md_settings_read(s, name, &settings, "read the traffic split", err);
     if (rc == MD_OK && md_settings_route_to(settings, version))
         rc = md_err_setc(err, MD_ECONFLICT, "version_in_traffic",
                          "version %d of model %s takes part of its traffic (a share of the "

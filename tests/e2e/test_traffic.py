@@ -38,6 +38,17 @@ def deploy(srv, name="m", make_default="true"):
     return r.json()["version"]
 
 
+def deploy_throws(srv):
+    """A version of x * 2 that raises for a row whose first value is < 0."""
+    throws = (FIXTURES / "throws.pt").read_bytes()
+    r = srv.request("POST", "/models/m/versions",
+                    data={"config": json.dumps(CONFIG), "make_default": "false"},
+                    files={"checkpoint": ("t.pt", throws, "application/octet-stream")},
+                    timeout=30 * TSCALE)
+    assert r.status_code == 201, r.text
+    return r.json()["version"]
+
+
 def patch(srv, body, name="m"):
     return srv.request("PATCH", f"/models/{name}", json=body, timeout=30 * TSCALE)
 
@@ -314,12 +325,7 @@ def test_promote_when_promotes_a_healthy_canary(start_server):
 def test_promote_when_rolls_back_a_canary_that_fails_5_percent(start_server):
     srv = start_server()
     deploy(srv)  # version 1: the MLP, answers every row
-    throws = (FIXTURES / "throws.pt").read_bytes()
-    r = srv.request("POST", "/models/m/versions",
-                    data={"config": json.dumps(CONFIG), "make_default": "false"},
-                    files={"checkpoint": ("t.pt", throws, "application/octet-stream")},
-                    timeout=30 * TSCALE)
-    assert r.status_code == 201, r.text  # version 2 fails a row whose first value is < 0
+    deploy_throws(srv)  # version 2 fails a row whose first value is < 0
     r = patch(srv, {"traffic": {"1": 50, "2": 50},
                     "promote_when": {"min_requests": 100, "max_error_rate": 0.01}})
     assert r.status_code == 200, r.text
@@ -400,12 +406,7 @@ def test_a_patch_of_several_things_checks_the_split_before_changing_any(start_se
 def test_an_error_answer_names_its_version_too(start_server):
     srv = start_server()
     deploy(srv)
-    throws = (FIXTURES / "throws.pt").read_bytes()
-    r = srv.request("POST", "/models/m/versions",
-                    data={"config": json.dumps(CONFIG), "make_default": "false"},
-                    files={"checkpoint": ("t.pt", throws, "application/octet-stream")},
-                    timeout=30 * TSCALE)
-    assert r.status_code == 201, r.text
+    deploy_throws(srv)
     assert patch(srv, {"traffic": {"2": 100}}).status_code == 200
     r = requests.post(f"{srv.url}/models/m/predict", json=[[-1.0, 2.0, 3.0, 4.0]], timeout=30)
     assert r.status_code == 422 and r.headers["X-Model-Version"] == "2", (r.status_code, r.text)
@@ -499,12 +500,7 @@ def test_a_shadow_agrees_with_the_primary_as_pytorch_says(start_server, tmp_path
 def test_a_shadow_that_throws_never_affects_the_primary(start_server):
     srv = start_server()
     deploy(srv)
-    throws = (FIXTURES / "throws.pt").read_bytes()
-    r = srv.request("POST", "/models/m/versions",
-                    data={"config": json.dumps(CONFIG), "make_default": "false"},
-                    files={"checkpoint": ("t.pt", throws, "application/octet-stream")},
-                    timeout=30 * TSCALE)
-    assert r.status_code == 201, r.text
+    deploy_throws(srv)
     s = requests.Session()
     want = {}
     for i in range(100):
@@ -569,12 +565,7 @@ def test_promote_when_promotes_a_shadow_that_agrees(start_server):
 def test_promote_when_ends_a_shadow_that_fails(start_server):
     srv = start_server()
     deploy(srv)
-    throws = (FIXTURES / "throws.pt").read_bytes()
-    r = srv.request("POST", "/models/m/versions",
-                    data={"config": json.dumps(CONFIG), "make_default": "false"},
-                    files={"checkpoint": ("t.pt", throws, "application/octet-stream")},
-                    timeout=30 * TSCALE)
-    assert r.status_code == 201, r.text
+    deploy_throws(srv)
     r = patch(srv, {"shadow": {"version": 2}, "promote_when": {
         "min_requests": 50, "max_error_rate": 0.02}})
     assert r.status_code == 200, r.text
