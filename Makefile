@@ -102,6 +102,8 @@ LIB_C   += jobs/gzstream.c
 LIB_C   += predictor/classes.c
 # the S3 client the blob store and s3:// sources are built on (issue 25)
 LIB_C   += checkpoint/s3.c
+# the blobs seam (blobs_impl.h): a directory (default) or S3 with a local cache
+LIB_C   += checkpoint/blobs_dir.c checkpoint/blobs_s3.c
 LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)

@@ -123,6 +123,17 @@ md_status md_store_open(const char *dir, md_store **out, md_err *err)
 md_status md_store_open_index(const char *dir, const char *index_url, md_store **out,
                               md_err *err)
 {
+    md_store_opts o = {.index_url = index_url, .s3_path_style = -1};
+    return md_store_open_opts(dir, &o, out, err);
+}
+
+md_status md_store_open_opts(const char *dir, const md_store_opts *opts, md_store **out,
+                             md_err *err)
+{
+    static const md_store_opts none = {.s3_path_style = -1};
+    if (!opts)
+        opts = &none;
+    const char *index_url = opts->index_url;
     *out = NULL;
     char path[4096];
     const char *subs[] = {"", "/blobs", "/tmp"};
@@ -137,7 +148,12 @@ md_status md_store_open_index(const char *dir, const char *index_url, md_store *
     s->dir = md_xstrdup(dir);
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->listen_mu, NULL);
-    /* the one choice of backend: nothing after it branches on it */
+    pthread_mutex_init(&s->gc_mu, NULL);
+    pthread_cond_init(&s->gc_cv, NULL);
+    /* the one choice of each backend: nothing after it branches on it */
+    md_blobs_args bargs = {.url = opts->blob_url, .dir = dir,
+                           .cache_max_bytes = opts->cache_max_bytes,
+                           .path_style = opts->s3_path_style};
     md_index_args args = {.url = index_url, .dir = dir, .on_wait = on_wait, .ctx = s};
     md_status st;
     char where[4200];
@@ -148,13 +164,18 @@ md_status md_store_open_index(const char *dir, const char *index_url, md_store *
     } else {
         snprintf(where, sizeof where, "%s", dir);
     }
-    if ((st = md_index_open(&args, &s->ix, err)) != MD_OK ||
+    if ((st = md_blobs_open(&bargs, &s->blobs, err)) != MD_OK ||
+        (st = md_index_open(&args, &s->ix, err)) != MD_OK ||
         (st = migrate(s, where, err)) != MD_OK || (st = md_blobs_check(s, err)) != MD_OK) {
         md_store_close(s);
         return st;
     }
     md_blobs_sweep_tmp(s);
     md_blobs_sweep_orphans(s);
+    md_blobs_start_gc(s);
+    if (opts->blob_url && opts->blob_url[0])
+        md_log(MD_LOG_INFO, "store %s: blobs in %s, this directory their cache (%lld bytes at "
+               "most; 0 = no bound)", dir, opts->blob_url, opts->cache_max_bytes);
     *out = s;
     return MD_OK;
 }
@@ -163,9 +184,13 @@ void md_store_close(md_store *s)
 {
     if (!s)
         return;
+    md_blobs_stop_gc(s);
     ix_close(s->ix);
+    bl_close(s->blobs);
     pthread_mutex_destroy(&s->mu);
     pthread_mutex_destroy(&s->listen_mu);
+    pthread_mutex_destroy(&s->gc_mu);
+    pthread_cond_destroy(&s->gc_cv);
     free(s->dir);
     free(s);
 }
