@@ -546,7 +546,8 @@ void md_handle_models_register(md_req *req)
         } else if (strcmp(key, "source") == 0) {
             if (!json_is_string(v)) {
                 st = md_err_setc(&err, MD_EINVAL, "invalid_source",
-                                 "source must be a URL string (https://, http:// or file:///)");
+                                 "source must be a URL string (https://, http://, file:/// or "
+                                 "s3://)");
                 break;
             }
             d->source = md_xstrdup(json_string_value(v));
@@ -587,8 +588,8 @@ void md_handle_models_register(md_req *req)
         st = md_err_setc(&err, MD_EINVAL, "invalid_name", "name is required");
     if (st == MD_OK && !d->source)
         st = md_err_setc(&err, MD_EINVAL, "invalid_source",
-                         "source is required: the URL of the checkpoint (https://, http:// or "
-                         "file:///); to upload bytes use POST /models/NAME/versions");
+                         "source is required: the URL of the checkpoint (https://, http://, "
+                         "file:/// or s3://); to upload bytes use POST /models/NAME/versions");
     md_fetch_opts opts = md_fetch_opts_from_cfg(app->cfg);
     if (st == MD_OK)
         st = md_source_check(d->source, &opts, &err);

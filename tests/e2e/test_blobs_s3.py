@@ -9,6 +9,8 @@ SigV4-checking proxy: s3.py) and, for two replicas, a real PostgreSQL (pg.py):
 - a replica with an empty cache downloads what it serves, checked by sha256;
   a download cut mid-way resumes, and no partial file ever has a final name;
 - cache_max_bytes evicts the least recently used files, never one in use;
+- s3://BUCKET/KEY as a deploy source, which boto3 put there the way users
+  do, allowed only under allowed_s3 (403 naming the setting otherwise);
 - faults: s3rver stopped (SIGSTOP) during a deploy answers 503 and stores
   nothing while loaded versions keep serving; start-up with S3 unreachable
   marks nothing failed and loads the default once S3 is back;
@@ -264,11 +266,53 @@ def test_cache_max_bytes_evicts_the_least_recently_used(start_server, s3):
     assert "evicted" in srv.stderr
 
 
+# ------------------------------------------------------------ s3:// sources
+
+
+def test_an_s3_source_put_by_boto3_deploys_only_under_allowed_s3(start_server, s3, tmp_path):
+    f = tmp_path / "model.pt"
+    f.write_bytes(MLP)
+    c = s3.client()
+    c.upload_file(str(f), s3.bucket, "models/fashion/model.pt")
+    c.upload_file(str(f), s3.bucket, "private/model.pt")
+    # no blob_url: s3:// sources work with the directory store too
+    srv = start_server("--allowed-s3", f"{s3.bucket}/models", env=s3_env(s3))
+    src = f"s3://{s3.bucket}/models/fashion/model.pt"
+    r = srv.request("POST", "/models", json={"name": "m", "source": src, "sha256": sha(MLP),
+                                             "config": MLP_CONFIG}, timeout=60)
+    v = created(r)
+    assert v["source"] == src and v["sha256"] == sha(MLP), v
+    r = predict(srv)
+    assert r.status_code == 200, r.text
+
+    r = srv.request("POST", "/models", json={"name": "p", "source": f"s3://{s3.bucket}/private/"
+                                             "model.pt"})
+    assert r.status_code == 403 and code(r) == "source_not_allowed", r.text
+    assert "allowed_s3" in r.json()["error"]["message"]
+    # a prefix matches at a '/' boundary only
+    r = srv.request("POST", "/models", json={"name": "p", "source": f"s3://{s3.bucket}/models2/"
+                                             "x.pt"})
+    assert r.status_code == 403 and code(r) == "source_not_allowed", r.text
+    r = srv.request("POST", "/models", json={"name": "p", "source": src, "sha256": sha(CNN)})
+    assert r.status_code == 400 and code(r) == "sha256_mismatch", r.text
+    r = srv.request("POST", "/models", json={"name": "p", "source": f"s3://{s3.bucket}/models/"
+                                             "missing.pt"}, timeout=60)
+    assert r.status_code == 404, r.text
+    assert srv.get("/models/p").status_code == 404
+
+    # not allowed at all without allowed_s3
+    srv2 = start_server(env=s3_env(s3))
+    r = srv2.request("POST", "/models", json={"name": "m", "source": src})
+    assert r.status_code == 403 and code(r) == "source_not_allowed", r.text
+    assert "allowed_s3" in r.json()["error"]["message"]
+
+
 def test_secrets_never_in_print_config(run_modeld, s3):
-    p = run_modeld("--print-config", "--blob-url", "s3://b/p", env=s3.env())
+    p = run_modeld("--print-config", "--blob-url", "s3://b/p", "--allowed-s3", "b/models",
+                   env=s3.env())
     assert p.returncode == 0, p.stderr
     cfg = json.loads(p.stdout)
-    assert cfg["blob_url"] == "s3://b/p", cfg
+    assert cfg["blob_url"] == "s3://b/p" and cfg["allowed_s3"] == ["b/models"], cfg
     assert cfg["s3_path_style"] == "auto" and cfg["cache_max_bytes"] == 0, cfg
     assert s3.secret not in p.stdout and s3.secret not in p.stderr
 
