@@ -83,11 +83,11 @@ BUILD := build$(if $(SAN_FLAGS),-asan,)
 # every C module but main.c; the binary and the unit tests link these
 LIB_C   := config/md_err.c config/md_json.c config/md_metrics.c config/config.c server/router.c server/http.c \
 	server/multipart.c checkpoint/store.c checkpoint/index.c checkpoint/index_sqlite.c \
-	checkpoint/versions.c checkpoint/promotion.c checkpoint/retention.c checkpoint/blobs.c checkpoint/archive.c \
+	checkpoint/versions.c checkpoint/promotion.c checkpoint/retention.c checkpoint/traffic.c checkpoint/blobs.c checkpoint/archive.c \
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c checkpoint/zipdir.c \
-	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/batcher.c predictor/model.c predictor/registry.c \
+	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/npy.c predictor/v2.c predictor/batcher.c predictor/model.c predictor/registry.c \
 	jobs/readers.c jobs/scheduler.c jobs/writers.c jobs/job_store.c handlers/app.c handlers/jobs.c \
-	handlers/deploy.c handlers/upload.c handlers/models.c handlers/predict.c handlers/answer.c \
+	handlers/deploy.c handlers/upload.c handlers/models.c handlers/traffic.c handlers/predict.c handlers/answer.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
 ifeq ($(WITH_PG),1)
 LIB_C   += checkpoint/index_pg.c
@@ -288,12 +288,13 @@ $(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LIBS)
 
-$(BUILD)/bench/decode: bench/decode.c $(BUILD)/predictor/tensor.o $(BUILD)/predictor/numparse.o \
+TENSOR_OBJ := $(BUILD)/predictor/tensor.o $(BUILD)/predictor/npy.o $(BUILD)/predictor/v2.o
+$(BUILD)/bench/decode: bench/decode.c $(TENSOR_OBJ) $(BUILD)/predictor/numparse.o \
 	$(BUILD)/config/md_err.o $(BUILD)/config/md_json.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lstdc++ -lm
 
-$(BUILD)/bench/encode: bench/encode.c $(BUILD)/handlers/answer.o $(BUILD)/predictor/tensor.o \
+$(BUILD)/bench/encode: bench/encode.c $(BUILD)/handlers/answer.o $(BUILD)/predictor/classes.o $(TENSOR_OBJ) \
 	$(BUILD)/predictor/numparse.o $(BUILD)/config/md_err.o $(BUILD)/config/md_json.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lstdc++ -lm
@@ -312,6 +313,7 @@ clean:
 # loader, the router, the multipart/form-data iterator, the checkpoint readers,
 # image input and the S3 client's XML answers (clang); not part of `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
+TENSOR_SRC := predictor/tensor.c predictor/npy.c predictor/v2.c
 # FUZZ_RUNS=1000000 runs each target that many executions instead of FUZZ_SECONDS
 FUZZ_RUNS ?=
 FUZZ_LIMIT = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS))
@@ -323,17 +325,17 @@ fuzz:
 	  -c predictor/numparse.cpp -o build-fuzz/numparse.o
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_number tests/fuzz_number.c \
-	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
+	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_tensor tests/fuzz_tensor.c \
-	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
+	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
-	  jobs/readers.c jobs/gzstream.c jobs/images.c predictor/image.c predictor/tensor.c \
+	  jobs/readers.c jobs/gzstream.c jobs/images.c predictor/image.c $(TENSOR_SRC) \
 	  build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lpng -ljpeg -lz -lisal -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \
-	  predictor/tensor.c build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
+	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_model_config \
 	  tests/fuzz_model_config.c predictor/model_config.c predictor/image.c config/md_err.c config/md_json.c \

@@ -38,7 +38,7 @@ extra_c=() extra_ld=()
 if [ -n "$DEPS" ]; then
   DEPS=$(cd "$DEPS" && pwd)
   lib=$DEPS/usr/lib/x86_64-linux-gnu
-  extra_c=("EXTRA_CFLAGS=-isystem $DEPS/usr/include -isystem $DEPS/usr/include/x86_64-linux-gnu")
+  extra_c=("EXTRA_CFLAGS=-isystem $DEPS/usr/include -isystem $DEPS/usr/include/x86_64-linux-gnu -isystem $DEPS/usr/include/postgresql")
   extra_ld=("EXTRA_LDFLAGS=-L$lib -Wl,-rpath-link,$lib")
   export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi

@@ -292,6 +292,23 @@ md_status md_store_set_retention(md_store *store, const char *name, json_t *rete
                                  md_err *err);
 /* Validate a retention policy object without storing it. */
 md_status md_retention_check(json_t *retention, md_err *err);
+/* ---- traffic splits (traffic.c, issue 28) ---- */
+
+#define MD_TRAFFIC_MAX_VERSIONS 16 /* versions one model's traffic may name */
+
+/* Validate a traffic split {"3": 90, "4": 10} (versions to integer
+ * percentages summing to 100; null clears) and a sticky header name (an HTTP
+ * header name, or null), either may be NULL (not given), without storing. */
+md_status md_traffic_check(json_t *traffic, json_t *sticky_header, md_err *err);
+/* Set the model's traffic split and/or sticky header (each NULL: unchanged;
+ * JSON null: cleared; clearing the split clears the header too) in one
+ * transaction that checks every named version exists and has not failed.
+ * GET /models/NAME shows them as "traffic" and "sticky_header". */
+md_status md_store_set_traffic(md_store *store, const char *name, json_t *traffic,
+                               json_t *sticky_header, md_err *err);
+/* Every model with a split: {"NAME": {"traffic": {...}, "sticky_header": "H"|null}}. */
+md_status md_store_traffic_all(md_store *store, json_t **out, md_err *err);
+
 /* Delete a version; MD_ECONFLICT if it is the default while others exist,
  * unless `force` (then the newest other version becomes default). */
 md_status md_store_delete_version(md_store *store, const char *name, int version, int force,

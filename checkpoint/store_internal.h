@@ -197,6 +197,9 @@ void md_blobs_settle(md_store *s, md_status rc, sha_list *released, const char *
 /* ---- model and version rows (versions.c), shared with promotion.c ----
  * All expect s->mu held; those that write expect a write transaction. */
 
+/* 1 when the traffic split object `traffic` (settings.traffic, may be NULL)
+ * gives `version` a share above 0 (traffic.c). */
+int md_traffic_names_version(json_t *traffic, int version);
 /* MD_OK when model `name` has a row; model_not_found (md_model_missing)
  * when it has none; the index's failure (db_fail) when it could not tell. */
 md_status md_model_check(md_store *s, const char *name, md_err *err);

@@ -545,6 +545,13 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
     json_object_set(m, "promote",
                     json_object_get(settings, "promote") ? json_object_get(settings, "promote")
                                                          : json_null());
+    json_object_set(m, "traffic",
+                    json_object_get(settings, "traffic") ? json_object_get(settings, "traffic")
+                                                         : json_null());
+    json_object_set(m, "sticky_header",
+                    json_is_string(json_object_get(settings, "sticky_header"))
+                        ? json_object_get(settings, "sticky_header")
+                        : json_null());
     json_decref(settings);
     ix_finalize(st);
     json_t *versions = NULL;
@@ -633,6 +640,27 @@ md_status md_store_set_retention(md_store *s, const char *name, json_t *retentio
     return md_model_hint(s, rc, name, err);
 }
 
+/* A version with a share of the traffic split is not deleted: the split
+ * would send requests to nothing (inside the caller's transaction). */
+static md_status refuse_if_in_traffic(md_store *s, const char *name, int version, md_err *err)
+{
+    md_ixstmt *st = prep(s, "SELECT settings FROM models WHERE name = ?1", err);
+    if (!st)
+        return MD_EIO;
+    ix_bind_text(st, 1, name);
+    int step = ix_step(st);
+    json_t *settings = step == MD_IX_ROW ? json_col(st, 0) : NULL;
+    md_status rc = step == MD_IX_ERROR ? db_fail(s, err, "read the traffic split") : MD_OK;
+    ix_finalize(st);
+    if (rc == MD_OK && md_traffic_names_version(json_object_get(settings, "traffic"), version))
+        rc = md_err_setc(err, MD_ECONFLICT, "version_in_traffic",
+                         "version %d of model %s takes part of its traffic; change the split "
+                         "first (PATCH /models/%s {\"traffic\": ...} or {\"traffic\": null})",
+                         version, name, name);
+    json_decref(settings);
+    return rc;
+}
+
 md_status md_store_delete_version(md_store *s, const char *name, int version, int force,
                                   md_err *err)
 {
@@ -647,6 +675,8 @@ md_status md_store_delete_version(md_store *s, const char *name, int version, in
     if ((rc = md_model_check(s, name, err)) != MD_OK)
         goto end;
     if ((rc = md_get_version_locked(s, name, version, &v, err)) != MD_OK)
+        goto end;
+    if ((rc = refuse_if_in_traffic(s, name, version, err)) != MD_OK)
         goto end;
     int is_default = json_is_true(json_object_get(v, "default"));
     md_ixstmt *st;

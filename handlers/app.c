@@ -658,10 +658,23 @@ void md_app_add_residency(md_app *app, json_t *v)
 
 /* ---- start-up and the store sync ---- */
 
+md_status md_app_load_traffic(md_app *app, md_err *err)
+{
+    json_t *all = NULL;
+    md_status st = md_store_traffic_all(app->store, &all, err);
+    if (st != MD_OK)
+        return st;
+    md_traffic_replace(app->traffic, all);
+    json_decref(all);
+    return MD_OK;
+}
+
 void md_app_load_defaults(md_app *app, int (*stop)(void))
 {
     md_err err;
     json_t *defaults = NULL;
+    if (md_app_load_traffic(app, &err) != MD_OK)
+        md_log(MD_LOG_ERROR, "cannot read the traffic splits: %s", err.msg);
     unsigned long seen = current_epoch(); /* before the rows are read */
     if (md_store_defaults(app->store, &defaults, &err) != MD_OK) {
         md_log(MD_LOG_ERROR, "cannot list the deployed models: %s", err.msg);
@@ -720,6 +733,11 @@ void md_app_sync(md_app *app)
     md_err err;
     md_err_clear(&err);
     json_t *defaults = NULL;
+    /* the splits first: a version a split names is loaded on demand */
+    if (md_app_load_traffic(app, &err) != MD_OK) {
+        md_log(MD_LOG_WARN, "store sync: %s", err.msg);
+        return;
+    }
     unsigned long seen = current_epoch(); /* after the forget, before the rows are read */
     if (md_store_defaults(app->store, &defaults, &err) != MD_OK) {
         md_log(MD_LOG_WARN, "store sync: %s", err.msg);

@@ -40,6 +40,8 @@ extern "C" {
  * ThreadSanitizer found). The other fields are written once and not changed
  * while requests are served, except synced_generation (the poller thread's
  * own, in md_app_sync). */
+typedef struct md_traffic md_traffic;
+
 typedef struct md_app {
     const md_cfg *cfg;
     md_store *store;
@@ -50,6 +52,7 @@ typedef struct md_app {
     atomic_int ready;
     atomic_int stop_signal;      /* the signal that began the drain (0: none yet) */
     long long synced_generation; /* the store generation md_app_sync last matched */
+    md_traffic *traffic;         /* the traffic splits (traffic.c) */
 } md_app;
 
 /* Handlers: each md_handle_* is an md_handler_fn, called by server/ on a
@@ -211,6 +214,26 @@ void md_app_load_defaults(md_app *app, int (*stop)(void));
  * Called from one thread only (main's store poller): it alone writes
  * app->synced_generation. */
 void md_app_sync(md_app *app);
+
+/* traffic.c: the traffic splits of unversioned predictions (issue 28).
+ * Every function is thread-safe. */
+md_traffic *md_traffic_new(void);
+void md_traffic_free(md_traffic *t);
+/* Set `name`'s split ({"3": 90, "4": 10}, checked by md_traffic_check) and
+ * sticky header (NULL: none); traffic NULL or null drops the split. */
+void md_traffic_set(md_traffic *t, const char *name, json_t *traffic, const char *sticky_header);
+/* Replace every split with md_store_traffic_all's object. */
+void md_traffic_replace(md_traffic *t, json_t *all);
+/* The version the split of `name` sends an unversioned request to (reading
+ * the split's sticky header from `req`), or 0 when it has no split (the
+ * default answers). Never blocks on I/O. */
+int md_traffic_pick(md_traffic *t, const char *name, md_req *req);
+/* modeld_traffic_routed_total, per model and version. */
+void md_traffic_write_metrics(md_traffic *t, FILE *f);
+/* Read every split from the store into app->traffic; a store that cannot
+ * answer leaves the splits as they were (and returns its status). Deferred
+ * threads only. */
+md_status md_app_load_traffic(md_app *app, md_err *err);
 
 /* jobs.c */
 void md_handle_jobs_create(md_req *req);

@@ -299,9 +299,11 @@ static void model_patch_deferred(md_req *req)
     json_object_foreach(body, key, v)
     {
         if (strcmp(key, "default_version") != 0 && strcmp(key, "retention") != 0 &&
-            strcmp(key, "promote") != 0) {
+            strcmp(key, "promote") != 0 && strcmp(key, "traffic") != 0 &&
+            strcmp(key, "sticky_header") != 0) {
             st = md_err_setc(&err, MD_EINVAL, "unknown_field",
-                             "unknown key \"%.40s\"; allowed: default_version, retention, promote",
+                             "unknown key \"%.40s\"; allowed: default_version, retention, "
+                             "promote, traffic, sticky_header",
                              key);
             break;
         }
@@ -309,6 +311,10 @@ static void model_patch_deferred(md_req *req)
     json_t *dv = json_object_get(body, "default_version");
     json_t *ret = json_object_get(body, "retention");
     json_t *promote = json_object_get(body, "promote");
+    json_t *traffic = json_object_get(body, "traffic");
+    json_t *sticky = json_object_get(body, "sticky_header");
+    if (st == MD_OK && (traffic || sticky))
+        st = md_traffic_check(traffic, sticky, &err);
     if (st == MD_OK && dv && (!json_is_integer(dv) || json_integer_value(dv) < 1))
         st = md_err_setc(&err, MD_EINVAL, "invalid_version",
                          "default_version must be a positive integer");
@@ -316,9 +322,10 @@ static void model_patch_deferred(md_req *req)
         st = md_retention_check(ret, &err);
     if (st == MD_OK && promote)
         st = md_promote_check(promote, &err);
-    if (st == MD_OK && !dv && !ret && !promote)
+    if (st == MD_OK && !dv && !ret && !promote && !traffic && !sticky)
         st = md_err_setc(&err, MD_EINVAL, "empty_patch",
-                         "nothing to change; give default_version, retention and/or promote");
+                         "nothing to change; give default_version, retention, promote, traffic "
+                         "and/or sticky_header");
     if (st == MD_OK && dv)
         st = md_store_set_default(app->store, name, (int)json_integer_value(dv), &err);
     if (st == MD_OK && dv &&
@@ -336,10 +343,32 @@ static void model_patch_deferred(md_req *req)
         st = md_store_set_retention(app->store, name, ret, &err);
         md_app_forget(app, name, 0); /* retention may have deleted versions */
     }
+    if (st == MD_OK && json_is_object(traffic)) {
+        /* every version given a share must load (here, once, before any
+         * request is sent to it), or the split is refused as it stands */
+        const char *vkey;
+        json_t *w;
+        json_object_foreach(traffic, vkey, w)
+        {
+            if (json_integer_value(w) <= 0)
+                continue;
+            md_model *m = md_app_load_stored(app, name, atoi(vkey), 0, &err);
+            if (!m) {
+                st = err.status;
+                break;
+            }
+            md_model_release(m);
+        }
+    }
+    if (st == MD_OK && (traffic || sticky))
+        st = md_store_set_traffic(app->store, name, traffic, sticky, &err);
     json_decref(body);
     json_t *out = NULL;
     if (st == MD_OK)
         st = md_store_get_model(app->store, name, &out, &err);
+    if (st == MD_OK) /* this replica follows at once; the others at their sync */
+        md_traffic_set(app->traffic, name, json_object_get(out, "traffic"),
+                       json_string_value(json_object_get(out, "sticky_header")));
     reply_result(req, st, out, &err);
 }
 
@@ -410,6 +439,7 @@ void md_handle_model_delete(md_req *req)
     md_status st = md_store_delete_model(app->store, name, &err);
     if (st == MD_OK) {
         md_app_forget(app, name, 0); /* first: see the version delete */
+        md_traffic_set(app->traffic, name, NULL, NULL);
         md_registry_remove(app->registry, name, 0);
     }
     reply_result(req, st, st == MD_OK ? json_pack("{s:{s:s}}", "deleted", "model", name) : NULL,

@@ -64,12 +64,14 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
         finish(c);
         return;
     }
+    /* every answer names the version that made it, whatever its body can
+     * say (a traffic split may have chosen it) */
+    char v[16];
+    snprintf(v, sizeof v, "%d", md_model_version(c->model));
+    md_reply_header(c->req, "X-Model-Version", v);
     if (c->npy) {
         size_t len;
         char *npy = md_npy_encode(out, shape, ndim, &len);
-        char v[16];
-        snprintf(v, sizeof v, "%d", md_model_version(c->model));
-        md_reply_header(c->req, "X-Model-Version", v);
         md_reply_bytes(c->req, 200, "application/x-npy", npy, len);
         finish(c);
         return;
@@ -654,6 +656,8 @@ static void find_and_go(md_req *req, pending *pd)
 {
     md_req_set_state(req, pd, pending_free);
     md_err err;
+    if (pd->version == 0) /* unversioned: the model's traffic split may choose */
+        pd->version = md_traffic_pick(((md_app *)md_req_app(req))->traffic, pd->name, req);
     md_model *m = md_app_lookup(md_req_app(req), pd->name, pd->version, &err);
     if (m)
         go_on(req, pd, m, ON_HANDLER);

@@ -428,7 +428,7 @@ void md_registry_write_metrics(md_registry *r, FILE *f);
  * read from atomics only: never takes a batcher lock. */
 void md_models_write_metrics(md_model *const *ms, const int *is_default, int n, FILE *f);
 
-/* ---- tensors and codecs (tensor.c) ---- */
+/* ---- tensors and codecs (tensor.c: JSON and shared helpers; npy.c; v2.c) ---- */
 
 /* A dense float32 tensor in C order. `data` is owned (malloc).
  * Not opaque, on purpose: decoders fill a caller-owned md_tensor (on the

@@ -297,6 +297,58 @@ extern "C" void md_torch_set_thread_background(int background)
     thread_background = background != 0;
 }
 
+#ifdef WITH_CUDA
+/* A worker thread's stream, lent from a process-wide list and given back
+ * when the thread ends, so the workers of a version loaded again reuse the
+ * streams of the last one. cuBLAS keeps a workspace per (handle, stream)
+ * that nothing frees; taking a fresh pool stream in every new thread grew the
+ * process by about one workspace per load (30-70 MiB on an H100) until the
+ * pool's streams were all used, near 1 GiB. The list is never destroyed: a
+ * thread may end after static destructors ran. */
+struct idle_stream {
+    c10::cuda::CUDAStream stream;
+    bool high;
+};
+static std::mutex *idle_streams_mu = new std::mutex;
+static std::vector<idle_stream> *idle_streams = new std::vector<idle_stream>;
+
+struct lent_stream {
+    c10::optional<c10::cuda::CUDAStream> stream;
+    bool high = false;
+    ~lent_stream() { give_back(); }
+    void give_back()
+    {
+        if (!stream)
+            return;
+        std::lock_guard<std::mutex> lock(*idle_streams_mu);
+        idle_streams->push_back({*stream, high});
+        stream.reset();
+    }
+    c10::cuda::CUDAStream get(bool want_high, c10::DeviceIndex device)
+    {
+        if (stream && stream->device_index() == device && high == want_high)
+            return *stream;
+        give_back();
+        {
+            std::lock_guard<std::mutex> lock(*idle_streams_mu);
+            for (size_t i = idle_streams->size(); i-- > 0;) {
+                idle_stream &e = (*idle_streams)[i];
+                if (e.high == want_high && e.stream.device_index() == device) {
+                    stream = e.stream;
+                    idle_streams->erase(idle_streams->begin() + (long)i);
+                    break;
+                }
+            }
+        }
+        if (!stream)
+            stream = c10::cuda::getStreamFromPool(want_high, device);
+        high = want_high;
+        return *stream;
+    }
+};
+static thread_local lent_stream thread_stream;
+#endif
+
 static md_status forward(md_torch_model *m, const float *input, const int64_t *shape, int ndim,
                          float **out, int64_t *out_shape, int *out_ndim, bool quiet, md_err *err)
 {
@@ -308,16 +360,12 @@ static md_status forward(md_torch_model *m, const float *input, const int64_t *s
          * when needed, and the input outlives the forward. */
         torch::Tensor x = torch::from_blob(const_cast<float *>(input), sizes, torch::kFloat32);
 #ifdef WITH_CUDA
-        /* each worker thread gets its own stream from the pool, so copies and
-         * kernels of different workers overlap; online workers' streams are
+        /* each worker thread gets its own stream, so copies and kernels of
+         * different workers overlap; online workers' streams are
          * high-priority, job workers' low-priority */
-        thread_local c10::optional<c10::cuda::CUDAStream> stream;
         c10::optional<c10::cuda::CUDAStreamGuard> stream_guard;
-        if (m->device.is_cuda()) {
-            if (!stream || stream->device_index() != m->device.index())
-                stream = c10::cuda::getStreamFromPool(!thread_background, m->device.index());
-            stream_guard.emplace(*stream);
-        }
+        if (m->device.is_cuda())
+            stream_guard.emplace(thread_stream.get(!thread_background, m->device.index()));
 #endif
         if (m->device.is_cuda())
             x = x.pin_memory().to(m->device, m->dtype, /*non_blocking=*/true);

@@ -221,6 +221,7 @@ int main(int argc, char **argv)
 
     md_torch_init(cfg.intra_op_threads);
     app.registry = md_registry_new();
+    app.traffic = md_traffic_new();
     md_registry_set_budget(app.registry, cfg.max_loaded_bytes);
     md_image_set_large_decodes(cfg.max_large_decodes > 0 ? cfg.max_large_decodes
                                                          : md_cfg_cores());
@@ -332,6 +333,7 @@ int main(int argc, char **argv)
         pthread_join(poller, NULL);
     md_jobs_stop(app.jobs);
     md_registry_free(app.registry);
+    md_traffic_free(app.traffic);
     /* the workers finish what is queued and exit; a forward may still run */
     int left = md_models_wait_stopped(10.0);
     if (left > 0)

@@ -1139,7 +1139,7 @@ static void test_failed_reads_are_not_not_found(void **state)
     assert_int_equal(md_store_job_create(s, "j1", "m", 0, spec, "/o1", &err), MD_OK);
     json_decref(spec);
     md_index_ops ops;
-    for (int read = 0; read < 7; read++) {
+    for (int read = 0; read < 8; read++) {
         int failed = 0;
         for (int at = 1; at < 20; at++) {
             json_t *out = NULL;
@@ -1154,6 +1154,7 @@ static void test_failed_reads_are_not_not_found(void **state)
             case 3: rc = md_store_defaults(s, &out, &err); break;
             case 4: rc = md_store_list_models(s, NULL, 10, &out, &err); break;
             case 5: rc = md_store_architecture(s, "m", sha, &err); break;
+            case 6: rc = md_store_traffic_all(s, &out, &err); break;
             default: rc = md_store_job_get(s, "j1", &out, &err); break;
             }
             int reached = fault_calls >= at;
@@ -1346,6 +1347,88 @@ static void test_archive_check_fixtures(void **state)
 }
 
 /* ---- retention ---- */
+
+/* Traffic splits (issue 28): checked, stored in one transaction that bumps
+ * the generation, refused for a missing or failed version, shown by
+ * get_model and traffic_all, and a version with a share is neither deleted
+ * nor collected by retention; null clears the split and its header. */
+static void test_traffic_split(void **state)
+{
+    fx *f = *state;
+    bytes mlp = fixture("mlp.pt");
+    md_store *s = NULL;
+    open_store(f, &s);
+    md_err err;
+    md_err_clear(&err);
+    for (int i = 0; i < 3; i++)
+        add(s, "t", &mlp, 0, NULL, 1); /* versions 1..3, 3 the default */
+    const char *bad[] = {"{\"1\": 50, \"2\": 40}", "{\"x\": 100}", "{\"0\": 100}",
+                         "{\"1\": 100.0}", "{}", "[1]", "{\"1\": 101, \"2\": -1}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        json_t *t = json_loads(bad[i], JSON_DECODE_ANY, NULL);
+        assert_int_equal(md_traffic_check(t, NULL, &err), MD_EINVAL);
+        assert_string_equal(md_err_code(&err), "invalid_traffic");
+        json_decref(t);
+    }
+    json_t *hdr = json_string("X User");
+    assert_int_equal(md_traffic_check(NULL, hdr, &err), MD_EINVAL);
+    json_decref(hdr);
+
+    long long gen = md_store_generation(s);
+    json_t *t = json_loads("{\"1\": 90, \"2\": 10}", 0, NULL);
+    json_t *missing = json_loads("{\"1\": 90, \"7\": 10}", 0, NULL);
+    assert_int_equal(md_store_set_traffic(s, "t", missing, NULL, &err), MD_ENOTFOUND);
+    assert_string_equal(md_err_code(&err), "version_not_found");
+    assert_int_equal(md_store_set_traffic(s, "nope", t, NULL, &err), MD_ENOTFOUND);
+    assert_string_equal(md_err_code(&err), "model_not_found");
+    assert_int_equal(md_store_generation(s), gen); /* nothing changed */
+    assert_int_equal(md_store_set_state(s, "t", 2, "failed", "broken", &err), MD_OK);
+    assert_int_equal(md_store_set_traffic(s, "t", t, NULL, &err), MD_ECONFLICT);
+    assert_string_equal(md_err_code(&err), "version_failed");
+    assert_int_equal(md_store_set_state(s, "t", 2, "ready", NULL, &err), MD_OK);
+    gen = md_store_generation(s);
+    hdr = json_string("X-User-Id");
+    assert_int_equal(md_store_set_traffic(s, "t", t, hdr, &err), MD_OK);
+    assert_true(md_store_generation(s) > gen); /* replicas see it */
+
+    json_t *m = NULL;
+    assert_int_equal(md_store_get_model(s, "t", &m, &err), MD_OK);
+    assert_true(json_equal(json_object_get(m, "traffic"), t));
+    assert_string_equal(json_string_value(json_object_get(m, "sticky_header")), "X-User-Id");
+    json_decref(m);
+    json_t *all = NULL;
+    assert_int_equal(md_store_traffic_all(s, &all, &err), MD_OK);
+    assert_int_equal(json_object_size(all), 1);
+    assert_true(json_equal(json_object_get(json_object_get(all, "t"), "traffic"), t));
+    json_decref(all);
+
+    /* a version with a share stays: not deleted, not collected */
+    assert_int_equal(md_store_delete_version(s, "t", 2, 1, &err), MD_ECONFLICT);
+    assert_string_equal(md_err_code(&err), "version_in_traffic");
+    json_t *pol = json_loads("{\"keep_last\": 1}", 0, NULL);
+    assert_int_equal(md_store_set_retention(s, "t", pol, &err), MD_OK);
+    json_decref(pol);
+    int vs[8];
+    assert_int_equal(versions(s, "t", vs, 8), 3); /* 1 and 2 have shares, 3 the default */
+
+    /* null clears the split and its header */
+    json_t *null = json_null();
+    assert_int_equal(md_store_set_traffic(s, "t", null, NULL, &err), MD_OK);
+    assert_int_equal(md_store_get_model(s, "t", &m, &err), MD_OK);
+    assert_true(json_is_null(json_object_get(m, "traffic")));
+    assert_true(json_is_null(json_object_get(m, "sticky_header")));
+    json_decref(m);
+    assert_int_equal(md_store_traffic_all(s, &all, &err), MD_OK);
+    assert_int_equal(json_object_size(all), 0);
+    json_decref(all);
+    assert_int_equal(md_store_delete_version(s, "t", 2, 0, &err), MD_OK);
+    json_decref(null);
+    json_decref(hdr);
+    json_decref(t);
+    json_decref(missing);
+    md_store_close(s);
+    free(mlp.data);
+}
 
 static void test_retention_keep_last(void **state)
 {
@@ -2225,6 +2308,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_crash_row_without_blob, setup, teardown),
         cmocka_unit_test_setup_teardown(test_archive_check_fixtures, setup, teardown),
         cmocka_unit_test_setup_teardown(test_retention_keep_last, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_traffic_split, setup, teardown),
         cmocka_unit_test_setup_teardown(test_retention_keep_best, setup, teardown),
         cmocka_unit_test_setup_teardown(test_add_version_pruned_by_keep_best, setup, teardown),
         cmocka_unit_test(test_retention_check),

@@ -1,5 +1,5 @@
 /*
- * test_tensor.c - unit tests of the request codecs in predictor/tensor.c:
+ * test_tensor.c - unit tests of the request codecs in predictor/ (tensor.c, npy.c, v2.c):
  * md_tensor_decode over every JSON dialect (bare rows, {"instances"},
  * {"array", "shape"}), the exactness of its number scanner against
  * (float)strtod, every malformed input class with its md_status and a

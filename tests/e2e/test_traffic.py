@@ -1,0 +1,251 @@
+"""
+test_traffic.py - weighted traffic splits of unversioned predictions (issue
+28), against the real binary: PATCH /models/NAME {"traffic": {...}} sends
+each version its share of /predict, /models/NAME/predict, /predictions/NAME,
+V2 and KServe V1 requests that name no version; a request naming a version
+is never rerouted; a sticky header keeps a client on one version on every
+replica; bad splits are refused with nothing changed; a version with a share
+cannot be deleted nor collected by retention; the split survives a restart
+and a second replica on the same store follows it.
+
+Routing is deterministic (handlers/traffic.c: 100 consecutive requests
+cover the 100 slots once; a sticky value hashes to a slot), so the bounds
+below are binomial bounds the implementation meets exactly or far inside:
+they cannot flake.
+"""
+import json
+import threading
+import time
+from collections import Counter
+
+import pytest
+import requests
+
+from conftest import REPO, TSCALE
+
+FIXTURES = REPO / "tests" / "fixtures"
+MLP = (FIXTURES / "mlp.pt").read_bytes()
+CONFIG = {"input": {"shape": [4], "dtype": "float32"}}
+ROW = [[0.5, -1.0, 2.0, 0.25]]
+
+
+def deploy(srv, name="m", make_default="true"):
+    r = srv.request("POST", f"/models/{name}/versions",
+                    data={"config": json.dumps(CONFIG), "make_default": make_default},
+                    files={"checkpoint": ("model.pt", MLP, "application/octet-stream")},
+                    timeout=30 * TSCALE)
+    assert r.status_code == 201, r.text
+    return r.json()["version"]
+
+
+def patch(srv, body, name="m"):
+    return srv.request("PATCH", f"/models/{name}", json=body, timeout=30 * TSCALE)
+
+
+def answered_by(resp):
+    assert resp.status_code == 200, resp.text
+    return int(resp.headers["X-Model-Version"])
+
+
+def predict(srv, name="m", session=None, headers=None):
+    return answered_by((session or requests).post(f"{srv.url}/models/{name}/predict", json=ROW,
+                                                  headers=headers or {}, timeout=30 * TSCALE))
+
+
+def three_versions(srv):
+    for _ in range(3):
+        deploy(srv)
+    return srv
+
+
+def poll(fn, what, timeout=30.0):
+    deadline = time.monotonic() + timeout * TSCALE
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def binomial_ok(k, n, p, sigmas=5.0):
+    mean = n * p
+    sd = (n * p * (1 - p)) ** 0.5
+    return abs(k - mean) <= sigmas * sd
+
+
+def routed(srv, name="m"):
+    out = {}
+    for line in srv.get("/metrics").text.splitlines():
+        if line.startswith("modeld_traffic_routed_total{") and f'model="{name}"' in line:
+            v = int(line.split('version="')[1].split('"')[0])
+            out[v] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def test_a_90_10_split_sends_each_version_its_share(start_server):
+    srv = three_versions(start_server())
+    r = patch(srv, {"traffic": {"1": 90, "2": 10}})
+    assert r.status_code == 200, r.text
+    assert r.json()["traffic"] == {"1": 90, "2": 10} and r.json()["default_version"] == 3
+    counts = Counter()
+    lock = threading.Lock()
+
+    def client():
+        s = requests.Session()
+        for _ in range(500):
+            v = predict(srv, session=s)
+            with lock:
+                counts[v] += 1
+
+    ts = [threading.Thread(target=client) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(300)
+    assert sum(counts.values()) == 2000, counts
+    assert set(counts) == {1, 2}, counts  # never the default (3) while a split stands
+    assert binomial_ok(counts[2], 2000, 0.10), counts
+    assert routed(srv) == {1: counts[1], 2: counts[2]}
+    # the answers themselves are the model's (both versions hold the same bytes)
+    body = requests.post(f"{srv.url}/models/m/predict", json=ROW, timeout=30).json()
+    assert len(body["predictions"]) == 1
+
+
+def test_every_unversioned_dialect_follows_the_split(start_server):
+    srv = three_versions(start_server())
+    assert patch(srv, {"traffic": {"2": 100}}).status_code == 200
+    s = requests.Session()
+    assert predict(srv, session=s) == 2
+    assert answered_by(s.post(f"{srv.url}/predict", json=ROW, timeout=30)) == 2
+    assert answered_by(s.post(f"{srv.url}/predictions/m", json=ROW, timeout=30)) == 2
+    v1 = s.post(f"{srv.url}/v1/models/m:predict", json={"instances": ROW}, timeout=30)
+    assert answered_by(v1) == 2
+    v2 = s.post(f"{srv.url}/v2/models/m/infer", json={"inputs": [
+        {"name": "input", "shape": [1, 4], "datatype": "FP32", "data": ROW}]}, timeout=30)
+    assert answered_by(v2) == 2 and v2.json()["model_version"] == "2"
+
+
+def test_a_request_naming_a_version_is_never_rerouted(start_server):
+    srv = three_versions(start_server())
+    assert patch(srv, {"traffic": {"2": 100}}).status_code == 200
+    s = requests.Session()
+    for v in (1, 3):
+        for _ in range(20):
+            r = s.post(f"{srv.url}/models/m/versions/{v}/predict", json=ROW, timeout=30)
+            assert answered_by(r) == v
+        r = s.post(f"{srv.url}/v2/models/m/versions/{v}/infer", json={"inputs": [
+            {"name": "input", "shape": [1, 4], "datatype": "FP32", "data": ROW}]}, timeout=30)
+        assert answered_by(r) == v
+    assert routed(srv) == {2: 0}
+
+
+def test_a_sticky_header_keeps_each_user_on_one_version(start_server, tmp_path):
+    store = tmp_path / "shared"
+    a = start_server(store=store)
+    three_versions(a)
+    b = start_server(store=store)
+    r = patch(a, {"traffic": {"1": 90, "3": 10}, "sticky_header": "X-User-Id"})
+    assert r.status_code == 200, r.text
+    assert r.json()["sticky_header"] == "X-User-Id"
+    poll(lambda: predict(b) in (1, 3) and b.get("/models/m").json()["traffic"],
+         "replica b follows the split")
+    sa, sb = requests.Session(), requests.Session()
+    users = {}
+    for i in range(300):
+        uid = f"user-{i}"
+        seen = {predict(a, session=sa, headers={"X-User-Id": uid}) for _ in range(3)}
+        assert len(seen) == 1, (uid, seen)
+        users[uid] = seen.pop()
+    on_3 = sum(1 for v in users.values() if v == 3)
+    assert binomial_ok(on_3, 300, 0.10), on_3
+    # the same value lands on the same version on the other replica
+    poll(lambda: all(predict(b, session=sb, headers={"X-User-Id": u}) == v
+                     for u, v in list(users.items())[:50]), "replica b routes users alike")
+    # without the header, the split applies as to anyone
+    assert {predict(a, session=sa) for _ in range(100)} == {1, 3}
+
+
+def test_traffic_null_returns_to_the_default(start_server):
+    srv = three_versions(start_server())
+    assert patch(srv, {"traffic": {"1": 50, "2": 50}, "sticky_header": "X-User"}).status_code \
+        == 200
+    assert {predict(srv) for _ in range(10)} == {1, 2}
+    r = patch(srv, {"traffic": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["traffic"] is None and r.json()["sticky_header"] is None
+    assert {predict(srv) for _ in range(10)} == {3}
+    assert srv.get("/models/m").json()["traffic"] is None
+
+
+@pytest.mark.parametrize("body, status, code", [
+    ({"traffic": {"1": 50, "2": 40}}, 400, "invalid_traffic"),
+    ({"traffic": {"1": 90, "2": 20}}, 400, "invalid_traffic"),
+    ({"traffic": {"one": 100}}, 400, "invalid_traffic"),
+    ({"traffic": {"01": 100}}, 400, "invalid_traffic"),
+    ({"traffic": {"1": -10, "2": 110}}, 400, "invalid_traffic"),
+    ({"traffic": {"1": 50.5, "2": 49.5}}, 400, "invalid_traffic"),
+    ({"traffic": {}}, 400, "invalid_traffic"),
+    ({"traffic": [1, 2]}, 400, "invalid_traffic"),
+    ({"traffic": {str(v): (100 if v == 1 else 0) for v in range(1, 18)}}, 400, "invalid_traffic"),
+    ({"traffic": {"1": 50, "9": 50}}, 404, "version_not_found"),
+    ({"traffic": {"1": 100}, "sticky_header": "X User"}, 400, "invalid_traffic"),
+    ({"traffic": {"1": 100}, "sticky_header": 7}, 400, "invalid_traffic"),
+    ({"traffic": {"1": 100}, "weights": 7}, 400, "unknown_field"),
+])
+def test_a_bad_split_is_refused_and_changes_nothing(start_server, body, status, code):
+    srv = three_versions(start_server())
+    assert patch(srv, {"traffic": {"2": 100}}).status_code == 200
+    before = srv.get("/models/m").json()
+    r = patch(srv, body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code, r.text
+    assert r.json()["error"]["message"]
+    after = srv.get("/models/m").json()
+    assert after["traffic"] == before["traffic"] == {"2": 100}
+    assert after["sticky_header"] is None
+    assert {predict(srv) for _ in range(5)} == {2}
+    assert patch(srv, {"traffic": {"1": 100}}, name="nope").status_code == 404
+
+
+def test_a_version_with_a_share_is_kept(start_server):
+    srv = three_versions(start_server())
+    assert patch(srv, {"traffic": {"1": 10, "3": 90}}).status_code == 200
+    r = srv.request("DELETE", "/models/m/versions/1")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "version_in_traffic", r.text
+    # retention keeps it too, while removing what has no share
+    r = patch(srv, {"retention": {"keep_last": 1}})
+    assert r.status_code == 200, r.text
+    assert [v["version"] for v in r.json()["versions"]] == [1, 3]
+    assert {predict(srv) for _ in range(20)} == {1, 3}
+    # a share of 0 is no share
+    assert patch(srv, {"traffic": {"1": 0, "3": 100}}).status_code == 200
+    assert srv.request("DELETE", "/models/m/versions/1").status_code == 200
+
+
+def test_the_split_survives_a_restart(start_server, tmp_path):
+    store = tmp_path / "store"
+    a = start_server(store=store)
+    three_versions(a)
+    assert patch(a, {"traffic": {"1": 20, "2": 80}}).status_code == 200
+    a.stop()
+    b = start_server(store=store)
+    counts = Counter(predict(b) for _ in range(100))
+    assert counts == {1: 20, 2: 80}, counts  # 100 in a row cover the 100 slots once
+    assert b.get("/models/m").json()["traffic"] == {"1": 20, "2": 80}
+
+
+def test_a_second_replica_follows_a_change(start_server, tmp_path):
+    store = tmp_path / "shared"
+    a = start_server(store=store)
+    three_versions(a)
+    b = start_server(store=store)
+    assert predict(b) == 3
+    assert patch(a, {"traffic": {"1": 100}}).status_code == 200
+    poll(lambda: predict(b) == 1, "replica b sends its unversioned requests to version 1")
+    assert patch(a, {"traffic": None}).status_code == 200
+    poll(lambda: predict(b) == 3, "replica b returns to the default")
+    # deleting the model drops its split on both
+    assert a.request("DELETE", "/models/m").status_code == 200
+    poll(lambda: requests.post(f"{b.url}/models/m/predict", json=ROW, timeout=30).status_code
+         == 404, "replica b forgets the model")
