@@ -651,6 +651,28 @@ static int on_listed(void *ctx, const char *key, long long age_s)
     return 1;
 }
 
+/* Live keys of bytes no row names (a collection whose transaction failed:
+ * the index was down) are marked too, in a write transaction, so that no
+ * object is kept forever. */
+static void mark_unnamed(md_store *s)
+{
+    md_err err;
+    pthread_mutex_lock(&s->mu);
+    md_status rc = txn_begin(s, &err);
+    if (rc == MD_OK) {
+        rc = exec(s,
+                  "UPDATE blob_keys SET state = 'deleting' WHERE state = 'live' AND NOT EXISTS "
+                  "(SELECT 1 FROM versions WHERE versions.sha256 = blob_keys.sha256 OR "
+                  "versions.arch_sha256 = blob_keys.sha256) AND NOT EXISTS (SELECT 1 FROM "
+                  "models WHERE models.arch_sha256 = blob_keys.sha256)",
+                  &err);
+        rc = txn_end(s, rc, TXN_KEEP, &err);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (rc != MD_OK)
+        md_log(MD_LOG_WARN, "store: marking unnamed objects skipped: %s", err.msg);
+}
+
 static void *gc_main(void *arg)
 {
     md_store *s = arg;
@@ -661,6 +683,9 @@ static void *gc_main(void *arg)
         while (collect_marked(s) == 64)
             ;
         if (time(NULL) >= next_sweep) {
+            mark_unnamed(s);
+            while (collect_marked(s) == 64)
+                ;
             orphan_scan o = {s, orphan_grace_s(), 0};
             md_err err;
             if (bl_list(s->blobs, on_listed, &o, &err) != MD_OK)
