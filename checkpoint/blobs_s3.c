@@ -59,6 +59,14 @@ typedef struct md_blobs_s3 {
 
 #define S3B(b) ((md_blobs_s3 *)(b))
 
+/* S3 unreachable is the one failure a client should retry: named so. */
+static md_status coded(md_status st, md_err *err)
+{
+    if (st == MD_EUNAVAIL && err)
+        snprintf(err->code, sizeof err->code, "s3_unavailable");
+    return st;
+}
+
 static md_status s3b_open(const md_blobs_args *args, md_blobs **out, md_err *err)
 {
     md_s3_config cfg;
@@ -118,7 +126,7 @@ static md_status s3b_put(md_blobs *base, const char *sha256, const char *path, c
     /* on failure the key stays: the PUT may still land (a stalled server
      * that goes on), so the caller's abort tries a delete; the orphan sweep
      * deletes it otherwise */
-    return md_s3_put_file_sha256(S3B(base)->s3, key, path, sha256, err);
+    return coded(md_s3_put_file_sha256(S3B(base)->s3, key, path, sha256, err), err);
 }
 
 /* ---- the cache ---- */
@@ -261,7 +269,7 @@ static md_status download(md_blobs_s3 *b, const char *sha256, const char *key, c
         return md_err_set(err, MD_EIO, "store %s: cannot create a temp file in tmp/: %s", b->dir,
                           strerror(errno));
     md_s3_object info;
-    md_status st = md_s3_get_fd(b->s3, key, fd, &info, err);
+    md_status st = coded(md_s3_get_fd(b->s3, key, fd, &info, err), err);
     char got[65] = "";
     if (st == MD_OK && hash_fd(fd, got) != 0)
         st = md_err_set(err, MD_EIO, "store %s: cannot read back the downloaded %s: %s", b->dir,

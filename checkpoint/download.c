@@ -489,6 +489,10 @@ static md_status fetch_s3(md_store *store, const char *url, const md_fetch_opts 
     if (st == MD_OK)
         st = md_blob_adopt(w, err);
     md_s3_close(s3);
+    if (st == MD_EUNAVAIL)
+        snprintf(err->code, sizeof err->code, "s3_unavailable");
+    else if (st == MD_ENOTFOUND)
+        snprintf(err->code, sizeof err->code, "source_not_found");
     if (st != MD_OK) {
         md_blob_abort(w);
         return st;

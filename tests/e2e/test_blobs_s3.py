@@ -297,7 +297,7 @@ def test_an_s3_source_put_by_boto3_deploys_only_under_allowed_s3(start_server, s
     assert r.status_code == 400 and code(r) == "sha256_mismatch", r.text
     r = srv.request("POST", "/models", json={"name": "p", "source": f"s3://{s3.bucket}/models/"
                                              "missing.pt"}, timeout=60)
-    assert r.status_code == 404, r.text
+    assert r.status_code == 404 and code(r) == "source_not_found", r.text
     assert srv.get("/models/p").status_code == 404
 
     # not allowed at all without allowed_s3
@@ -326,8 +326,9 @@ def test_s3_stalled_a_deploy_answers_503_and_stores_nothing(start_server, s3):
     os.kill(s3.pid, signal.SIGSTOP)
     try:
         r = upload(srv, "m", data=CNN, config=CNN_CONFIG)
-        assert r.status_code == 503, r.text
+        assert r.status_code == 503 and code(r) == "s3_unavailable", r.text
         assert "Retry-After" in r.headers
+        assert s3.secret not in r.text and s3.secret not in srv.stderr
         m = srv.get("/models/m").json()
         assert [v["version"] for v in m["versions"]] == [1], m
         # the cached, loaded version keeps serving
