@@ -266,6 +266,42 @@ def test_cache_max_bytes_evicts_the_least_recently_used(start_server, s3):
     assert "evicted" in srv.stderr
 
 
+def test_architectures_state_dicts_and_averages_live_in_s3(start_server, s3, tmp_path):
+    ck = FIXTURES / "ckpt"
+    arch, sd, sft = (ck / "mlp_arch.pt").read_bytes(), (ck / "mlp_sd.pt").read_bytes(), \
+        (ck / "mlp.safetensors").read_bytes()
+    srv = s3_start(start_server, s3)
+    r = srv.request("PUT", "/models/t/architecture", data=arch, timeout=60)
+    assert r.status_code == 200, r.text
+    created(upload(srv, "t", data=sd, config={"input": {"shape": [4]}}))
+    created(upload(srv, "t", data=sft))
+    avg = created(srv.request("POST", "/models/t/versions", json={
+        "average": {"versions": [1, 2]}, "make_default": False}, timeout=60))
+    keys = objects(s3)
+    for b in (arch, sd, sft):
+        assert any(sha(b) in k for k in keys), (sha(b), keys)
+    assert any(avg["sha256"] in k for k in keys), keys
+    want = predict(srv, "t").json()["predictions"]
+    store = srv.store
+    srv.stop()
+    for name in cache_files(store):
+        (store / "blobs" / name).unlink()
+    # an empty cache: every file comes back from S3 when it is needed
+    srv = s3_start(start_server, s3, store=store)
+    r = predict(srv, "t")
+    assert r.status_code == 200 and r.json()["predictions"] == want, r.text
+    r = srv.request("POST", f"/models/t/versions/{avg['version']}/predict", json=MLP_IN,
+                    timeout=60)
+    assert r.status_code == 200, r.text
+    r = srv.get("/models/t/versions/1/checkpoint", timeout=60)
+    assert r.status_code == 200 and r.content == sd
+    r = srv.get("/models/t/versions/1/checkpoint?format=safetensors", timeout=60)
+    assert r.status_code == 200 and r.content[:8], r.text
+    r = srv.get("/models/t/architecture", timeout=60)
+    assert r.status_code == 200, r.text
+    assert_cache_whole(store)
+
+
 # ------------------------------------------------------------ s3:// sources
 
 
