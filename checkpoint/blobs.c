@@ -540,13 +540,24 @@ int md_blob_stored_locked(md_store *s, const char *sha)
     return found;
 }
 
+static md_status fetch_by_key(md_store *s, const char *sha, md_err *err);
+
 md_status md_store_blob_fetch(md_store *s, const char *sha, char *path, size_t size, md_err *err)
 {
     blob_path(s, sha, path, size);
     /* cached first: the index is not asked for a file this replica has */
     md_status st = bl_fetch(s->blobs, sha, NULL, err);
-    if (st != MD_ENOTFOUND || !bl_remote(s->blobs))
-        return st;
+    if (st == MD_ENOTFOUND && bl_remote(s->blobs))
+        st = fetch_by_key(s, sha, err);
+    if (st == MD_ENOTFOUND)
+        bl_pin(s->blobs, sha, 1); /* so that every MD_OK or MD_ENOTFOUND pairs with a release */
+    return st;
+}
+
+/* The blob is not cached: download it from the object a live key names. */
+static md_status fetch_by_key(md_store *s, const char *sha, md_err *err)
+{
+    md_status st = MD_OK;
     char key[MD_BLOB_KEY_MAX] = "";
     pthread_mutex_lock(&s->mu);
     md_ixstmt *q = prep(s, "SELECT key FROM blob_keys WHERE sha256 = ?1 AND state = 'live' "

@@ -129,8 +129,10 @@ void md_store_sha_path(const md_store *store, const char *sha256, char *out, siz
  * (checked by sha256 before it gets its name). MD_OK: the file is readable
  * and pinned (never evicted) until md_store_blob_release; MD_ENOTFOUND: no
  * such bytes are stored; MD_EUNAVAIL: S3 (or the index) cannot be reached
- * now, retry later; MD_EIO: the object's bytes are not those. Blocks on the
- * network: never on a libmicrohttpd thread. Thread-safe. */
+ * now, retry later; MD_EIO: the object's bytes are not those. Every MD_OK
+ * and MD_ENOTFOUND pairs with one md_store_blob_release; the other
+ * statuses pin nothing. Blocks on the network: never on a libmicrohttpd
+ * thread. Thread-safe. */
 md_status md_store_blob_fetch(md_store *store, const char *sha256, char *path, size_t size,
                               md_err *err);
 /* The caller of a successful md_store_blob_fetch is done reading the file

@@ -432,6 +432,16 @@ static md_status s3_source_check(const char *url, const md_fetch_opts *o, char *
                            "source %.200s names no object; give s3://BUCKET/KEY of the "
                            "checkpoint file",
                            url);
+    /* S3 keys are literal, but not every S3-compatible server keeps "." and
+     * ".." segments so: the allow-list must see the key the server reads */
+    for (const char *seg = key; seg; seg = strchr(seg, '/') ? strchr(seg, '/') + 1 : NULL) {
+        size_t n = strcspn(seg, "/");
+        if ((n == 1 && seg[0] == '.') || (n == 2 && seg[0] == '.' && seg[1] == '.') || n == 0)
+            return md_err_setc(err, MD_EINVAL, "invalid_source",
+                               "source %.200s: a key with an empty, \".\" or \"..\" segment "
+                               "is not accepted; name the object without them",
+                               url);
+    }
     if (!o->allowed_s3 || o->allowed_s3->count == 0)
         return md_err_setc(err, MD_EFORBIDDEN, "source_not_allowed",
                            "source %.200s: s3:// sources are disabled; set allowed_s3 to the "

@@ -298,6 +298,7 @@ static md_model *load_version(md_app *app, json_t *v, long long *reserved, md_er
     /* blobs in S3: fetched into the cache first; S3 unreachable now is
      * MD_EUNAVAIL, which passes: it never marks the version failed */
     md_status st = md_app_blob(app, sha, path, sizeof path, err);
+    int pinned = st == MD_OK;
     if (st == MD_EUNAVAIL) {
         md_log(MD_LOG_WARN, "model %s version %d cannot be loaded now: %s", name, version,
                err->msg);
@@ -315,7 +316,8 @@ static md_model *load_version(md_app *app, json_t *v, long long *reserved, md_er
                          name, version, json_string_value(json_object_get(v, "sha256")));
     else
         st = load_stored_weights(app, v, path, &m, reserved, err);
-    md_app_blob_done(app, sha);
+    if (pinned)
+        md_app_blob_done(app, sha);
     /* no room under max_loaded_bytes says nothing about the version */
     if (st != MD_EBUSY && st != MD_EUNAVAIL && !over_budget(err))
         md_store_set_state(app->store, name, version, st == MD_OK ? "ready" : "failed",

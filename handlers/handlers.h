@@ -183,7 +183,9 @@ md_status md_app_load_file(md_app *app, const char *name, int version, const cha
  * when the file is there or no such bytes are stored (the caller's own check
  * of the file names what is missing); MD_EUNAVAIL when S3 or the index
  * cannot be reached now (503), MD_EIO when the object's bytes are wrong.
- * Pair every MD_OK with md_app_blob_done once the file is open or read.
+ * Pair every MD_OK (also the one for missing bytes) with one
+ * md_app_blob_done once the file is open or read; other statuses pin
+ * nothing.
  * Blocks on the network: deferred threads only. Thread-safe. */
 md_status md_app_blob(md_app *app, const char *sha, char *path, size_t size, md_err *err);
 void md_app_blob_done(md_app *app, const char *sha);

@@ -325,6 +325,10 @@ def test_an_s3_source_put_by_boto3_deploys_only_under_allowed_s3(start_server, s
                                              "model.pt"})
     assert r.status_code == 403 and code(r) == "source_not_allowed", r.text
     assert "allowed_s3" in r.json()["error"]["message"]
+    # no way out of the allowed prefix through ".." (or "." or "//")
+    for key in ("models/../private/model.pt", "models/./x.pt", "models//x.pt"):
+        r = srv.request("POST", "/models", json={"name": "p", "source": f"s3://{s3.bucket}/{key}"})
+        assert r.status_code == 400 and code(r) == "invalid_source", (key, r.text)
     # a prefix matches at a '/' boundary only
     r = srv.request("POST", "/models", json={"name": "p", "source": f"s3://{s3.bucket}/models2/"
                                              "x.pt"})
