@@ -8,7 +8,9 @@
  * after their blob is in place, in one transaction, so a committed row always
  * has its file. A blob is unlinked only when no row references it. At open,
  * stale temp files and blobs no row references are swept, and rows whose blob
- * is missing are marked failed.
+ * is missing are marked failed. With blob_url (md_store_open_opts) the
+ * bytes live in S3 and blobs/ is this replica's cache of them: see
+ * md_store_blob_fetch.
  *
  * Thread safety: every md_store_* function is safe to call from any thread
  * (one mutex serialises use of the SQLite connection). An md_blob_writer is

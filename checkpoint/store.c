@@ -36,6 +36,16 @@
  * commit: the row is either committed before the collector looks (the blob
  * stays) or the adder looks after the unlink (and puts its own bytes back).
  * Temp files carry their writer's pid and are swept only once it is gone.
+ *
+ * With blob_url = s3://... (blobs_impl.h, blobs_s3.c) the same ordering
+ * holds one level up: step 3 is preceded by a PUT of the finished file to
+ * S3 under a key of its own, recorded in blob_keys by the transaction of
+ * step 4, so a committed row's bytes are always in S3; blobs/ becomes a
+ * cache that is filled on demand (checked by sha256, renamed) and evicted
+ * past cache_max_bytes. Collection marks the keys of bytes no row names in
+ * its transaction; a collector thread deletes each object, then its
+ * blob_keys row; objects no blob_keys row names (a PUT whose transaction
+ * failed) are swept after ORPHAN_GRACE_S.
  */
 #define _GNU_SOURCE
 #include "store_internal.h"
