@@ -43,6 +43,30 @@ long long md_hist_count(const md_hist *h)
     return n;
 }
 
+double md_hist_quantile(const md_hist *h, double q)
+{
+    long long c[MD_HIST_MAX_BUCKETS + 1], total = 0;
+    for (int i = 0; i <= h->n; i++) {
+        c[i] = atomic_load_explicit(&((md_hist *)h)->counts[i], memory_order_relaxed);
+        total += c[i];
+    }
+    if (total == 0)
+        return NAN;
+    double rank = q * (double)total;
+    long long cum = 0;
+    for (int i = 0; i <= h->n; i++) {
+        if (c[i] == 0 || (double)(cum + c[i]) < rank) {
+            cum += c[i];
+            continue;
+        }
+        if (i == h->n)
+            return h->n ? h->bounds[h->n - 1] : NAN;
+        double lo = i ? h->bounds[i - 1] : 0, hi = h->bounds[i];
+        return lo + (hi - lo) * ((rank - (double)cum) / (double)c[i]);
+    }
+    return h->n ? h->bounds[h->n - 1] : NAN;
+}
+
 void md_prom_family(FILE *f, const char *name, const char *type, const char *help)
 {
     fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);

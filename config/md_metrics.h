@@ -41,6 +41,10 @@ void md_hist_init(md_hist *h, const double *bounds, int n);
 void md_hist_observe(md_hist *h, double v);
 /* Observations so far. */
 long long md_hist_count(const md_hist *h);
+/* The q-quantile (0 <= q <= 1) estimated as Prometheus' histogram_quantile
+ * does: linear within the bucket that holds it, the last finite bound for
+ * the +Inf bucket. NAN when nothing was observed. */
+double md_hist_quantile(const md_hist *h, double q);
 
 /* "# HELP name help\n# TYPE name type\n". */
 void md_prom_family(FILE *f, const char *name, const char *type, const char *help);

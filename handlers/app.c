@@ -656,6 +656,7 @@ void md_app_add_residency(md_app *app, json_t *v)
     json_object_set_new(v, "loaded", json_true());
     json_object_set_new(v, "resident_bytes", json_integer(e.resident_bytes));
     json_object_set_new(v, "last_used", json_string(when));
+    json_object_set_new(v, "live", e.live);
 }
 
 /* ---- start-up and the store sync ---- */

@@ -53,7 +53,10 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
 {
     pctx *c = ctx;
     (void)st;
-    if (!out && strcmp(md_err_code(err), "client_closed") == 0) {
+    int closed = !out && strcmp(md_err_code(err), "client_closed") == 0;
+    if (!closed)
+        md_model_note_answer(c->model, out != NULL, md_req_elapsed_s(c->req));
+    if (closed) {
         /* nobody reads this: it records the hang-up (nginx's 499) in the access log */
         md_reply_bytes(c->req, 499, "application/json", NULL, 0);
         finish(c);
@@ -185,6 +188,8 @@ static void submit(md_req *req, md_model *m, md_tensor *t, pctx *c)
     md_req_suspend(req);
     if (md_model_submit_alive(m, t, MD_PRIO_ONLINE, predict_done, client_alive, c, &err) !=
         MD_OK) {
+        if (err.status != MD_EINVAL) /* a full queue, a stopping version: not the client's */
+            md_model_note_answer(m, 0, 0);
         md_reply_error(req, &err);
         finish(c);
     }

@@ -97,6 +97,7 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
     md_hist_init(&m->rows_hist, md_rows_bounds, md_rows_nbounds);
     md_hist_init(&m->wait_hist, md_latency_bounds, md_latency_nbounds);
     md_hist_init(&m->forward_hist, md_latency_bounds, md_latency_nbounds);
+    md_hist_init(&m->live_latency, md_latency_bounds, md_latency_nbounds);
     pthread_mutex_init(&m->mu, NULL);
     pthread_mutex_init(&m->pool_mu, NULL);
     pthread_cond_init(&m->pool_cv, NULL);
@@ -365,6 +366,29 @@ json_t *md_model_labels(const md_model *m) { return m->labels; }
 long long md_model_weight_bytes(const md_model *m)
 {
     return atomic_load(&((md_model *)m)->resident_bytes);
+}
+
+void md_model_note_answer(md_model *m, int ok, double seconds)
+{
+    if (ok) {
+        atomic_fetch_add(&m->live_ok, 1);
+        md_hist_observe(&m->live_latency, seconds);
+    } else {
+        atomic_fetch_add(&m->live_errors, 1);
+    }
+}
+
+json_t *md_model_live(const md_model *m)
+{
+    md_model *mm = (md_model *)m;
+    long long ok = atomic_load(&mm->live_ok), errors = atomic_load(&mm->live_errors);
+    double p50 = md_hist_quantile(&mm->live_latency, 0.5);
+    double p99 = md_hist_quantile(&mm->live_latency, 0.99);
+    return json_pack("{s:I,s:I,s:f,s:o,s:o}", "requests", (json_int_t)(ok + errors), "errors",
+                     (json_int_t)errors, "error_rate",
+                     ok + errors ? (double)errors / (double)(ok + errors) : 0.0, "p50_ms",
+                     isnan(p50) ? json_null() : json_real(p50 * 1e3), "p99_ms",
+                     isnan(p99) ? json_null() : json_real(p99 * 1e3));
 }
 
 long long md_model_resident_bytes(const md_model *m)

@@ -112,6 +112,9 @@ struct md_model {
     md_hist forward_hist;      /* forward time, seconds */
     double load_s;             /* how long the load and test forward took */
     atomic_llong resident_bytes; /* md_model_resident_bytes: set at load */
+    /* live numbers of the online answers (md_model_note_answer) */
+    atomic_llong live_ok, live_errors;
+    md_hist live_latency;        /* seconds from the request's first byte to its answer */
 };
 
 static inline double now_s(void)

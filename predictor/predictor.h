@@ -138,6 +138,15 @@ int md_model_output_logits(const md_model *m);
  * registry's max_loaded_bytes budget counts, so whatever else a version comes
  * to hold for good belongs in it. */
 long long md_model_resident_bytes(const md_model *m);
+/* Count one online answer of this version: `ok` a prediction answered after
+ * `seconds` (from the request's first byte), else an error the version or
+ * the server caused (a failed forward, a timeout, a full queue; not a
+ * client's bad request). Lock-free. */
+void md_model_note_answer(md_model *m, int ok, double seconds);
+/* The live numbers since this version was loaded on this server:
+ * {"requests", "errors", "error_rate", "p50_ms", "p99_ms"} (the latencies
+ * estimated from a histogram, null before the first answer). New reference. */
+json_t *md_model_live(const md_model *m);
 /* Its module's parameters and buffers alone: what it holds whatever the
  * load (the budget refuses a version whose weights alone exceed it; packed
  * copies are optional). */
@@ -356,6 +365,7 @@ typedef struct md_registry_entry {
     int version;
     long long resident_bytes; /* md_model_resident_bytes */
     double last_used;         /* Unix time of its last lookup (or its load) */
+    json_t *live;             /* md_model_live: a new reference the caller owns */
 } md_registry_entry;
 
 /* A new, empty registry with no budget (aborts on OOM: made once at start). */

@@ -248,6 +248,7 @@ int md_registry_info(md_registry *r, const char *name, int version, md_registry_
             out->is_default = e->is_default;
             out->version = md_model_version(e->model);
             out->resident_bytes = md_model_resident_bytes(e->model);
+            out->live = md_model_live(e->model);
             last = e->last_used_ns;
             break;
         }

@@ -360,6 +360,14 @@ const char *md_req_method(md_req *r) { return r->method; }
 const char *md_req_path(md_req *r) { return r->path; }
 const char *md_req_id(md_req *r) { return r->id; }
 
+double md_req_elapsed_s(md_req *r)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)(now.tv_sec - r->start.tv_sec) +
+           (double)(now.tv_nsec - r->start.tv_nsec) / 1e9;
+}
+
 const char *md_req_param(md_req *r, const char *name)
 {
     size_t n = strlen(name);

@@ -224,6 +224,9 @@ void *md_req_app(md_req *req);
 const char *md_req_method(md_req *req);
 const char *md_req_path(md_req *req);
 const char *md_req_id(md_req *req);
+/* Seconds since the request's first byte was read (CLOCK_MONOTONIC); any
+ * thread holding the request. */
+double md_req_elapsed_s(md_req *req);
 /* The route parameter `name` (decoded), or NULL. Borrowed, valid for the
  * request; fixed at routing, so readable from a deferred or worker thread. */
 const char *md_req_param(md_req *req, const char *name);

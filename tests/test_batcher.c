@@ -1624,7 +1624,9 @@ static md_status admit(const char *name, int version, int make_default, int *fak
 static int is_loaded(const char *name, int version)
 {
     md_registry_entry e;
-    return md_registry_info(g_reg, name, version, &e);
+    int loaded = md_registry_info(g_reg, name, version, &e);
+    json_decref(e.live);
+    return loaded;
 }
 
 static void test_registry_budget(void **state)

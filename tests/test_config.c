@@ -16,6 +16,7 @@
 #include <cmocka.h>
 
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -806,6 +807,14 @@ static void test_metrics_histogram(void **state)
                            "x_seconds_sum{model=\"m\"} 12\n"
                            "x_seconds_count{model=\"m\"} 6\n");
     free(t);
+    /* quantiles as histogram_quantile: buckets 3 (<=1), 1 (1..2], 1 (2..4], 1 (+Inf) */
+    assert_true(fabs(md_hist_quantile(&h, 0.5) - 1.0) < 1e-12);   /* rank 3: top of [0,1] */
+    assert_true(fabs(md_hist_quantile(&h, 0.25) - 0.5) < 1e-12);  /* rank 1.5 of 3 in [0,1] */
+    assert_true(fabs(md_hist_quantile(&h, 4.5 / 6) - 3.0) < 1e-12); /* half of (2,4] */
+    assert_true(fabs(md_hist_quantile(&h, 0.99) - 4.0) < 1e-12);  /* +Inf: the last bound */
+    md_hist empty;
+    md_hist_init(&empty, b, 3);
+    assert_true(isnan(md_hist_quantile(&empty, 0.5)));
 }
 
 static void test_metrics_labels_escaped(void **state)

@@ -249,3 +249,34 @@ def test_a_second_replica_follows_a_change(start_server, tmp_path):
     assert a.request("DELETE", "/models/m").status_code == 200
     poll(lambda: requests.post(f"{b.url}/models/m/predict", json=ROW, timeout=30).status_code
          == 404, "replica b forgets the model")
+
+
+def test_a_version_shows_its_live_numbers(start_server):
+    """GET /models/NAME/versions/V: requests, errors (model errors, not a
+    client's bad request), error rate and latency percentiles since the
+    version was loaded here: what a canary is judged by."""
+    srv = start_server()
+    throws = (FIXTURES / "throws.pt").read_bytes()
+    r = srv.request("POST", "/models/t/versions",
+                    data={"config": json.dumps({"input": {"shape": [2]}})},
+                    files={"checkpoint": ("t.pt", throws, "application/octet-stream")},
+                    timeout=30 * TSCALE)
+    assert r.status_code == 201, r.text
+    live = srv.get("/models/t/versions/1").json()["live"]
+    assert live == {"requests": 0, "errors": 0, "error_rate": 0.0, "p50_ms": None,
+                    "p99_ms": None}, live
+    s = requests.Session()
+    for i in range(40):
+        row = [[-1.0, 2.0]] if i % 10 == 0 else [[1.0, 2.0]]  # every tenth one fails
+        r = s.post(f"{srv.url}/models/t/predict", json=row, timeout=30)
+        assert r.status_code == (200 if i % 10 else 422), r.text
+    # a client's mistakes are not the version's
+    assert s.post(f"{srv.url}/models/t/predict", json=[[1.0, 2.0, 3.0]],
+                  timeout=30).status_code == 400
+    assert s.post(f"{srv.url}/models/t/predict", data="[[1,", timeout=30).status_code == 400
+    live = srv.get("/models/t/versions/1").json()["live"]
+    assert live["requests"] == 40 and live["errors"] == 4, live
+    assert live["error_rate"] == pytest.approx(0.1)
+    assert 0 < live["p50_ms"] <= live["p99_ms"], live
+    listed = srv.get("/models/t/versions").json()["versions"][0]
+    assert listed["live"]["requests"] == 40
