@@ -628,6 +628,18 @@ static int collect_marked(md_store *s)
     return done;
 }
 
+/* Whether `key` is one md_blob_upload makes: blobs/<64 hex>/<32 hex>.
+ * Anything else under the prefix is not modeld's to delete. */
+static int own_key(const char *key)
+{
+    if (strncmp(key, "blobs/", 6) != 0 || strlen(key) != 6 + 64 + 1 + 32 || key[70] != '/')
+        return 0;
+    for (int i = 6; key[i]; i++)
+        if (i != 70 && !((key[i] >= '0' && key[i] <= '9') || (key[i] >= 'a' && key[i] <= 'f')))
+            return 0;
+    return 1;
+}
+
 typedef struct orphan_scan {
     md_store *s;
     long grace;
@@ -642,7 +654,7 @@ static int on_listed(void *ctx, const char *key, long long age_s)
     md_store *s = o->s;
     if (__atomic_load_n(&s->gc_stop, __ATOMIC_RELAXED))
         return 1; /* closing */
-    if (age_s < o->grace)
+    if (age_s < o->grace || !own_key(key))
         return 0;
     pthread_mutex_lock(&s->mu);
     md_ixstmt *st = prep(s, "SELECT 1 FROM blob_keys WHERE key = ?1", NULL);

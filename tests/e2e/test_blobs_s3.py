@@ -361,6 +361,8 @@ def test_secrets_never_in_print_config(run_modeld, s3):
 
 
 def test_s3_stalled_a_deploy_answers_503_and_stores_nothing(start_server, s3):
+    # something of the operator's under the prefix: not modeld's to sweep
+    s3.client().put_object(Bucket=s3.bucket, Key=f"{PREFIX}/blobs/README.txt", Body=b"mine")
     srv = s3_start(start_server, s3, env={"MD_TEST_ORPHAN_GRACE_S": "2"})
     created(upload(srv, "m"))
     os.kill(s3.pid, signal.SIGSTOP)
@@ -383,6 +385,7 @@ def test_s3_stalled_a_deploy_answers_503_and_stores_nothing(start_server, s3):
     # no row names, which the orphan sweep deletes after its grace period
     poll(lambda: all(sha(CNN) not in k for k in objects(s3)), "the orphan is swept", 60)
     assert any(sha(MLP) in k for k in objects(s3)), objects(s3)
+    assert f"{PREFIX}/blobs/README.txt" in objects(s3)
 
 
 def test_start_with_s3_unreachable_marks_nothing_failed(start_server, s3):
