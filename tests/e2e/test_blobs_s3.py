@@ -246,6 +246,23 @@ def test_an_empty_cache_downloads_and_a_cut_download_resumes(start_server, s3):
     assert srv.get("/models/m/versions/1").json()["state"] == "ready"
 
 
+def test_an_object_changed_outside_modeld_never_gets_a_final_name(start_server, s3):
+    srv = s3_start(start_server, s3)
+    created(upload(srv, "m"))
+    store = srv.store
+    srv.stop()
+    for name in cache_files(store):
+        (store / "blobs" / name).unlink()
+    key = objects(s3)[0]
+    s3.client().put_object(Bucket=s3.bucket, Key=key, Body=CNN)  # other bytes, same key
+    srv = s3_start(start_server, s3, store=store)
+    assert cache_files(store) == [], "bytes that are not the version's got a final name"
+    assert not [p for p in (store / "tmp").iterdir() if "fetch" in p.name], "a temp file stayed"
+    v = srv.get("/models/m/versions/1").json()
+    assert v["state"] == "failed" and sha(CNN) in v["state_reason"], v
+    assert predict(srv).status_code != 200
+
+
 def test_cache_max_bytes_evicts_the_least_recently_used(start_server, s3):
     srv = s3_start(start_server, s3)
     created(upload(srv, "m"))
