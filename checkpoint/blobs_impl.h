@@ -28,6 +28,7 @@
 #define MD_BLOBS_IMPL_H
 
 #include <stddef.h>
+#include <stdio.h>
 #include <time.h>
 
 #include "../config/md_err.h"
@@ -86,6 +87,8 @@ struct md_blobs_ops {
     /* A cached file is in use (pin != 0) or no longer (pin == 0): a pinned
      * file is never evicted; pins count. */
     void (*pin)(md_blobs *b, const char *sha256, int pin);
+    /* The backend's metric families (Prometheus text) to `f`. */
+    void (*write_metrics)(md_blobs *b, FILE *f);
 };
 
 /* The base every backend's state starts with. */
@@ -130,6 +133,11 @@ static inline md_status bl_remove(md_blobs *b, const char *key, md_err *err)
 static inline md_status bl_list(md_blobs *b, md_blobs_list_fn fn, void *ctx, md_err *err)
 {
     return b->ops->list ? b->ops->list(b, fn, ctx, err) : MD_OK;
+}
+static inline void bl_write_metrics(md_blobs *b, FILE *f)
+{
+    if (b->ops->write_metrics)
+        b->ops->write_metrics(b, f);
 }
 static inline void bl_pin(md_blobs *b, const char *sha, int pin)
 {

@@ -30,11 +30,14 @@
 #include "blobs_impl.h"
 #include "s3.h"
 
+#include "../config/md_metrics.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <openssl/evp.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,6 +58,9 @@ typedef struct md_blobs_s3 {
     pthread_mutex_t mu; /* pins and eviction */
     pin *pins;
     int n_pins, cap_pins;
+    /* metrics */
+    atomic_llong hits, downloads, download_errors, download_bytes, evictions, uploads,
+        upload_errors;
 } md_blobs_s3;
 
 #define S3B(b) ((md_blobs_s3 *)(b))
@@ -126,7 +132,9 @@ static md_status s3b_put(md_blobs *base, const char *sha256, const char *path, c
     /* on failure the key stays: the PUT may still land (a stalled server
      * that goes on), so the caller's abort tries a delete; the orphan sweep
      * deletes it otherwise */
-    return coded(md_s3_put_file_sha256(S3B(base)->s3, key, path, sha256, err), err);
+    md_status st = coded(md_s3_put_file_sha256(S3B(base)->s3, key, path, sha256, err), err);
+    atomic_fetch_add(st == MD_OK ? &S3B(base)->uploads : &S3B(base)->upload_errors, 1);
+    return st;
 }
 
 /* ---- the cache ---- */
@@ -217,6 +225,7 @@ static void evict(md_blobs_s3 *b)
                 continue; /* being read: kept */
             if (unlinkat(dirfd(d), files[i].name, 0) == 0) {
                 total -= files[i].size;
+                atomic_fetch_add(&b->evictions, 1);
                 md_log(MD_LOG_INFO, "blob cache %s: evicted %s (%lld bytes; cache_max_bytes %lld)",
                        path, files[i].name, files[i].size, b->cache_max_bytes);
             }
@@ -270,6 +279,8 @@ static md_status download(md_blobs_s3 *b, const char *sha256, const char *key, c
                           strerror(errno));
     md_s3_object info;
     md_status st = coded(md_s3_get_fd(b->s3, key, fd, &info, err), err);
+    if (st == MD_OK)
+        atomic_fetch_add(&b->download_bytes, (long long)info.size);
     char got[65] = "";
     if (st == MD_OK && hash_fd(fd, got) != 0)
         st = md_err_set(err, MD_EIO, "store %s: cannot read back the downloaded %s: %s", b->dir,
@@ -308,8 +319,10 @@ static md_status s3b_fetch(md_blobs *base, const char *sha256, const char *key, 
     s3b_pin(base, sha256, 1); /* before looking: no eviction between the look and the read */
     /* atime is the cache's recency, set by hand (mounts are relatime) */
     struct timespec times[2] = {{0, UTIME_NOW}, {0, UTIME_OMIT}};
-    if (utimensat(AT_FDCWD, path, times, 0) == 0)
+    if (utimensat(AT_FDCWD, path, times, 0) == 0) {
+        atomic_fetch_add(&b->hits, 1);
         return MD_OK;
+    }
     md_status st;
     if (!key || !key[0])
         st = md_err_setc(err, MD_ENOTFOUND, "checkpoint_missing",
@@ -318,9 +331,12 @@ static md_status s3b_fetch(md_blobs *base, const char *sha256, const char *key, 
     else
         st = download(b, sha256, key, path, err);
     if (st != MD_OK) {
+        if (st != MD_ENOTFOUND || (key && key[0]))
+            atomic_fetch_add(&b->download_errors, 1);
         s3b_pin(base, sha256, 0);
         return st;
     }
+    atomic_fetch_add(&b->downloads, 1);
     evict(b);
     return MD_OK;
 }
@@ -352,6 +368,59 @@ static md_status s3b_list(md_blobs *base, md_blobs_list_fn fn, void *ctx, md_err
     return md_s3_list(S3B(base)->s3, "blobs/", 0, on_object, &l, err);
 }
 
+/* Bytes of the cache's files now (a scan: the cache holds checkpoints, a
+ * few files). */
+static long long cache_bytes(md_blobs_s3 *b)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/blobs", b->dir);
+    DIR *d = opendir(path);
+    long long total = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        struct stat sb;
+        if (strlen(e->d_name) == 64 && fstatat(dirfd(d), e->d_name, &sb, 0) == 0 &&
+            S_ISREG(sb.st_mode))
+            total += (long long)sb.st_size;
+    }
+    if (d)
+        closedir(d);
+    return total;
+}
+
+static void s3b_write_metrics(md_blobs *base, FILE *f)
+{
+    md_blobs_s3 *b = S3B(base);
+    md_prom_family(f, "modeld_blob_cache_bytes", "gauge",
+                   "Bytes of checkpoints in this replica's cache of the S3 blobs.");
+    md_prom_sample(f, "modeld_blob_cache_bytes", "", (double)cache_bytes(b));
+    md_prom_family(f, "modeld_blob_cache_max_bytes", "gauge",
+                   "cache_max_bytes: the cache's bound (0 = none).");
+    md_prom_sample(f, "modeld_blob_cache_max_bytes", "", (double)b->cache_max_bytes);
+    md_prom_family(f, "modeld_blob_fetches_total", "counter",
+                   "Checkpoints asked of the cache: found there (hit), downloaded from S3, or "
+                   "not fetched (error: S3 unreachable, the object missing or changed).");
+    md_prom_sample(f, "modeld_blob_fetches_total", "result=\"hit\"",
+                   (double)atomic_load(&b->hits));
+    md_prom_sample(f, "modeld_blob_fetches_total", "result=\"download\"",
+                   (double)atomic_load(&b->downloads));
+    md_prom_sample(f, "modeld_blob_fetches_total", "result=\"error\"",
+                   (double)atomic_load(&b->download_errors));
+    md_prom_family(f, "modeld_blob_download_bytes_total", "counter",
+                   "Bytes downloaded from S3 into the cache.");
+    md_prom_sample(f, "modeld_blob_download_bytes_total", "",
+                   (double)atomic_load(&b->download_bytes));
+    md_prom_family(f, "modeld_blob_evictions_total", "counter",
+                   "Cached checkpoints evicted to stay under cache_max_bytes.");
+    md_prom_sample(f, "modeld_blob_evictions_total", "", (double)atomic_load(&b->evictions));
+    md_prom_family(f, "modeld_blob_uploads_total", "counter",
+                   "Checkpoints put in S3 (ok), or not (error: nothing was stored).");
+    md_prom_sample(f, "modeld_blob_uploads_total", "result=\"ok\"",
+                   (double)atomic_load(&b->uploads));
+    md_prom_sample(f, "modeld_blob_uploads_total", "result=\"error\"",
+                   (double)atomic_load(&b->upload_errors));
+}
+
 const md_blobs_ops md_blobs_s3_ops = {
     .name = "s3",
     .open = s3b_open,
@@ -361,4 +430,5 @@ const md_blobs_ops md_blobs_s3_ops = {
     .remove = s3b_remove,
     .list = s3b_list,
     .pin = s3b_pin,
+    .write_metrics = s3b_write_metrics,
 };

@@ -888,4 +888,5 @@ void md_store_write_metrics(md_store *s, FILE *f)
                    "Bytes of the versions' checkpoints (a blob shared by versions counts for "
                    "each).");
     md_prom_sample(f, "modeld_store_version_bytes", "", (double)bytes);
+    bl_write_metrics(s->blobs, f); /* S3: the cache's */
 }

@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -116,6 +117,14 @@ def assert_cache_whole(store):
     """Every file under a final name in the cache holds the bytes it names."""
     for name in cache_files(store):
         assert sha((store / "blobs" / name).read_bytes()) == name, f"blobs/{name} is not whole"
+
+
+def metric(text, sample):
+    """The value of one sample line (`name` or `name{labels}`) of /metrics."""
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    pytest.fail(f"no sample {sample} in /metrics")
 
 
 def harness_stats(s3):
@@ -281,6 +290,16 @@ def test_cache_max_bytes_evicts_the_least_recently_used(start_server, s3):
     assert sum((store / "blobs" / f).stat().st_size for f in files) <= bound
     assert_cache_whole(store)
     assert "evicted" in srv.stderr
+    text = srv.get("/metrics").text
+    assert metric(text, "modeld_blob_evictions_total") >= 1, text
+    assert metric(text, 'modeld_blob_fetches_total{result="download"}') == 2, text
+    assert metric(text, "modeld_blob_cache_bytes") <= bound
+    assert metric(text, "modeld_blob_cache_max_bytes") == bound
+    promtool = os.environ.get("PROMTOOL")
+    if promtool:
+        p = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 0, p.stdout + p.stderr
 
 
 def test_architectures_state_dicts_and_averages_live_in_s3(start_server, s3, tmp_path):
