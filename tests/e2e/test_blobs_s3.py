@@ -222,6 +222,12 @@ def test_a_deploy_puts_the_bytes_in_s3_and_a_delete_takes_them_away(start_server
     r = predict(srv)
     assert r.status_code == 200 and r.json()["version"] == 1, r.text
 
+    # a deploy refused at its commit (an explicit duplicate number) took its
+    # object away again before answering
+    r = upload(srv, "m", data=CNN, config=CNN_CONFIG, version="1")
+    assert r.status_code == 409 and code(r) == "version_exists", r.text
+    assert objects(s3) == keys
+
     # the same bytes again: stored once
     created(upload(srv, "m", deploy="false"))
     assert objects(s3) == keys
@@ -481,3 +487,31 @@ def test_two_replicas_deploy_through_a_predict_through_b(start_server, s3, pg_ur
         assert_cache_whole(tmp_path / "b")
     finally:
         relay.close()
+
+
+def test_two_replicas_deploying_the_same_bytes_at_once_keep_one_object(start_server, s3, pg_url,
+                                                                       tmp_path):
+    env = {"MD_TEST_ORPHAN_GRACE_S": "2"}  # also wakes the collector every second
+    a = s3_start(start_server, s3, "--index-url", pg_url, store=tmp_path / "a", env=env)
+    b = s3_start(start_server, s3, "--index-url", pg_url, store=tmp_path / "b", env=env)
+    results = []
+
+    def deploy(srv):
+        for _ in range(3):
+            results.append(upload(srv, "m", deploy="false").status_code)
+
+    threads = [threading.Thread(target=deploy, args=(srv,)) for srv in (a, b, a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120 * TSCALE)
+    assert results == [201] * 12, results
+    m = a.get("/models/m").json()
+    assert sorted(v["version"] for v in m["versions"]) == list(range(1, 13)), m
+    # racing uploads may each have put an object; one stays, the rest go
+    poll(lambda: len(objects(s3)) == 1, "one object for the bytes", 60)
+    assert sha(MLP) in objects(s3)[0]
+    for srv in (a, b):
+        r = srv.request("POST", "/models/m/versions/12/predict", json=MLP_IN, timeout=60)
+        assert r.status_code == 200, r.text
+
