@@ -112,6 +112,9 @@ UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_b
 	test_image test_multipart
 # the S3 client against a loopback listener: AWS's SigV4 examples, failures, resume
 UNIT_TESTS += test_s3
+# the blobs seam's conformance suite: the directory here, S3 under tests/with_s3.sh
+# (tests/e2e/test_blobs_seam.py in make e2e)
+UNIT_TESTS += test_blobs
 # the batcher is tested over a fake backend: the linker seam replaces libtorch calls
 LDFLAGS_test_batcher := -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free \
     -Wl,--wrap=md_torch_replica -Wl,--wrap=md_torch_forward_quiet \
@@ -203,9 +206,10 @@ $(PROMTOOL):
 	    { $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq && apt-get download prometheus; }; } && \
 	  dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb && touch usr/bin/promtool
 
-e2e: $(MODELD) $(PROMTOOL) $(S3RVER) $(BUILD)/tests/test_s3_live
+e2e: $(MODELD) $(PROMTOOL) $(S3RVER) $(BUILD)/tests/test_s3_live $(BUILD)/tests/test_blobs
 	MODELD_BIN=$(CURDIR)/$(MODELD) PROMTOOL=$(CURDIR)/$(PROMTOOL) \
-	  S3_LIVE_BIN=$(CURDIR)/$(BUILD)/tests/test_s3_live $(PYTHON) -m pytest -q tests/e2e \
+	  S3_LIVE_BIN=$(CURDIR)/$(BUILD)/tests/test_s3_live \
+	  BLOBS_TEST_BIN=$(CURDIR)/$(BUILD)/tests/test_blobs $(PYTHON) -m pytest -q tests/e2e \
 	  $(PYTEST_ARGS)
 
 
