@@ -87,7 +87,7 @@ LIB_C   := config/md_err.c config/md_json.c config/md_metrics.c config/config.c 
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c checkpoint/zipdir.c \
 	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/npy.c predictor/v2.c predictor/batcher.c predictor/model.c predictor/registry.c \
 	jobs/readers.c jobs/scheduler.c jobs/writers.c jobs/job_store.c handlers/app.c handlers/jobs.c \
-	handlers/deploy.c handlers/upload.c handlers/models.c handlers/traffic.c handlers/predict.c handlers/answer.c \
+	handlers/deploy.c handlers/upload.c handlers/models.c handlers/traffic.c handlers/shadow.c handlers/predict.c handlers/answer.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
 ifeq ($(WITH_PG),1)
 LIB_C   += checkpoint/index_pg.c
@@ -124,7 +124,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
 .PHONY: all run test unit unit-pg e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
-	fixtures-check fuzz s3rver s3-live \
+	fixtures-check fuzz s3rver s3-live bench-cluster \
 	cuda-compile-check docker-check image-check deps-image
 
 all: $(MODELD)
@@ -309,6 +309,14 @@ bench: deps
 	$(BUILD)/bench/encode
 	bash bench/run.sh
 	$(PYTHON) bench/memory.py --modeld $(CURDIR)/$(MODELD)
+	$(MAKE) --no-print-directory bench-cluster
+
+# Several hosts (issue 25): single-host and cluster mode (index_url on a
+# throwaway PostgreSQL 15) side by side under the same wrk load, and how fast
+# a change through one replica reaches another (bench/cluster.py).
+bench-cluster: deps
+	$(MAKE) all
+	$(PYTHON) bench/cluster.py --modeld $(CURDIR)/$(MODELD)
 
 clean:
 	rm -rf build build-asan build-tsan build-fuzz modeld

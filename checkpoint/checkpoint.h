@@ -304,14 +304,55 @@ md_status md_retention_check(json_t *retention, md_err *err);
  * percentages summing to 100; null clears) and a sticky header name (an HTTP
  * header name, or null), either may be NULL (not given), without storing. */
 md_status md_traffic_check(json_t *traffic, json_t *sticky_header, md_err *err);
-/* Set the model's traffic split and/or sticky header (each NULL: unchanged;
- * JSON null: cleared; clearing the split clears the header too) in one
- * transaction that checks every named version exists and has not failed.
- * GET /models/NAME shows them as "traffic" and "sticky_header". */
+/* Set the model's traffic split (its 0 shares dropped), sticky header and/or
+ * promote_when policy (each NULL: unchanged; JSON null: cleared; clearing
+ * the split clears the other two) in one transaction that checks every named version exists and
+ * has not failed, and records the change in the history with `note` (NULL:
+ * no record). GET /models/NAME shows them as "traffic", "sticky_header" and
+ * "promote_when". */
 md_status md_store_set_traffic(md_store *store, const char *name, json_t *traffic,
-                               json_t *sticky_header, md_err *err);
-/* Every model with a split: {"NAME": {"traffic": {...}, "sticky_header": "H"|null}}. */
+                               json_t *sticky_header, json_t *promote_when, json_t *note,
+                               md_err *err);
+/* Read only: whether md_store_set_traffic would take `traffic` now (its
+ * shape, the model, each version with a share exists and has not failed),
+ * so a request changing several things can check before it writes. */
+md_status md_store_check_traffic(md_store *store, const char *name, json_t *traffic,
+                                 md_err *err);
+/* Every model with a split: {"NAME": {"traffic": {...}, "sticky_header": "H"|null,
+ * "promote_when": {...}|null}}. */
 md_status md_store_traffic_all(md_store *store, json_t **out, md_err *err);
+
+/* Validate a shadow {"version": N, "percent": 1..100 (default 100)} (null
+ * clears; NULL: not given) without storing it. */
+md_status md_shadow_check(json_t *shadow, md_err *err);
+/* Set (or with JSON null clear) the model's shadow version, checking it
+ * exists and has not failed, and record it in the history with `note`
+ * (NULL: no record), in one transaction. GET /models/NAME shows "shadow". */
+md_status md_store_set_shadow(md_store *store, const char *name, json_t *shadow, json_t *note,
+                              md_err *err);
+/* Validate a promote_when policy {"min_requests": N >= 1, "max_error_rate": 0..1}
+ * (null clears; NULL: not given) without storing it. */
+md_status md_promote_when_check(json_t *policy, md_err *err);
+
+#define MD_HISTORY_MAX 100 /* changes of a model's default and traffic kept */
+
+/* As md_store_set_default, recording the change in the model's history with
+ * `note` ({"by": "api", "reason"?: "...", "request_id"?: "..."}; NULL: no
+ * record) in the same transaction. */
+md_status md_store_set_default_noted(md_store *store, const char *name, int version,
+                                     json_t *note, md_err *err);
+/* A judged canary's outcome, applied only if the model's split is still
+ * `expect` (json_equal; another replica may have acted first: then
+ * MD_ECONFLICT code traffic_changed and nothing changes): `new_default` > 0
+ * becomes the default, the split becomes `new_traffic` (JSON null: none, the
+ * sticky header and promote_when with it), and `note` goes to the history,
+ * in one transaction. */
+md_status md_store_apply_verdict(md_store *store, const char *name, json_t *expect,
+                                 int new_default, json_t *new_traffic, json_t *note,
+                                 md_err *err);
+/* The model's history, oldest first: [{"at", "by", "change", "reason"?,
+ * "request_id"?}]. */
+md_status md_store_history(md_store *store, const char *name, json_t **out, md_err *err);
 
 /* Delete a version; MD_ECONFLICT if it is the default while others exist,
  * unless `force` (then the newest other version becomes default). */

@@ -189,10 +189,9 @@ md_status md_store_apply_retention(md_store *s, const char *name, sha_list *rele
 
     /* rows are newest first: the first keep_last are kept, and every
      * version with a share of the traffic split */
-    json_t *traffic = json_object_get(settings, "traffic");
     for (size_t i = 0; i < n; i++)
         rows[i].keep = rows[i].version == def || rows[i].loading ||
-                       md_traffic_names_version(traffic, rows[i].version) ||
+                       md_settings_route_to(settings, rows[i].version) ||
                        (keep_last > 0 && (json_int_t)i < keep_last);
     json_decref(settings);
     if (keep_best > 0 && metric && n) {

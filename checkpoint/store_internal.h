@@ -197,9 +197,18 @@ void md_blobs_settle(md_store *s, md_status rc, sha_list *released, const char *
 /* ---- model and version rows (versions.c), shared with promotion.c ----
  * All expect s->mu held; those that write expect a write transaction. */
 
+/* Append to the model's history (settings.history, the newest
+ * MD_HISTORY_MAX kept) an entry of `note` ({"by", "reason"?, "request_id"?},
+ * borrowed) with "at" (now) and "change" (borrowed): inside the write
+ * transaction of the change it records (traffic.c). */
+md_status md_history_add_locked(md_store *s, const char *name, json_t *note, json_t *change,
+                                md_err *err);
 /* 1 when the traffic split object `traffic` (settings.traffic, may be NULL)
  * gives `version` a share above 0 (traffic.c). */
 int md_traffic_names_version(json_t *traffic, int version);
+/* 1 when a model's `settings` route requests to `version`: a share of its
+ * split, or its shadow (traffic.c). */
+int md_settings_route_to(json_t *settings, int version);
 /* MD_OK when model `name` has a row; model_not_found (md_model_missing)
  * when it has none; the index's failure (db_fail) when it could not tell. */
 md_status md_model_check(md_store *s, const char *name, md_err *err);

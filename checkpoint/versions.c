@@ -552,6 +552,14 @@ md_status md_store_get_model(md_store *s, const char *name, json_t **out, md_err
                     json_is_string(json_object_get(settings, "sticky_header"))
                         ? json_object_get(settings, "sticky_header")
                         : json_null());
+    json_object_set(m, "promote_when",
+                    json_is_object(json_object_get(settings, "promote_when"))
+                        ? json_object_get(settings, "promote_when")
+                        : json_null());
+    json_object_set(m, "shadow",
+                    json_is_object(json_object_get(settings, "shadow"))
+                        ? json_object_get(settings, "shadow")
+                        : json_null());
     json_decref(settings);
     ix_finalize(st);
     json_t *versions = NULL;
@@ -590,6 +598,12 @@ md_status md_store_list_versions(md_store *s, const char *name, const char *orde
 
 md_status md_store_set_default(md_store *s, const char *name, int version, md_err *err)
 {
+    return md_store_set_default_noted(s, name, version, NULL, err);
+}
+
+md_status md_store_set_default_noted(md_store *s, const char *name, int version, json_t *note,
+                                     md_err *err)
+{
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
     json_t *v = NULL;
@@ -611,6 +625,11 @@ md_status md_store_set_default(md_store *s, const char *name, int version, md_er
     }
     hook(s, "set_default_checked");
     rc = md_set_default_locked(s, name, version, "set default", err);
+    if (rc == MD_OK && note) {
+        json_t *change = json_pack("{s:i}", "default_version", version);
+        rc = md_history_add_locked(s, name, note, change, err);
+        json_decref(change);
+    }
 end:
     rc = txn_end(s, rc, TXN_BUMP, err);
 unlock:
@@ -652,10 +671,11 @@ static md_status refuse_if_in_traffic(md_store *s, const char *name, int version
     json_t *settings = step == MD_IX_ROW ? json_col(st, 0) : NULL;
     md_status rc = step == MD_IX_ERROR ? db_fail(s, err, "read the traffic split") : MD_OK;
     ix_finalize(st);
-    if (rc == MD_OK && md_traffic_names_version(json_object_get(settings, "traffic"), version))
+    if (rc == MD_OK && md_settings_route_to(settings, version))
         rc = md_err_setc(err, MD_ECONFLICT, "version_in_traffic",
-                         "version %d of model %s takes part of its traffic; change the split "
-                         "first (PATCH /models/%s {\"traffic\": ...} or {\"traffic\": null})",
+                         "version %d of model %s takes part of its traffic (a share of the "
+                         "split or the shadow); change them first (PATCH /models/%s "
+                         "{\"traffic\": null} or {\"shadow\": null})",
                          version, name, name);
     json_decref(settings);
     return rc;

@@ -672,16 +672,19 @@ md_status md_app_load_traffic(md_app *app, md_err *err)
     return MD_OK;
 }
 
-void md_app_load_defaults(md_app *app, int (*stop)(void))
+int md_app_load_defaults(md_app *app, int (*stop)(void))
 {
     md_err err;
     json_t *defaults = NULL;
-    if (md_app_load_traffic(app, &err) != MD_OK)
+    int failed = 0;
+    if (md_app_load_traffic(app, &err) != MD_OK) {
         md_log(MD_LOG_ERROR, "cannot read the traffic splits: %s", err.msg);
+        failed = 1;
+    }
     unsigned long seen = current_epoch(); /* before the rows are read */
     if (md_store_defaults(app->store, &defaults, &err) != MD_OK) {
         md_log(MD_LOG_ERROR, "cannot list the deployed models: %s", err.msg);
-        return;
+        return -1;
     }
     size_t i;
     json_t *v;
@@ -708,6 +711,7 @@ void md_app_load_defaults(md_app *app, int (*stop)(void))
         }
     }
     json_decref(defaults);
+    return failed ? -1 : 0;
 }
 
 int md_app_stored_default(md_app *app, const char *name)

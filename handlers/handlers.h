@@ -108,6 +108,7 @@ void md_handle_version_upload(md_req *req);
  * version defer (they may load a version). */
 void md_handle_models_list(md_req *req);
 void md_handle_model_get(md_req *req);
+void md_handle_model_history(md_req *req);
 void md_handle_model_patch(md_req *req);
 void md_handle_model_delete(md_req *req);
 void md_handle_versions_list(md_req *req);
@@ -204,12 +205,14 @@ int md_app_stored_default(md_app *app, const char *name);
 void md_app_forget(md_app *app, const char *name, int version);
 /* At start: load every model's default version into the registry, asking
  * `stop` (may be NULL) between models whether to give up (a stop signal).
+ * Returns -1 when the index could not be read (the splits or the defaults),
+ * else 0.
  * Called by main once, while HTTP threads already serve (through the same
  * slots, so a request for a model being loaded waits for this load). A
  * default that cannot load now (S3 unreachable: MD_EUNAVAIL, or a timeout)
  * sets synced_generation to -1, so the store sync retries it; call it
  * before the poller thread starts. */
-void md_app_load_defaults(md_app *app, int (*stop)(void));
+int md_app_load_defaults(md_app *app, int (*stop)(void));
 /* Converge on changes another process made to a shared store (a deploy, a
  * rollback, a delete): when the store's generation moved, load or switch to
  * every model's stored default and unload versions the store no longer has.
@@ -221,15 +224,39 @@ void md_app_sync(md_app *app);
  * Every function is thread-safe. */
 md_traffic *md_traffic_new(void);
 void md_traffic_free(md_traffic *t);
-/* Set `name`'s split ({"3": 90, "4": 10}, checked by md_traffic_check) and
- * sticky header (NULL: none); traffic NULL or null drops the split. */
-void md_traffic_set(md_traffic *t, const char *name, json_t *traffic, const char *sticky_header);
+/* Set `name`'s split ({"3": 90, "4": 10}, checked by md_traffic_check),
+ * sticky header (NULL: none), promote_when (NULL or null: none) and shadow
+ * ({"version", "percent"}; NULL or null: none); traffic NULL or null drops
+ * the split. Copies what it keeps. */
+void md_traffic_set(md_traffic *t, const char *name, json_t *traffic, const char *sticky_header,
+                    json_t *promote_when, json_t *shadow);
+/* The version to send a copy of an unversioned request answered by
+ * `primary` to (the model's shadow, for its share of the requests), or 0. */
+int md_traffic_shadow(md_traffic *t, const char *name, int primary);
 /* Replace every split with md_store_traffic_all's object. */
 void md_traffic_replace(md_traffic *t, json_t *all);
 /* The version the split of `name` sends an unversioned request to (reading
  * the split's sticky header from `req`), or 0 when it has no split (the
  * default answers). Never blocks on I/O. */
 int md_traffic_pick(md_traffic *t, const char *name, md_req *req);
+/* shadow.c: shadow versions (issue 28). Thread-safe. */
+/* A copy of `in`'s values and shape into `out`; 0 when it cannot be made. */
+int md_shadow_copy(const md_tensor *in, md_tensor *out);
+/* Send `in` (taken) to version `shadow` of `name` at job priority, unless
+ * it is not loaded here or too many copies wait for it (then dropped), and
+ * compare its answer with the primary's `out` (copied) when it comes. */
+void md_shadow_run(md_app *app, const char *name, int primary, int shadow, md_tensor *in,
+                   const float *out, const int64_t *shape, int ndim, double primary_s);
+/* The comparisons of `name`'s pairs: [{"primary", "shadow", "compared",
+ * "rows", "agreement", "max_abs_diff", "errors", "dropped", ...}]. */
+json_t *md_shadow_json(const char *name);
+/* modeld_shadow_* per model, primary and shadow version. */
+void md_shadow_write_metrics(FILE *f);
+void md_handle_model_shadow(md_req *req);
+/* Judge every split with promote_when on this server's live numbers and
+ * promote or roll back its canaries (traffic.c). From main's store poller,
+ * once a second: it writes the store. */
+void md_app_judge_canaries(md_app *app);
 /* modeld_traffic_routed_total, per model and version. */
 void md_traffic_write_metrics(md_traffic *t, FILE *f);
 /* Read every split from the store into app->traffic; a store that cannot

@@ -82,6 +82,7 @@ void md_handle_metrics(md_req *req)
         md_http_write_metrics(app->http, f);
     md_registry_write_metrics(app->registry, f);
     md_traffic_write_metrics(app->traffic, f);
+    md_shadow_write_metrics(f);
     md_store_write_metrics(app->store, f);
     md_jobs_write_metrics(app->store, f);
     if (fclose(f) != 0 || !buf) {

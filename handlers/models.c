@@ -300,10 +300,11 @@ static void model_patch_deferred(md_req *req)
     {
         if (strcmp(key, "default_version") != 0 && strcmp(key, "retention") != 0 &&
             strcmp(key, "promote") != 0 && strcmp(key, "traffic") != 0 &&
-            strcmp(key, "sticky_header") != 0) {
+            strcmp(key, "sticky_header") != 0 && strcmp(key, "promote_when") != 0 &&
+            strcmp(key, "reason") != 0 && strcmp(key, "shadow") != 0) {
             st = md_err_setc(&err, MD_EINVAL, "unknown_field",
                              "unknown key \"%.40s\"; allowed: default_version, retention, "
-                             "promote, traffic, sticky_header",
+                             "promote, traffic, sticky_header, promote_when, shadow, reason",
                              key);
             break;
         }
@@ -313,8 +314,25 @@ static void model_patch_deferred(md_req *req)
     json_t *promote = json_object_get(body, "promote");
     json_t *traffic = json_object_get(body, "traffic");
     json_t *sticky = json_object_get(body, "sticky_header");
+    json_t *when = json_object_get(body, "promote_when");
+    json_t *reason = json_object_get(body, "reason");
+    json_t *shadow = json_object_get(body, "shadow");
+    if (st == MD_OK && shadow)
+        st = md_shadow_check(shadow, &err);
     if (st == MD_OK && (traffic || sticky))
         st = md_traffic_check(traffic, sticky, &err);
+    if (st == MD_OK && when)
+        st = md_promote_when_check(when, &err);
+    if (st == MD_OK && reason &&
+        (!json_is_string(reason) || json_string_length(reason) > 500))
+        st = md_err_setc(&err, MD_EINVAL, "invalid_reason",
+                         "reason must be a string of at most 500 bytes: why the change, for "
+                         "GET /models/%s/history",
+                         name);
+    /* who and why, for the history of the default and the traffic */
+    json_t *note = json_pack("{s:s,s:s}", "by", "api", "request_id", md_req_id(req));
+    if (json_is_string(reason))
+        json_object_set(note, "reason", reason);
     if (st == MD_OK && dv && (!json_is_integer(dv) || json_integer_value(dv) < 1))
         st = md_err_setc(&err, MD_EINVAL, "invalid_version",
                          "default_version must be a positive integer");
@@ -322,30 +340,24 @@ static void model_patch_deferred(md_req *req)
         st = md_retention_check(ret, &err);
     if (st == MD_OK && promote)
         st = md_promote_check(promote, &err);
-    if (st == MD_OK && !dv && !ret && !promote && !traffic && !sticky)
+    if (st == MD_OK && !dv && !ret && !promote && !traffic && !sticky && !when && !shadow)
         st = md_err_setc(&err, MD_EINVAL, "empty_patch",
-                         "nothing to change; give default_version, retention, promote, traffic "
-                         "and/or sticky_header");
-    if (st == MD_OK && dv)
-        st = md_store_set_default(app->store, name, (int)json_integer_value(dv), &err);
-    if (st == MD_OK && dv &&
-        !md_registry_set_default(app->registry, name, (int)json_integer_value(dv))) {
-        /* not loaded yet: load it (once, however many ask), then swap it in */
-        md_model *m = md_app_load_stored(app, name, (int)json_integer_value(dv), 1, &err);
-        if (m)
-            md_model_release(m); /* the registry holds it */
-        else
+                         "nothing to change; give default_version, retention, promote, traffic, "
+                         "sticky_header, promote_when and/or shadow");
+    if (st == MD_OK && json_is_object(shadow)) {
+        /* the shadow version must load too, before anything changes */
+        md_model *m = md_app_load_stored(
+            app, name, (int)json_integer_value(json_object_get(shadow, "version")), 0, &err);
+        if (!m)
             st = err.status;
+        md_model_release(m);
     }
-    if (st == MD_OK && promote)
-        st = md_store_set_promote(app->store, name, promote, &err);
-    if (st == MD_OK && ret) {
-        st = md_store_set_retention(app->store, name, ret, &err);
-        md_app_forget(app, name, 0); /* retention may have deleted versions */
-    }
+    if (st == MD_OK && json_is_object(traffic))
+        st = md_store_check_traffic(app->store, name, traffic, &err);
     if (st == MD_OK && json_is_object(traffic)) {
         /* every version given a share must load (here, once, before any
-         * request is sent to it), or the split is refused as it stands */
+         * request is sent to it), or the split is refused as it stands;
+         * before anything else of the PATCH changes */
         const char *vkey;
         json_t *w;
         json_object_foreach(traffic, vkey, w)
@@ -360,19 +372,75 @@ static void model_patch_deferred(md_req *req)
             md_model_release(m);
         }
     }
-    if (st == MD_OK && (traffic || sticky))
-        st = md_store_set_traffic(app->store, name, traffic, sticky, &err);
+    if (st == MD_OK && dv)
+        st = md_store_set_default_noted(app->store, name, (int)json_integer_value(dv), note,
+                                        &err);
+    if (st == MD_OK && dv &&
+        !md_registry_set_default(app->registry, name, (int)json_integer_value(dv))) {
+        /* not loaded yet: load it (once, however many ask), then swap it in */
+        md_model *m = md_app_load_stored(app, name, (int)json_integer_value(dv), 1, &err);
+        if (m)
+            md_model_release(m); /* the registry holds it */
+        else
+            st = err.status;
+    }
+    if (st == MD_OK && promote)
+        st = md_store_set_promote(app->store, name, promote, &err);
+    if (st == MD_OK && (traffic || sticky || when))
+        st = md_store_set_traffic(app->store, name, traffic, sticky, when, note, &err);
+    if (st == MD_OK && shadow)
+        st = md_store_set_shadow(app->store, name, shadow, note, &err);
+    /* retention last: it keeps the versions the split (new or old) gives a share */
+    if (st == MD_OK && ret) {
+        st = md_store_set_retention(app->store, name, ret, &err);
+        md_app_forget(app, name, 0); /* retention may have deleted versions */
+    }
+    json_decref(note);
     json_decref(body);
     json_t *out = NULL;
     if (st == MD_OK)
         st = md_store_get_model(app->store, name, &out, &err);
-    if (st == MD_OK) /* this replica follows at once; the others at their sync */
+    if (st == MD_OK && (traffic || sticky || when || shadow)) /* here now; others at sync */
         md_traffic_set(app->traffic, name, json_object_get(out, "traffic"),
-                       json_string_value(json_object_get(out, "sticky_header")));
+                       json_string_value(json_object_get(out, "sticky_header")),
+                       json_object_get(out, "promote_when"), json_object_get(out, "shadow"));
     reply_result(req, st, out, &err);
 }
 
 void md_handle_model_patch(md_req *req) { md_req_defer(req, model_patch_deferred); }
+
+static void history_deferred(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    json_t *h = NULL;
+    md_status st = md_store_history(app->store, md_req_param(req, "name"), &h, &err);
+    reply_result(req, st, st == MD_OK ? json_pack("{s:s,s:o}", "model",
+                                                  md_req_param(req, "name"), "history", h)
+                                      : NULL,
+                 &err);
+}
+
+void md_handle_model_history(md_req *req) { md_req_defer(req, history_deferred); }
+
+static void shadow_deferred(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    md_err_clear(&err);
+    const char *name = md_req_param(req, "name");
+    json_t *info = NULL;
+    md_status st = md_store_get_model(app->store, name, &info, &err);
+    json_t *out = NULL;
+    if (st == MD_OK)
+        out = json_pack("{s:s,s:O,s:o}", "model", name, "shadow",
+                        json_object_get(info, "shadow"), "pairs", md_shadow_json(name));
+    json_decref(info);
+    reply_result(req, st, out, &err);
+}
+
+void md_handle_model_shadow(md_req *req) { md_req_defer(req, shadow_deferred); }
 
 typedef struct delete_args {
     int version, force;
@@ -439,7 +507,7 @@ void md_handle_model_delete(md_req *req)
     md_status st = md_store_delete_model(app->store, name, &err);
     if (st == MD_OK) {
         md_app_forget(app, name, 0); /* first: see the version delete */
-        md_traffic_set(app->traffic, name, NULL, NULL);
+        md_traffic_set(app->traffic, name, NULL, NULL, NULL, NULL);
         md_registry_remove(app->registry, name, 0);
     }
     reply_result(req, st, st == MD_OK ? json_pack("{s:{s:s}}", "deleted", "model", name) : NULL,

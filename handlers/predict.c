@@ -37,45 +37,62 @@ typedef struct pctx {
     int v1;         /* answer KServe V1's {"predictions": ...} only */
     char v2_id[128];
     char v2_output[64];
+    int shadow;          /* the shadow version to compare with, 0: none */
+    md_tensor shadow_in; /* the request's copy for it */
 } pctx;
 
 /* ---- answers ---- */
 
 static void finish(pctx *c)
 {
+    md_tensor_free(&c->shadow_in); /* not sent: the primary failed */
     md_req_resume(c->req);
     md_model_release(c->model);
     free(c);
+}
+
+/* After the primary's answer is on its way: its shadow's turn. */
+static void to_shadow(pctx *c, md_app *app, const float *out, const int64_t *shape, int ndim,
+                      double seconds)
+{
+    if (!c->shadow)
+        return;
+    md_tensor in = c->shadow_in;
+    memset(&c->shadow_in, 0, sizeof c->shadow_in);
+    md_shadow_run(app, md_model_name(c->model), md_model_version(c->model), c->shadow, &in, out,
+                  shape, ndim, seconds);
 }
 
 static void predict_done(void *ctx, md_status st, const md_err *err, const float *out,
                          const int64_t *shape, int ndim)
 {
     pctx *c = ctx;
+    md_app *app = md_req_app(c->req);
     (void)st;
-    int closed = !out && strcmp(md_err_code(err), "client_closed") == 0;
-    if (!closed)
-        md_model_note_answer(c->model, out != NULL, md_req_elapsed_s(c->req));
-    if (closed) {
+    if (!out && strcmp(md_err_code(err), "client_closed") == 0) {
         /* nobody reads this: it records the hang-up (nginx's 499) in the access log */
         md_reply_bytes(c->req, 499, "application/json", NULL, 0);
         finish(c);
         return;
     }
+    /* every answer names the version that made it, whatever its body can
+     * say (a traffic split may have chosen it), its errors too */
+    char v[16];
+    snprintf(v, sizeof v, "%d", md_model_version(c->model));
+    md_reply_header(c->req, "X-Model-Version", v);
     if (!out) {
+        md_model_note_answer(c->model, 0, 0);
         md_reply_error(c->req, err);
         finish(c);
         return;
     }
-    /* every answer names the version that made it, whatever its body can
-     * say (a traffic split may have chosen it) */
-    char v[16];
-    snprintf(v, sizeof v, "%d", md_model_version(c->model));
-    md_reply_header(c->req, "X-Model-Version", v);
     if (c->npy) {
         size_t len;
         char *npy = md_npy_encode(out, shape, ndim, &len);
+        double seconds = md_req_elapsed_s(c->req);
+        md_model_note_answer(c->model, 1, seconds);
         md_reply_bytes(c->req, 200, "application/x-npy", npy, len);
+        to_shadow(c, app, out, shape, ndim, seconds);
         finish(c);
         return;
     }
@@ -110,8 +127,14 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
         md_err_setc(&e, MD_ENOMEM, "out_of_memory",
                     "the answer of %lld rows does not fit in memory; send fewer rows a request",
                     ndim > 0 ? (long long)shape[0] : 0LL);
+        md_model_note_answer(c->model, 0, 0);
         md_reply_error(c->req, &e);
-    } else if (c->v2 && c->v2_binary) {
+        finish(c);
+        return;
+    }
+    double seconds = md_req_elapsed_s(c->req);
+    md_model_note_answer(c->model, 1, seconds);
+    if (c->v2 && c->v2_binary) {
         char head[32];
         snprintf(head, sizeof head, "%zu", json_len);
         md_reply_header(c->req, "Inference-Header-Content-Length", head);
@@ -119,6 +142,7 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
     } else {
         md_reply_bytes(c->req, 200, "application/json", body, len);
     }
+    to_shadow(c, app, out, shape, ndim, seconds);
     finish(c);
 }
 
@@ -145,6 +169,7 @@ typedef enum body_kind {
 typedef struct pending {
     char name[256];
     int version;
+    int unversioned; /* the request named no version (a split or a shadow may apply) */
     int v2;
     int top_k;
     int npy;
@@ -188,8 +213,11 @@ static void submit(md_req *req, md_model *m, md_tensor *t, pctx *c)
     md_req_suspend(req);
     if (md_model_submit_alive(m, t, MD_PRIO_ONLINE, predict_done, client_alive, c, &err) !=
         MD_OK) {
-        if (err.status != MD_EINVAL) /* a full queue, a stopping version: not the client's */
+        if (md_status_http(err.status) >= 500) /* a full queue, a stopping version */
             md_model_note_answer(m, 0, 0);
+        char v[16];
+        snprintf(v, sizeof v, "%d", md_model_version(m));
+        md_reply_header(req, "X-Model-Version", v);
         md_reply_error(req, &err);
         finish(c);
     }
@@ -638,6 +666,12 @@ static void go_on(md_req *req, pending *pd, md_model *m, where at)
     c->v1 = pd->v1;
     memcpy(c->v2_id, pd->v2_id, sizeof c->v2_id);
     memcpy(c->v2_output, pd->v2_output, sizeof c->v2_output);
+    if (pd->unversioned) {
+        int sv = md_traffic_shadow(((md_app *)md_req_app(req))->traffic, md_model_name(m),
+                                   md_model_version(m));
+        if (sv && md_shadow_copy(&pd->t, &c->shadow_in))
+            c->shadow = sv;
+    }
     md_tensor t = pd->t;
     submit(req, m, &t, c);
 }
@@ -661,6 +695,7 @@ static void find_and_go(md_req *req, pending *pd)
 {
     md_req_set_state(req, pd, pending_free);
     md_err err;
+    pd->unversioned = pd->version == 0;
     if (pd->version == 0) /* unversioned: the model's traffic split may choose */
         pd->version = md_traffic_pick(((md_app *)md_req_app(req))->traffic, pd->name, req);
     md_model *m = md_app_lookup(md_req_app(req), pd->name, pd->version, &err);

@@ -13,6 +13,8 @@ const md_route md_routes[] = {
     {"POST", "/models", md_handle_models_register, NULL, NULL, MD_AUTH_ADMIN},
     {"GET", "/models/{name}", md_handle_model_get, NULL, NULL, MD_AUTH_READ},
     {"PATCH", "/models/{name}", md_handle_model_patch, NULL, NULL, MD_AUTH_ADMIN},
+    {"GET", "/models/{name}/history", md_handle_model_history, NULL, NULL, MD_AUTH_READ},
+    {"GET", "/models/{name}/shadow", md_handle_model_shadow, NULL, NULL, MD_AUTH_READ},
     {"DELETE", "/models/{name}", md_handle_model_delete, NULL, NULL, MD_AUTH_ADMIN},
     {"GET", "/models/{name}/versions", md_handle_versions_list, NULL,
      "order_by order", MD_AUTH_READ},

@@ -126,6 +126,7 @@ static void *poll_main(void *arg)
         }
         if (now_s() >= next_trim) {
             next_trim = now_s() + 1.0;
+            md_app_judge_canaries(app);
             malloc_trim(0);
         }
     }
@@ -258,7 +259,8 @@ int main(int argc, char **argv)
     /* Serve /healthz and /readyz (503: starting) while the models load. */
     atomic_store(&app.ready, MD_LOADING);
     app.synced_generation = md_store_generation(app.store);
-    md_app_load_defaults(&app, stop_pending);
+    if (md_app_load_defaults(&app, stop_pending) != 0)
+        app.synced_generation = -1; /* the index did not answer: the poller syncs when it does */
     pthread_t poller;
     int polling = pthread_create(&poller, NULL, poll_main, &app) == 0;
     atomic_store(&app.ready, MD_READY);

@@ -1378,18 +1378,18 @@ static void test_traffic_split(void **state)
     long long gen = md_store_generation(s);
     json_t *t = json_loads("{\"1\": 90, \"2\": 10}", 0, NULL);
     json_t *missing = json_loads("{\"1\": 90, \"7\": 10}", 0, NULL);
-    assert_int_equal(md_store_set_traffic(s, "t", missing, NULL, &err), MD_ENOTFOUND);
+    assert_int_equal(md_store_set_traffic(s, "t", missing, NULL, NULL, NULL, &err), MD_ENOTFOUND);
     assert_string_equal(md_err_code(&err), "version_not_found");
-    assert_int_equal(md_store_set_traffic(s, "nope", t, NULL, &err), MD_ENOTFOUND);
+    assert_int_equal(md_store_set_traffic(s, "nope", t, NULL, NULL, NULL, &err), MD_ENOTFOUND);
     assert_string_equal(md_err_code(&err), "model_not_found");
     assert_int_equal(md_store_generation(s), gen); /* nothing changed */
     assert_int_equal(md_store_set_state(s, "t", 2, "failed", "broken", &err), MD_OK);
-    assert_int_equal(md_store_set_traffic(s, "t", t, NULL, &err), MD_ECONFLICT);
+    assert_int_equal(md_store_set_traffic(s, "t", t, NULL, NULL, NULL, &err), MD_ECONFLICT);
     assert_string_equal(md_err_code(&err), "version_failed");
     assert_int_equal(md_store_set_state(s, "t", 2, "ready", NULL, &err), MD_OK);
     gen = md_store_generation(s);
     hdr = json_string("X-User-Id");
-    assert_int_equal(md_store_set_traffic(s, "t", t, hdr, &err), MD_OK);
+    assert_int_equal(md_store_set_traffic(s, "t", t, hdr, NULL, NULL, &err), MD_OK);
     assert_true(md_store_generation(s) > gen); /* replicas see it */
 
     json_t *m = NULL;
@@ -1414,7 +1414,7 @@ static void test_traffic_split(void **state)
 
     /* null clears the split and its header */
     json_t *null = json_null();
-    assert_int_equal(md_store_set_traffic(s, "t", null, NULL, &err), MD_OK);
+    assert_int_equal(md_store_set_traffic(s, "t", null, NULL, NULL, NULL, &err), MD_OK);
     assert_int_equal(md_store_get_model(s, "t", &m, &err), MD_OK);
     assert_true(json_is_null(json_object_get(m, "traffic")));
     assert_true(json_is_null(json_object_get(m, "sticky_header")));
@@ -1423,6 +1423,34 @@ static void test_traffic_split(void **state)
     assert_int_equal(json_object_size(all), 0);
     json_decref(all);
     assert_int_equal(md_store_delete_version(s, "t", 2, 0, &err), MD_OK);
+
+    /* a verdict applies only to the split it judged: one replica acts */
+    json_t *split = json_loads("{\"1\": 50, \"3\": 50}", 0, NULL);
+    json_t *note = json_pack("{s:s,s:s}", "by", "api", "reason", "canary");
+    assert_int_equal(md_store_set_traffic(s, "t", split, NULL, NULL, note, &err), MD_OK);
+    json_t *judge = json_pack("{s:s,s:s}", "by", "promote_when", "reason", "met");
+    assert_int_equal(md_store_apply_verdict(s, "t", t /* not the split */, 1, null, judge, &err),
+                     MD_ECONFLICT);
+    assert_string_equal(md_err_code(&err), "traffic_changed");
+    assert_int_equal(default_version(s, "t"), 3);
+    assert_int_equal(md_store_apply_verdict(s, "t", split, 1, null, judge, &err), MD_OK);
+    assert_int_equal(default_version(s, "t"), 1);
+    assert_int_equal(md_store_apply_verdict(s, "t", split, 1, null, judge, &err), MD_ECONFLICT);
+    json_t *h = NULL;
+    assert_int_equal(md_store_history(s, "t", &h, &err), MD_OK);
+    /* the changes made with a note: the split, then the verdict */
+    assert_int_equal(json_array_size(h), 2);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(h, 0), "reason")),
+                        "canary");
+    json_t *last = json_array_get(h, 1);
+    assert_string_equal(json_string_value(json_object_get(last, "by")), "promote_when");
+    assert_int_equal(json_integer_value(json_object_get(json_object_get(last, "change"),
+                                                        "default_version")),
+                     1);
+    json_decref(h);
+    json_decref(judge);
+    json_decref(note);
+    json_decref(split);
     json_decref(null);
     json_decref(hdr);
     json_decref(t);

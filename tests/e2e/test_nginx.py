@@ -55,10 +55,16 @@ def sub_once(text, old, new):
     return text.replace(old, new)
 
 
-def loopback_conf(tmp, nginx_port, port1, port2):
+def loopback_conf(tmp, nginx_port, *ports):
+    """docker/nginx.conf on loopback: its two upstream servers become one line
+    per replica port in `ports` (two or more), each with the first's parameters."""
     text = NGINX_CONF.read_text()
-    text = sub_once(text, "server modeld-1:8080 ", f"server 127.0.0.1:{port1} ")
-    text = sub_once(text, "server modeld-2:8080 ", f"server 127.0.0.1:{port2} ")
+    first = re.search(r"^(\s*)server modeld-1:8080 (.*)\n", text, re.M)
+    second = re.search(r"^\s*server modeld-2:8080 .*\n", text, re.M)
+    assert first and second, "docker/nginx.conf: expected upstreams modeld-1:8080 and modeld-2:8080"
+    lines = "".join(f"{first.group(1)}server 127.0.0.1:{p} {first.group(2)}\n" for p in ports)
+    text = sub_once(text, second.group(0), "")
+    text = sub_once(text, first.group(0), lines)
     text = sub_once(text, "listen 8080;", f"listen 127.0.0.1:{nginx_port};")
     text = sub_once(text, "access_log /dev/stdout modeld;", f"access_log {tmp}/nginx-access.log modeld;")
     text = sub_once(text, "worker_processes auto;", "worker_processes 1;")
@@ -72,12 +78,14 @@ def loopback_conf(tmp, nginx_port, port1, port2):
 
 
 class Nginx:
-    def __init__(self, tmp, port1, port2):
+    """nginx with docker/nginx.conf in front of the replicas on `ports` (loopback)."""
+
+    def __init__(self, tmp, *ports):
         self.tmp = Path(tmp)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.conf = self.tmp / "nginx.conf"
-        self.conf.write_text(loopback_conf(self.tmp, self.port, port1, port2))
+        self.conf.write_text(loopback_conf(self.tmp, self.port, *ports))
         self.error_log = self.tmp / "nginx-error.log"
         self.access_log = self.tmp / "nginx-access.log"
         self.proc = None

@@ -280,3 +280,267 @@ def test_a_version_shows_its_live_numbers(start_server):
     assert 0 < live["p50_ms"] <= live["p99_ms"], live
     listed = srv.get("/models/t/versions").json()["versions"][0]
     assert listed["live"]["requests"] == 40
+
+
+def history(srv, name="m"):
+    r = srv.get(f"/models/{name}/history")
+    assert r.status_code == 200, r.text
+    return r.json()["history"]
+
+
+def test_promote_when_promotes_a_healthy_canary(start_server):
+    srv = start_server()
+    deploy(srv)
+    deploy(srv, make_default="false")
+    r = patch(srv, {"traffic": {"1": 50, "2": 50}, "reason": "canary of v2",
+                    "promote_when": {"min_requests": 20, "max_error_rate": 0.1}})
+    assert r.status_code == 200, r.text
+    assert r.json()["promote_when"] == {"min_requests": 20, "max_error_rate": 0.1}
+    s = requests.Session()
+    for _ in range(100):  # 50 of them to version 2 (100 in a row hold the shares exactly)
+        predict(srv, session=s)
+    m = poll(lambda: (lambda m: m if m["default_version"] == 2 else None)(
+        srv.get("/models/m").json()), "promote_when makes version 2 the default")
+    assert m["traffic"] is None and m["promote_when"] is None
+    assert {predict(srv, session=s) for _ in range(10)} == {2}
+    h = history(srv)
+    assert h[0]["by"] == "api" and h[0]["reason"] == "canary of v2"
+    assert h[0]["change"]["traffic"] == {"1": 50, "2": 50} and h[0]["request_id"]
+    assert h[-1]["by"] == "promote_when", h
+    assert h[-1]["change"] == {"default_version": 2, "traffic": None}
+    assert "version 2 answered" in h[-1]["reason"] and h[-1]["at"].endswith("Z")
+
+
+def test_promote_when_rolls_back_a_canary_that_fails_5_percent(start_server):
+    srv = start_server()
+    deploy(srv)  # version 1: the MLP, answers every row
+    throws = (FIXTURES / "throws.pt").read_bytes()
+    r = srv.request("POST", "/models/m/versions",
+                    data={"config": json.dumps(CONFIG), "make_default": "false"},
+                    files={"checkpoint": ("t.pt", throws, "application/octet-stream")},
+                    timeout=30 * TSCALE)
+    assert r.status_code == 201, r.text  # version 2 fails a row whose first value is < 0
+    r = patch(srv, {"traffic": {"1": 50, "2": 50},
+                    "promote_when": {"min_requests": 100, "max_error_rate": 0.01}})
+    assert r.status_code == 200, r.text
+    s = requests.Session()
+    codes = Counter()
+    for i in range(400):
+        row = [[-1.0, 2.0, 3.0, 4.0]] if i % 20 == 0 else ROW  # 5 % of the rows
+        codes[s.post(f"{srv.url}/models/m/predict", json=row, timeout=30).status_code] += 1
+        if srv.get("/models/m").json()["traffic"] is None:
+            break
+    m = poll(lambda: (lambda m: m if m["traffic"] is None else None)(
+        srv.get("/models/m").json()), "promote_when takes version 2's share back")
+    assert m["default_version"] == 1 and m["promote_when"] is None
+    assert codes[422] >= 2, codes  # the canary's failures reached clients until then
+    # now every request goes to version 1, which answers them all
+    r = s.post(f"{srv.url}/models/m/predict", json=[[-1.0, 2.0, 3.0, 4.0]], timeout=30)
+    assert answered_by(r) == 1
+    h = history(srv)[-1]
+    assert h["by"] == "promote_when" and h["change"] == {"traffic": None}, h
+    assert "version 2 failed" in h["reason"], h
+
+
+def test_history_records_who_changed_the_default_and_why(start_server):
+    srv = three_versions(start_server())
+    assert history(srv) == []
+    r = patch(srv, {"default_version": 1, "reason": "v3 regressed on night traffic"})
+    assert r.status_code == 200, r.text
+    assert patch(srv, {"traffic": {"1": 90, "2": 10}}).status_code == 200
+    assert patch(srv, {"traffic": None}).status_code == 200
+    h = history(srv)
+    assert [e["change"] for e in h] == [{"default_version": 1}, {"traffic": {"1": 90, "2": 10}},
+                                        {"traffic": None}]
+    assert h[0]["reason"] == "v3 regressed on night traffic" and "reason" not in h[1]
+    assert all(e["by"] == "api" and e["at"] for e in h)
+    # a refused change leaves no trace
+    assert patch(srv, {"traffic": {"1": 50}}).status_code == 400
+    assert patch(srv, {"reason": 7, "default_version": 2}).status_code == 400
+    assert len(history(srv)) == 3
+    assert srv.get("/models/nope/history").status_code == 404
+
+
+@pytest.mark.parametrize("when", [
+    {"min_requests": 0, "max_error_rate": 0.1},
+    {"min_requests": 10},
+    {"max_error_rate": 0.1},
+    {"min_requests": 10, "max_error_rate": 1.5},
+    {"min_requests": 10, "max_error_rate": 0.1, "min_agreement": 0.99},
+    [10, 0.1],
+])
+def test_a_bad_promote_when_is_refused(start_server, when):
+    srv = three_versions(start_server())
+    r = patch(srv, {"traffic": {"1": 50, "3": 50}, "promote_when": when})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_promote_when", r.text
+    assert srv.get("/models/m").json()["traffic"] is None
+
+
+def test_a_patch_of_several_things_checks_the_split_before_changing_any(start_server):
+    srv = three_versions(start_server())
+    # the new split's versions are kept by the retention of the same PATCH
+    r = patch(srv, {"retention": {"keep_last": 1}, "traffic": {"1": 50, "3": 50}})
+    assert r.status_code == 200, r.text
+    assert [v["version"] for v in r.json()["versions"]] == [1, 3]
+    assert r.json()["traffic"] == {"1": 50, "3": 50}
+    # a split naming a missing version changes nothing else of the PATCH
+    r = patch(srv, {"default_version": 1, "traffic": {"3": 50, "99": 50}})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "version_not_found", r.text
+    m = srv.get("/models/m").json()
+    assert m["default_version"] == 3 and m["traffic"] == {"1": 50, "3": 50}
+    # clearing the split clears its sticky header, even when one is given
+    r = patch(srv, {"traffic": None, "sticky_header": "X-User"})
+    assert r.status_code == 200 and r.json()["sticky_header"] is None, r.text
+    # 0 shares are not kept: such a version is no part of the split
+    r = patch(srv, {"traffic": {"1": 0, "3": 100}})
+    assert r.status_code == 200 and r.json()["traffic"] == {"3": 100}, r.text
+
+
+def test_an_error_answer_names_its_version_too(start_server):
+    srv = start_server()
+    deploy(srv)
+    throws = (FIXTURES / "throws.pt").read_bytes()
+    r = srv.request("POST", "/models/m/versions",
+                    data={"config": json.dumps(CONFIG), "make_default": "false"},
+                    files={"checkpoint": ("t.pt", throws, "application/octet-stream")},
+                    timeout=30 * TSCALE)
+    assert r.status_code == 201, r.text
+    assert patch(srv, {"traffic": {"2": 100}}).status_code == 200
+    r = requests.post(f"{srv.url}/models/m/predict", json=[[-1.0, 2.0, 3.0, 4.0]], timeout=30)
+    assert r.status_code == 422 and r.headers["X-Model-Version"] == "2", (r.status_code, r.text)
+
+
+# ---------------------------------------------------------------- shadow
+
+
+def shadow_pair(srv, name="m"):
+    r = srv.get(f"/models/{name}/shadow")
+    assert r.status_code == 200, r.text
+    pairs = r.json()["pairs"]
+    return pairs[0] if pairs else None
+
+
+def settled(srv, n, name="m"):
+    """The shadow pair once n requests were compared, failed or dropped."""
+    def done():
+        p = shadow_pair(srv, name)
+        return p if p and p["compared"] + p["errors"] + p["dropped"] + \
+            p["shape_mismatches"] >= n else None
+    return poll(done, f"{n} shadow requests settled")
+
+
+def rows(seed, n=3):
+    import random
+    rnd = random.Random(seed)
+    return [[rnd.uniform(-2, 2) for _ in range(4)] for _ in range(n)]
+
+
+def test_a_shadow_copy_of_the_same_model_agrees_fully(start_server):
+    srv = start_server()
+    deploy(srv)
+    deploy(srv, make_default="false")
+    r = patch(srv, {"shadow": {"version": 2}})
+    assert r.status_code == 200, r.text
+    assert r.json()["shadow"] == {"version": 2, "percent": 100}
+    s = requests.Session()
+    for i in range(50):
+        r = s.post(f"{srv.url}/models/m/predict", json=rows(i), timeout=30)
+        assert answered_by(r) == 1  # the client only ever sees the primary
+    p = settled(srv, 50)
+    assert p["primary"] == 1 and p["shadow"] == 2, p
+    assert p["compared"] == 50 and p["rows"] == 150 and p["errors"] == 0, p
+    assert p["agreement"] == 1.0 and p["max_abs_diff"] <= 1e-5, p
+    assert p["primary_p50_ms"] > 0 and p["shadow_p50_ms"] > 0, p
+    # a request naming a version is not shadowed
+    for i in range(5):
+        assert answered_by(s.post(f"{srv.url}/models/m/versions/1/predict", json=rows(i),
+                                  timeout=30)) == 1
+    assert shadow_pair(srv)["compared"] == 50
+    text = srv.get("/metrics").text
+    assert 'modeld_shadow_compared_total{model="m",primary="1",shadow="2"} 50' in text
+
+
+def test_a_shadow_agrees_with_the_primary_as_pytorch_says(start_server, tmp_path):
+    torch = pytest.importorskip("torch")
+    paths = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
+        path = tmp_path / f"lin{seed}.pt"
+        torch.jit.script(net).save(str(path))
+        paths.append((path, net))
+    srv = start_server()
+    for (path, _), default in zip(paths, ("true", "false")):
+        r = srv.request("POST", "/models/m/versions",
+                        data={"config": json.dumps(CONFIG), "make_default": default},
+                        files={"checkpoint": ("m.pt", path.read_bytes(),
+                                              "application/octet-stream")},
+                        timeout=30 * TSCALE)
+        assert r.status_code == 201, r.text
+    assert patch(srv, {"shadow": {"version": 2, "percent": 100}}).status_code == 200
+    s = requests.Session()
+    sent = []
+    for i in range(40):
+        x = rows(100 + i, 4)
+        sent.extend(x)
+        assert answered_by(s.post(f"{srv.url}/models/m/predict", json=x, timeout=30)) == 1
+    p = settled(srv, 40)
+    with torch.no_grad():
+        x = torch.tensor(sent, dtype=torch.float32)
+        a, b = paths[0][1](x), paths[1][1](x)
+    agree = int((a.argmax(1) == b.argmax(1)).sum())
+    assert p["rows"] == 160 and p["compared"] == 40, p
+    assert 0 < agree < 160  # two different models: some rows disagree
+    assert p["agreement"] == pytest.approx(agree / 160, abs=1e-12), (p, agree)
+    assert p["max_abs_diff"] == pytest.approx(float((a - b).abs().max()), abs=1e-5), p
+
+
+def test_a_shadow_that_throws_never_affects_the_primary(start_server):
+    srv = start_server()
+    deploy(srv)
+    throws = (FIXTURES / "throws.pt").read_bytes()
+    r = srv.request("POST", "/models/m/versions",
+                    data={"config": json.dumps(CONFIG), "make_default": "false"},
+                    files={"checkpoint": ("t.pt", throws, "application/octet-stream")},
+                    timeout=30 * TSCALE)
+    assert r.status_code == 201, r.text
+    s = requests.Session()
+    want = {}
+    for i in range(100):
+        row = [[-1.0, 2.0, 3.0, 4.0]] if i % 10 == 0 else [[abs(v) for v in rows(i, 1)[0]]]
+        want[i] = s.post(f"{srv.url}/models/m/versions/1/predict", json=row,
+                         timeout=30).json()["predictions"]
+    assert patch(srv, {"shadow": {"version": 2}}).status_code == 200
+    for i in range(100):
+        row = [[-1.0, 2.0, 3.0, 4.0]] if i % 10 == 0 else [[abs(v) for v in rows(i, 1)[0]]]
+        r = s.post(f"{srv.url}/models/m/predict", json=row, timeout=30)
+        assert answered_by(r) == 1
+        assert r.json()["predictions"] == want[i]
+    p = settled(srv, 100)
+    # the MLP answers 3 classes where x * 2 answers 4 values: no rows to compare
+    assert p["errors"] == 10 and p["shape_mismatches"] == 90 and p["dropped"] == 0, p
+    live = srv.get("/models/m/versions/1").json()["live"]
+    assert live["errors"] == 0 and live["requests"] == 200, live  # both rounds, no error
+
+
+def test_a_shadow_share_and_its_rules(start_server):
+    srv = three_versions(start_server())
+    assert patch(srv, {"shadow": {"version": 1, "percent": 30}}).status_code == 200
+    s = requests.Session()
+    for i in range(100):
+        assert predict(srv, session=s) == 3
+    p = settled(srv, 30)
+    assert p["compared"] + p["dropped"] + p["errors"] + p["shape_mismatches"] == 30, p
+    r = srv.request("DELETE", "/models/m/versions/1")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "version_in_traffic", r.text
+    for bad in ({"version": 0}, {"version": 1, "percent": 0}, {"version": 1, "percent": 101},
+                {"percent": 50}, {"version": "1"}, {"version": 1, "extra": 1}, 7):
+        r = patch(srv, {"shadow": bad})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_shadow", r.text
+    r = patch(srv, {"shadow": {"version": 9}})
+    assert r.status_code == 404, r.text
+    assert srv.get("/models/m").json()["shadow"] == {"version": 1, "percent": 30}
+    r = patch(srv, {"shadow": None, "reason": "enough"})
+    assert r.status_code == 200 and r.json()["shadow"] is None, r.text
+    assert srv.request("DELETE", "/models/m/versions/1").status_code == 200
+    assert history(srv)[-1]["change"] == {"shadow": None}
