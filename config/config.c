@@ -65,7 +65,7 @@ static const setting settings[] = {
     {"cache_max_bytes", T_SIZE, OFF(cache_max_bytes), 0, 1LL << 50, "0", NULL,
      "with blob_url set: most bytes of checkpoints the store directory caches; past it the "
      "least recently used files go (never one being read); 0 = no bound"},
-    {"s3_path_style", T_ENUM, OFF(s3_path_style), 0, 0, "auto", "auto|on|off",
+    {"s3_path_style", T_ENUM, OFF(s3_path_style), 0, 0, "auto", "auto|true|false",
      "address S3 buckets path-style (http://ENDPOINT/BUCKET/KEY: MinIO, Ceph, most custom "
      "endpoints) or virtual-hosted (https://BUCKET.s3.REGION.amazonaws.com); auto = path-style "
      "for a custom endpoint (AWS_ENDPOINT_URL_S3), virtual-hosted for AWS"},

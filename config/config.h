@@ -47,7 +47,7 @@ typedef struct md_cfg {
     char *index_url;            /* "" = store/index.sqlite; postgresql://... = PostgreSQL */
     char *blob_url;             /* "" = store/blobs; s3://BUCKET/PREFIX = S3, store/ a cache */
     long long cache_max_bytes;  /* S3: bound of the store's cache; 0 = none */
-    char *s3_path_style;        /* auto | on | off */
+    char *s3_path_style;        /* auto | true | false */
     long long max_checkpoint_bytes; /* largest checkpoint upload or download */
     long long max_average_bytes;    /* most stored bytes one weight average reads */
     md_strlist allowed_paths;   /* file:// sources and job inputs must be under one */

@@ -210,9 +210,9 @@ int main(int argc, char **argv)
         .index_url = cfg.index_url,
         .blob_url = cfg.blob_url,
         .cache_max_bytes = cfg.cache_max_bytes,
-        .s3_path_style = strcmp(cfg.s3_path_style, "on") == 0    ? 1
-                         : strcmp(cfg.s3_path_style, "off") == 0 ? 0
-                                                                 : -1,
+        .s3_path_style = strcmp(cfg.s3_path_style, "true") == 0    ? 1
+                         : strcmp(cfg.s3_path_style, "false") == 0 ? 0
+                                                                   : -1,
     };
     if (md_store_open_opts(cfg.store, &store_opts, &app.store, &err) != MD_OK) {
         fprintf(stderr, "modeld: %s\n", err.msg);
