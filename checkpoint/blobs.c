@@ -521,8 +521,10 @@ md_status md_blob_upload(md_store *s, md_blob_writer *blob, md_err *err)
 
 void md_blob_committed(md_blob_writer *blob, md_status rc)
 {
-    if (blob && rc == MD_OK)
-        blob->key[0] = '\0'; /* a row names it now: it is the collector's */
+    if (!blob || rc != MD_OK)
+        return;
+    blob->key[0] = '\0'; /* a row names it now: it is the collector's */
+    bl_trim(blob->store->blobs); /* S3: the upload's file joined the cache */
 }
 
 int md_blob_stored_locked(md_store *s, const char *sha)

@@ -61,6 +61,7 @@ const md_blobs_ops md_blobs_dir_ops = {
     .remove = NULL, /* blobs.c unlinks the file inside the collector's transaction */
     .list = NULL,   /* blobs.c's sweep at open walks blobs/ itself */
     .pin = NULL,    /* nothing is evicted */
+    .trim = NULL,          /* no bound */
     .write_metrics = NULL, /* modeld_store_* say it all */
 };
 

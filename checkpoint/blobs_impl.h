@@ -87,6 +87,9 @@ struct md_blobs_ops {
     /* A cached file is in use (pin != 0) or no longer (pin == 0): a pinned
      * file is never evicted; pins count. */
     void (*pin)(md_blobs *b, const char *sha256, int pin);
+    /* A file was placed in the cache (an upload committed): bring it back
+     * under its bound (a hint). */
+    void (*trim)(md_blobs *b);
     /* The backend's metric families (Prometheus text) to `f`. */
     void (*write_metrics)(md_blobs *b, FILE *f);
 };
@@ -133,6 +136,11 @@ static inline md_status bl_remove(md_blobs *b, const char *key, md_err *err)
 static inline md_status bl_list(md_blobs *b, md_blobs_list_fn fn, void *ctx, md_err *err)
 {
     return b->ops->list ? b->ops->list(b, fn, ctx, err) : MD_OK;
+}
+static inline void bl_trim(md_blobs *b)
+{
+    if (b->ops->trim)
+        b->ops->trim(b);
 }
 static inline void bl_write_metrics(md_blobs *b, FILE *f)
 {

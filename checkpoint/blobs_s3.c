@@ -16,10 +16,10 @@
  *   to blobs/<sha256> only when its sha256 is the one asked for: a final
  *   name never holds partial or wrong bytes. A crash leaves a temp file the
  *   sweep at open removes.
- * - Eviction: after each download, past cache_max_bytes, the least recently
- *   used cached files (by atime, which every fetch sets) are unlinked, never
- *   a pinned one: fetch pins the file it answers until the caller is done
- *   reading it. A reader that already opened a file keeps it after an
+ * - Eviction: after each download and each committed upload, past
+ *   cache_max_bytes, the least recently used cached files (by atime, which
+ *   every fetch sets) are unlinked, never a pinned one: fetch pins the file
+ *   it answers until the caller is done reading it. A reader that already opened a file keeps it after an
  *   unlink (Linux keeps an open file's inode), so a loaded version never
  *   needs its file again.
  * - Every network call is bounded (s3.c: connect timeout, low-speed limit):
@@ -311,6 +311,8 @@ static md_status download(md_blobs_s3 *b, const char *sha256, const char *key, c
     return MD_OK;
 }
 
+static void s3b_trim(md_blobs *base) { evict(S3B(base)); }
+
 static md_status s3b_fetch(md_blobs *base, const char *sha256, const char *key, md_err *err)
 {
     md_blobs_s3 *b = S3B(base);
@@ -430,5 +432,6 @@ const md_blobs_ops md_blobs_s3_ops = {
     .remove = s3b_remove,
     .list = s3b_list,
     .pin = s3b_pin,
+    .trim = s3b_trim,
     .write_metrics = s3b_write_metrics,
 };

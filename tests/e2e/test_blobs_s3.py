@@ -279,14 +279,17 @@ def test_an_object_changed_outside_modeld_never_gets_a_final_name(start_server, 
 
 
 def test_cache_max_bytes_evicts_the_least_recently_used(start_server, s3):
-    srv = s3_start(start_server, s3)
+    bound = max(len(MLP), len(CNN)) + 1  # room for one of the two
+    srv = s3_start(start_server, s3, "--cache-max-bytes", str(bound))
     created(upload(srv, "m"))
     created(upload(srv, "c", data=CNN, config=CNN_CONFIG))
+    # deploys fill the cache too: the older file went when the newer came
+    assert cache_files(srv.store) == [sha(CNN)]
+    assert predict(srv).status_code == 200  # loaded: served from memory
     store = srv.store
     srv.stop()
     for name in cache_files(store):
         (store / "blobs" / name).unlink()
-    bound = max(len(MLP), len(CNN)) + 1  # room for one of the two
     srv = s3_start(start_server, s3, "--cache-max-bytes", str(bound), store=store)
     # both defaults loaded at start (each file read while pinned), then the
     # older evicted: what is loaded keeps serving from memory
