@@ -124,7 +124,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
 .PHONY: all run test unit unit-pg e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
-	fixtures-check fuzz s3rver s3-live bench-cluster \
+	fixtures-check fuzz s3rver s3-live bench-cluster bench-shadow \
 	cuda-compile-check docker-check image-check deps-image
 
 all: $(MODELD)
@@ -310,6 +310,13 @@ bench: deps
 	bash bench/run.sh
 	$(PYTHON) bench/memory.py --modeld $(CURDIR)/$(MODELD)
 	$(MAKE) --no-print-directory bench-cluster
+	$(MAKE) --no-print-directory bench-shadow
+
+# Safe rollouts (issue 28): the primary's answers with and without a 100 %
+# shadow version, side by side under the same wrk loads (bench/shadow.py).
+bench-shadow: deps
+	$(MAKE) all
+	$(PYTHON) bench/shadow.py --modeld $(CURDIR)/$(MODELD)
 
 # Several hosts (issue 25): single-host and cluster mode (index_url on a
 # throwaway PostgreSQL 15) side by side under the same wrk load, and how fast

@@ -350,6 +350,12 @@ md_status md_store_set_default_noted(md_store *store, const char *name, int vers
 md_status md_store_apply_verdict(md_store *store, const char *name, json_t *expect,
                                  int new_default, json_t *new_traffic, json_t *note,
                                  md_err *err);
+/* As md_store_apply_verdict for setting `key`: "traffic" (the split) or
+ * "shadow" (`new_value` then the new shadow, JSON null to end it; with no
+ * split left, promote_when ends too). */
+md_status md_store_apply_verdict_on(md_store *store, const char *name, const char *key,
+                                    json_t *expect, int new_default, json_t *new_value,
+                                    json_t *note, md_err *err);
 /* The model's history, oldest first: [{"at", "by", "change", "reason"?,
  * "request_id"?}]. */
 md_status md_store_history(md_store *store, const char *name, json_t **out, md_err *err);

@@ -191,14 +191,14 @@ md_status md_promote_when_check(json_t *p, md_err *err)
                 json_integer_value(v) > 1000000000)
                 return md_err_setc(err, MD_EINVAL, "invalid_promote_when",
                                    "promote_when.min_requests must be an integer from 1 to 1e9");
-        } else if (strcmp(key, "max_error_rate") == 0) {
+        } else if (strcmp(key, "max_error_rate") == 0 || strcmp(key, "min_agreement") == 0) {
             if (!json_is_number(v) || json_number_value(v) < 0 || json_number_value(v) > 1)
                 return md_err_setc(err, MD_EINVAL, "invalid_promote_when",
-                                   "promote_when.max_error_rate must be a number from 0 to 1");
+                                   "promote_when.%s must be a number from 0 to 1", key);
         } else {
             return md_err_setc(err, MD_EINVAL, "invalid_promote_when",
                                "promote_when has an unknown key \"%.40s\"; allowed: "
-                               "min_requests, max_error_rate (%s)",
+                               "min_requests, max_error_rate, min_agreement (%s)",
                                key, example);
         }
     }
@@ -400,6 +400,15 @@ out:
 md_status md_store_apply_verdict(md_store *s, const char *name, json_t *expect, int new_default,
                                  json_t *new_traffic, json_t *note, md_err *err)
 {
+    return md_store_apply_verdict_on(s, name, "traffic", expect, new_default, new_traffic, note,
+                                     err);
+}
+
+md_status md_store_apply_verdict_on(md_store *s, const char *name, const char *key,
+                                    json_t *expect, int new_default, json_t *new_value,
+                                    json_t *note, md_err *err)
+{
+    int shadow = strcmp(key, "shadow") == 0;
     pthread_mutex_lock(&s->mu);
     md_status rc;
     if ((rc = txn_begin(s, err)) != MD_OK)
@@ -418,19 +427,29 @@ md_status md_store_apply_verdict(md_store *s, const char *name, json_t *expect, 
         goto end;
     }
     /* inside the write transaction: exactly one replica acts on a split */
-    int same = settings && json_equal(json_object_get(settings, "traffic"), expect);
+    int same = settings && json_equal(json_object_get(settings, key), expect);
+    int split_left = settings && json_is_object(json_object_get(settings, "traffic"));
     json_decref(settings);
     if (!same) {
         rc = md_err_setc(err, MD_ECONFLICT, "traffic_changed",
-                         "the traffic split of model %s changed meanwhile", name);
+                         "the %s of model %s changed meanwhile", shadow ? "shadow" : "split",
+                         name);
         goto end;
     }
     if (new_default > 0)
         rc = md_set_default_locked(s, name, new_default, "promote the canary", err);
-    if (rc == MD_OK)
-        rc = set_split_locked(s, name, new_traffic, NULL, NULL, err);
+    if (rc == MD_OK && !shadow)
+        rc = set_split_locked(s, name, new_value, NULL, NULL, err);
+    if (rc == MD_OK && shadow) {
+        rc = md_set_setting(s, name, "shadow", new_value, 1, "end the shadow", err);
+        if (rc == MD_OK && json_is_null(new_value) && !split_left) { /* nothing left to judge */
+            json_t *null = json_null();
+            rc = md_set_setting(s, name, "promote_when", null, 1, "clear promote_when", err);
+            json_decref(null);
+        }
+    }
     if (rc == MD_OK) {
-        json_t *change = json_pack("{s:O}", "traffic", new_traffic);
+        json_t *change = json_pack("{s:O}", key, new_value);
         if (new_default > 0)
             json_object_set_new(change, "default_version", json_integer(new_default));
         rc = md_history_add_locked(s, name, note, change, err);

@@ -240,6 +240,9 @@ void md_traffic_replace(md_traffic *t, json_t *all);
  * default answers). Never blocks on I/O. */
 int md_traffic_pick(md_traffic *t, const char *name, md_req *req);
 /* shadow.c: shadow versions (issue 28). Thread-safe. */
+/* Whether a copy for version `shadow` would be taken now (fewer than the
+ * most copies wait for it); when not, it counts the request dropped. */
+int md_shadow_room(const char *name, int primary, int shadow);
 /* A copy of `in`'s values and shape into `out`; 0 when it cannot be made. */
 int md_shadow_copy(const md_tensor *in, md_tensor *out);
 /* Send `in` (taken) to version `shadow` of `name` at job priority, unless
@@ -250,6 +253,11 @@ void md_shadow_run(md_app *app, const char *name, int primary, int shadow, md_te
 /* The comparisons of `name`'s pairs: [{"primary", "shadow", "compared",
  * "rows", "agreement", "max_abs_diff", "errors", "dropped", ...}]. */
 json_t *md_shadow_json(const char *name);
+/* The numbers promote_when judges a shadow by: requests compared (answers
+ * of another shape included), its errors, and top-1 agreement (0 when an
+ * answer had another shape). 0 when the pair has none here. */
+int md_shadow_numbers(const char *name, int primary, int shadow, long long *compared,
+                      long long *errors, double *agreement);
 /* modeld_shadow_* per model, primary and shadow version. */
 void md_shadow_write_metrics(FILE *f);
 void md_handle_model_shadow(md_req *req);

@@ -669,7 +669,8 @@ static void go_on(md_req *req, pending *pd, md_model *m, where at)
     if (pd->unversioned) {
         int sv = md_traffic_shadow(((md_app *)md_req_app(req))->traffic, md_model_name(m),
                                    md_model_version(m));
-        if (sv && md_shadow_copy(&pd->t, &c->shadow_in))
+        if (sv && md_shadow_room(md_model_name(m), md_model_version(m), sv) &&
+            md_shadow_copy(&pd->t, &c->shadow_in))
             c->shadow = sv;
     }
     md_tensor t = pd->t;

@@ -43,19 +43,29 @@ typedef struct pair {
     md_hist primary_latency, shadow_latency;
 } pair;
 
-static pthread_mutex_t pairs_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t pairs_mu = PTHREAD_MUTEX_INITIALIZER; /* adding a pair */
 static pair *pairs[MD_SHADOW_MAX_PAIRS];
-static int n_pairs;
+static atomic_int n_pairs; /* published after pairs[n] is set: read without the lock */
+
+static pair *scan(const char *name, int primary, int shadow)
+{
+    int n = atomic_load_explicit(&n_pairs, memory_order_acquire);
+    for (int i = 0; i < n; i++)
+        if (pairs[i]->primary == primary && pairs[i]->shadow == shadow &&
+            strcmp(pairs[i]->name, name) == 0)
+            return pairs[i];
+    return NULL;
+}
 
 static pair *find_pair(const char *name, int primary, int shadow, int create)
 {
+    pair *p = scan(name, primary, shadow); /* every request after the first: no lock */
+    if (p || !create)
+        return p;
     pthread_mutex_lock(&pairs_mu);
-    pair *p = NULL;
-    for (int i = 0; i < n_pairs && !p; i++)
-        if (pairs[i]->primary == primary && pairs[i]->shadow == shadow &&
-            strcmp(pairs[i]->name, name) == 0)
-            p = pairs[i];
-    if (!p && create && n_pairs < MD_SHADOW_MAX_PAIRS && strlen(name) < sizeof p->name) {
+    p = scan(name, primary, shadow);
+    int n = atomic_load(&n_pairs);
+    if (!p && n < MD_SHADOW_MAX_PAIRS && strlen(name) < sizeof p->name) {
         p = md_xcalloc(1, sizeof *p);
         snprintf(p->name, sizeof p->name, "%s", name);
         p->primary = primary;
@@ -63,10 +73,22 @@ static pair *find_pair(const char *name, int primary, int shadow, int create)
         pthread_mutex_init(&p->mu, NULL);
         md_hist_init(&p->primary_latency, md_latency_bounds, md_latency_nbounds);
         md_hist_init(&p->shadow_latency, md_latency_bounds, md_latency_nbounds);
-        pairs[n_pairs++] = p;
+        pairs[n] = p;
+        atomic_store_explicit(&n_pairs, n + 1, memory_order_release);
     }
     pthread_mutex_unlock(&pairs_mu);
     return p;
+}
+
+int md_shadow_room(const char *name, int primary, int shadow)
+{
+    pair *p = find_pair(name, primary, shadow, 1);
+    if (!p)
+        return 0;
+    if (atomic_load(&p->inflight) < MD_SHADOW_MAX_INFLIGHT)
+        return 1;
+    atomic_fetch_add(&p->dropped, 1); /* not even copied */
+    return 0;
 }
 
 int md_shadow_copy(const md_tensor *in, md_tensor *out)
@@ -170,6 +192,10 @@ void md_shadow_run(md_app *app, const char *name, int primary, int shadow, md_te
                    const float *out, const int64_t *shape, int ndim, double primary_s)
 {
     pair *p = find_pair(name, primary, shadow, 1);
+    if (p && atomic_load(&p->inflight) >= MD_SHADOW_MAX_INFLIGHT) {
+        drop(p, NULL, in); /* before the registry's lock: a drop costs next to nothing */
+        return;
+    }
     /* never loaded on the request path: a shadow unloaded here is skipped */
     md_model *m = p ? md_registry_get(app->registry, name, shadow) : NULL;
     size_t count = 1;
@@ -247,9 +273,7 @@ static json_t *pair_json(pair *p)
 json_t *md_shadow_json(const char *name)
 {
     json_t *a = json_array();
-    pthread_mutex_lock(&pairs_mu);
-    int n = n_pairs;
-    pthread_mutex_unlock(&pairs_mu);
+    int n = atomic_load_explicit(&n_pairs, memory_order_acquire);
     for (int i = 0; i < n; i++) /* pairs are only appended, never freed */
         if (strcmp(pairs[i]->name, name) == 0)
             json_array_append_new(a, pair_json(pairs[i]));
@@ -258,9 +282,7 @@ json_t *md_shadow_json(const char *name)
 
 void md_shadow_write_metrics(FILE *f)
 {
-    pthread_mutex_lock(&pairs_mu);
-    int n = n_pairs;
-    pthread_mutex_unlock(&pairs_mu);
+    int n = atomic_load_explicit(&n_pairs, memory_order_acquire);
     static const char *const names[] = {"modeld_shadow_compared_total",
                                         "modeld_shadow_rows_agreeing_total",
                                         "modeld_shadow_rows_total", "modeld_shadow_errors_total",
@@ -295,4 +317,18 @@ void md_shadow_write_metrics(FILE *f)
                  p->primary, p->shadow);
         md_prom_sample(f, "modeld_shadow_max_abs_diff", labels, d);
     }
+}
+
+int md_shadow_numbers(const char *name, int primary, int shadow, long long *compared,
+                      long long *errors, double *agreement)
+{
+    pair *p = find_pair(name, primary, shadow, 0);
+    if (!p)
+        return 0;
+    long long rows = atomic_load(&p->rows), agree = atomic_load(&p->agree);
+    /* a shadow answer of another shape agrees on nothing */
+    *compared = atomic_load(&p->compared) + atomic_load(&p->mismatched);
+    *errors = atomic_load(&p->errors);
+    *agreement = rows && !atomic_load(&p->mismatched) ? (double)agree / (double)rows : 0;
+    return 1;
 }

@@ -151,7 +151,7 @@ static void set_locked(md_traffic *t, const char *name, json_t *traffic, const c
         return;
     }
     s.traffic = s.n ? json_deep_copy(traffic) : NULL;
-    s.when = s.n && json_is_object(when) ? json_deep_copy(when) : NULL;
+    s.when = json_is_object(when) ? json_deep_copy(when) : NULL;
     if (cur) {
         if (cur->n == s.n && !memcmp(cur->version, s.version, sizeof s.version) &&
             !memcmp(cur->cum, s.cum, sizeof s.cum)) {
@@ -288,10 +288,15 @@ static json_t *judgeable(md_traffic *t)
     json_t *out = json_array();
     pthread_mutex_lock(&t->mu);
     for (int i = 0; i < t->count; i++)
-        if (t->items[i].when && t->items[i].traffic)
-            json_array_append_new(out, json_pack("{s:s,s:O,s:O}", "model", t->items[i].name,
-                                                 "traffic", t->items[i].traffic,
-                                                 "promote_when", t->items[i].when));
+        if (t->items[i].when && (t->items[i].traffic || t->items[i].shadow_version))
+            json_array_append_new(
+                out, json_pack("{s:s,s:O,s:O,s:o}", "model", t->items[i].name, "traffic",
+                               t->items[i].traffic ? t->items[i].traffic : json_null(),
+                               "promote_when", t->items[i].when, "shadow",
+                               t->items[i].shadow_version
+                                   ? json_pack("{s:i,s:i}", "version", t->items[i].shadow_version,
+                                               "percent", t->items[i].shadow_percent)
+                                   : json_null()));
     pthread_mutex_unlock(&t->mu);
     return out;
 }
@@ -321,9 +326,68 @@ static json_t *without(json_t *traffic, int version, int def)
     return out;
 }
 
+/* Judge the shadow of one model; 1 when it acted. */
+static int judge_shadow(md_app *app, json_t *item)
+{
+    const char *name = json_string_value(json_object_get(item, "model"));
+    json_t *shadow = json_object_get(item, "shadow");
+    json_t *when = json_object_get(item, "promote_when");
+    int sv = (int)json_integer_value(json_object_get(shadow, "version"));
+    json_t *ma = json_object_get(when, "min_agreement");
+    long long min_requests = json_integer_value(json_object_get(when, "min_requests"));
+    double max_rate = json_number_value(json_object_get(when, "max_error_rate"));
+    int def = md_registry_default_version(app->registry, name);
+    long long compared, errors;
+    double agreement;
+    if (sv <= 0 || def <= 0 || sv == def || min_requests <= 0 ||
+        !md_shadow_numbers(name, def, sv, &compared, &errors, &agreement))
+        return 0;
+    long long n = compared + errors;
+    long long allowed = (long long)(max_rate * (double)min_requests + 1e-9);
+    double rate = n ? (double)errors / (double)n : 0;
+    int drop = errors > allowed;
+    int promote = !drop && n >= min_requests && rate <= max_rate &&
+                  (!ma || agreement >= json_number_value(ma));
+    if (!drop && !promote)
+        return 0;
+    char why[400];
+    if (drop)
+        snprintf(why, sizeof why,
+                 "promote_when: shadow version %d failed %lld of %lld requests, more than "
+                 "max_error_rate %g allows over min_requests %lld (%lld): the shadow ended",
+                 sv, errors, n, max_rate, min_requests, allowed);
+    else
+        snprintf(why, sizeof why,
+                 "promote_when: shadow version %d answered %lld requests with an error rate of "
+                 "%.6f and a top-1 agreement of %.6f with version %d: it became the default",
+                 sv, n, rate, agreement, def);
+    json_t *note = json_pack("{s:s,s:s}", "by", "promote_when", "reason", why);
+    json_t *null = json_null();
+    md_err err;
+    md_err_clear(&err);
+    md_status st = md_store_apply_verdict_on(app->store, name, "shadow", shadow,
+                                             promote ? sv : 0, null, note, &err);
+    if (st == MD_OK) {
+        md_log(MD_LOG_INFO, "model %s: %s", name, why);
+        if (promote)
+            md_registry_set_default(app->registry, name, sv);
+        md_err lerr;
+        if (md_app_load_traffic(app, &lerr) != MD_OK)
+            md_traffic_set(app->traffic, name, NULL, NULL, NULL, NULL);
+    } else if (st != MD_ECONFLICT) {
+        md_log(MD_LOG_WARN, "model %s: promote_when could not act (%s); it tries again", name,
+               err.msg);
+    }
+    json_decref(null);
+    json_decref(note);
+    return st == MD_OK;
+}
+
 /* Judge one split; 1 when it acted. */
 static int judge_one(md_app *app, json_t *item)
 {
+    if (!json_is_object(json_object_get(item, "traffic")))
+        return judge_shadow(app, item);
     const char *name = json_string_value(json_object_get(item, "model"));
     json_t *traffic = json_object_get(item, "traffic");
     json_t *when = json_object_get(item, "promote_when");

@@ -366,7 +366,8 @@ def test_history_records_who_changed_the_default_and_why(start_server):
     {"min_requests": 10},
     {"max_error_rate": 0.1},
     {"min_requests": 10, "max_error_rate": 1.5},
-    {"min_requests": 10, "max_error_rate": 0.1, "min_agreement": 0.99},
+    {"min_requests": 10, "max_error_rate": 0.1, "min_agreement": 2},
+    {"min_requests": 10, "max_error_rate": 0.1, "max_latency": 2},
     [10, 0.1],
 ])
 def test_a_bad_promote_when_is_refused(start_server, when):
@@ -544,3 +545,48 @@ def test_a_shadow_share_and_its_rules(start_server):
     assert r.status_code == 200 and r.json()["shadow"] is None, r.text
     assert srv.request("DELETE", "/models/m/versions/1").status_code == 200
     assert history(srv)[-1]["change"] == {"shadow": None}
+
+
+def test_promote_when_promotes_a_shadow_that_agrees(start_server):
+    srv = start_server()
+    deploy(srv)
+    deploy(srv, make_default="false")
+    r = patch(srv, {"shadow": {"version": 2}, "promote_when": {
+        "min_requests": 30, "max_error_rate": 0.0, "min_agreement": 0.99}})
+    assert r.status_code == 200, r.text
+    s = requests.Session()
+    for i in range(30):
+        assert answered_by(s.post(f"{srv.url}/models/m/predict", json=rows(i),
+                                  timeout=30)) == 1
+    m = poll(lambda: (lambda m: m if m["default_version"] == 2 else None)(
+        srv.get("/models/m").json()), "promote_when makes the shadow the default")
+    assert m["shadow"] is None and m["promote_when"] is None
+    h = history(srv)[-1]
+    assert h["by"] == "promote_when" and h["change"] == {"shadow": None, "default_version": 2}
+    assert "agreement of 1.000000" in h["reason"], h
+
+
+def test_promote_when_ends_a_shadow_that_fails(start_server):
+    srv = start_server()
+    deploy(srv)
+    throws = (FIXTURES / "throws.pt").read_bytes()
+    r = srv.request("POST", "/models/m/versions",
+                    data={"config": json.dumps(CONFIG), "make_default": "false"},
+                    files={"checkpoint": ("t.pt", throws, "application/octet-stream")},
+                    timeout=30 * TSCALE)
+    assert r.status_code == 201, r.text
+    r = patch(srv, {"shadow": {"version": 2}, "promote_when": {
+        "min_requests": 50, "max_error_rate": 0.02}})
+    assert r.status_code == 200, r.text
+    s = requests.Session()
+    for i in range(100):
+        row = [[-1.0, 2.0, 3.0, 4.0]] if i % 10 == 0 else [[abs(v) for v in rows(i, 1)[0]]]
+        assert answered_by(s.post(f"{srv.url}/models/m/predict", json=row, timeout=30)) == 1
+        if srv.get("/models/m").json()["shadow"] is None:
+            break
+    m = poll(lambda: (lambda m: m if m["shadow"] is None else None)(
+        srv.get("/models/m").json()), "promote_when ends the failing shadow")
+    assert m["default_version"] == 1
+    h = history(srv)[-1]
+    assert h["by"] == "promote_when" and h["change"] == {"shadow": None}, h
+    assert "shadow version 2 failed" in h["reason"], h
