@@ -102,6 +102,8 @@ LIB_C   += jobs/gzstream.c
 LIB_C   += predictor/classes.c
 # the S3 client the blob store and s3:// sources are built on (issue 25)
 LIB_C   += checkpoint/s3.c
+# the blobs seam (blobs_impl.h): a directory (default) or S3 with a local cache
+LIB_C   += checkpoint/blobs_dir.c checkpoint/blobs_s3.c
 LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
@@ -110,6 +112,9 @@ UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_b
 	test_image test_multipart
 # the S3 client against a loopback listener: AWS's SigV4 examples, failures, resume
 UNIT_TESTS += test_s3
+# the blobs seam's conformance suite: the directory here, S3 under tests/with_s3.sh
+# (tests/e2e/test_blobs_seam.py in make e2e)
+UNIT_TESTS += test_blobs
 # the batcher is tested over a fake backend: the linker seam replaces libtorch calls
 LDFLAGS_test_batcher := -Wl,--wrap=md_torch_load -Wl,--wrap=md_torch_forward -Wl,--wrap=md_torch_free \
     -Wl,--wrap=md_torch_replica -Wl,--wrap=md_torch_forward_quiet \
@@ -201,9 +206,10 @@ $(PROMTOOL):
 	    { $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq && apt-get download prometheus; }; } && \
 	  dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb && touch usr/bin/promtool
 
-e2e: $(MODELD) $(PROMTOOL) $(S3RVER) $(BUILD)/tests/test_s3_live
+e2e: $(MODELD) $(PROMTOOL) $(S3RVER) $(BUILD)/tests/test_s3_live $(BUILD)/tests/test_blobs
 	MODELD_BIN=$(CURDIR)/$(MODELD) PROMTOOL=$(CURDIR)/$(PROMTOOL) \
-	  S3_LIVE_BIN=$(CURDIR)/$(BUILD)/tests/test_s3_live $(PYTHON) -m pytest -q tests/e2e \
+	  S3_LIVE_BIN=$(CURDIR)/$(BUILD)/tests/test_s3_live \
+	  BLOBS_TEST_BIN=$(CURDIR)/$(BUILD)/tests/test_blobs $(PYTHON) -m pytest -q tests/e2e \
 	  $(PYTEST_ARGS)
 
 

@@ -123,6 +123,8 @@ void md_blobs_sweep_orphans(md_store *s)
 /* Rows whose blob is missing are marked failed with the reason. */
 md_status md_blobs_check(md_store *s, md_err *err)
 {
+    if (bl_remote(s->blobs))
+        return MD_OK; /* blobs/ is a cache: a file not there is fetched when needed */
     md_ixstmt *st = prep(s, "SELECT model, version, sha256 FROM versions WHERE state != "
                                "'failed' OR state_reason NOT LIKE 'checkpoint file %'", err);
     if (!st)
@@ -232,6 +234,33 @@ md_status md_blob_write(md_blob_writer *w, const void *data, size_t len, md_err 
     return MD_OK;
 }
 
+md_status md_blob_adopt(md_blob_writer *w, md_err *err)
+{
+    static __thread char buf[1 << 16];
+    off_t off = 0;
+    for (;;) {
+        ssize_t n = pread(w->fd, buf, sizeof buf, off);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return md_err_set(err, MD_EIO, "store %s: reading back the download failed: %s",
+                              w->store->dir, strerror(errno));
+        if (n == 0)
+            break;
+        if ((long long)n > w->max_bytes - w->size)
+            return md_err_setc(err, MD_ETOOBIG, "checkpoint_too_large",
+                               "checkpoint is larger than the limit of %lld bytes; raise "
+                               "max_checkpoint_bytes to accept it",
+                               w->max_bytes);
+        EVP_DigestUpdate(w->sha, buf, (size_t)n);
+        w->size += n;
+        off += n;
+    }
+    if (lseek(w->fd, 0, SEEK_END) < 0)
+        return md_err_set(err, MD_EIO, "store %s: %s", w->store->dir, strerror(errno));
+    return MD_OK;
+}
+
 long long md_blob_size(const md_blob_writer *w) { return w->size; }
 
 const char *md_blob_path(const md_blob_writer *w) { return w->tmp_path; }
@@ -247,6 +276,14 @@ void md_blob_abort(md_blob_writer *w)
 {
     if (!w)
         return;
+    if (w->key[0]) {
+        /* uploaded, and no row names it: nothing else will ever delete it
+         * (failing, the orphan sweep will, after its grace period) */
+        md_err err;
+        if (bl_remove(w->store->blobs, w->key, &err) != MD_OK)
+            md_log(MD_LOG_WARN, "store: the unused upload %s is left for the orphan sweep: %s",
+                   w->key, err.msg);
+    }
     if (w->fd >= 0)
         close(w->fd);
     if (w->tmp_path[0])
@@ -356,6 +393,17 @@ static void release_blob(md_store *s, const char *sha)
     blob_path(s, sha, path, sizeof path);
     if (unlink(path) == 0)
         md_log(MD_LOG_DEBUG, "store: removed blob %s", path);
+    if (!bl_remote(s->blobs))
+        return;
+    /* mark: the collector thread deletes each object, then its row (so a
+     * row of blob_keys outlives its object, never the reverse); no row can
+     * name these bytes again without uploading them anew (blobs_impl.h) */
+    md_ixstmt *st = prep(s, "UPDATE blob_keys SET state = 'deleting' WHERE sha256 = ?1 AND "
+                            "state = 'live'", NULL);
+    ix_bind_text(st, 1, sha);
+    if (ix_step(st) != MD_IX_DONE)
+        md_log(MD_LOG_WARN, "store: the objects of blob %s are left for the orphan sweep", sha);
+    ix_finalize(st);
 }
 
 void md_sha_list_add(sha_list *l, const char *sha)
@@ -381,6 +429,12 @@ void md_blobs_release_all(md_store *s, sha_list *l)
             md_log(MD_LOG_WARN, "%s", err.msg);
         if (txn_end(s, MD_OK, TXN_KEEP, &err) != MD_OK)
             md_log(MD_LOG_WARN, "store: blob collection: %s", err.msg);
+        else if (s->gc_started) {
+            pthread_mutex_lock(&s->gc_mu);
+            s->gc_kick = 1;
+            pthread_cond_signal(&s->gc_cv);
+            pthread_mutex_unlock(&s->gc_mu);
+        }
     } else if (l->count) {
         md_log(MD_LOG_WARN, "store: unreferenced blobs kept for the next sweep: %s", err.msg);
     }
@@ -419,5 +473,284 @@ md_status md_blob_place(md_store *s, md_blob_writer *blob, const char *what, int
         *moved = 1;
     }
     blob->tmp_path[0] = '\0';
+    int live = bl_remote(s->blobs) && md_blob_stored_locked(s, blob->sha256);
+    if (bl_remote(s->blobs) && !blob->key[0] && !live)
+        /* md_blob_upload saw these bytes stored and skipped its upload; a
+         * collector marked that object since: nothing holds them now */
+        return md_err_setc(err, MD_EBUSY, "blob_collected",
+                           "store %s: the stored copy of this %s was being deleted during the "
+                           "upload; retry", s->dir, what);
+    if (blob->key[0]) {
+        /* the object md_blob_upload put, owned by this transaction's rows;
+         * when another upload of the same bytes committed first, kept as a
+         * duplicate the collector deletes */
+        char now[32];
+        now_iso(now);
+        md_ixstmt *st = prep(s, "INSERT INTO blob_keys (key, sha256, state, created_at) "
+                                "VALUES (?1, ?2, ?4, ?3)", err);
+        if (!st)
+            return MD_EIO;
+        ix_bind_text(st, 1, blob->key);
+        ix_bind_text(st, 2, blob->sha256);
+        ix_bind_text(st, 3, now);
+        ix_bind_text(st, 4, live ? "deleting" : "live");
+        md_status rc = ix_step(st) == MD_IX_DONE ? MD_OK : db_fail(s, err, "record the upload");
+        ix_finalize(st);
+        if (rc != MD_OK)
+            return rc;
+    }
     return md_blobs_sync_dir(s, err);
+}
+
+/* ---- the blobs backend (blobs_impl.h): uploads, fetches, the collector ---- */
+
+md_status md_blob_upload(md_store *s, md_blob_writer *blob, md_err *err)
+{
+    md_assert(blob && blob->finished);
+    if (!bl_remote(s->blobs))
+        return MD_OK;
+    /* the same bytes stored already: no second upload (md_blob_place checks
+     * again inside the transaction that names them) */
+    pthread_mutex_lock(&s->mu);
+    int stored = md_blob_stored_locked(s, blob->sha256);
+    pthread_mutex_unlock(&s->mu);
+    if (stored)
+        return MD_OK;
+    return bl_put(s->blobs, blob->sha256, blob->tmp_path, blob->key, err);
+}
+
+void md_blob_committed(md_blob_writer *blob, md_status rc)
+{
+    if (!blob || rc != MD_OK)
+        return;
+    blob->key[0] = '\0'; /* a row names it now: it is the collector's */
+    bl_trim(blob->store->blobs); /* S3: the upload's file joined the cache */
+}
+
+int md_blob_stored_locked(md_store *s, const char *sha)
+{
+    if (!bl_remote(s->blobs)) {
+        char path[4096];
+        blob_path(s, sha, path, sizeof path);
+        return access(path, R_OK) == 0;
+    }
+    md_ixstmt *st = prep(s, "SELECT 1 FROM blob_keys WHERE sha256 = ?1 AND state = 'live' LIMIT 1",
+                         NULL);
+    ix_bind_text(st, 1, sha);
+    int found = ix_step(st) == MD_IX_ROW;
+    ix_finalize(st);
+    return found;
+}
+
+static md_status fetch_by_key(md_store *s, const char *sha, md_err *err);
+
+md_status md_store_blob_fetch(md_store *s, const char *sha, char *path, size_t size, md_err *err)
+{
+    blob_path(s, sha, path, size);
+    /* cached first: the index is not asked for a file this replica has */
+    md_status st = bl_fetch(s->blobs, sha, NULL, err);
+    if (st == MD_ENOTFOUND && bl_remote(s->blobs))
+        st = fetch_by_key(s, sha, err);
+    if (st == MD_ENOTFOUND)
+        bl_pin(s->blobs, sha, 1); /* so that every MD_OK or MD_ENOTFOUND pairs with a release */
+    return st;
+}
+
+/* The blob is not cached: download it from the object a live key names. */
+static md_status fetch_by_key(md_store *s, const char *sha, md_err *err)
+{
+    md_status st = MD_OK;
+    char key[MD_BLOB_KEY_MAX] = "";
+    pthread_mutex_lock(&s->mu);
+    md_ixstmt *q = prep(s, "SELECT key FROM blob_keys WHERE sha256 = ?1 AND state = 'live' "
+                           "ORDER BY created_at LIMIT 1", err);
+    ix_bind_text(q, 1, sha);
+    int step = ix_step(q);
+    if (step == MD_IX_ROW)
+        snprintf(key, sizeof key, "%s", ix_column_text(q, 0));
+    ix_finalize(q);
+    if (step == MD_IX_ERROR)
+        st = db_fail(s, err, "find the object holding a blob");
+    pthread_mutex_unlock(&s->mu);
+    if (step == MD_IX_ERROR)
+        return st;
+    return bl_fetch(s->blobs, sha, key, err); /* the network, without the mutex */
+}
+
+void md_store_blob_release(md_store *s, const char *sha)
+{
+    if (s && sha)
+        bl_pin(s->blobs, sha, 0);
+}
+
+/* The grace period of the orphan sweeps (MD_TEST_ORPHAN_GRACE_S for tests). */
+static long orphan_grace_s(void)
+{
+    const char *t = getenv("MD_TEST_ORPHAN_GRACE_S");
+    return t && atol(t) >= 0 && t[0] ? atol(t) : ORPHAN_GRACE_S;
+}
+
+/* Delete the objects garbage collection marked, then their rows. Returns
+ * how many it deleted. */
+static int collect_marked(md_store *s)
+{
+    enum { BATCH = 64 };
+    char (*keys)[MD_BLOB_KEY_MAX] = md_xcalloc(BATCH, sizeof *keys);
+    int n = 0, done = 0;
+    pthread_mutex_lock(&s->mu);
+    md_ixstmt *st = prep(s, "SELECT key FROM blob_keys WHERE state = 'deleting' LIMIT 64", NULL);
+    while (n < BATCH && ix_step(st) == MD_IX_ROW)
+        snprintf(keys[n++], MD_BLOB_KEY_MAX, "%s", ix_column_text(st, 0));
+    ix_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < n; i++) {
+        md_err err;
+        if (bl_remove(s->blobs, keys[i], &err) != MD_OK) {
+            md_log(MD_LOG_WARN, "store: deleting %s failed (retried later): %s", keys[i],
+                   err.msg);
+            break; /* S3 is failing: the rest waits for the next pass */
+        }
+        pthread_mutex_lock(&s->mu);
+        md_status rc = txn_begin(s, &err);
+        if (rc == MD_OK) {
+            md_ixstmt *del = prep(s, "DELETE FROM blob_keys WHERE key = ?1 AND state = 'deleting'",
+                                  &err);
+            ix_bind_text(del, 1, keys[i]);
+            rc = ix_step(del) == MD_IX_DONE ? MD_OK : db_fail(s, &err, "drop a deleted object");
+            ix_finalize(del);
+            rc = txn_end(s, rc, TXN_KEEP, &err);
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (rc == MD_OK) {
+            done++;
+            md_log(MD_LOG_DEBUG, "store: deleted object %s", keys[i]);
+        }
+    }
+    free(keys);
+    return done;
+}
+
+/* Whether `key` is one md_blob_upload makes: blobs/<64 hex>/<32 hex>.
+ * Anything else under the prefix is not modeld's to delete. */
+static int own_key(const char *key)
+{
+    if (strncmp(key, "blobs/", 6) != 0 || strlen(key) != 6 + 64 + 1 + 32 || key[70] != '/')
+        return 0;
+    for (int i = 6; key[i]; i++)
+        if (i != 70 && !((key[i] >= '0' && key[i] <= '9') || (key[i] >= 'a' && key[i] <= 'f')))
+            return 0;
+    return 1;
+}
+
+typedef struct orphan_scan {
+    md_store *s;
+    long grace;
+    int removed;
+} orphan_scan;
+
+/* One listed object: deleted when it is older than the grace and no row of
+ * blob_keys names it (an upload whose row never committed). */
+static int on_listed(void *ctx, const char *key, long long age_s)
+{
+    orphan_scan *o = ctx;
+    md_store *s = o->s;
+    if (__atomic_load_n(&s->gc_stop, __ATOMIC_RELAXED))
+        return 1; /* closing */
+    if (age_s < o->grace || !own_key(key))
+        return 0;
+    pthread_mutex_lock(&s->mu);
+    md_ixstmt *st = prep(s, "SELECT 1 FROM blob_keys WHERE key = ?1", NULL);
+    ix_bind_text(st, 1, key);
+    int step = ix_step(st);
+    ix_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    if (step != MD_IX_DONE)
+        return step == MD_IX_ERROR; /* named (kept), or the index is down: stop */
+    md_err err;
+    if (bl_remove(s->blobs, key, &err) == MD_OK) {
+        o->removed++;
+        md_log(MD_LOG_INFO, "store: removed the orphan object %s (no row names it)", key);
+        return 0;
+    }
+    md_log(MD_LOG_WARN, "store: orphan sweep: %s", err.msg);
+    return 1;
+}
+
+/* Live keys of bytes no row names (a collection whose transaction failed:
+ * the index was down) are marked too, in a write transaction, so that no
+ * object is kept forever. */
+static void mark_unnamed(md_store *s)
+{
+    md_err err;
+    pthread_mutex_lock(&s->mu);
+    md_status rc = txn_begin(s, &err);
+    if (rc == MD_OK) {
+        rc = exec(s,
+                  "UPDATE blob_keys SET state = 'deleting' WHERE state = 'live' AND NOT EXISTS "
+                  "(SELECT 1 FROM versions WHERE versions.sha256 = blob_keys.sha256 OR "
+                  "versions.arch_sha256 = blob_keys.sha256) AND NOT EXISTS (SELECT 1 FROM "
+                  "models WHERE models.arch_sha256 = blob_keys.sha256)",
+                  &err);
+        rc = txn_end(s, rc, TXN_KEEP, &err);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (rc != MD_OK)
+        md_log(MD_LOG_WARN, "store: marking unnamed objects skipped: %s", err.msg);
+}
+
+static void *gc_main(void *arg)
+{
+    md_store *s = arg;
+    time_t next_sweep = 0; /* at start, then hourly */
+    pthread_mutex_lock(&s->gc_mu);
+    while (!s->gc_stop) {
+        pthread_mutex_unlock(&s->gc_mu);
+        while (collect_marked(s) == 64)
+            ;
+        if (time(NULL) >= next_sweep) {
+            mark_unnamed(s);
+            while (collect_marked(s) == 64)
+                ;
+            orphan_scan o = {s, orphan_grace_s(), 0};
+            md_err err;
+            if (bl_list(s->blobs, on_listed, &o, &err) != MD_OK)
+                md_log(MD_LOG_WARN, "store: orphan sweep of S3 skipped: %s", err.msg);
+            next_sweep = time(NULL) + (getenv("MD_TEST_ORPHAN_GRACE_S") ? 5 : 3600);
+        }
+        pthread_mutex_lock(&s->gc_mu);
+        if (s->gc_stop)
+            break;
+        if (!s->gc_kick) {
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_sec += getenv("MD_TEST_ORPHAN_GRACE_S") ? 1 : 60;
+            pthread_cond_timedwait(&s->gc_cv, &s->gc_mu, &until);
+        }
+        s->gc_kick = 0;
+    }
+    pthread_mutex_unlock(&s->gc_mu);
+    return NULL;
+}
+
+void md_blobs_start_gc(md_store *s)
+{
+    if (!bl_remote(s->blobs))
+        return;
+    if (pthread_create(&s->gc_thread, NULL, gc_main, s) == 0)
+        s->gc_started = 1;
+    else
+        md_log(MD_LOG_WARN, "store: no collector thread; S3 objects are collected at the next "
+                            "start");
+}
+
+void md_blobs_stop_gc(md_store *s)
+{
+    if (!s->gc_started)
+        return;
+    pthread_mutex_lock(&s->gc_mu);
+    __atomic_store_n(&s->gc_stop, 1, __ATOMIC_RELAXED);
+    pthread_cond_signal(&s->gc_cv);
+    pthread_mutex_unlock(&s->gc_mu);
+    pthread_join(s->gc_thread, NULL);
+    s->gc_started = 0;
 }

@@ -8,7 +8,9 @@
  * after their blob is in place, in one transaction, so a committed row always
  * has its file. A blob is unlinked only when no row references it. At open,
  * stale temp files and blobs no row references are swept, and rows whose blob
- * is missing are marked failed.
+ * is missing are marked failed. With blob_url (md_store_open_opts) the
+ * bytes live in S3 and blobs/ is this replica's cache of them: see
+ * md_store_blob_fetch.
  *
  * Thread safety: every md_store_* function is safe to call from any thread
  * (one mutex serialises use of the SQLite connection). An md_blob_writer is
@@ -71,6 +73,24 @@ md_status md_store_open(const char *dir, md_store **out, md_err *err);
  * database that cannot be reached is MD_EUNAVAIL index_unavailable. */
 md_status md_store_open_index(const char *dir, const char *index_url, md_store **out,
                               md_err *err);
+/* Where a store keeps its index and its blobs. */
+typedef struct md_store_opts {
+    const char *index_url;     /* as md_store_open_index's */
+    const char *blob_url;      /* NULL or "": dir/blobs holds the blobs; "s3://BUCKET/PREFIX":
+                                * S3 does (credentials and endpoint from AWS_*, s3.h), and
+                                * dir/blobs is this replica's cache of them */
+    long long cache_max_bytes; /* S3: the cache's bound (least recently used files go);
+                                * 0 = none */
+    int s3_path_style;         /* S3: -1 auto (path-style for a custom endpoint), 0, 1 */
+} md_store_opts;
+
+/* As md_store_open_index, with the blobs where `opts` says (NULL: the
+ * defaults). A blob_url that is not s3:// is MD_EINVAL blob_url_invalid; bad
+ * AWS_* settings are MD_EINVAL naming the variable. Opening talks to no S3
+ * server: S3 unreachable at start fails nothing, and marks no version
+ * failed. */
+md_status md_store_open_opts(const char *dir, const md_store_opts *opts, md_store **out,
+                             md_err *err);
 /* Close the store. Accepts NULL. */
 void md_store_close(md_store *store);
 
@@ -103,8 +123,23 @@ long long md_blob_size(const md_blob_writer *w);
 const char *md_blob_sha256(const md_blob_writer *w);
 /* The temp file being written (valid until the writer is consumed). */
 const char *md_blob_path(const md_blob_writer *w);
-/* The final path of the blob with this sha256. */
+/* The final path of the blob with this sha256 (in S3 mode, its place in
+ * the cache, which may not hold it now: see md_store_blob_fetch). */
 void md_store_sha_path(const md_store *store, const char *sha256, char *out, size_t size);
+/* The local path of the blob `sha256` into `path`, always, and whether the
+ * file is there: with blobs in S3 it is downloaded into the cache first
+ * (checked by sha256 before it gets its name). MD_OK: the file is readable
+ * and pinned (never evicted) until md_store_blob_release; MD_ENOTFOUND: no
+ * such bytes are stored; MD_EUNAVAIL: S3 (or the index) cannot be reached
+ * now, retry later; MD_EIO: the object's bytes are not those. Every MD_OK
+ * and MD_ENOTFOUND pairs with one md_store_blob_release; the other
+ * statuses pin nothing. Blocks on the network: never on a libmicrohttpd
+ * thread. Thread-safe. */
+md_status md_store_blob_fetch(md_store *store, const char *sha256, char *path, size_t size,
+                              md_err *err);
+/* The caller of a successful md_store_blob_fetch is done reading the file
+ * (one release per fetch). Accepts NULL. Thread-safe. */
+void md_store_blob_release(md_store *store, const char *sha256);
 /* Finish writing: check it is non-empty, a TorchScript archive, and (when
  * `expect_sha256` is non-NULL and non-empty) has that hash; fsync. Fills
  * `sha256` and `size`. On failure the writer and its temp file are gone; on
@@ -141,6 +176,8 @@ typedef struct md_fetch_opts {
     const md_strlist *allowed_urls;  /* when non-empty, each http(s) URL and redirect must
                                       * match one: scheme, host, port, path under its path */
     int allow_private;               /* 1: may connect to loopback, private, link-local... */
+    const md_strlist *allowed_s3;    /* s3://BUCKET/KEY sources must be under one of these
+                                      * BUCKET[/PREFIX]; empty = s3:// sources refused */
     /* Optional: called during a transfer (about once a second and on every
      * read); returning 0 stops it with MD_ECONFLICT. Called on the
      * downloading thread. */

@@ -39,6 +39,8 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "s3.h"
+#include "store_internal.h"
 
 static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
 static void curl_init(void) { curl_global_init(CURL_GLOBAL_DEFAULT); }
@@ -390,12 +392,131 @@ md_fetch_opts md_fetch_opts_from_cfg(const md_cfg *cfg)
         .allowed_paths = &cfg->allowed_paths,
         .allowed_urls = &cfg->allowed_urls,
         .allow_private = cfg->allow_private_urls,
+        .allowed_s3 = &cfg->allowed_s3,
     };
     return o;
 }
 
+/* ---- s3:// sources ----
+ * Operator-configured storage: read with the AWS_* credentials, not subject
+ * to allow_private_urls (the endpoint is the operator's), but only from the
+ * buckets and prefixes allowed_s3 lists. */
+
+/* Whether s3://bucket/key is under the allowed_s3 entry "BUCKET[/PREFIX]":
+ * the same bucket, and the key under the prefix at a '/' boundary (unless
+ * the prefix ends in '/'). */
+static int s3_allowed_by(const char *bucket, const char *key, const char *entry)
+{
+    const char *slash = strchr(entry, '/');
+    size_t blen = slash ? (size_t)(slash - entry) : strlen(entry);
+    if (strlen(bucket) != blen || strncmp(bucket, entry, blen) != 0)
+        return 0;
+    const char *prefix = slash ? slash + 1 : "";
+    size_t plen = strlen(prefix);
+    if (plen == 0)
+        return 1;
+    if (strncmp(key, prefix, plen) != 0)
+        return 0;
+    return prefix[plen - 1] == '/' || key[plen] == '/';
+}
+
+static md_status s3_source_check(const char *url, const md_fetch_opts *o, char *bucket,
+                                 char *key, md_err *err)
+{
+    md_err perr;
+    if (md_s3_url_parse(url, bucket, key, &perr) != MD_OK)
+        return md_err_setc(err, MD_EINVAL, "invalid_source", "source %.200s: %s", url, perr.msg);
+    size_t klen = strlen(key);
+    if (klen == 0 || key[klen - 1] == '/')
+        return md_err_setc(err, MD_EINVAL, "invalid_source",
+                           "source %.200s names no object; give s3://BUCKET/KEY of the "
+                           "checkpoint file",
+                           url);
+    /* S3 keys are literal, but not every S3-compatible server keeps "." and
+     * ".." segments so: the allow-list must see the key the server reads */
+    for (const char *seg = key; seg; seg = strchr(seg, '/') ? strchr(seg, '/') + 1 : NULL) {
+        size_t n = strcspn(seg, "/");
+        if ((n == 1 && seg[0] == '.') || (n == 2 && seg[0] == '.' && seg[1] == '.') || n == 0)
+            return md_err_setc(err, MD_EINVAL, "invalid_source",
+                               "source %.200s: a key with an empty, \".\" or \"..\" segment "
+                               "is not accepted; name the object without them",
+                               url);
+    }
+    if (!o->allowed_s3 || o->allowed_s3->count == 0)
+        return md_err_setc(err, MD_EFORBIDDEN, "source_not_allowed",
+                           "source %.200s: s3:// sources are disabled; set allowed_s3 to the "
+                           "buckets (or BUCKET/PREFIX) the server may deploy from",
+                           url);
+    for (int i = 0; i < o->allowed_s3->count; i++)
+        if (s3_allowed_by(bucket, key, o->allowed_s3->items[i]))
+            return MD_OK;
+    return md_err_setc(err, MD_EFORBIDDEN, "source_not_allowed",
+                       "source %.200s is not under any allowed_s3 entry (BUCKET or "
+                       "BUCKET/PREFIX); add it to the allowed_s3 setting",
+                       url);
+}
+
+/* Download s3://bucket/key into a new blob writer: HEAD first, so an object
+ * past max_bytes is refused before a byte is written; then the bytes into
+ * the writer's temp file (s3.c resumes a cut transfer), hashed there. */
+static md_status fetch_s3(md_store *store, const char *url, const md_fetch_opts *o,
+                          md_blob_writer **out, md_err *err)
+{
+    char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
+    md_status st = s3_source_check(url, o, bucket, key, err);
+    if (st != MD_OK)
+        return st;
+    md_s3_config cfg;
+    if ((st = md_s3_config_from_env(&cfg, err)) != MD_OK)
+        return st;
+    md_s3_net net;
+    md_s3_net_defaults(&net);
+    if (o->connect_timeout_s > 0)
+        net.connect_timeout_ms = o->connect_timeout_s * 1000L;
+    const char *stall = getenv("MD_TEST_S3_STALL_S");
+    if (stall && atoi(stall) > 0) {
+        net.low_speed_time_s = atoi(stall);
+        net.request_timeout_ms = atoi(stall) * 1000L;
+    }
+    char root[MD_S3_BUCKET_MAX + 8];
+    snprintf(root, sizeof root, "s3://%s", bucket);
+    md_s3 *s3 = NULL;
+    st = md_s3_open(&cfg, root, &net, &s3, err);
+    explicit_bzero(&cfg, sizeof cfg);
+    if (st != MD_OK)
+        return st;
+    md_s3_object info;
+    md_blob_writer *w = NULL;
+    if ((st = md_s3_head(s3, key, &info, err)) == MD_OK && info.size > o->max_bytes)
+        st = md_err_setc(err, MD_ETOOBIG, "checkpoint_too_large",
+                         "source %.200s holds %lld bytes, more than the limit of %lld; raise "
+                         "max_checkpoint_bytes to accept it",
+                         url, (long long)info.size, o->max_bytes);
+    if (st == MD_OK)
+        st = md_blob_begin(store, o->max_bytes, &w, err);
+    if (st == MD_OK)
+        st = md_s3_get_fd(s3, key, w->fd, &info, err);
+    if (st == MD_OK)
+        st = md_blob_adopt(w, err);
+    md_s3_close(s3);
+    if (st == MD_EUNAVAIL)
+        snprintf(err->code, sizeof err->code, "s3_unavailable");
+    else if (st == MD_ENOTFOUND)
+        snprintf(err->code, sizeof err->code, "source_not_found");
+    if (st != MD_OK) {
+        md_blob_abort(w);
+        return st;
+    }
+    *out = w;
+    return MD_OK;
+}
+
 md_status md_source_check(const char *url, const md_fetch_opts *o, md_err *err)
 {
+    if (strncmp(url, "s3://", 5) == 0) {
+        char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
+        return s3_source_check(url, o, bucket, key, err);
+    }
     if (strncmp(url, "file://", 7) == 0) {
         const char *path = url + 7;
         if (path[0] != '/')
@@ -420,7 +541,8 @@ md_status md_source_check(const char *url, const md_fetch_opts *o, md_err *err)
     }
     if (strncmp(url, "http://", 7) != 0 && strncmp(url, "https://", 8) != 0)
         return md_err_setc(err, MD_EINVAL, "invalid_source",
-                           "source \"%.200s\": only http://, https:// and file:// URLs are supported",
+                           "source \"%.200s\": only http://, https://, file:// and s3:// URLs are "
+                           "supported",
                            url);
     return url_check(url, url, 0, o, err);
 }
@@ -685,6 +807,8 @@ md_status md_fetch_blob(md_store *store, const char *url, const md_fetch_opts *o
                         md_blob_writer **out, md_err *err)
 {
     *out = NULL;
+    if (strncmp(url, "s3://", 5) == 0)
+        return fetch_s3(store, url, o, out, err);
     md_status st = md_source_check(url, o, err);
     if (st != MD_OK)
         return st;

@@ -53,8 +53,9 @@
 #define NUMERICOID 1700
 
 /* The tables at schema version 7 in one step (entries 1-6 are SQLite's
- * history): proper types, "C" collation on the keys so names sort and page
- * bytewise as in SQLite, JSON as TEXT (read and changed with jansson). */
+ * history), then the steps both backends take: proper types, "C" collation
+ * on the keys so names sort and page bytewise as in SQLite, JSON as TEXT
+ * (read and changed with jansson). */
 static const char *const migrations[MD_INDEX_SCHEMA] = {
     NULL, NULL, NULL, NULL, NULL, NULL,
     "CREATE TABLE meta (key TEXT COLLATE \"C\" PRIMARY KEY, value TEXT NOT NULL);"
@@ -112,6 +113,13 @@ static const char *const migrations[MD_INDEX_SCHEMA] = {
     "  files_skipped BIGINT,"
     "  accuracy_note TEXT);"
     "CREATE INDEX jobs_status ON jobs(status, created_at);",
+    /* 8: blobs in S3 (issue 25): as index_sqlite.c's 8 */
+    "CREATE TABLE blob_keys ("
+    "  key TEXT COLLATE \"C\" PRIMARY KEY,"
+    "  sha256 TEXT NOT NULL,"
+    "  state TEXT NOT NULL DEFAULT 'live' CHECK (state IN ('live','deleting')),"
+    "  created_at TEXT NOT NULL);"
+    "CREATE INDEX blob_keys_sha256 ON blob_keys(sha256, state);",
 };
 
 typedef struct md_index_pg {

@@ -84,6 +84,15 @@ static const char *const migrations[] = {
     /* 7: why a job over a labelled dataset counts no accuracy (issue 29: a
      * one-column output of undeclared meaning); NULL when it counts one */
     "ALTER TABLE jobs ADD COLUMN accuracy_note TEXT;",
+    /* 8: blobs in S3 (issue 25, blobs_impl.h): every uploaded object's key,
+     * 'live' while rows may name its sha256, 'deleting' once garbage
+     * collection marked it (the object goes, then the row) */
+    "CREATE TABLE blob_keys ("
+    "  key TEXT PRIMARY KEY,"
+    "  sha256 TEXT NOT NULL,"
+    "  state TEXT NOT NULL DEFAULT 'live' CHECK (state IN ('live','deleting')),"
+    "  created_at TEXT NOT NULL);"
+    "CREATE INDEX blob_keys_sha256 ON blob_keys(sha256, state);",
 };
 
 typedef struct md_index_sqlite {

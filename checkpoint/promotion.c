@@ -163,9 +163,9 @@ md_status md_store_set_architecture(md_store *s, const char *name, md_blob_write
     snprintf(sha, sizeof sha, "%s", blob->sha256);
     sha_list released = {0};
     int moved = 0;
-    md_status rc;
+    md_status rc = md_blob_upload(s, blob, err); /* S3: before the row, outside the mutex */
     pthread_mutex_lock(&s->mu);
-    if ((rc = txn_begin(s, err)) != MD_OK)
+    if (rc != MD_OK || (rc = txn_begin(s, err)) != MD_OK)
         goto unlock;
     if ((rc = md_blob_place(s, blob, "architecture", &moved, err)) != MD_OK)
         goto end;
@@ -204,6 +204,7 @@ end:
     rc = txn_end(s, rc, TXN_BUMP, err);
     /* committed: the old architecture, unless a version still uses it */
     md_blobs_settle(s, rc, &released, moved ? sha : NULL);
+    md_blob_committed(blob, rc);
 unlock:
     pthread_mutex_unlock(&s->mu);
     md_blob_abort(blob);

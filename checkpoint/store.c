@@ -36,6 +36,16 @@
  * commit: the row is either committed before the collector looks (the blob
  * stays) or the adder looks after the unlink (and puts its own bytes back).
  * Temp files carry their writer's pid and are swept only once it is gone.
+ *
+ * With blob_url = s3://... (blobs_impl.h, blobs_s3.c) the same ordering
+ * holds one level up: step 3 is preceded by a PUT of the finished file to
+ * S3 under a key of its own, recorded in blob_keys by the transaction of
+ * step 4, so a committed row's bytes are always in S3; blobs/ becomes a
+ * cache that is filled on demand (checked by sha256, renamed) and evicted
+ * past cache_max_bytes. Collection marks the keys of bytes no row names in
+ * its transaction; a collector thread deletes each object, then its
+ * blob_keys row; objects no blob_keys row names (a PUT whose transaction
+ * failed) are swept after ORPHAN_GRACE_S.
  */
 #define _GNU_SOURCE
 #include "store_internal.h"
@@ -123,6 +133,17 @@ md_status md_store_open(const char *dir, md_store **out, md_err *err)
 md_status md_store_open_index(const char *dir, const char *index_url, md_store **out,
                               md_err *err)
 {
+    md_store_opts o = {.index_url = index_url, .s3_path_style = -1};
+    return md_store_open_opts(dir, &o, out, err);
+}
+
+md_status md_store_open_opts(const char *dir, const md_store_opts *opts, md_store **out,
+                             md_err *err)
+{
+    static const md_store_opts none = {.s3_path_style = -1};
+    if (!opts)
+        opts = &none;
+    const char *index_url = opts->index_url;
     *out = NULL;
     char path[4096];
     const char *subs[] = {"", "/blobs", "/tmp"};
@@ -137,7 +158,12 @@ md_status md_store_open_index(const char *dir, const char *index_url, md_store *
     s->dir = md_xstrdup(dir);
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->listen_mu, NULL);
-    /* the one choice of backend: nothing after it branches on it */
+    pthread_mutex_init(&s->gc_mu, NULL);
+    pthread_cond_init(&s->gc_cv, NULL);
+    /* the one choice of each backend: nothing after it branches on it */
+    md_blobs_args bargs = {.url = opts->blob_url, .dir = dir,
+                           .cache_max_bytes = opts->cache_max_bytes,
+                           .path_style = opts->s3_path_style};
     md_index_args args = {.url = index_url, .dir = dir, .on_wait = on_wait, .ctx = s};
     md_status st;
     char where[4200];
@@ -148,13 +174,18 @@ md_status md_store_open_index(const char *dir, const char *index_url, md_store *
     } else {
         snprintf(where, sizeof where, "%s", dir);
     }
-    if ((st = md_index_open(&args, &s->ix, err)) != MD_OK ||
+    if ((st = md_blobs_open(&bargs, &s->blobs, err)) != MD_OK ||
+        (st = md_index_open(&args, &s->ix, err)) != MD_OK ||
         (st = migrate(s, where, err)) != MD_OK || (st = md_blobs_check(s, err)) != MD_OK) {
         md_store_close(s);
         return st;
     }
     md_blobs_sweep_tmp(s);
     md_blobs_sweep_orphans(s);
+    md_blobs_start_gc(s);
+    if (opts->blob_url && opts->blob_url[0])
+        md_log(MD_LOG_INFO, "store %s: blobs in %s, this directory their cache (%lld bytes at "
+               "most; 0 = no bound)", dir, opts->blob_url, opts->cache_max_bytes);
     *out = s;
     return MD_OK;
 }
@@ -163,9 +194,13 @@ void md_store_close(md_store *s)
 {
     if (!s)
         return;
+    md_blobs_stop_gc(s);
     ix_close(s->ix);
+    bl_close(s->blobs);
     pthread_mutex_destroy(&s->mu);
     pthread_mutex_destroy(&s->listen_mu);
+    pthread_mutex_destroy(&s->gc_mu);
+    pthread_cond_destroy(&s->gc_cv);
     free(s->dir);
     free(s);
 }

@@ -1,7 +1,7 @@
 /*
  * store_internal.h - PRIVATE to the store's implementation. Include it only
  * from the checkpoint/ files (store.c, versions.c, promotion.c, retention.c,
- * blobs.c) and jobs/job_store.c, whose job table lives in the same index;
+ * blobs.c, download.c) and jobs/job_store.c, whose job table lives in the same index;
  * every other file goes through checkpoint.h or jobs/jobs.h, where md_store
  * and md_blob_writer stay opaque.
  *
@@ -22,14 +22,21 @@
 #include <stdio.h>
 #include <time.h>
 
+#include "blobs_impl.h"
 #include "checkpoint.h"
 #include "index_impl.h"
 
 struct md_store {
     char *dir;
     md_index *ix;
+    md_blobs *blobs; /* blobs_impl.h: the directory or S3 (then blobs/ is a cache) */
     pthread_mutex_t mu;
     pthread_mutex_t listen_mu; /* md_store_wait_change: one waiter at a time */
+    /* S3 only: the collector thread (blobs.c), woken by gc_cv */
+    pthread_t gc_thread;
+    int gc_started, gc_stop, gc_kick;
+    pthread_mutex_t gc_mu;
+    pthread_cond_t gc_cv;
 };
 
 struct md_blob_writer {
@@ -41,6 +48,9 @@ struct md_blob_writer {
     EVP_MD_CTX *sha;
     int finished;
     char sha256[MD_SHA256_HEX];
+    /* S3: the object md_blob_upload put (""= none); deleted by md_blob_abort
+     * unless md_blob_committed saw its row commit */
+    char key[MD_BLOB_KEY_MAX];
 };
 
 /* The test hook set by md_store_set_test_hook, called at `point` (store.c). */
@@ -136,8 +146,33 @@ void md_blobs_sweep_orphans(md_store *s);
  * `what` names the file in an error ("checkpoint", "architecture"). */
 md_status md_blob_place(md_store *s, md_blob_writer *blob, const char *what, int *moved,
                         md_err *err);
-/* At open: mark rows whose blob is missing failed, with the reason. */
+/* At open: mark rows whose blob is missing failed, with the reason. Only
+ * where the directory holds the blobs: a cache miss (S3) is no missing blob,
+ * and S3 unreachable at start never fails a version. */
 md_status md_blobs_check(md_store *s, md_err *err);
+
+/* Before the write transaction, with neither the mutex nor a transaction
+ * held: put the finished upload `blob` in the blobs backend (S3: under a new
+ * key kept on the writer; the directory: nothing to do, md_blob_place
+ * renames it). MD_EUNAVAIL when S3 cannot be reached: nothing is stored. */
+md_status md_blob_upload(md_store *s, md_blob_writer *blob, md_err *err);
+/* The writer's temp file was filled behind its back (download.c: an S3
+ * GET into blob->fd): hash and count what it holds now, as md_blob_write
+ * would have, MD_ETOOBIG past its limit. */
+md_status md_blob_adopt(md_blob_writer *blob, md_err *err);
+/* After txn_end returned rc: when it committed, the row names the object
+ * md_blob_upload put, so md_blob_abort keeps it; otherwise md_blob_abort
+ * deletes it. Accepts NULL. */
+void md_blob_committed(md_blob_writer *blob, md_status rc);
+/* Within a write transaction: 1 when the bytes `sha` are stored (the
+ * directory: blobs/<sha> exists; S3: a live object holds them), else 0. */
+int md_blob_stored_locked(md_store *s, const char *sha);
+/* At open (S3 only): start the collector thread, which deletes the objects
+ * garbage collection marked, then their blob_keys rows, and sweeps objects
+ * no row names once older than the grace period. md_blobs_stop_gc joins it
+ * (does nothing when it never started). */
+void md_blobs_start_gc(md_store *s);
+void md_blobs_stop_gc(md_store *s);
 
 /* Collect the sha256 of rows about to be deleted so their blobs can be
  * released after the commit. */

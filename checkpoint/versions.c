@@ -216,10 +216,8 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
 {
     if (out)
         *out = NULL;
-    char path[4096];
     char sha[MD_SHA256_HEX];
     snprintf(sha, sizeof sha, "%s", blob ? blob->sha256 : spec->sha256);
-    blob_path(s, sha, path, sizeof path);
     md_status rc = MD_OK;
     sha_list released = {0};
     json_t *added = NULL;
@@ -230,6 +228,12 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
     json_text(spec->metadata, &metadata);
     json_text(spec->metrics, &metrics);
 
+    /* blobs in S3: the object first, outside the mutex (the network), so it
+     * exists before the row naming it commits */
+    if (blob && (rc = md_blob_upload(s, blob, err)) != MD_OK) {
+        pthread_mutex_lock(&s->mu); /* the one exit below unlocks */
+        goto unlock;
+    }
     pthread_mutex_lock(&s->mu);
     /* One write transaction: the blob's file (see DESIGN), model row, version
      * row, default, retention, generation. */
@@ -238,7 +242,7 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
     if (blob) {
         if ((rc = md_blob_place(s, blob, "checkpoint", &moved, err)) != MD_OK)
             goto end;
-    } else if (access(path, R_OK) != 0) {
+    } else if (!md_blob_stored_locked(s, sha)) {
         rc = md_err_set(err, MD_EIO, "store %s: checkpoint %s is no longer stored; retry", s->dir,
                         sha);
         goto end;
@@ -250,10 +254,7 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
      * write transaction, so no release can come between this check and the
      * row that keeps the blob alive. */
     if (spec->arch_sha256 && spec->arch_sha256[0]) {
-        char arch_path[4096];
-        struct stat ab;
-        blob_path(s, spec->arch_sha256, arch_path, sizeof arch_path);
-        if (stat(arch_path, &ab) != 0) {
+        if (!md_blob_stored_locked(s, spec->arch_sha256)) {
             rc = md_err_setc(err, MD_ECONFLICT, "architecture_replaced",
                              "model %s: the architecture was replaced during the upload; retry",
                              spec->model);
@@ -366,6 +367,7 @@ end:
     /* failed: the upload's bytes go, unless another row (maybe a replica's)
      * uses them */
     md_blobs_settle(s, rc, &released, moved ? sha : NULL);
+    md_blob_committed(blob, rc); /* else md_blob_abort deletes the unused object */
     if (rc == MD_OK) {
         json_t *still = NULL;
         if (md_get_version_locked(s, spec->model, version, &still, NULL) == MD_ENOTFOUND && added)
@@ -910,4 +912,5 @@ void md_store_write_metrics(md_store *s, FILE *f)
                    "Bytes of the versions' checkpoints (a blob shared by versions counts for "
                    "each).");
     md_prom_sample(f, "modeld_store_version_bytes", "", (double)bytes);
+    bl_write_metrics(s->blobs, f); /* S3: the cache's */
 }

@@ -57,6 +57,18 @@ static const setting settings[] = {
      "store directory; postgresql://USER:PASSWORD@HOST:PORT/DB?sslmode=... (a libpq URI) = "
      "PostgreSQL 15, shared by replicas on several hosts (the store directory keeps the "
      "blobs); the password is never printed"},
+    {"blob_url", T_STR, OFF(blob_url), 0, 0, "", NULL,
+     "where checkpoint bytes live: empty = blobs/ in the store directory; s3://BUCKET/PREFIX "
+     "= S3 or any S3-compatible storage (credentials, region and endpoint from AWS_ACCESS_KEY_ID, "
+     "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL_S3 and their "
+     "*_FILE forms), and the store directory becomes this replica's cache of them"},
+    {"cache_max_bytes", T_SIZE, OFF(cache_max_bytes), 0, 1LL << 50, "0", NULL,
+     "with blob_url set: most bytes of checkpoints the store directory caches; past it the "
+     "least recently used files go (never one being read); 0 = no bound"},
+    {"s3_path_style", T_ENUM, OFF(s3_path_style), 0, 0, "auto", "auto|true|false",
+     "address S3 buckets path-style (http://ENDPOINT/BUCKET/KEY: MinIO, Ceph, most custom "
+     "endpoints) or virtual-hosted (https://BUCKET.s3.REGION.amazonaws.com); auto = path-style "
+     "for a custom endpoint (AWS_ENDPOINT_URL_S3), virtual-hosted for AWS"},
     {"max_checkpoint_bytes", T_SIZE, OFF(max_checkpoint_bytes), 1, 1024 * GiB, "4294967296", NULL,
      "largest checkpoint accepted by upload or download"},
     {"max_average_bytes", T_SIZE, OFF(max_average_bytes), 1, 1024 * GiB, "17179869184", NULL,
@@ -67,6 +79,10 @@ static const setting settings[] = {
     {"allowed_urls", T_LIST, OFF(allowed_urls), 0, 0, "", NULL,
      "when set, URL sources must match one of these: same scheme, host and port, and a path "
      "under the listed one (comma-separated)"},
+    {"allowed_s3", T_LIST, OFF(allowed_s3), 0, 0, "", NULL,
+     "buckets and prefixes s3://BUCKET/KEY deploy sources may come from, as BUCKET or "
+     "BUCKET/PREFIX (comma-separated); empty = s3:// sources refused. Read with the AWS_* "
+     "credentials; not subject to allow_private_urls"},
     {"allow_private_urls", T_INT, OFF(allow_private_urls), 0, 1, "0", NULL,
      "1 = downloads may connect to loopback, private, link-local and other internal "
      "addresses (and go through the environment's http(s)_proxy); 0 = such a connection is "

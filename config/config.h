@@ -45,10 +45,14 @@ typedef struct md_cfg {
     /* store */
     char *store;                /* store directory (index.sqlite, blobs/) */
     char *index_url;            /* "" = store/index.sqlite; postgresql://... = PostgreSQL */
+    char *blob_url;             /* "" = store/blobs; s3://BUCKET/PREFIX = S3, store/ a cache */
+    long long cache_max_bytes;  /* S3: bound of the store's cache; 0 = none */
+    char *s3_path_style;        /* auto | true | false */
     long long max_checkpoint_bytes; /* largest checkpoint upload or download */
     long long max_average_bytes;    /* most stored bytes one weight average reads */
     md_strlist allowed_paths;   /* file:// sources and job inputs must be under one */
     md_strlist allowed_urls;    /* when non-empty, URL sources must match one (scheme, host, port, path) */
+    md_strlist allowed_s3;      /* s3:// sources must be under one BUCKET[/PREFIX]; empty = none */
     int allow_private_urls;     /* 1: downloads may reach loopback/private/link-local addresses */
     int download_connect_timeout_s;
     int download_timeout_s;

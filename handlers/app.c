@@ -197,6 +197,20 @@ void md_app_forget(md_app *app, const char *name, int version)
     pthread_mutex_unlock(&load_mu);
 }
 
+/* ---- blobs ---- */
+
+md_status md_app_blob(md_app *app, const char *sha, char *path, size_t size, md_err *err)
+{
+    md_err mine;
+    md_status st = md_store_blob_fetch(app->store, sha, path, size, &mine);
+    if (st == MD_OK || st == MD_ENOTFOUND)
+        return MD_OK; /* missing: the caller's check of the file says what is */
+    *err = mine;
+    return st;
+}
+
+void md_app_blob_done(md_app *app, const char *sha) { md_store_blob_release(app->store, sha); }
+
 /* ---- loading: every model modeld serves is loaded here ---- */
 
 md_status md_app_load_file(md_app *app, const char *name, int version, const char *path,
@@ -218,9 +232,12 @@ md_status md_app_load_file(md_app *app, const char *name, int version, const cha
         st = md_model_load(name, version, path, config, &app->model_defaults, out, err);
     } else {
         char arch_path[4096];
-        md_store_sha_path(app->store, arch_sha, arch_path, sizeof arch_path);
-        st = md_model_load_weights(name, version, arch_path, path, format, config,
-                                   &app->model_defaults, out, err);
+        st = md_app_blob(app, arch_sha, arch_path, sizeof arch_path, err);
+        if (st == MD_OK) {
+            st = md_model_load_weights(name, version, arch_path, path, format, config,
+                                       &app->model_defaults, out, err);
+            md_app_blob_done(app, arch_sha);
+        }
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     if (st != MD_OK)
@@ -251,13 +268,18 @@ static md_status load_stored_weights(md_app *app, json_t *v, const char *path, m
                            "model %s version %d is a %s state_dict with no recorded architecture",
                            name, version, format);
     char arch_path[4096];
-    md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
+    md_status st = md_app_blob(app, arch, arch_path, sizeof arch_path, err);
+    if (st != MD_OK)
+        return st;
     if (access(arch_path, R_OK) != 0)
-        return md_err_setc(err, MD_EIO, "checkpoint_missing",
-                           "model %s version %d: its architecture file is missing from the store "
-                           "(sha256 %.64s)",
-                           name, version, arch);
-    return md_app_load_file(app, name, version, path, format, arch, config, m, reserved, err);
+        st = md_err_setc(err, MD_EIO, "checkpoint_missing",
+                         "model %s version %d: its architecture file is missing from the store "
+                         "(sha256 %.64s)",
+                         name, version, arch);
+    else
+        st = md_app_load_file(app, name, version, path, format, arch, config, m, reserved, err);
+    md_app_blob_done(app, arch);
+    return st;
 }
 
 /* Load the stored version described by `v` (its row from the store) and
@@ -270,23 +292,34 @@ static md_model *load_version(md_app *app, json_t *v, long long *reserved, md_er
     *reserved = 0;
     const char *name = json_string_value(json_object_get(v, "model"));
     int version = (int)json_integer_value(json_object_get(v, "version"));
+    const char *sha = json_string_value(json_object_get(v, "sha256"));
     char path[4096];
-    md_store_sha_path(app->store, json_string_value(json_object_get(v, "sha256")), path,
-                      sizeof path);
     md_model *m = NULL;
-    md_status st;
+    /* blobs in S3: fetched into the cache first; S3 unreachable now is
+     * MD_EUNAVAIL, which passes: it never marks the version failed */
+    md_status st = md_app_blob(app, sha, path, sizeof path, err);
+    int pinned = st == MD_OK;
+    if (st == MD_EUNAVAIL) {
+        md_log(MD_LOG_WARN, "model %s version %d cannot be loaded now: %s", name, version,
+               err->msg);
+        return NULL;
+    }
     /* a blob missing now (a replica's delete racing this load, a volume not
      * mounted yet) is an I/O error, which may pass, not a bad checkpoint,
      * which would be remembered (see DESIGN) */
-    if (access(path, R_OK) != 0)
+    if (st != MD_OK)
+        ; /* the object's bytes are not the version's: failed, with that reason */
+    else if (access(path, R_OK) != 0)
         st = md_err_setc(err, MD_EIO, "checkpoint_missing",
                          "model %s version %d: its checkpoint file is missing from the store "
                          "(sha256 %.64s); retry, or upload the version again",
                          name, version, json_string_value(json_object_get(v, "sha256")));
     else
         st = load_stored_weights(app, v, path, &m, reserved, err);
+    if (pinned)
+        md_app_blob_done(app, sha);
     /* no room under max_loaded_bytes says nothing about the version */
-    if (st != MD_EBUSY && !over_budget(err))
+    if (st != MD_EBUSY && st != MD_EUNAVAIL && !over_budget(err))
         md_store_set_state(app->store, name, version, st == MD_OK ? "ready" : "failed",
                            st == MD_OK ? NULL : err->msg, NULL);
     if (st != MD_OK)
@@ -671,6 +704,10 @@ int md_app_load_defaults(md_app *app, int (*stop)(void))
             md_log(MD_LOG_INFO, "model %s version %d loaded", md_model_name(m),
                    md_model_version(m));
             md_model_release(m);
+        } else if (err.status == MD_EUNAVAIL || err.status == MD_ETIMEOUT) {
+            /* S3 unreachable now: not failed; the store sync's first pass
+             * (the poller is not running yet) tries again until it loads */
+            app->synced_generation = -1;
         }
     }
     json_decref(defaults);
@@ -729,7 +766,9 @@ void md_app_sync(md_app *app)
             md_model *m = load_once(app, v, seen, "for the store sync", &err);
             if (!m) {
                 md_log(MD_LOG_WARN, "store sync: model %s version %d: %s", name, version, err.msg);
-                again |= err.status == MD_ETIMEOUT;
+                /* still loading elsewhere, or S3 unreachable now: the old
+                 * version keeps serving, and the next pass tries again */
+                again |= err.status == MD_ETIMEOUT || err.status == MD_EUNAVAIL;
                 continue;
             }
             /* a local deploy or rollback may have moved the default meanwhile */

@@ -234,8 +234,11 @@ static md_status weights_prepare(md_app *app, deploy_req *d, const char *path,
     /* the architecture bounds what reading the file may allocate */
     char arch_path[4096];
     int64_t arch_numel = 0;
-    md_store_sha_path(app->store, arch_sha, arch_path, sizeof arch_path);
-    if ((st = md_weights_arch_numel(arch_path, &arch_numel, err)) != MD_OK)
+    if ((st = md_app_blob(app, arch_sha, arch_path, sizeof arch_path, err)) != MD_OK)
+        return st;
+    st = md_weights_arch_numel(arch_path, &arch_numel, err);
+    md_app_blob_done(app, arch_sha);
+    if (st != MD_OK)
         return st;
     md_tensors *t = NULL;
     if ((st = md_weights_read(path, *format, arch_numel, &t, err)) != MD_OK)
@@ -263,10 +266,15 @@ md_status md_deploy_commit(md_req *req, deploy_req *d, const char *sha, long lon
     md_err err;
     md_err_clear(&err);
     char path[4096];
+    const char *pinned = NULL; /* a stored blob this call holds in the cache */
     if (blob)
         snprintf(path, sizeof path, "%s", md_blob_path(blob));
-    else
-        md_store_sha_path(app->store, sha, path, sizeof path);
+    else if (md_app_blob(app, sha, path, sizeof path, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return err.status;
+    } else {
+        pinned = sha;
+    }
     int config_from = 0;
     if (!d->config)
         inherited_config(app, d->name, &d->config, &config_from);
@@ -274,13 +282,17 @@ md_status md_deploy_commit(md_req *req, deploy_req *d, const char *sha, long lon
     const char *format = NULL;
     char arch_sha[MD_SHA256_HEX] = "";
     if (weights_prepare(app, d, path, &format, arch_sha, &err) != MD_OK) {
+        md_app_blob_done(app, pinned);
         md_blob_abort(blob);
         md_reply_error(req, &err);
         return err.status;
     }
     long long reserved = 0; /* under max_loaded_bytes, until admitted or released */
-    if (md_app_load_file(app, d->name, d->version, path, format, arch_sha, d->config, &model,
-                         &reserved, &err) != MD_OK) {
+    md_status loaded = md_app_load_file(app, d->name, d->version, path, format, arch_sha,
+                                        d->config, &model, &reserved, &err);
+    md_app_blob_done(app, pinned);
+    pinned = NULL;
+    if (loaded != MD_OK) {
         md_blob_abort(blob);
         if (config_from) {
             md_err inner = err;
@@ -534,7 +546,8 @@ void md_handle_models_register(md_req *req)
         } else if (strcmp(key, "source") == 0) {
             if (!json_is_string(v)) {
                 st = md_err_setc(&err, MD_EINVAL, "invalid_source",
-                                 "source must be a URL string (https://, http:// or file:///)");
+                                 "source must be a URL string (https://, http://, file:/// or "
+                                 "s3://)");
                 break;
             }
             d->source = md_xstrdup(json_string_value(v));
@@ -575,8 +588,8 @@ void md_handle_models_register(md_req *req)
         st = md_err_setc(&err, MD_EINVAL, "invalid_name", "name is required");
     if (st == MD_OK && !d->source)
         st = md_err_setc(&err, MD_EINVAL, "invalid_source",
-                         "source is required: the URL of the checkpoint (https://, http:// or "
-                         "file:///); to upload bytes use POST /models/NAME/versions");
+                         "source is required: the URL of the checkpoint (https://, http://, "
+                         "file:/// or s3://); to upload bytes use POST /models/NAME/versions");
     md_fetch_opts opts = md_fetch_opts_from_cfg(app->cfg);
     if (st == MD_OK)
         st = md_source_check(d->source, &opts, &err);

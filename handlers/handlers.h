@@ -179,6 +179,17 @@ md_model *md_app_load_stored(md_app *app, const char *name, int version, int mak
 md_status md_app_load_file(md_app *app, const char *name, int version, const char *path,
                            const char *format, const char *arch_sha, json_t *config,
                            md_model **out, long long *reserved, md_err *err);
+/* The local file of the stored blob `sha` into `path` (handlers' one way
+ * to a blob: with blobs in S3 it is downloaded into the cache first). MD_OK
+ * when the file is there or no such bytes are stored (the caller's own check
+ * of the file names what is missing); MD_EUNAVAIL when S3 or the index
+ * cannot be reached now (503), MD_EIO when the object's bytes are wrong.
+ * Pair every MD_OK (also the one for missing bytes) with one
+ * md_app_blob_done once the file is open or read; other statuses pin
+ * nothing.
+ * Blocks on the network: deferred threads only. Thread-safe. */
+md_status md_app_blob(md_app *app, const char *sha, char *path, size_t size, md_err *err);
+void md_app_blob_done(md_app *app, const char *sha);
 /* Add what the registry says of the stored version `v` (a version row as
  * the store answers it; changed in place): "loaded", "resident_bytes" (0
  * when not loaded) and "last_used" (ISO time of its last use, null when not
@@ -197,7 +208,10 @@ void md_app_forget(md_app *app, const char *name, int version);
  * Returns -1 when the index could not be read (the splits or the defaults),
  * else 0.
  * Called by main once, while HTTP threads already serve (through the same
- * slots, so a request for a model being loaded waits for this load). */
+ * slots, so a request for a model being loaded waits for this load). A
+ * default that cannot load now (S3 unreachable: MD_EUNAVAIL, or a timeout)
+ * sets synced_generation to -1, so the store sync retries it; call it
+ * before the poller thread starts. */
 int md_app_load_defaults(md_app *app, int (*stop)(void));
 /* Converge on changes another process made to a shared store (a deploy, a
  * rollback, a delete): when the store's generation moved, load or switch to

@@ -204,9 +204,63 @@ void md_handle_version_unload(md_req *req)
     reply_result(req, st, out, &err);
 }
 
-void md_handle_version_checkpoint(md_req *req)
+/* The stored file: deferred, since with blobs in S3 it may be downloaded
+ * into the cache first. */
+static void checkpoint_deferred(md_req *req)
 {
     md_app *app = md_req_app(req);
+    md_err err;
+    int version;
+    if (!md_req_version_param(req, &version))
+        return;
+    json_t *v = NULL;
+    md_status st = md_store_get_version(app->store, md_req_param(req, "name"), version, &v, &err);
+    if (st != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    char path[4096], sha[MD_SHA256_HEX];
+    snprintf(sha, sizeof sha, "%s", json_string_value(json_object_get(v, "sha256")));
+    if ((st = md_app_blob(app, sha, path, sizeof path, &err)) != MD_OK) {
+        json_decref(v);
+        md_reply_error(req, &err);
+        return;
+    }
+    /* The name says what opens the file: safetensors' loader for a
+     * safetensors version, torch.load / torch.jit.load for the zips */
+    const char *stored = json_string_value(json_object_get(v, "format"));
+    const char *ext = stored && strcmp(stored, MD_FORMAT_SAFETENSORS) == 0 ? "safetensors" : "pt";
+    json_decref(v);
+    char etag[MD_SHA256_HEX + 2];
+    snprintf(etag, sizeof etag, "\"%s\"", sha);
+    md_reply_header(req, "ETag", etag);
+    const char *inm = md_req_header(req, "If-None-Match");
+    if (inm && (strcmp(inm, etag) == 0 || strcmp(inm, sha) == 0)) {
+        md_app_blob_done(app, sha);
+        md_reply_bytes(req, 304, "application/octet-stream", NULL, 0);
+        return;
+    }
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    md_app_blob_done(app, sha); /* open: an eviction now leaves the bytes readable */
+    struct stat sb;
+    if (fd < 0 || fstat(fd, &sb) != 0) {
+        if (fd >= 0)
+            close(fd);
+        md_err_setc(&err, MD_EIO, "checkpoint_missing",
+                    "the checkpoint file of model %s version %d is missing from the store",
+                    md_req_param(req, "name"), version);
+        md_reply_error(req, &err);
+        return;
+    }
+    char disp[160];
+    snprintf(disp, sizeof disp, "attachment; filename=\"%s-v%d.%s\"", md_req_param(req, "name"),
+             version, ext);
+    md_reply_header(req, "Content-Disposition", disp);
+    md_reply_fd(req, 200, "application/octet-stream", fd, (size_t)sb.st_size);
+}
+
+void md_handle_version_checkpoint(md_req *req)
+{
     md_err err;
     int version;
     if (!md_req_version_param(req, &version))
@@ -223,44 +277,7 @@ void md_handle_version_checkpoint(md_req *req)
         md_reply_error(req, &err);
         return;
     }
-    json_t *v = NULL;
-    md_status st = md_store_get_version(app->store, md_req_param(req, "name"), version, &v, &err);
-    if (st != MD_OK) {
-        md_reply_error(req, &err);
-        return;
-    }
-    char path[4096], sha[MD_SHA256_HEX];
-    snprintf(sha, sizeof sha, "%s", json_string_value(json_object_get(v, "sha256")));
-    md_store_sha_path(app->store, sha, path, sizeof path);
-    /* The name says what opens the file: safetensors' loader for a
-     * safetensors version, torch.load / torch.jit.load for the zips */
-    const char *stored = json_string_value(json_object_get(v, "format"));
-    const char *ext = stored && strcmp(stored, MD_FORMAT_SAFETENSORS) == 0 ? "safetensors" : "pt";
-    json_decref(v);
-    char etag[MD_SHA256_HEX + 2];
-    snprintf(etag, sizeof etag, "\"%s\"", sha);
-    md_reply_header(req, "ETag", etag);
-    const char *inm = md_req_header(req, "If-None-Match");
-    if (inm && (strcmp(inm, etag) == 0 || strcmp(inm, sha) == 0)) {
-        md_reply_bytes(req, 304, "application/octet-stream", NULL, 0);
-        return;
-    }
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    struct stat sb;
-    if (fd < 0 || fstat(fd, &sb) != 0) {
-        if (fd >= 0)
-            close(fd);
-        md_err_setc(&err, MD_EIO, "checkpoint_missing",
-                    "the checkpoint file of model %s version %d is missing from the store",
-                    md_req_param(req, "name"), version);
-        md_reply_error(req, &err);
-        return;
-    }
-    char disp[160];
-    snprintf(disp, sizeof disp, "attachment; filename=\"%s-v%d.%s\"", md_req_param(req, "name"),
-             version, ext);
-    md_reply_header(req, "Content-Disposition", disp);
-    md_reply_fd(req, 200, "application/octet-stream", fd, (size_t)sb.st_size);
+    md_req_defer(req, checkpoint_deferred);
 }
 
 /* ---- changing and deleting ---- */

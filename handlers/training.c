@@ -158,9 +158,9 @@ static void arch_get_deferred(md_req *req)
     char sha[MD_SHA256_HEX], path[4096];
     json_t *out = NULL;
     md_status st = md_store_architecture(app->store, name, sha, &err);
-    if (st == MD_OK) {
-        md_store_sha_path(app->store, sha, path, sizeof path);
+    if (st == MD_OK && (st = md_app_blob(app, sha, path, sizeof path, &err)) == MD_OK) {
         st = arch_answer(name, sha, path, &out, &err);
+        md_app_blob_done(app, sha);
     }
     if (st == MD_OK)
         md_reply_json(req, 200, out);
@@ -176,13 +176,20 @@ md_status md_version_weights(md_app *app, json_t *v, md_tensors **out, md_err *e
 {
     const char *format = json_string_value(json_object_get(v, "format"));
     const char *arch = json_string_value(json_object_get(v, "arch_sha256"));
+    const char *sha = json_string_value(json_object_get(v, "sha256"));
     char path[4096], arch_path[4096];
-    md_store_sha_path(app->store, json_string_value(json_object_get(v, "sha256")), path,
-                      sizeof path);
-    if (arch)
-        md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
-    return md_weights_effective(path, format ? format : MD_FORMAT_TORCHSCRIPT,
-                                arch ? arch_path : NULL, arch, out, err);
+    md_status st = md_app_blob(app, sha, path, sizeof path, err);
+    if (st != MD_OK)
+        return st;
+    if (arch && (st = md_app_blob(app, arch, arch_path, sizeof arch_path, err)) != MD_OK) {
+        md_app_blob_done(app, sha);
+        return st;
+    }
+    st = md_weights_effective(path, format ? format : MD_FORMAT_TORCHSCRIPT,
+                              arch ? arch_path : NULL, arch, out, err);
+    md_app_blob_done(app, sha);
+    md_app_blob_done(app, arch);
+    return st;
 }
 
 /* Written to an unlinked temp file in the store, tensor by tensor
@@ -205,18 +212,23 @@ static void export_deferred(md_req *req)
         char text[64], path[4096], arch_path[4096];
         const char *format = json_string_value(json_object_get(v, "format"));
         const char *arch = json_string_value(json_object_get(v, "arch_sha256"));
-        md_store_sha_path(app->store, json_string_value(json_object_get(v, "sha256")), path,
-                          sizeof path);
-        if (arch)
-            md_store_sha_path(app->store, arch, arch_path, sizeof arch_path);
-        md_tensors *meta = md_tensors_new();
-        snprintf(text, sizeof text, "%d", version);
-        md_tensors_set_meta(meta, "model", name);
-        md_tensors_set_meta(meta, "version", text);
-        md_tensors_set_meta(meta, "sha256", json_string_value(json_object_get(v, "sha256")));
-        st = md_weights_export(path, format ? format : MD_FORMAT_TORCHSCRIPT,
-                               arch ? arch_path : NULL, arch, meta, fd, &size, &err);
-        md_tensors_free(meta);
+        const char *sha = json_string_value(json_object_get(v, "sha256"));
+        st = md_app_blob(app, sha, path, sizeof path, &err);
+        if (st == MD_OK && arch &&
+            (st = md_app_blob(app, arch, arch_path, sizeof arch_path, &err)) != MD_OK)
+            md_app_blob_done(app, sha);
+        if (st == MD_OK) {
+            md_tensors *meta = md_tensors_new();
+            snprintf(text, sizeof text, "%d", version);
+            md_tensors_set_meta(meta, "model", name);
+            md_tensors_set_meta(meta, "version", text);
+            md_tensors_set_meta(meta, "sha256", sha);
+            st = md_weights_export(path, format ? format : MD_FORMAT_TORCHSCRIPT,
+                                   arch ? arch_path : NULL, arch, meta, fd, &size, &err);
+            md_tensors_free(meta);
+            md_app_blob_done(app, sha);
+            md_app_blob_done(app, arch);
+        }
     }
     json_decref(v);
     if (st != MD_OK) {

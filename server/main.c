@@ -206,7 +206,15 @@ int main(int argc, char **argv)
 
     /* Open the store before binding: a replica that cannot read its store
      * must not take traffic. */
-    if (md_store_open_index(cfg.store, cfg.index_url, &app.store, &err) != MD_OK) {
+    md_store_opts store_opts = {
+        .index_url = cfg.index_url,
+        .blob_url = cfg.blob_url,
+        .cache_max_bytes = cfg.cache_max_bytes,
+        .s3_path_style = strcmp(cfg.s3_path_style, "true") == 0    ? 1
+                         : strcmp(cfg.s3_path_style, "false") == 0 ? 0
+                                                                   : -1,
+    };
+    if (md_store_open_opts(cfg.store, &store_opts, &app.store, &err) != MD_OK) {
         fprintf(stderr, "modeld: %s\n", err.msg);
         md_cfg_free(&cfg);
         return 1;

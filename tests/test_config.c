@@ -64,10 +64,12 @@ static md_status load(md_cfg *cfg, char **argv, char **envp, md_cfg_action *acti
 
 static const char *const all_keys[] = {
     "host", "port", "threads", "max_body_bytes", "connection_timeout_s", "keepalive_timeout_s",
-    "drain_seconds", "access_log", "log_level", "store", "index_url", "max_checkpoint_bytes",
+    "drain_seconds", "access_log", "log_level", "store", "index_url", "blob_url",
+    "cache_max_bytes", "s3_path_style", "max_checkpoint_bytes",
     "max_average_bytes",
     "allowed_paths",
-    "allowed_urls", "download_connect_timeout_s", "download_timeout_s", "download_max_redirects",
+    "allowed_urls", "allowed_s3",
+    "download_connect_timeout_s", "download_timeout_s", "download_max_redirects",
     "workers", "intra_op_threads", "max_batch_size", "max_delay_us", "coalesce_us", "queue_limit", "timeout_ms",
     "default_model", "max_request_images", "max_jobs", "job_lease_s", "job_nice",
     "max_image_pixels", "max_jpeg_scans", "max_large_decodes", "prepack_max_bytes", "max_loaded_bytes",

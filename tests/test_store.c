@@ -53,6 +53,7 @@
 #include <unistd.h>
 
 #include "../checkpoint/checkpoint.h"
+#include "../checkpoint/blobs_impl.h"
 #include "../checkpoint/index_impl.h"
 #include "../jobs/jobs.h"
 
@@ -2257,6 +2258,50 @@ static void test_index_ops_complete(void **state)
     assert_string_equal(md_index_ops_missing(NULL), "ops");
 }
 
+/* Every blobs backend's table has every required slot (md_blobs_open
+ * asserts it). */
+static void test_blobs_ops_complete(void **state)
+{
+    (void)state;
+    assert_null(md_blobs_ops_missing(&md_blobs_dir_ops));
+    assert_null(md_blobs_ops_missing(&md_blobs_s3_ops));
+    md_blobs_ops broken = md_blobs_s3_ops;
+    broken.fetch = NULL;
+    assert_string_equal(md_blobs_ops_missing(&broken), "fetch");
+}
+
+/* blob_url: an unknown scheme and a bad bucket are refused at open; an S3
+ * store opens without talking to S3 (nothing listens on the endpoint), and
+ * a blob no row names is not found without a request. */
+static void test_blob_url_schemes(void **state)
+{
+    fx *f = *state;
+    md_err err;
+    md_err_clear(&err);
+    md_store *s = (md_store *)0x1;
+    md_store_opts o = {.blob_url = "gs://bucket/p", .s3_path_style = -1};
+    assert_int_equal(md_store_open_opts(f->dir, &o, &s, &err), MD_EINVAL);
+    assert_null(s);
+    assert_string_equal(md_err_code(&err), "blob_url_invalid");
+    setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:1", 1);
+    setenv("AWS_ACCESS_KEY_ID", "AKIDUNIT", 1);
+    setenv("AWS_SECRET_ACCESS_KEY", "unit-secret", 1);
+    o.blob_url = "s3://No_Such..Bucket/p";
+    assert_int_equal(md_store_open_opts(f->dir, &o, &s, &err), MD_EINVAL);
+    assert_null(s);
+    o.blob_url = "s3://modeld-unit/p";
+    assert_int_equal(md_store_open_opts(f->dir, &o, &s, &err), MD_OK);
+    char path[4096];
+    const char *sha = "0000000000000000000000000000000000000000000000000000000000000000";
+    assert_int_equal(md_store_blob_fetch(s, sha, path, sizeof path, &err), MD_ENOTFOUND);
+    assert_non_null(strstr(path, sha));
+    assert_null(strstr(err.msg, "unit-secret"));
+    md_store_close(s);
+    unsetenv("AWS_ENDPOINT_URL_S3");
+    unsetenv("AWS_ACCESS_KEY_ID");
+    unsetenv("AWS_SECRET_ACCESS_KEY");
+}
+
 /* The index_url's scheme chooses the backend; an unknown one and one not
  * reachable are different errors, and neither message shows a password. */
 static void test_index_url_schemes(void **state)
@@ -2349,6 +2394,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_record_metric_names, setup, teardown),
         cmocka_unit_test(test_model_name_ok),
         cmocka_unit_test(test_index_ops_complete),
+        cmocka_unit_test(test_blobs_ops_complete),
+        cmocka_unit_test_setup_teardown(test_blob_url_schemes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wait_change_notifies, setup, teardown),
         cmocka_unit_test_setup_teardown(test_index_url_schemes, setup, teardown),
         cmocka_unit_test(test_addr_is_internal),

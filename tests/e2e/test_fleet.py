@@ -14,10 +14,9 @@ behave as one server to a client (issue 25):
   answering, a deploy answers 503 index_unavailable with Retry-After, every
   replica stays ready; started again, deploys work and reach every replica.
 
-Blobs: for now the replicas share one local --store directory (the blob seam,
-blob_url = s3://..., is other work). The `blobs` fixture is the only place
-that knows it: switching to S3 is that fixture returning a cache directory
-per replica and the blob_url setting with the S3 fixture's credentials.
+Blobs: in S3 (s3rver behind the SigV4-checking proxy), each replica with a
+cache directory of its own (the `blobs` fixture), so the replicas share
+nothing on disk, as on several hosts.
 
 Every wait polls with a deadline; nothing sleeps to reach the middle of
 something, and the bounds are generous (they say "converges", not "fast":
@@ -43,15 +42,13 @@ CONVERGE_S = 20.0   # a generous bound: NOTIFY brings a change in milliseconds, 
 
 
 @pytest.fixture
-def blobs(tmp_path):
-    """blobs(i) -> (store directory, extra args, extra env) for replica i.
-
-    Today: one --store directory shared by every replica (blobs on this
-    host). With the blob seam: a cache directory per replica plus
-    ["--blob-url", "s3://BUCKET/PREFIX"] and the AWS_* environment of the
-    `s3` fixture."""
-    shared = tmp_path / "shared-store"
-    return lambda i: (shared, [], {})
+def blobs(tmp_path, s3):
+    """blobs(i) -> (store directory, extra args, extra env) for replica i:
+    a cache directory of its own, ["--blob-url", "s3://BUCKET/PREFIX"] and
+    the AWS_* environment of the `s3` fixture (s3rver behind the
+    SigV4-checking proxy), so replicas share nothing on disk."""
+    return lambda i: (tmp_path / f"cache-{i + 1}", ["--blob-url", f"s3://{s3.bucket}/fleet"],
+                      s3.env())
 
 
 class Fleet:

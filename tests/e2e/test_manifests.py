@@ -41,22 +41,6 @@ def get_paths():
     return {p for m, p in routes() if m == "GET"}
 
 
-# Settings of the blob seam (issue 25: blob_url, cache_max_bytes,
-# s3_path_style, allowed_s3) that the several-hosts recipes already name but
-# that another branch is still building. While modeld does not know one of
-# them it is left out of the environment handed to --print-config; once it
-# does, it is passed and checked like any other setting. The branch that
-# lands them removes this list.
-PENDING_SETTINGS = {"MODELD_BLOB_URL", "MODELD_CACHE_MAX_BYTES", "MODELD_S3_PATH_STYLE",
-                    "MODELD_ALLOWED_S3"}
-
-
-def known_env_names(run_modeld):
-    p = run_modeld("--help")
-    assert p.returncode == 0, p.stderr
-    return set(re.findall(r"env: (MODELD_[A-Z0-9_]+)", p.stdout))
-
-
 def dockerfile_env():
     text = (DOCKER / "Dockerfile").read_text().split("FROM ")[-1]  # the runtime stage
     env = {}
@@ -71,10 +55,7 @@ def dockerfile_env():
 def effective(run_modeld):
     """effective(env) -> modeld's settings (dict) under the image's ENV plus `env`."""
 
-    known = known_env_names(run_modeld)
-
     def run(env):
-        env = {k: v for k, v in env.items() if k not in PENDING_SETTINGS or k in known}
         full = {**dockerfile_env(), **{k: str(v) for k, v in env.items()}}
         p = run_modeld("--print-config", env=full)
         assert p.returncode == 0, f"modeld rejects the environment {env}: {p.stderr}"
