@@ -349,9 +349,22 @@ md_status md_store_add_version(md_store *s, const md_version_spec *spec, md_blob
     int ok = ix_step(st) == MD_IX_DONE;
     if (!ok)
         rc = db_fail(s, err, "set default");
+    int default_moved = ok && ix_changes(s->ix) > 0;
     ix_finalize(st);
     if (!ok) {
         goto end;
+    }
+    if (default_moved) { /* the deploy moved the default: in the history with the rest */
+        json_t *note = json_pack("{s:s,s:s}", "by", "deploy", "reason",
+                                 promotion[0] ? promotion
+                                 : make_default ? "deployed as the default"
+                                                : "the model's first version");
+        json_t *change = json_pack("{s:i}", "default_version", version);
+        rc = md_history_add_locked(s, spec->model, note, change, err);
+        json_decref(change);
+        json_decref(note);
+        if (rc != MD_OK)
+            goto end;
     }
     /* the answer describes the new row even if retention removes it at once */
     if ((rc = md_get_version_locked(s, spec->model, version, &added, err)) != MD_OK)

@@ -1438,11 +1438,16 @@ static void test_traffic_split(void **state)
     assert_int_equal(md_store_apply_verdict(s, "t", split, 1, null, judge, &err), MD_ECONFLICT);
     json_t *h = NULL;
     assert_int_equal(md_store_history(s, "t", &h, &err), MD_OK);
-    /* the changes made with a note: the split, then the verdict */
-    assert_int_equal(json_array_size(h), 2);
+    /* the three deploys moved the default (each one recorded), then the
+     * changes made with a note: the split, then the verdict */
+    assert_int_equal(json_array_size(h), 5);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(h, 0), "by")),
+                        "deploy");
     assert_string_equal(json_string_value(json_object_get(json_array_get(h, 0), "reason")),
+                        "deployed as the default");
+    assert_string_equal(json_string_value(json_object_get(json_array_get(h, 3), "reason")),
                         "canary");
-    json_t *last = json_array_get(h, 1);
+    json_t *last = json_array_get(h, 4);
     assert_string_equal(json_string_value(json_object_get(last, "by")), "promote_when");
     assert_int_equal(json_integer_value(json_object_get(json_object_get(last, "change"),
                                                         "default_version")),

@@ -314,7 +314,7 @@ def test_promote_when_promotes_a_healthy_canary(start_server):
         srv.get("/models/m").json()), "promote_when makes version 2 the default")
     assert m["traffic"] is None and m["promote_when"] is None
     assert {predict(srv, session=s) for _ in range(10)} == {2}
-    h = history(srv)
+    h = [e for e in history(srv) if e["by"] != "deploy"]
     assert h[0]["by"] == "api" and h[0]["reason"] == "canary of v2"
     assert h[0]["change"]["traffic"] == {"1": 50, "2": 50} and h[0]["request_id"]
     assert h[-1]["by"] == "promote_when", h
@@ -350,12 +350,16 @@ def test_promote_when_rolls_back_a_canary_that_fails_5_percent(start_server):
 
 def test_history_records_who_changed_the_default_and_why(start_server):
     srv = three_versions(start_server())
-    assert history(srv) == []
+    # each deploy made its version the default: recorded too
+    assert [(e["by"], e["change"]) for e in history(srv)] == [
+        ("deploy", {"default_version": v}) for v in (1, 2, 3)]
+    assert history(srv)[0]["reason"] == "deployed as the default"
+    assert history(srv)[1]["reason"] == "deployed as the default"
     r = patch(srv, {"default_version": 1, "reason": "v3 regressed on night traffic"})
     assert r.status_code == 200, r.text
     assert patch(srv, {"traffic": {"1": 90, "2": 10}}).status_code == 200
     assert patch(srv, {"traffic": None}).status_code == 200
-    h = history(srv)
+    h = [e for e in history(srv) if e["by"] == "api"]
     assert [e["change"] for e in h] == [{"default_version": 1}, {"traffic": {"1": 90, "2": 10}},
                                         {"traffic": None}]
     assert h[0]["reason"] == "v3 regressed on night traffic" and "reason" not in h[1]
@@ -363,7 +367,7 @@ def test_history_records_who_changed_the_default_and_why(start_server):
     # a refused change leaves no trace
     assert patch(srv, {"traffic": {"1": 50}}).status_code == 400
     assert patch(srv, {"reason": 7, "default_version": 2}).status_code == 400
-    assert len(history(srv)) == 3
+    assert len(history(srv)) == 6
     assert srv.get("/models/nope/history").status_code == 404
 
 
