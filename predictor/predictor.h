@@ -459,6 +459,52 @@ struct md_tensor {
 /* Free the data of `t` and zero it. Accepts NULL. */
 void md_tensor_free(md_tensor *t);
 
+/* ---- several named inputs (issue 27): arrays by name ---- */
+
+/* The most inputs or outputs a version may declare; longest name (with NUL). */
+#define MD_MAX_IO 16
+#define MD_IO_NAME_MAX 64
+
+/* One named array of a request body, as its format gave it: integers (and
+ * booleans) as int64, read as integers and never through float, floating
+ * values as float32. Exactly one of f32 and i64 is set (owned, malloc)
+ * unless count is 0. Used by one thread at a time. */
+typedef struct md_array {
+    char name[MD_IO_NAME_MAX];
+    int ndim;
+    int64_t shape[MD_MAX_DIMS];
+    size_t count;  /* product of shape */
+    int is_int;    /* 1: the values are in i64, 0: in f32 */
+    float *f32;
+    int64_t *i64;
+} md_array;
+
+/* The named arrays of one request: n of them, names unique. */
+typedef struct md_arrays {
+    int n;
+    md_array a[MD_MAX_IO];
+} md_arrays;
+
+/* Free every array's data and zero `a`. Accepts NULL. */
+void md_arrays_free(md_arrays *a);
+/* The array named `name`, or NULL. */
+md_array *md_arrays_find(md_arrays *a, const char *name);
+
+/*
+ * Decode an NPZ body (numpy.savez / savez_compressed: a zip of NAME.npy
+ * members, stored or deflated) into named arrays, one per member, the name
+ * without ".npy". Each member is an NPY file as md_npy_decode reads it (C
+ * order; float16/32/64 into f32, bool/uint8/int8/int16/int32/int64/uint16/
+ * uint32 into i64; uint64 past int64's range, object arrays and Fortran order
+ * refused). At most MD_MAX_IO members and `max_values` values together
+ * (MD_ETOOBIG past either, before the member is inflated); every size in
+ * the zip is checked against `len` and the bound before anything is
+ * allocated, so a request never costs more than a small multiple of its
+ * size. Errors (MD_EINVAL) name the member and the problem. Thread-safe.
+ */
+md_status md_npz_decode(const char *data, size_t len, size_t max_values, md_arrays *out,
+                        md_err *err);
+
 /* Whether md_tensor_decode reads a body of this Content-Type (NULL: none
  * given) as JSON rows: application/json, x-www-form-urlencoded (curl -d),
  * text/plain. Any thread. */

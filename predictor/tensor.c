@@ -38,6 +38,25 @@ void md_tensor_free(md_tensor *t)
     memset(t, 0, sizeof *t);
 }
 
+void md_arrays_free(md_arrays *a)
+{
+    if (!a)
+        return;
+    for (int i = 0; i < a->n && i < MD_MAX_IO; i++) {
+        free(a->a[i].f32);
+        free(a->a[i].i64);
+    }
+    memset(a, 0, sizeof *a);
+}
+
+md_array *md_arrays_find(md_arrays *a, const char *name)
+{
+    for (int i = 0; i < a->n; i++)
+        if (strcmp(a->a[i].name, name) == 0)
+            return &a->a[i];
+    return NULL;
+}
+
 /* ---- JSON scanner ---- */
 
 typedef struct scan {
