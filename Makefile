@@ -100,6 +100,8 @@ LIB_C   += jobs/images.c
 LIB_C   += jobs/gzstream.c
 # one rule for how an output row reads as classes (issue 29: binary, multi-label)
 LIB_C   += predictor/classes.c
+# several named inputs and outputs (issue 27)
+LIB_C   += predictor/inputs.c predictor/rows.c
 # the S3 client the blob store and s3:// sources are built on (issue 25)
 LIB_C   += checkpoint/s3.c
 # the blobs seam (blobs_impl.h): a directory (default) or S3 with a local cache

@@ -248,23 +248,77 @@ static md_status forward(md_model *m, int qi, int quiet, const float *input,
     return st;
 }
 
+/* One forward on `t` (the version's module or a packed copy of it). A
+ * version with declared inputs or outputs goes through md_torch_forward_io:
+ * its rows are the inputs' words side by side (md_model_pack), and its
+ * answer the outputs' floats side by side, each output's rows checked
+ * against the shape the load's test forward found, so a split request or a
+ * batch never mixes rows of different layouts. */
+static md_status forward_t(md_model *m, md_torch_model *t, int quiet, const float *input,
+                           const int64_t *shape, int ndim, float **out, int64_t *out_shape,
+                           int *out_ndim, md_err *err)
+{
+    if (!m->n_in && !m->n_out)
+        return (quiet ? md_torch_forward_quiet : md_torch_forward)(t, input, shape, ndim, out,
+                                                                   out_shape, out_ndim, err);
+    md_torch_in ins[MD_MAX_IO];
+    int64_t shapes[MD_MAX_IO][MD_MAX_DIMS + 1];
+    int64_t rows = shape[0], row_words = 1;
+    for (int d = 1; d < ndim; d++)
+        row_words *= shape[d];
+    int n_in = m->n_in ? m->n_in : 1;
+    for (int i = 0; i < n_in; i++) {
+        const md_io *io = &m->in[i];
+        if (m->n_in) {
+            shapes[i][0] = rows;
+            memcpy(shapes[i] + 1, io->shape, sizeof(int64_t) * (size_t)io->ndim);
+            ins[i] = (md_torch_in){input + io->off, row_words, io->is_int, io->dtype,
+                                   1 + io->ndim, shapes[i]};
+        } else {
+            ins[i] = (md_torch_in){input, row_words, 0, m->in_dtype, ndim, shape};
+        }
+    }
+    md_torch_outs o;
+    md_status st = md_torch_forward_io(t, ins, n_in, m->out_keys, m->n_out, quiet, &o, err);
+    if (st != MD_OK)
+        return st;
+    for (int j = 0; j < m->n_out; j++) {
+        const md_io *io = &m->out[j];
+        int same = o.ndim[j] == io->ndim + 1;
+        for (int d = 0; same && d < io->ndim; d++)
+            same = o.shape[j][d + 1] == io->shape[d];
+        if (!same) {
+            char a[96], b[96];
+            md_err_setc(err, MD_EUNPROC, "bad_model_output",
+                        "model %s returned rows of shape %s for output \"%s\", where its test "
+                        "forward at load returned %s; each output's rows must keep one shape",
+                        m->name, md_fmt_dims(a, sizeof a, o.shape[j] + 1, o.ndim[j] - 1),
+                        io->name, md_fmt_dims(b, sizeof b, io->shape, io->ndim));
+            free(o.data);
+            return MD_EUNPROC;
+        }
+    }
+    *out = o.data;
+    out_shape[0] = rows;
+    out_shape[1] = o.row_values;
+    *out_ndim = 2;
+    return MD_OK;
+}
+
 static md_status forward_on(md_model *m, int quiet, const float *input, const int64_t *shape,
                             int ndim, float **out, int64_t *out_shape, int *out_ndim,
                             md_err *err)
 {
-    md_status (*model_forward)(md_torch_model *, const float *, const int64_t *, int, float **,
-                               int64_t *, int *, md_err *) =
-        quiet ? md_torch_forward_quiet : md_torch_forward;
     md_torch_model *r = pool_take(m);
     if (!r)
-        return model_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
-    md_status st = md_torch_forward_quiet(r, input, shape, ndim, out, out_shape, out_ndim, err);
+        return forward_t(m, m->torch, quiet, input, shape, ndim, out, out_shape, out_ndim, err);
+    md_status st = forward_t(m, r, 1, input, shape, ndim, out, out_shape, out_ndim, err);
     if (st != MD_EUNPROC) {
         pool_give(m, r);
         return st;
     }
     md_err rerr = *err;
-    st = model_forward(m->torch, input, shape, ndim, out, out_shape, out_ndim, err);
+    st = forward_t(m, m->torch, quiet, input, shape, ndim, out, out_shape, out_ndim, err);
     if (st == MD_OK) {
         if (atomic_exchange(&m->fallback_logged, 1) == 0)
             md_log(MD_LOG_WARN, "model %s version %d: the prepacked forward failed where the "
@@ -975,6 +1029,20 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
         md_tensor_free(in);
         return st;
     }
+    if (m->n_in && (!in->packed || in->ndim != 2 || in->shape[1] != m->row_size)) {
+        /* rows of floats for a version whose inputs are named */
+        char names[256];
+        int len = 0;
+        for (int i = 0; i < m->n_in && len >= 0 && (size_t)len < sizeof names; i++)
+            len += snprintf(names + len, sizeof names - (size_t)len, "%s\"%s\"", i ? ", " : "",
+                            m->in[i].name);
+        md_tensor_free(in);
+        return md_err_setc(err, MD_EINVAL, "invalid_input",
+                           "model %s version %d takes named inputs (%s): send rows as objects "
+                           "[{\"%s\": ...}], columns {\"inputs\": {\"%s\": [...]}}, an NPZ "
+                           "body or a V2 request naming each input",
+                           m->name, md_model_version(m), names, m->in[0].name, m->in[0].name);
+    }
     if (in->ndim == 1) {
         /* a flat list is one row */
         in->shape[1] = in->shape[0];
@@ -1010,7 +1078,8 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
                            "each row has %lld values, more than the limit of %lld per row",
                            (long long)row_size, (long long)MD_MAX_ROW_VALUES);
     }
-    preprocess(m, in);
+    if (!m->n_in) /* md_model_pack preprocessed each input */
+        preprocess(m, in);
     item *it = md_xcalloc(1, sizeof *it);
     it->in = *in;
     memset(in, 0, sizeof *in);

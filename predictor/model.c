@@ -48,8 +48,238 @@ static md_dtype parse_dtype(const char *t)
         return MD_I64;
     if (!strcmp(t, "uint8"))
         return MD_U8;
+    if (!strcmp(t, "int32"))
+        return MD_I32;
+    if (!strcmp(t, "bool"))
+        return MD_BOOL;
     return MD_F32;
 }
+
+/* config.inputs and config.outputs into m->in and m->out (checked already
+ * by md_model_config_check). */
+static md_status read_io(md_model *m, json_t *config, md_err *err)
+{
+    json_t *ins = json_object_get(config, "inputs"), *outs = json_object_get(config, "outputs");
+    int64_t words = 0;
+    m->class_out = -1;
+    for (size_t i = 0; i < json_array_size(ins) && i < MD_MAX_IO; i++) {
+        json_t *e = json_array_get(ins, i);
+        md_io *io = &m->in[m->n_in++];
+        snprintf(io->name, sizeof io->name, "%s", json_string_value(json_object_get(e, "name")));
+        const char *dt = json_string_value(json_object_get(e, "dtype"));
+        io->dtype = parse_dtype(dt);
+        snprintf(io->dtype_name, sizeof io->dtype_name, "%s", dt ? dt : "float32");
+        io->is_int = io->dtype != MD_F32 && io->dtype != MD_F64;
+        json_t *shape = json_object_get(e, "shape");
+        for (size_t d = 0; d < json_array_size(shape) && d < MD_MAX_DIMS - 1; d++)
+            io->shape[io->ndim++] = json_integer_value(json_array_get(shape, d));
+        int64_t w;
+        if (md_shape_product(io->shape, io->ndim, &io->values) != 0 ||
+            md_mul_i64(io->values, io->is_int ? 2 : 1, &w) || md_add_i64(words, w, &words) ||
+            words > MD_MAX_ROW_VALUES)
+            return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                               "config.inputs hold more than %lld values a row together; give "
+                               "the shape of one row",
+                               (long long)MD_MAX_ROW_VALUES);
+        io->off = words - w;
+        json_t *pre = json_object_get(e, "preprocess");
+        io->scale = json_is_number(json_object_get(pre, "scale"))
+                        ? json_number_value(json_object_get(pre, "scale"))
+                        : 1.0;
+        json_t *mean = json_object_get(pre, "mean"), *std = json_object_get(pre, "std");
+        if (mean) {
+            io->n_norm = (int)json_array_size(mean);
+            if (io->n_norm > 1 && (io->ndim < 2 || io->shape[0] != io->n_norm))
+                return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                                   "config.inputs[%zu] (\"%s\"): preprocess.mean has %d channels "
+                                   "but its shape does not start with %d channels (C, H, W)",
+                                   i, io->name, io->n_norm, io->n_norm);
+            io->mean = md_xmalloc(sizeof(float) * (size_t)io->n_norm);
+            io->std = md_xmalloc(sizeof(float) * (size_t)io->n_norm);
+            for (int k = 0; k < io->n_norm; k++) {
+                io->mean[k] = (float)json_number_value(json_array_get(mean, (size_t)k));
+                io->std[k] = (float)json_number_value(json_array_get(std, (size_t)k));
+            }
+            io->norm_inner = io->n_norm > 1 ? io->values / io->n_norm : 0;
+        }
+    }
+    for (size_t j = 0; j < json_array_size(outs) && j < MD_MAX_IO; j++) {
+        json_t *e = json_array_get(outs, j);
+        md_io *io = &m->out[m->n_out++];
+        snprintf(io->name, sizeof io->name, "%s", json_string_value(json_object_get(e, "name")));
+        m->out_keys[j] = io->name;
+        if (json_is_true(json_object_get(e, "logits")))
+            m->class_out = (int)j;
+    }
+    if (m->n_out == 1)
+        m->class_out = 0;
+    if (m->n_in) {
+        m->row_ndim = 1;
+        m->row_shape[0] = words;
+        m->row_size = words;
+    }
+    if (m->n_out && !m->n_in && m->row_ndim == 0)
+        return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                           "config.outputs needs the input's shape, so the deploy's test "
+                           "forward can check every output: give config.input.shape (or "
+                           "config.inputs)");
+    return MD_OK;
+}
+
+/* The words of `rows` zero rows for a test forward of a version with
+ * declared inputs (int64 zeros are zero words too). */
+static md_status io_test_forward(md_model *m, const float *zeros, int64_t rows, int quiet,
+                                 md_torch_outs *o, md_err *err)
+{
+    md_torch_in ins[MD_MAX_IO];
+    int64_t shapes[MD_MAX_IO][MD_MAX_DIMS + 1];
+    int n = m->n_in ? m->n_in : 1;
+    for (int i = 0; i < n; i++) {
+        const md_io *io = &m->in[i];
+        shapes[i][0] = rows;
+        if (m->n_in)
+            memcpy(shapes[i] + 1, io->shape, sizeof(int64_t) * (size_t)io->ndim);
+        else
+            memcpy(shapes[i] + 1, m->row_shape, sizeof(int64_t) * (size_t)m->row_ndim);
+        ins[i] = (md_torch_in){.base = zeros + (m->n_in ? io->off : 0),
+                               .row_words = m->row_size,
+                               .is_int = m->n_in ? io->is_int : 0,
+                               .dtype = m->n_in ? io->dtype : m->in_dtype,
+                               .ndim = 1 + (m->n_in ? io->ndim : m->row_ndim),
+                               .shape = shapes[i]};
+    }
+    const char *keys[MD_MAX_IO] = {"output0"};
+    int n_out = m->n_out ? m->n_out : 1;
+    for (int j = 0; j < m->n_out; j++)
+        keys[j] = m->out_keys[j];
+    return md_torch_forward_io(m->torch, ins, n, keys, n_out, quiet, o, err);
+}
+
+/* The test forwards of a version with declared inputs or outputs: one zero
+ * row, then two. Every declared output must come back with one row per
+ * input row, each row's shape the same in both (the batch must not change
+ * a row's answer) and as config.outputs declares it; the shapes it has are
+ * the version's for good (each forward is checked against them). */
+static md_status io_load_check(md_model *m, const char *name, json_t *config, md_err *err)
+{
+    float *zeros = md_calloc_checked((size_t)m->row_size, 2 * sizeof(float) * 2,
+                                     "the test forward's zero rows", err);
+    if (!zeros)
+        return MD_ENOMEM;
+    md_torch_outs o1, o2;
+    md_err ferr;
+    memset(&o2, 0, sizeof o2);
+    md_status st = io_test_forward(m, zeros, 1, 0, &o1, &ferr);
+    if (st == MD_OK) {
+        double t0 = now_s();
+        st = io_test_forward(m, zeros, 2, 0, &o2, &ferr);
+        m->fwd_avg_s = now_s() - t0;
+    }
+    free(zeros);
+    free(o1.data);
+    free(o2.data);
+    if (st == MD_ENOMEM) {
+        *err = ferr;
+        return MD_ENOMEM;
+    }
+    if (st != MD_OK) {
+        const char *what = m->n_in ? "config.inputs" : "config.input.shape";
+        if (strcmp(md_err_code(&ferr), "bad_model_output") == 0)
+            return md_err_setc(err, MD_EUNPROC, "model_mismatch",
+                               "the test forward on zeros of %s does not answer what "
+                               "config.outputs declares: %s",
+                               what, ferr.msg);
+        return md_err_setc(err, MD_EUNPROC, "model_test_failed",
+                           "the test forward on zeros of %s failed: %s; check the names, "
+                           "order (forward's), shapes and dtypes there",
+                           what, ferr.msg);
+    }
+    json_t *outs = json_object_get(config, "outputs");
+    int n_out = m->n_out ? m->n_out : 1;
+    for (int j = 0; j < n_out && m->n_out; j++) {
+        md_io *io = &m->out[j];
+        char a[96], b[96];
+        int same = o1.ndim[j] == o2.ndim[j];
+        for (int d = 1; same && d < o1.ndim[j]; d++)
+            same = o1.shape[j][d] == o2.shape[j][d];
+        if (!same)
+            return md_err_setc(err, MD_EUNPROC, "batch_dependent_output",
+                               "model %s answers output \"%s\" of shape %s for a batch of 1 row "
+                               "and %s for a batch of 2; modeld batches the rows of different "
+                               "requests together, so each output needs one row per input row, "
+                               "computed from that row alone",
+                               name, io->name, md_fmt_dims(a, sizeof a, o1.shape[j], o1.ndim[j]),
+                               md_fmt_dims(b, sizeof b, o2.shape[j], o2.ndim[j]));
+        io->ndim = o1.ndim[j] - 1;
+        memcpy(io->shape, o1.shape[j] + 1, sizeof(int64_t) * (size_t)io->ndim);
+        io->values = o1.values[j];
+        io->off = o1.off[j];
+        snprintf(io->dtype_name, sizeof io->dtype_name, "%s", o1.dtype[j]);
+        json_t *decl = json_array_get(outs, (size_t)j);
+        json_t *shape = json_object_get(decl, "shape");
+        if (shape) {
+            int ok = json_array_size(shape) == (size_t)io->ndim;
+            for (int d = 0; ok && d < io->ndim; d++)
+                ok = json_integer_value(json_array_get(shape, (size_t)d)) == io->shape[d];
+            if (!ok) {
+                char *want = json_dumps(shape, JSON_COMPACT);
+                md_err_setc(err, MD_EUNPROC, "model_mismatch",
+                            "config.outputs[%d] (\"%s\") declares rows of shape %s, but the "
+                            "model returns rows of shape %s",
+                            j, io->name, want ? want : "?",
+                            md_fmt_dims(a, sizeof a, io->shape, io->ndim));
+                free(want);
+                return MD_EUNPROC;
+            }
+        }
+        const char *dt = json_string_value(json_object_get(decl, "dtype"));
+        if (dt && strcmp(dt, io->dtype_name) != 0)
+            return md_err_setc(err, MD_EUNPROC, "model_mismatch",
+                               "config.outputs[%d] (\"%s\") declares dtype %s, but the model "
+                               "returns %s",
+                               j, io->name, dt, io->dtype_name);
+    }
+    m->out_values = m->n_out ? o1.row_values : 0;
+    /* labels read one output: its rows must be a vector of classes */
+    int co = m->n_out ? m->class_out : -1;
+    if (m->labels && m->n_out && co < 0)
+        return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                           "config.labels names classes but no output is marked: add "
+                           "\"logits\": true to the one in config.outputs they name");
+    if (m->labels && co >= 0) {
+        md_io *io = &m->out[co];
+        md_classes cls = md_classes_from_config(m->classes_cfg, io->ndim == 1 ? io->shape[0] : 0);
+        if (io->ndim != 1 || cls.kind == MD_CLASSES_NONE ||
+            cls.classes != (int64_t)json_array_size(m->labels))
+            return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                               "config.labels has %zu names but output \"%s\" has %lld values "
+                               "per row%s",
+                               json_array_size(m->labels), io->name, (long long)io->values,
+                               cls.kind == MD_CLASSES_NONE && io->ndim == 1
+                                   ? "; declare \"output\": \"logits\" or \"probabilities\""
+                                   : "");
+    }
+    return MD_OK;
+}
+
+int md_model_n_inputs(const md_model *m) { return m->n_in; }
+int md_model_n_outputs(const md_model *m) { return m->n_out; }
+int64_t md_model_output_values(const md_model *m) { return m->out_values; }
+int md_model_classes_output(const md_model *m) { return m->class_out; }
+
+static void io_info(const md_io *io, md_io_info *out)
+{
+    out->name = io->name;
+    out->dtype = io->dtype_name;
+    out->is_int = io->is_int;
+    out->ndim = io->ndim;
+    out->shape = io->shape;
+    out->values = io->values;
+    out->off = io->off;
+}
+
+void md_model_input(const md_model *m, int i, md_io_info *out) { io_info(&m->in[i], out); }
+void md_model_output(const md_model *m, int j, md_io_info *out) { io_info(&m->out[j], out); }
 void md_model_destroy(md_model *m)
 {
     /* the last worker is gone: every packed copy is back in the pool */
@@ -63,6 +293,10 @@ void md_model_destroy(md_model *m)
     json_decref(m->classes_cfg);
     free(m->mean);
     free(m->std);
+    for (int i = 0; i < m->n_in; i++) {
+        free(m->in[i].mean);
+        free(m->in[i].std);
+    }
     pthread_mutex_destroy(&m->mu);
     pthread_cond_destroy(&m->cv[0]);
     pthread_cond_destroy(&m->cv[1]);
@@ -119,6 +353,11 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
                            (long long)MD_MAX_ROW_VALUES);
     }
     atomic_store(&m->shape_known, m->row_ndim > 0);
+    if ((st = read_io(m, config, err)) != MD_OK) {
+        md_model_destroy(m);
+        return st;
+    }
+    atomic_store(&m->shape_known, m->row_ndim > 0);
     json_t *pre = json_object_get(config, "preprocess");
     m->scale = json_is_number(json_object_get(pre, "scale"))
                    ? json_number_value(json_object_get(pre, "scale"))
@@ -160,6 +399,15 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
     for (const char **k = (const char *[]){"output", "threshold", "multi_label", NULL}; *k; k++)
         if (json_object_get(config, *k))
             json_object_set_new(m->classes_cfg, *k, json_deep_copy(json_object_get(config, *k)));
+    /* an output marked "logits": true reads as logits unless config.output says otherwise */
+    for (int j = 0; j < m->n_out; j++)
+        if (json_is_true(json_object_get(json_array_get(json_object_get(config, "outputs"),
+                                                        (size_t)j),
+                                         "logits")) &&
+            !output) {
+            json_object_set_new(m->classes_cfg, "output", json_string("logits"));
+            m->logits = 1;
+        }
     json_t *b = json_object_get(config, "batching");
     m->max_batch = cfg_int(b, "max_batch_size", def->max_batch_size);
     m->max_delay_us = cfg_int(b, "max_delay_us", def->max_delay_us);
@@ -180,6 +428,7 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
     const char *device = json_string_value(json_object_get(config, "device"));
 
     md_dtype in_dtype = parse_dtype(json_string_value(json_object_get(input, "dtype")));
+    m->in_dtype = in_dtype;
     if (weights_path)
         st = md_weights_load(path, weights_path, weights_format, device ? device : "cpu",
                              in_dtype, &m->torch, err);
@@ -199,7 +448,12 @@ md_status md_model_load_weights(const char *name, int version, const char *path,
                rerr.msg, resident);
     }
     atomic_store(&m->resident_bytes, (long long)resident);
-    if (m->row_ndim > 0) {
+    if (m->n_in || m->n_out) {
+        if ((st = io_load_check(m, name, config, err)) != MD_OK) {
+            md_model_destroy(m);
+            return st;
+        }
+    } else if (m->row_ndim > 0) {
         /* the test forwards: one zero row, then two, of the declared shape.
          * Requests of different clients share forwards, so a row's answer
          * must not depend on the batch: an output whose rows change shape

@@ -32,6 +32,140 @@ static md_status check_num_array(json_t *a, const char *key, int positive, md_er
     return MD_OK;
 }
 
+static int io_name_ok(const char *n)
+{
+    size_t len = strlen(n);
+    if (len == 0 || len >= MD_IO_NAME_MAX)
+        return 0;
+    for (const char *p = n; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '_' || *p == '.' || *p == '-'))
+            return 0;
+    return 1;
+}
+
+static md_status io_bad(md_err *err, const char *list, size_t i, const char *name,
+                        const char *what)
+{
+    if (name)
+        return md_err_setc(err, MD_EUNPROC, "invalid_config", "config.%s[%zu] (\"%s\"): %s",
+                           list, i, name, what);
+    return md_err_setc(err, MD_EUNPROC, "invalid_config", "config.%s[%zu]: %s", list, i, what);
+}
+
+/* config.inputs or config.outputs: an array of {"name", ...}, names unique. */
+static md_status check_io(json_t *v, const char *list, md_err *err)
+{
+    int inputs = strcmp(list, "inputs") == 0;
+    if (!json_is_array(v) || json_array_size(v) == 0 || json_array_size(v) > MD_MAX_IO)
+        return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                           "config.%s is invalid; give 1 to %d objects such as {\"name\": "
+                           "\"%s\"%s}, in the order %s",
+                           list, MD_MAX_IO, inputs ? "features" : "logits",
+                           inputs ? ", \"shape\": [4], \"dtype\": \"float32\"" : "",
+                           inputs ? "forward takes them" : "forward returns them (or its "
+                                                           "dict's keys)");
+    size_t i;
+    json_t *e;
+    int marked = 0;
+    json_array_foreach(v, i, e)
+    {
+        const char *name = json_string_value(json_object_get(e, "name"));
+        if (!json_is_object(e) || !name)
+            return io_bad(err, list, i, NULL, "give an object with a \"name\"");
+        if (!io_name_ok(name))
+            return io_bad(err, list, i, name,
+                          "a name is 1 to 63 letters, digits, '_', '.' or '-'");
+        for (size_t k = 0; k < i; k++)
+            if (strcmp(json_string_value(json_object_get(json_array_get(v, k), "name")), name) ==
+                0)
+                return io_bad(err, list, i, name, "the name is given twice; names are unique");
+        const char *key;
+        json_t *x;
+        json_object_foreach(e, key, x)
+        {
+            if (strcmp(key, "name") == 0)
+                continue;
+            if (strcmp(key, "shape") == 0) {
+                size_t d;
+                json_t *dim;
+                if (!json_is_array(x) || json_array_size(x) > 7)
+                    return io_bad(err, list, i, name,
+                                  "shape is the shape of one row without the batch "
+                                  "dimension: 0 to 7 integers >= 1 ([] for one value a row)");
+                int64_t values = 1;
+                int overflow = 0;
+                json_array_foreach(x, d, dim)
+                {
+                    if (!int_in(dim, 1, 1 << 30))
+                        return io_bad(err, list, i, name,
+                                      "every dimension of shape must be an integer >= 1");
+                    overflow |= md_mul_i64(values, json_integer_value(dim), &values);
+                }
+                if (overflow || values > MD_MAX_ROW_VALUES)
+                    return io_bad(err, list, i, name, "shape holds more values per row than "
+                                                      "the limit of 2^26");
+            } else if (strcmp(key, "dtype") == 0) {
+                const char *t = json_string_value(x);
+                if (!t || (strcmp(t, "float32") && strcmp(t, "float64") && strcmp(t, "int64") &&
+                           strcmp(t, "int32") && strcmp(t, "uint8") && strcmp(t, "bool")))
+                    return io_bad(err, list, i, name,
+                                  "dtype allowed: float32, float64, int64, int32, uint8, bool");
+            } else if (inputs && strcmp(key, "preprocess") == 0) {
+                const char *k2;
+                json_t *v2;
+                md_status st;
+                if (!json_is_object(x))
+                    return io_bad(err, list, i, name,
+                                  "preprocess is {\"scale\": s, \"mean\": [..], \"std\": [..]}");
+                json_object_foreach(x, k2, v2)
+                {
+                    if (strcmp(k2, "scale") == 0) {
+                        if (!is_num(v2))
+                            return io_bad(err, list, i, name, "preprocess.scale is a number");
+                    } else if (strcmp(k2, "mean") == 0 || strcmp(k2, "std") == 0) {
+                        char k[128];
+                        snprintf(k, sizeof k, "%s[%zu].preprocess.%s", list, i, k2);
+                        if ((st = check_num_array(v2, k, k2[0] == 's', err)) != MD_OK)
+                            return st;
+                    } else {
+                        return io_bad(err, list, i, name,
+                                      "preprocess allows scale, mean and std");
+                    }
+                }
+                json_t *mean = json_object_get(x, "mean"), *std = json_object_get(x, "std");
+                if ((mean || std) &&
+                    (!mean || !std || json_array_size(mean) != json_array_size(std)))
+                    return io_bad(err, list, i, name, "preprocess.mean and std must be given "
+                                                      "together, with the same length");
+            } else if (!inputs && strcmp(key, "logits") == 0) {
+                if (!json_is_boolean(x))
+                    return io_bad(err, list, i, name, "logits is true (labels, top_k and "
+                                                      "accuracy read this output) or false");
+                marked += json_is_true(x);
+            } else {
+                char what[160];
+                snprintf(what, sizeof what, "unknown key \"%s\"; allowed: name, shape, dtype, %s",
+                         key, inputs ? "preprocess" : "logits");
+                return io_bad(err, list, i, name, what);
+            }
+        }
+        if (inputs && !json_object_get(e, "shape"))
+            return io_bad(err, list, i, name, "give its shape per row, e.g. [4] ([] for one "
+                                              "value a row)");
+        const char *dt = json_string_value(json_object_get(e, "dtype"));
+        if (inputs && json_object_get(e, "preprocess") && dt &&
+            strcmp(dt, "float32") && strcmp(dt, "float64"))
+            return io_bad(err, list, i, name, "preprocess applies to float inputs only");
+    }
+    if (marked > 1)
+        return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                           "config.outputs marks %d outputs \"logits\": true; mark the one "
+                           "labels, top_k and accuracy read",
+                           marked);
+    return MD_OK;
+}
+
 md_status md_model_config_check(json_t *c, md_err *err)
 {
     if (!c || json_is_null(c))
@@ -94,6 +228,10 @@ md_status md_model_config_check(json_t *c, md_err *err)
                                        k);
                 }
             }
+        } else if (strcmp(key, "inputs") == 0 || strcmp(key, "outputs") == 0) {
+            md_status st = check_io(v, key, err);
+            if (st != MD_OK)
+                return st;
         } else if (strcmp(key, "preprocess") == 0) {
             if (!json_is_object(v))
                 return bad(err, "preprocess", "give {\"scale\": 0.00392, \"mean\": [..], \"std\": [..]}");
@@ -194,11 +332,21 @@ md_status md_model_config_check(json_t *c, md_err *err)
                 return bad(err, "device", "allowed: cpu, cuda, cuda:N, auto");
         } else {
             return md_err_setc(err, MD_EUNPROC, "invalid_config",
-                               "config has an unknown key \"%s\"; allowed: input, preprocess, "
-                               "output, threshold, multi_label, labels, batching, workers, "
+                               "config has an unknown key \"%s\"; allowed: input, inputs, outputs, "
+                               "preprocess, output, threshold, multi_label, labels, batching, workers, "
                                "device, prepack",
                                key);
         }
+    }
+    if (json_object_get(c, "inputs")) {
+        static const char *const one_input[] = {"input", "preprocess", NULL};
+        for (const char *const *k = one_input; *k; k++)
+            if (json_object_get(c, *k))
+                return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                                   "config.%s describes one input, and config.inputs declares "
+                                   "them all: give each input's shape, dtype and preprocess "
+                                   "in config.inputs instead",
+                                   *k);
     }
     /* threshold and multi_label read a probability: of the outputs
      * themselves or of their sigmoid */

@@ -46,6 +46,23 @@ typedef struct queue {
     int count;
 } queue;
 
+/* A declared input or output (config.inputs, config.outputs). */
+typedef struct md_io {
+    char name[MD_IO_NAME_MAX];
+    md_dtype dtype;            /* inputs: declared (what forward gets) */
+    char dtype_name[12];       /* inputs: declared; outputs: what the test forward returned */
+    int is_int;                /* inputs: carried as int64 words (every non-float dtype) */
+    int ndim;                  /* per row */
+    int64_t shape[MD_MAX_DIMS];
+    int64_t values;            /* per row */
+    int64_t off;               /* inputs: words into a packed row; outputs: floats into one */
+    /* inputs: their preprocess (float inputs only) */
+    double scale;
+    int n_norm;
+    float *mean, *std;
+    int64_t norm_inner;
+} md_io;
+
 struct md_model {
     char name[72];
     atomic_int version;        /* set again after the load (md_model_set_version) */
@@ -63,6 +80,18 @@ struct md_model {
     float *mean, *std;
     int64_t norm_inner;        /* floats per channel within a row */
     int logits;
+    /* declared inputs and outputs (0: one unnamed input, as config.input
+     * says, and the first tensor forward returns). With inputs, a request's
+     * row is the inputs' values side by side in 4-byte words (an int64 takes
+     * two: md_model_pack), row_shape is [words] and the row is preprocessed
+     * there; with outputs, an output row is the outputs' floats side by side,
+     * their shapes fixed by the test forward at load. */
+    int n_in, n_out;
+    int class_out;             /* the output labels read: -1 none (n_out 0: the only one) */
+    md_dtype in_dtype;         /* config.input.dtype (n_in 0) */
+    md_io in[MD_MAX_IO], out[MD_MAX_IO];
+    const char *out_keys[MD_MAX_IO]; /* out[j].name, for md_torch_forward_io */
+    int64_t out_values;        /* floats per packed output row */
     json_t *labels;
     json_t *classes_cfg;       /* config's output, threshold, multi_label (md_model_classes) */
     int max_batch, max_delay_us, queue_limit, timeout_ms, workers, job_nice;

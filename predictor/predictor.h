@@ -51,6 +51,7 @@ extern "C" {
 #define MD_TOP_K_MAX 1000
 
 typedef struct md_tensor md_tensor;
+typedef struct md_arrays md_arrays; /* named arrays of a request (below) */
 
 /* Check a version config object; MD_EUNPROC naming the key and what is
  * allowed when a key is unknown or a value is wrong. NULL is a valid {}. */
@@ -213,6 +214,56 @@ int64_t md_classes_top_k(const md_classes *c, const float *y, int64_t k, float *
 /* The declared per-row input shape into `shape` (room for MD_MAX_DIMS);
  * returns its dims, 0 when not declared (nor learned from a first request). */
 int md_model_input_shape(const md_model *m, int64_t *shape);
+/* ---- declared inputs and outputs (config.inputs, config.outputs) ----
+ * Fixed at load; thread-safe for any holder of a reference. */
+
+/* One declared input or output. Pointers borrowed while the reference is held. */
+typedef struct md_io_info {
+    const char *name;
+    const char *dtype;     /* inputs: declared; outputs: what the model returns (answered
+                            * as float32) */
+    int is_int;            /* inputs: read as integers */
+    int ndim;              /* per row */
+    const int64_t *shape;
+    int64_t values;        /* per row */
+    int64_t off;           /* outputs: where its values start in a row of the answer */
+} md_io_info;
+
+/* Declared inputs; 0: one unnamed input (config.input), the request forms
+ * md_tensor_decode reads. */
+int md_model_n_inputs(const md_model *m);
+/* Declared outputs; 0: the answer is the first tensor forward returns. With
+ * outputs, a prediction's answer (md_predict_cb's `out`) is [rows,
+ * md_model_output_values] with output j's row at md_io_info.off. */
+int md_model_n_outputs(const md_model *m);
+int64_t md_model_output_values(const md_model *m);
+void md_model_input(const md_model *m, int i, md_io_info *out);
+void md_model_output(const md_model *m, int j, md_io_info *out);
+/* The output labels, top_k and accuracy read (md_model_n_outputs > 0): the
+ * one marked "logits": true, or the only one; -1 when none. */
+int md_model_classes_output(const md_model *m);
+/*
+ * Decode a JSON body for a version with named inputs `in[0..n)`
+ * (md_model_input): rows as objects keyed by input name ([{...}, ...] or
+ * {"instances": [...]}), TF Serving's columns ({"inputs": {name: rows}},
+ * *columnar set), and for one input its rows as a plain array. Integers for
+ * integer inputs are read exactly; each value must have the input's declared
+ * shape. One array per input into `out` (dim 0 the rows). At most
+ * max_values values (MD_ETOOBIG). Errors (MD_EINVAL, invalid_input) name the
+ * row and the input. Thread-safe (rows.c).
+ */
+md_status md_named_decode(const char *body, size_t len, const md_io_info *in, int n,
+                          size_t max_values, md_arrays *out, int *columnar, md_err *err);
+/* Pack named arrays (a request's or a job chunk's) into the version's rows:
+ * each declared input once by name, `rows` rows in each (dim 0), the rest
+ * its declared shape; integers for integer inputs (a float there is refused,
+ * never rounded), floats or integers for float inputs, preprocessed as the
+ * input declares. `out` gets [rows, words] with packed = 1, for
+ * md_model_submit. MD_EINVAL (400, code invalid_input) naming the input:
+ * missing, unknown, of another shape, dtype or row count. `a` stays the
+ * caller's. Thread-safe. */
+md_status md_model_pack(const md_model *m, const md_arrays *a, md_tensor *out, md_err *err);
+
 /* Counters as JSON: batches, rows, requests, queue wait, batch size histogram. New reference. */
 json_t *md_model_stats(const md_model *m);
 
@@ -454,6 +505,10 @@ struct md_tensor {
     /* 1: the values are ToTensor's already (decoded images, v / 255), so the
      * version's preprocess.scale is not applied; mean/std still are */
     int prescaled;
+    /* 1: md_model_pack made it, for the version with declared inputs that
+     * packed it (a row is their words side by side); such a version takes
+     * no other tensor */
+    int packed;
 };
 
 /* Free the data of `t` and zero it. Accepts NULL. */
@@ -461,8 +516,7 @@ void md_tensor_free(md_tensor *t);
 
 /* ---- several named inputs (issue 27): arrays by name ---- */
 
-/* The most inputs or outputs a version may declare; longest name (with NUL). */
-#define MD_MAX_IO 16
+/* The longest input or output name, with its NUL (MD_MAX_IO: torch_backend.h). */
 #define MD_IO_NAME_MAX 64
 
 /* One named array of a request body, as its format gave it: integers (and
@@ -480,10 +534,10 @@ typedef struct md_array {
 } md_array;
 
 /* The named arrays of one request: n of them, names unique. */
-typedef struct md_arrays {
+struct md_arrays {
     int n;
     md_array a[MD_MAX_IO];
-} md_arrays;
+};
 
 /* Free every array's data and zero `a`. Accepts NULL. */
 void md_arrays_free(md_arrays *a);

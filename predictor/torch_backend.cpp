@@ -428,6 +428,151 @@ extern "C" md_status md_torch_forward_quiet(md_torch_model *m, const float *inpu
     return forward(m, input, shape, ndim, out, out_shape, out_ndim, true, err);
 }
 
+static const char *dtype_name(torch::ScalarType t)
+{
+    switch (t) {
+    case torch::kFloat32: return "float32";
+    case torch::kFloat64: return "float64";
+    case torch::kFloat16: return "float16";
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kInt64: return "int64";
+    case torch::kInt32: return "int32";
+    case torch::kInt16: return "int16";
+    case torch::kInt8: return "int8";
+    case torch::kUInt8: return "uint8";
+    case torch::kBool: return "bool";
+    default: return "other";
+    }
+}
+
+/* One input of md_torch_forward_io as a tensor on the model's device. The
+ * rows are copied into a tensor of their own (the words of several inputs
+ * interleave row by row, and an int64 may sit at a 4-byte offset). */
+static torch::Tensor io_input(const md_torch_model *m, const md_torch_in *in)
+{
+    std::vector<int64_t> sizes(in->shape, in->shape + in->ndim);
+    int64_t rows = in->shape[0], values = 1;
+    for (int d = 1; d < in->ndim; d++)
+        values *= in->shape[d];
+    torch::Tensor x = torch::empty(sizes, in->is_int ? torch::kInt64 : torch::kFloat32);
+    size_t row_bytes = (size_t)values * (in->is_int ? 8 : 4);
+    char *dst = (char *)x.data_ptr();
+    const float *src = in->base;
+    for (int64_t r = 0; r < rows; r++, src += in->row_words, dst += row_bytes)
+        memcpy(dst, src, row_bytes);
+    torch::ScalarType want = scalar_type(in->dtype);
+    if (m->device.is_cuda())
+        return x.pin_memory().to(m->device, want, /*non_blocking=*/true);
+    return want == x.scalar_type() ? x : x.to(want);
+}
+
+extern "C" md_status md_torch_forward_io(md_torch_model *m, const md_torch_in *in, int n_in,
+                                         const char *const *keys, int n_out, int quiet,
+                                         md_torch_outs *out, md_err *err)
+{
+    memset(out, 0, sizeof *out);
+    if (n_out < 1 || n_out > MD_MAX_IO || n_in < 1 || n_in > MD_MAX_IO)
+        return md_err_set(err, MD_EINVAL, "1 to %d inputs and outputs", MD_MAX_IO);
+    try {
+        c10::InferenceMode guard;
+#ifdef WITH_CUDA
+        c10::optional<c10::cuda::CUDAStreamGuard> stream_guard;
+        if (m->device.is_cuda())
+            stream_guard.emplace(thread_stream.get(!thread_background, m->device.index()));
+#endif
+        std::vector<torch::jit::IValue> args;
+        args.reserve((size_t)n_in);
+        for (int i = 0; i < n_in; i++)
+            args.emplace_back(io_input(m, &in[i]));
+        int64_t rows = in[0].shape[0];
+        torch::jit::IValue r = m->module.forward(args);
+        std::vector<torch::Tensor> ys((size_t)n_out);
+        for (int j = 0; j < n_out; j++) {
+            torch::jit::IValue v;
+            const char *what = nullptr;
+            if (r.isGenericDict()) {
+                c10::impl::GenericDict d = r.toGenericDict();
+                auto it = d.find(c10::IValue(std::string(keys[j])));
+                if (it == d.end()) {
+                    std::string have;
+                    for (auto &e : d)
+                        if (e.key().isString())
+                            have += (have.empty() ? "" : ", ") + e.key().toStringRef();
+                    return md_err_setc(err, MD_EUNPROC, "bad_model_output",
+                                       "the model's forward returned a dict without the key "
+                                       "\"%s\" (it has: %s); name config.outputs after its keys",
+                                       keys[j], have.c_str());
+                }
+                v = it->value();
+            } else if (r.isTuple() || r.isList()) {
+                std::vector<c10::IValue> el;
+                if (r.isTuple())
+                    el = r.toTuple()->elements().vec();
+                else
+                    el = r.toList().vec();
+                if ((size_t)j >= el.size())
+                    return md_err_setc(err, MD_EUNPROC, "bad_model_output",
+                                       "the model's forward returned %zu values, so there is "
+                                       "none for output \"%s\" (number %d of config.outputs)",
+                                       el.size(), keys[j], j + 1);
+                v = el[(size_t)j];
+            } else if (n_out == 1) {
+                v = r;
+            } else {
+                return md_err_setc(err, MD_EUNPROC, "bad_model_output",
+                                   "the model's forward returned one %s, not the %d outputs "
+                                   "config.outputs declares",
+                                   r.tagKind().c_str(), n_out);
+            }
+            if (!v.isTensor())
+                what = v.tagKind().c_str();
+            if (what)
+                return md_err_setc(err, MD_EUNPROC, "bad_model_output",
+                                   "output \"%s\" of the model's forward is a %s, not a tensor",
+                                   keys[j], what);
+            torch::Tensor y = v.toTensor();
+            snprintf(out->dtype[j], sizeof out->dtype[j], "%s", dtype_name(y.scalar_type()));
+            if (y.dim() < 1 || y.dim() > 8 || y.size(0) != rows)
+                return md_err_setc(err, MD_EUNPROC, "bad_model_output",
+                                   "output \"%s\" has %lld rows for a batch of %lld; every "
+                                   "output must keep the batch dimension",
+                                   keys[j], y.dim() < 1 ? 0LL : (long long)y.size(0),
+                                   (long long)rows);
+            ys[(size_t)j] = y.to(torch::kCPU, torch::kFloat32).contiguous().view({rows, -1});
+            out->ndim[j] = (int)y.dim();
+            for (int d = 0; d < y.dim(); d++)
+                out->shape[j][d] = y.size(d);
+            out->values[j] = ys[(size_t)j].size(1);
+            out->off[j] = out->row_values;
+            out->row_values += out->values[j];
+        }
+        size_t n = (size_t)rows * (size_t)out->row_values;
+        float *buf = (float *)malloc(n ? n * sizeof(float) : 1);
+        if (!buf)
+            return md_err_set(err, MD_ENOMEM, "out of memory for the model's output");
+        for (int j = 0; j < n_out; j++) {
+            const float *src = ys[(size_t)j].data_ptr<float>();
+            for (int64_t row = 0; row < rows; row++)
+                memcpy(buf + row * out->row_values + out->off[j], src + row * out->values[j],
+                       (size_t)out->values[j] * sizeof(float));
+        }
+        out->n = n_out;
+        out->data = buf;
+        return MD_OK;
+    } catch (const c10::OutOfMemoryError &e) {
+        set_torch_err_logged(err, MD_ENOMEM, "out of memory in the model's forward", error_text(e),
+                             quiet);
+        return MD_ENOMEM;
+    } catch (const std::bad_alloc &) {
+        return md_err_set(err, MD_ENOMEM, "out of memory in the model's forward; retry later");
+    } catch (const std::exception &e) {
+        set_torch_err_logged(err, MD_EUNPROC, "the model's forward failed", error_text(e), quiet);
+        return MD_EUNPROC;
+    } catch (...) {
+        return md_err_set(err, MD_EUNPROC, "the model's forward failed");
+    }
+}
+
 extern "C" void md_torch_free(md_torch_model *m)
 {
 #ifdef WITH_CUDA

@@ -67,6 +67,51 @@ md_status md_torch_forward_quiet(md_torch_model *m, const float *input, const in
                                  int ndim, float **out, int64_t *out_shape, int *out_ndim,
                                  md_err *err);
 
+/* ---- several inputs and outputs (issue 27) ---- */
+
+/* The most inputs or outputs a version may declare. */
+#define MD_MAX_IO 16
+
+/* One input of a batch, read from rows of 4-byte words: row r's values
+ * start at base + r * row_words words, `values` of them per row, C order,
+ * as float32 (1 word each) or, when is_int, as int64 (2 words each, native
+ * byte order; the batcher moves rows as words, so an integer is never
+ * rounded through float). The tensor forward gets is [rows, shape...] of
+ * `dtype` (the values cast to it). */
+typedef struct md_torch_in {
+    const float *base;
+    int64_t row_words;
+    int is_int;
+    md_dtype dtype;
+    int ndim;              /* with the batch: shape[0] is the rows */
+    const int64_t *shape;
+} md_torch_in;
+
+/* What forward returned, outputs side by side: row r of output j is
+ * data[r * row_values + off[j] ..], values[j] floats (converted to float32
+ * from whatever the model returned). shape[j] has the batch first. */
+typedef struct md_torch_outs {
+    int n;
+    int ndim[MD_MAX_IO];
+    int64_t shape[MD_MAX_IO][8];
+    int64_t values[MD_MAX_IO], off[MD_MAX_IO];
+    char dtype[MD_MAX_IO][12];  /* what the model returned: "float32", "int64", ... */
+    int64_t row_values;
+    float *data;                /* malloc'd; the caller frees it */
+} md_torch_outs;
+
+/*
+ * Forward on n_in inputs (forward's arguments, in order) and pick n_out
+ * outputs from what it returns: a dict by the names in keys[0..n_out); a
+ * tuple or list by position (its first n_out elements; fewer is an error
+ * naming keys[i]); a tensor when n_out is 1. Every output must keep the
+ * batch dimension (MD_EUNPROC bad_model_output naming it). `quiet` as
+ * md_torch_forward_quiet. On MD_OK *out holds the outputs.
+ */
+md_status md_torch_forward_io(md_torch_model *m, const md_torch_in *in, int n_in,
+                              const char *const *keys, int n_out, int quiet, md_torch_outs *out,
+                              md_err *err);
+
 /* Mark the calling thread's forwards as background (batch job) work. On
  * CUDA, background threads use low-priority streams and the others
  * high-priority ones, so the GPU runs online kernels first; on the CPU the
