@@ -283,10 +283,12 @@ tsan: deps
 fixtures:
 	$(PYTHON) tests/fixtures/make_fixtures.py
 	$(PYTHON) tests/fixtures/make_images.py
+	$(PYTHON) tests/fixtures/make_multi_io.py
 
 fixtures-check:
 	$(PYTHON) tests/fixtures/make_fixtures.py --check
 	$(PYTHON) tests/fixtures/make_images.py --check
+	$(PYTHON) tests/fixtures/make_multi_io.py --check
 
 # the backend reads checkpoint tensors too (md_torch_load_state): it needs their helpers
 $(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $(BUILD)/config/md_err.o $(BUILD)/config/md_json.o \
