@@ -73,8 +73,11 @@ TAB_NAMES = ["logits", "embedding"]
 BAD = {"invalid_input", "bad_input"}
 BAD_SHAPE = BAD | {"wrong_shape"}
 BAD_KEY = BAD | {"unknown_field"}
-# a deploy whose test forward or declared outputs do not fit the model
-MISMATCH = {"invalid_config", "model_mismatch", "model_test_failed"}
+# a deploy whose declared outputs do not fit what the model returns (spec)
+MISMATCH = {"invalid_config", "model_mismatch"}
+# a deploy whose test forward fails on the declared inputs (libtorch's reason;
+# model_test_failed is today's code for a failed test forward)
+FORWARD_FAILS = MISMATCH | {"model_test_failed"}
 
 
 # ---------------------------------------------------------------- the oracle
@@ -394,6 +397,11 @@ def test_rows_as_objects(server):
             assert_outputs(rows_answer(b, TAB_NAMES, n, what), want, what)
             assert b["labels"] == labels, f"{what}: {b}"
             assert close_scores(b["scores"], scores), f"{what}: {b}"
+    # TF Serving's signature_name is ignored
+    b = ok_json(post(server, "/models/tab/predict",
+                     {"signature_name": "serving_default", "instances": objects(NUM, CAT)}),
+                "signature_name")
+    assert_outputs(rows_answer(b, TAB_NAMES, n, "signature_name"), want, "signature_name")
     # keys in any order within a row, and one row alone
     body = [{"category": int(CAT[2]), "numeric": NUM[2].tolist()}]
     b = ok_json(post(server, "/models/tab/predict", body), "one row, keys reversed")
@@ -793,6 +801,38 @@ def test_mixed_forms_share_one_batch(server):
     assert st["batches"] == 1, f"the 4 requests were not one forward: {st}"
 
 
+def test_v2_requests_of_every_kind_share_one_batch(server):
+    """The same, with V2 requests that differ in what they ask back: JSON or
+    binary inputs, inputs in either order, one output or both, JSON or binary
+    outputs. Each gets exactly its own rows of the outputs it asked for."""
+    deployed(server, "tab", "tabular", {**TAB_CONFIG, "workers": 1, "batching": {
+        "max_batch_size": 9, "max_delay_us": 10000000, "timeout_ms": 120000}})
+    numeric, category = rng_rows(1, 9)
+    kinds = [  # (rows, tab_v2 arguments)
+        (slice(0, 1), dict(order=("category", "numeric"), outputs=["embedding"])),
+        (slice(1, 4), dict(binary=("numeric", "category"), binary_outputs=True)),
+        (slice(4, 6), dict(binary=("category",), outputs=["logits"], binary_outputs=True)),
+        (slice(6, 9), dict(order=("category", "numeric"), outputs=["embedding", "logits"])),
+    ]
+    start = threading.Barrier(len(kinds))
+
+    def one(k):
+        sl, kw = kinds[k]
+        body, headers = tab_v2(numeric[sl], category[sl], **kw)
+        start.wait()
+        r = post(server, "/v2/models/tab/infer", body, headers=headers)
+        return dict(v2_outputs(r, f"V2 kind {k}")[1])
+
+    with ThreadPoolExecutor(len(kinds)) as ex:
+        got = list(ex.map(one, range(len(kinds))))
+    for k, (sl, kw) in enumerate(kinds):
+        want = tab(numeric[sl], category[sl])
+        names = kw.get("outputs", TAB_NAMES)
+        assert_outputs(got[k], {n: want[n] for n in names}, f"V2 kind {k} in the shared batch")
+    st = loaded_stats(server, "tab")
+    assert st["requests"] == 4 and st["rows"] == 9 and st["batches"] == 1, st
+
+
 def test_mixed_requests_under_load(server):
     """8 threads, 25 requests each, of every form and 1..6 rows: every
     answer is PyTorch's for its own rows, and the version counted them all."""
@@ -824,6 +864,25 @@ def test_mixed_requests_under_load(server):
     assert 1 <= st["batches"] <= 200 and sum(st["batch_size_histogram"]) == st["batches"], st
 
 
+def test_declared_io_survives_a_restart(start_server, tmp_path):
+    """The declarations are part of the stored version: after a restart on the
+    same store the model still takes its named inputs and answers every output."""
+    store = tmp_path / "store-restart"
+    srv = start_server(store=store)
+    deployed(srv, "tab", "tabular", TAB_CONFIG)
+    srv.stop()
+    srv = start_server(store=store)
+    want = tab(NUM, CAT)
+    b = ok_json(post(srv, "/models/tab/predict", objects(NUM, CAT)), "after restart")
+    assert_outputs(rows_answer(b, TAB_NAMES, len(CAT), "after restart"), want, "after restart")
+    assert b["labels"] == top(want["logits"], 1)[0], b
+    body, headers = tab_v2(NUM, CAT, binary=("category",))
+    head, got = v2_outputs(post(srv, "/v2/models/tab/infer", body, headers=headers), "V2")
+    assert_outputs(dict(got), want, "V2 after restart")
+    m = ok_json(srv.get("/v2/models/tab"), "metadata after restart")
+    assert [i["name"] for i in m["inputs"]] == ["numeric", "category"], m
+
+
 # ---------------------------------------------------------------- deploy 422s
 
 
@@ -853,16 +912,16 @@ DEPLOY_REFUSALS = [
      MISMATCH, ["embedding"]),
     ("input-shape", "tabular",
      {"inputs": [{"name": "numeric", "shape": [5]}, TAB_INPUTS[1]], "outputs": TAB_OUTPUTS},
-     MISMATCH, []),
+     FORWARD_FAILS, []),
     ("input-dtype", "tabular",
      {"inputs": [TAB_INPUTS[0], {"name": "category", "shape": [], "dtype": "float32"}],
       "outputs": TAB_OUTPUTS},
-     MISMATCH, []),
+     FORWARD_FAILS, []),
     ("too-few-inputs", "tabular",
-     {"inputs": [TAB_INPUTS[0]], "outputs": TAB_OUTPUTS}, MISMATCH, []),
+     {"inputs": [TAB_INPUTS[0]], "outputs": TAB_OUTPUTS}, FORWARD_FAILS, []),
     ("too-many-inputs", "tabular",
      {"inputs": TAB_INPUTS + [{"name": "extra", "shape": [1]}], "outputs": TAB_OUTPUTS},
-     MISMATCH, []),
+     FORWARD_FAILS, []),
     ("name-space", "tabular",
      {"inputs": [{"name": "num eric", "shape": [4]}, TAB_INPUTS[1]]}, {"invalid_config"},
      ["num eric"]),
@@ -955,6 +1014,10 @@ REQUEST_ERRORS = [
      ["category"]),
     ("rows-string-in-numeric", "json", [{"numeric": [1, "x", 3, 4], "category": 1}], BAD,
      ["numeric"]),
+    ("rows-duplicate-key", "json", '[{"numeric": [1, 2, 3, 4], "category": 1, "category": 2}]',
+     BAD, ["category"]),
+    ("rows-empty", "json", [], BAD, []),
+    ("ray-serve-array-is-single-input", "json", {"array": [[1, 2, 3, 4]]}, BAD_KEY, ["array"]),
     ("instances-missing-input", "json", {"instances": [{"numeric": [1, 2, 3, 4]}]}, BAD,
      ["category"]),
     ("rows-array-not-object", "json", [[1, 2, 3, 4]], BAD_SHAPE, []),
@@ -966,6 +1029,10 @@ REQUEST_ERRORS = [
     ("columnar-row-counts-differ", "json",
      {"inputs": {"numeric": [[1, 2, 3, 4], [5, 6, 7, 8]], "category": [1, 2, 3]}}, BAD_SHAPE,
      ["category"]),
+    ("columnar-duplicate-input", "json",
+     '{"inputs": {"numeric": [[1, 2, 3, 4]], "category": [1], "category": [2]}}', BAD,
+     ["category"]),
+    ("columnar-no-rows", "json", {"inputs": {"numeric": [], "category": []}}, BAD, []),
     ("columnar-float-for-int64", "json",
      {"inputs": {"numeric": [[1, 2, 3, 4], [5, 6, 7, 8]], "category": [1, 1.5]}}, BAD,
      ["category"]),
@@ -1023,6 +1090,28 @@ def test_request_errors_name_the_input(tab_server, kind, body, codes, words):
     want = tab(NUM[:2], CAT[:2])
     b = ok_json(post(srv, "/models/tab/predict", objects(NUM[:2], CAT[:2])), "after the error")
     assert_outputs(rows_answer(b, TAB_NAMES, 2, "after"), want, "after the error")
+
+
+def test_v2_binary_errors_name_the_input(tab_server):
+    srv = tab_server
+    # NaN in one input's raw floats
+    x = NUM[:2].copy()
+    x[1, 2] = np.nan
+    body, headers = tab_v2(x, CAT[:2], binary=("numeric", "category"))
+    v2_error(post(srv, "/v2/models/tab/infer", body, headers=headers), 400, "numeric")
+    # the second input's binary_data_size is short of its shape's
+    body, headers = tab_v2(NUM[:2], CAT[:2], order=("numeric", "category"),
+                           binary=("numeric", "category"))
+    n = int(headers["Inference-Header-Content-Length"])
+    head = json.loads(body[:n])
+    head["inputs"][1]["parameters"]["binary_data_size"] = 8
+    hb = json.dumps(head).encode()
+    v2_error(post(srv, "/v2/models/tab/infer", hb + body[n:-8],
+                  headers={**headers, "Inference-Header-Content-Length": str(len(hb))}),
+             400, "category", "binary_data_size")
+    # the bytes of both, but the header claims fewer: bytes no input claims
+    v2_error(post(srv, "/v2/models/tab/infer", hb + body[n:],
+                  headers={**headers, "Inference-Header-Content-Length": str(len(hb))}), 400)
 
 
 def test_npz_body_that_is_not_an_npz(tab_server):
@@ -1173,6 +1262,31 @@ def test_npz_job_npy_output_is_a_file_per_output(jsrv, job_data, tmp_path):
         a = np.load(out / f"{name}.npy", allow_pickle=False)
         assert a.dtype == np.float32, (name, a.dtype)
         assert_close(a, job_data.want[name], f"NPY output {name}")
+
+
+def test_csv_job_reads_integers_as_integers(jsrv, job_data, tmp_path):
+    """A category cell that is not an integer is a malformed row naming the
+    input: the job fails (on_error fail) or skips that row only."""
+    lines = (job_data.dir / "rows.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    cells = lines[3].split(",")
+    cells[header.index("city_id")] = "2.5"
+    lines[3] = ",".join(cells)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("\n".join(lines) + "\n")
+    spec = {"model": "tab", "input": {"path": str(bad), "format": "csv", "columns": COLUMNS,
+                                      "label": "label"}}
+    jid, job = run_job(jsrv, spec, want="failed")
+    assert "category" in json.dumps(job["error"]) or "city_id" in json.dumps(job["error"]), job
+    jid, job = run_job(jsrv, {**spec, "on_error": "skip"})
+    assert job["rows_skipped"] == 1 and job["rows_done"] == JOB_ROWS, job
+    r = jsrv.get(f"/jobs/{jid}/output", timeout=30 * TSCALE)
+    rows = [json.loads(line) for line in r.text.splitlines()]
+    assert [row["index"] for row in rows] == [i for i in range(JOB_ROWS) if i != 2], \
+        "the skipped row is data row 2 (line 3)"
+    keep = np.array([i for i in range(JOB_ROWS) if i != 2])
+    got = {k: np.array([row[k] for row in rows], dtype=np.float32) for k in TAB_NAMES}
+    assert_outputs(got, {k: v[keep] for k, v in job_data.want.items()}, "job output, row skipped")
 
 
 def test_job_refuses_columns_that_do_not_fit(jsrv, job_data):
