@@ -164,6 +164,6 @@ md_status md_model_pack(const md_model *m, const md_arrays *a, md_tensor *out, m
     out->shape[1] = m->row_size;
     out->count = words;
     out->data = buf;
-    out->packed = 1;
+    out->packed = m->layout;
     return MD_OK;
 }
