@@ -264,6 +264,11 @@ md_status md_named_decode(const char *body, size_t len, const md_io_info *in, in
  * caller's. Thread-safe. */
 md_status md_model_pack(const md_model *m, const md_arrays *a, md_tensor *out, md_err *err);
 
+/* As md_model_pack for `rows` rows already laid out as it packs them (a
+ * job's reader fills them: md_reader_opts.inputs): `words` (ownership taken,
+ * even on failure) is preprocessed in place and becomes out->data. */
+md_status md_model_pack_rows(const md_model *m, float *words, int64_t rows, md_tensor *out,
+                             md_err *err);
 /* Counters as JSON: batches, rows, requests, queue wait, batch size histogram. New reference. */
 json_t *md_model_stats(const md_model *m);
 
