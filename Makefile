@@ -336,7 +336,7 @@ clean:
 # loader, the router, the multipart/form-data iterator, the checkpoint readers,
 # image input and the S3 client's XML answers (clang); not part of `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
-TENSOR_SRC := predictor/tensor.c predictor/npy.c predictor/v2.c
+TENSOR_SRC := predictor/tensor.c predictor/npy.c predictor/v2.c predictor/rows.c
 # FUZZ_RUNS=1000000 runs each target that many executions instead of FUZZ_SECONDS
 FUZZ_RUNS ?=
 FUZZ_LIMIT = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS))
@@ -358,6 +358,9 @@ fuzz:
 	  build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lpng -ljpeg -lz -lisal -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \
+	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_named tests/fuzz_named.c \
 	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_model_config \
@@ -400,6 +403,7 @@ fuzz:
 	cp tests/fuzz_corpus_readers/* build-fuzz/corpus_readers/
 	cp tests/fuzz_corpus_config/* build-fuzz/corpus_config/
 	mkdir -p build-fuzz/corpus_v2 && cp tests/fuzz_corpus_v2/* build-fuzz/corpus_v2/
+	mkdir -p build-fuzz/corpus_named && cp tests/fuzz_corpus_named/* build-fuzz/corpus_named/
 	mkdir -p build-fuzz/corpus_model_config && \
 	  cp tests/fuzz_corpus_model_config/* build-fuzz/corpus_model_config/
 	cp tests/fuzz_corpus_router/* build-fuzz/corpus_router/
@@ -413,6 +417,7 @@ fuzz:
 	build-fuzz/fuzz_tensor $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus
 	build-fuzz/fuzz_readers $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_readers
 	build-fuzz/fuzz_v2 $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_v2
+	build-fuzz/fuzz_named $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_named
 	build-fuzz/fuzz_model_config $(FUZZ_LIMIT) -max_len=2048 build-fuzz/corpus_model_config
 	build-fuzz/fuzz_config $(FUZZ_LIMIT) -max_len=2048 build-fuzz/corpus_config
 	build-fuzz/fuzz_router $(FUZZ_LIMIT) -max_len=1024 build-fuzz/corpus_router
