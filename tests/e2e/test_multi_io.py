@@ -350,6 +350,9 @@ def test_fixture_rows_sit_on_no_boundary():
                                       (5, rng_rows(5, 300))):
         lg = np.sort(tab(numeric, category)["logits"], axis=1)
         assert np.diff(lg, axis=1).min() > 1e-4, f"seed {seed}: a row's logits nearly tie"
+    for name in ("argmax", "dict"):
+        lg = np.sort(oracle(name, NUM, names=["logits", "class"])["logits"], axis=1)
+        assert np.diff(lg, axis=1).min() > 1e-4, f"{name}: a row's logits nearly tie"
 
 
 # ---------------------------------------------------------------- deploy, metadata
@@ -640,6 +643,29 @@ def test_bool_input_and_scalar_output(server):
         assert_outputs(dict(got), want, f"seqmask V2 binary={binary}")
     b = ok_json(post_npz(server, "/models/seq/predict", seq=seq, mask=mask), "NPZ")
     assert_outputs(any_answer(b, names, 5, "NPZ"), want, "seqmask NPZ")
+
+
+def test_integer_output_is_answered_as_float32(server):
+    """A tuple with an int64 output (class ids): declared dtype int64, answered
+    as float32 numbers (FP32 in V2) like every output."""
+    names = ["logits", "class"]
+    deployed(server, "am", "argmax", {"input": {"shape": [4]},
+                                      "outputs": [{"name": "logits", "shape": [3]},
+                                                  {"name": "class", "shape": [], "dtype": "int64"}]})
+    want = oracle("argmax", NUM, names=names)
+    b = ok_json(post(server, "/models/am/predict", NUM.tolist()), "rows")
+    got = rows_answer(b, names, len(NUM), "rows")
+    assert got["class"].shape == (len(NUM),), b
+    assert_outputs(got, want, "integer output, rows")
+    body, headers = v2_body([v2_input("x", NUM, "FP32", True)], binary_outputs=True)
+    head, got = v2_outputs(post(server, "/v2/models/am/infer", body, headers=headers), "V2")
+    assert [(k, list(a.shape)) for k, a in got] == [("logits", [6, 3]), ("class", [6])], head
+    assert_outputs(dict(got), want, "integer output, V2")
+    # declared float32, it is refused at deploy, naming it
+    r = deploy(server, "am2", "argmax", {"input": {"shape": [4]},
+                                         "outputs": [{"name": "logits"},
+                                                     {"name": "class", "dtype": "float32"}]})
+    error(r, 422, MISMATCH, "class")
 
 
 SEQ_CONFIG = {"inputs": [{"name": "seq", "shape": [3, 2], "dtype": "float32"},
