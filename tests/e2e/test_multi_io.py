@@ -709,6 +709,34 @@ def test_int64_inputs_are_exact(server):
         error(r, 400, BAD, "ids")
 
 
+@pytest.mark.parametrize("dtype,datatype,values,bad", [
+    ("int32", "INT32", [5, 1999, -7, 2 ** 31 - 1, -2 ** 31], ["2147483648", "-2147483649", "1.5"]),
+    ("uint8", "UINT8", [0, 5, 255, 17], ["256", "-1", "2.5"]),
+    ("float64", "FP64", [0.5, -3.25, 1e10, 1999.75], ['"x"']),
+])
+def test_other_input_dtypes(server, dtype, datatype, values, bad):
+    """The ids model (remainder and ==, any numeric type) declared int32,
+    uint8 or float64: values in range are exact, others 400 naming the input."""
+    np_type = {"int32": np.int32, "uint8": np.uint8, "float64": np.float64}[dtype]
+    deployed(server, "ids", "ids", {"inputs": [{"name": "ids", "shape": [], "dtype": dtype}]})
+    arr = np.array(values, dtype=np_type)
+    want = oracle("ids", arr)
+    b = ok_json(post(server, "/models/ids/predict", [{"ids": v} for v in values]), "rows")
+    assert_close(b["predictions"], want, f"{dtype} rows as objects")
+    b = ok_json(post(server, "/models/ids/predict", {"inputs": {"ids": values}}), "columnar")
+    assert_close(b["outputs"] if "outputs" in b else b["predictions"], want, f"{dtype} columnar")
+    m = ok_json(server.get("/v2/models/ids"), "metadata")
+    assert m["inputs"] == [{"name": "ids", "datatype": datatype, "shape": [-1]}], m
+    for binary in (False, True):
+        body, headers = v2_body([v2_input("ids", arr, datatype, binary)])
+        head, got = v2_outputs(post(server, "/v2/models/ids/infer", body, headers=headers), "V2")
+        assert_close(got[0][1], want, f"{dtype} V2 binary={binary}")
+    for v in bad:
+        error(post(server, "/models/ids/predict", '[{"ids": %s}]' % v), 400, BAD, "ids")
+    b = ok_json(post_npz(server, "/models/ids/predict", ids=arr), "NPZ")
+    assert_close(b["outputs"] if "outputs" in b else b["predictions"], want, f"{dtype} NPZ")
+
+
 def test_int64_npz_and_npy_bodies_are_exact(server):
     """An int64 array in an NPZ body, and in an NPY body for the one-input
     model ("a single-input model keeps every old form"), is read exactly."""
