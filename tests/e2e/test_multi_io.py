@@ -1211,6 +1211,10 @@ def job_data(tmp_path_factory):
             obj = {"city_id": int(category[i]), "label": int(truth[i]), "note": "x"}
             obj.update(zip(COLS_NUMERIC, [float(v) for v in numeric[i]]))
             f.write(json.dumps(obj) + "\n")
+    with open(d / "named.jsonl", "w") as f:  # a field per input, by its name
+        for i in range(JOB_ROWS):
+            f.write(json.dumps({"label": int(truth[i]), "category": int(category[i]),
+                                "numeric": [float(v) for v in numeric[i]]}) + "\n")
     np.savez(d / "rows.npz", numeric=numeric, category=category)
     ns = type("JobData", (), {})()
     ns.dir, ns.numeric, ns.category, ns.want, ns.truth = d, numeric, category, want, truth
@@ -1292,6 +1296,18 @@ def test_jsonl_job_with_columns(jsrv, job_data):
     jid, job = run_job(jsrv, spec)
     assert job["labeled"] == JOB_ROWS and job["correct"] == job_data.correct, job
     check_jsonl(jsrv, jid, job_data)
+
+
+def test_jsonl_job_fields_by_input_name(jsrv, job_data):
+    """Without columns each input is the field of its name (openapi); a
+    string in columns names one field holding the input's whole value."""
+    path = str(job_data.dir / "named.jsonl")
+    for inp in ({"path": path, "format": "jsonl", "label": "label"},
+                {"path": path, "format": "jsonl", "label": "label",
+                 "columns": {"numeric": "numeric", "category": "category"}}):
+        jid, job = run_job(jsrv, {"model": "tab", "input": inp})
+        assert job["labeled"] == JOB_ROWS and job["correct"] == job_data.correct, job
+        check_jsonl(jsrv, jid, job_data)
 
 
 def test_npz_job(jsrv, job_data):
