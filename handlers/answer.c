@@ -426,7 +426,8 @@ char *md_answer_encode(const md_answer_opts *o, const float *out, const int64_t 
         sb_json_string(&b, o->model);
         sb_str(&b, ",\"version\":");
         sb_int(&b, o->version);
-        sb_str(&b, ",\"predictions\":");
+        /* a columnar request ({"inputs": ...}) is answered with "outputs" */
+        sb_str(&b, o->columnar ? ",\"outputs\":" : ",\"predictions\":");
         sb_nested(&b, out, shape, ndim, 0);
         if ((o->top_k || o->labels) && o->classes.kind != MD_CLASSES_NONE)
             add_labels_scores(&b, o, out, shape, ndim);

@@ -227,6 +227,7 @@ typedef struct pending {
     md_arrays arrays;
     int have_arrays;
     char v2_input[MD_IO_NAME_MAX]; /* V2: the one float input's name */
+    char v2_datatype[8];           /* ... and its datatype */
     int columnar;
     int n_outs;                    /* V2: the outputs asked for by name */
     char outs[MD_MAX_IO][MD_IO_NAME_MAX];
@@ -678,6 +679,7 @@ static void tensor_to_arrays(pending *pd, md_arrays *a)
     a->n = 1;
     md_array *x = &a->a[0];
     snprintf(x->name, sizeof x->name, "%s", pd->v2_input);
+    snprintf(x->datatype, sizeof x->datatype, "%s", pd->v2_datatype);
     x->ndim = pd->t.ndim;
     memcpy(x->shape, pd->t.shape, sizeof x->shape);
     x->count = pd->t.count;
@@ -720,6 +722,7 @@ static md_status named_rows(md_req *req, pending *pd, md_model *m, md_err *err)
             else if ((st = md_npy_decode(body, len, max_values(req), &t, err)) == MD_OK) {
                 pd->t = t;
                 snprintf(pd->v2_input, sizeof pd->v2_input, "%s", in[0].name);
+                pd->v2_datatype[0] = '\0';
                 tensor_to_arrays(pd, &a);
                 if (a.a[0].ndim == in[0].ndim) { /* one row without its batch dimension */
                     memmove(a.a[0].shape + 1, a.a[0].shape, sizeof(int64_t) * (MD_MAX_DIMS - 1));
@@ -1172,6 +1175,7 @@ static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json
     }
     const char *in_name = json_string_value(json_object_get(in, "name"));
     snprintf(pd->v2_input, sizeof pd->v2_input, "%s", in_name ? in_name : "");
+    snprintf(pd->v2_datatype, sizeof pd->v2_datatype, "%s", dt0 && strlen(dt0) < 8 ? dt0 : "");
     json_t *bsize = json_object_get(json_object_get(in, "parameters"), "binary_data_size");
     md_status st;
     if (decoded) {

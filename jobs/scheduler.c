@@ -630,7 +630,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     if (fd < 0)
         goto failed;
     if (fresh) {
-        char head[2048] = "";
+        char head[16384] = "";
         if (o.kind == 2) {
             int64_t s1[1] = {0};
             md_job_npy_header(head, 0, s1, 1);
@@ -641,13 +641,28 @@ static void run_job(md_jobs *J, int slot, const char *id)
                 strcat(head, "index"), first = 0;
             if (o.inc_path)
                 strcat(head, first ? "path" : ",path"), first = 0;
+            /* a column per output value: NAME_0, NAME_1, ... (NAME for one
+             * value a row); names are letters, digits, _ . -: nothing to quote */
             for (int j = 0; j < md_model_n_outputs(m); j++) {
                 md_io_info oi;
                 md_model_output(m, j, &oi);
-                if (!first)
-                    strcat(head, ",");
-                strcat(head, oi.name); /* letters, digits, _ . -: nothing to quote */
-                first = 0;
+                for (int64_t v = 0; v < oi.values; v++) {
+                    char col[96];
+                    if (oi.ndim == 0)
+                        snprintf(col, sizeof col, "%s%s", first ? "" : ",", oi.name);
+                    else
+                        snprintf(col, sizeof col, "%s%s_%lld", first ? "" : ",", oi.name,
+                                 (long long)v);
+                    if (strlen(head) + strlen(col) + 64 >= sizeof head) {
+                        md_err_setc(&err, MD_EUNPROC, "invalid_job",
+                                    "the outputs of model %s version %d have too many values "
+                                    "for csv columns; write jsonl",
+                                    model_name, md_model_version(m));
+                        goto failed;
+                    }
+                    strcat(head, col);
+                    first = 0;
+                }
             }
 
             if (o.inc_pred)

@@ -151,7 +151,7 @@ void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *
         }
         for (int64_t v = 0; v < oi.values; v++) {
             if (v)
-                ADD(o->kind == 0 ? "," : ";");
+                ADD(","); /* CSV: a column per value (NAME_0, NAME_1, ...) */
             md_float_format(outs[oi.off + v], num, sizeof num);
             ADD(num);
         }

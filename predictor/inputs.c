@@ -111,6 +111,21 @@ md_status md_model_pack(const md_model *m, const md_arrays *a, md_tensor *out, m
         }
         rows = x->shape[0];
         rows_from = io->name;
+        if (x->datatype[0]) { /* V2 names the datatype: it must be the declared one */
+            static const struct {
+                const char *v2, *dtype;
+            } same[] = {{"FP32", "float32"}, {"FP64", "float64"}, {"INT64", "int64"},
+                        {"INT32", "int32"},  {"UINT8", "uint8"},  {"BOOL", "bool"}};
+            const char *want = NULL;
+            for (size_t k = 0; k < sizeof same / sizeof same[0]; k++)
+                if (strcmp(same[k].dtype, io->dtype_name) == 0)
+                    want = same[k].v2;
+            if (want && strcmp(want, x->datatype) != 0) {
+                snprintf(detail, sizeof detail, "is %s, and the model declares %s: send "
+                         "datatype %s", x->datatype, io->dtype_name, want);
+                return bad(err, m, "input \"%s\" %s", io->name, detail);
+            }
+        }
         if (io->is_int && !x->is_int) {
             snprintf(detail, sizeof detail, "%s", io->dtype_name);
             return bad(err, m, "input \"%s\" is declared %s: send integers (floats are not "

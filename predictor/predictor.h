@@ -535,6 +535,8 @@ typedef struct md_array {
     int64_t shape[MD_MAX_DIMS];
     size_t count;  /* product of shape */
     int is_int;    /* 1: the values are in i64, 0: in f32 */
+    char datatype[8]; /* V2's datatype ("FP32", "INT64", ...) when the request said one
+                       * (it must then be the input's declared dtype), else "" */
     float *f32;
     int64_t *i64;
 } md_array;

@@ -676,6 +676,8 @@ md_status md_v2_decode_array(json_t *in, const void *bytes, size_t nbytes, size_
                           "the model's input it is for", sizeof out->name - 1);
     snprintf(out->name, sizeof out->name, "%s", name);
     const char *dt = json_string_value(json_object_get(in, "datatype"));
+    if (dt && strlen(dt) < sizeof out->datatype)
+        snprintf(out->datatype, sizeof out->datatype, "%s", dt);
     md_tensor t;
     md_status st;
     if (!v2_is_int_type(dt)) {
