@@ -887,6 +887,19 @@ def test_v2_requests_of_every_kind_share_one_batch(server):
     assert st["requests"] == 4 and st["rows"] == 9 and st["batches"] == 1, st
 
 
+def test_request_split_past_max_batch_size(server):
+    """A request of more rows than max_batch_size is computed in pieces (by
+    two workers); every output comes back whole, in row order."""
+    deployed(server, "tab", "tabular", {**TAB_CONFIG, "workers": 2,
+                                        "batching": {"max_batch_size": 4}})
+    numeric, category = rng_rows(1, 11)
+    want = tab(numeric, category)
+    for form in ("rows", "columnar", "v1", "v2binary", "v2json"):
+        assert_outputs(send_form(server, form, numeric, category), want, f"11 rows, {form}")
+    st = loaded_stats(server, "tab")
+    assert st["rows"] == 55 and st["batches"] >= 5 * 3, st  # 11 rows take 3 forwards of <= 4
+
+
 def test_mixed_requests_under_load(server):
     """8 threads, 25 requests each, of every form and 1..6 rows: every
     answer is PyTorch's for its own rows, and the version counted them all."""
@@ -1264,7 +1277,8 @@ def check_jsonl(srv, jid, data, labelled=True):
 
 def test_csv_job_with_columns(jsrv, job_data):
     spec = {"model": "tab", "input": {"path": str(job_data.dir / "rows.csv"), "format": "csv",
-                                      "columns": COLUMNS, "label": "label"}}
+                                      "columns": COLUMNS, "label": "label"},
+            "batch_size": 7}  # 300 rows: 42 forwards of 7 and one of 6
     jid, job = run_job(jsrv, spec)
     assert job["rows_done"] == JOB_ROWS and job["rows_skipped"] == 0, job
     assert job["labeled"] == JOB_ROWS and job["correct"] == job_data.correct, \
