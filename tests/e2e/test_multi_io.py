@@ -16,13 +16,16 @@ Covered: deploys with declared inputs/outputs and GET /v2/models/NAME;
 every request dialect of the spec (rows as objects, {"instances": [objects]},
 columnar {"inputs": {...}}, NPZ bodies from np.savez and np.savez_compressed,
 KServe V1 objects, V2 with several inputs as JSON or binary in any order, V2
-output selection); labels/top_k on the "logits": true output; a batch
+output selection, binary outputs); every input dtype (float32, float64,
+int64 exact to 2**63 - 1, int32, uint8, bool) and an int64 output;
+per-input preprocess; labels/top_k on the "logits": true output; batches
 mixing request forms (deterministic: one worker, a long max_delay_us and a
 max_batch_size equal to the rows sent, so the forward runs when the batch
-is full) and 8 threads of mixed requests; deploy-time 422s; request 400s
-that name the input; the single-input forms (regression); and batch jobs
-(CSV and JSON Lines with input.columns, NPZ datasets, one field / column /
-NPY file per output).
+is full), a request split past max_batch_size, and 8 threads of mixed
+requests; a restart; deploy-time 422s; request 400s that name the input;
+the single-input forms (regression); and batch jobs (CSV and JSON Lines
+with input.columns, NPZ datasets, one field / column / NPY file per
+output, a malformed integer cell).
 
 Spec decisions where /work/notes/spec27.md leaves room (what a TF Serving or
 Triton user expects):
