@@ -661,6 +661,9 @@ md_status md_npz_decode(const char *data, size_t len, size_t max_values, md_arra
         if (st != MD_OK)
             break;
     }
+    /* bytes in the directory past its entries would be entries to another reader */
+    if (st == MD_OK && at != pos.cd_size)
+        st = bad_zip(err, "has a central directory longer than its entries");
     if (st != MD_OK)
         md_arrays_free(out);
     return st;
