@@ -181,12 +181,14 @@ static void test_savez_compressed_every_dtype(void **state)
     check_every_dtype("all_deflated.npz");
 }
 
-/* numpy writing to a pipe: sizes and CRCs in data descriptors after the data */
-static void test_unseekable_stream(void **state)
+/* numpy writing to a pipe: sizes and CRCs in data descriptors after the
+ * data; and the same arrays with a zip64 directory (sizes and offsets in
+ * zip64 extra fields), as zipfile writes past 4 GiB */
+static void test_unseekable_stream_and_zip64(void **state)
 {
     (void)state;
-    const char *files[] = {"stream.npz", "stream_stored.npz", "two.npz"};
-    for (size_t f = 0; f < 3; f++) {
+    const char *files[] = {"stream.npz", "stream_stored.npz", "two.npz", "zip64.npz"};
+    for (size_t f = 0; f < 4; f++) {
         md_arrays a;
         md_err err;
         if (decode_file(files[f], BIG, &a, &err) != MD_OK)
@@ -292,6 +294,8 @@ static void test_zip_bomb(void **state)
     /* within the limit it is an array like any other */
     assert_int_equal(decode_file("bomb.npz", 1 << 24, &a, &err), MD_OK);
     md_array *x = get(&a, "z", 1, 1, 1 << 24);
+    /* the allocator is watched: this one's int64 values were seen */
+    assert_true(largest_alloc >= ((size_t)1 << 24) * sizeof(int64_t));
     int64_t any = 0;
     for (size_t i = 0; i < x->count; i++)
         any |= x->i64[i];
@@ -330,6 +334,7 @@ static void test_refused(void **state)
          "outside float32's range"},
         {"object.npz", MD_EINVAL, "bad_npz", "\"o.npy\"", "dtype |O"},
         {"complex.npz", MD_EINVAL, "bad_npz", "\"c.npy\"", "dtype <c8"},
+        {"zip64_disagree.npz", MD_EINVAL, "bad_npz", "two end-of-central-directory", NULL},
         {"local_mismatch.npz", MD_EINVAL, "bad_npz", "\"x.npy\"", "local header"},
         {"bzip2.npz", MD_EINVAL, "bad_npz", "\"a.npy\"", "method 12"},
         {"empty.npz", MD_EINVAL, "bad_npz", "holds no arrays", NULL},
@@ -380,7 +385,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_savez_every_dtype),
         cmocka_unit_test(test_savez_compressed_every_dtype),
-        cmocka_unit_test(test_unseekable_stream),
+        cmocka_unit_test(test_unseekable_stream_and_zip64),
         cmocka_unit_test(test_empty_array),
         cmocka_unit_test(test_members_and_names_at_their_limits),
         cmocka_unit_test(test_max_values),
