@@ -368,6 +368,9 @@ fuzz:
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_named tests/fuzz_named.c \
 	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lz -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_npz tests/fuzz_npz.c \
+	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lz -lstdc++ -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_model_config \
 	  tests/fuzz_model_config.c predictor/model_config.c predictor/image.c config/md_err.c config/md_json.c \
 	  -ljansson -lpng -ljpeg -lm
@@ -409,6 +412,7 @@ fuzz:
 	cp tests/fuzz_corpus_config/* build-fuzz/corpus_config/
 	mkdir -p build-fuzz/corpus_v2 && cp tests/fuzz_corpus_v2/* build-fuzz/corpus_v2/
 	mkdir -p build-fuzz/corpus_named && cp tests/fuzz_corpus_named/* build-fuzz/corpus_named/
+	mkdir -p build-fuzz/corpus_npz && cp tests/fuzz_corpus_npz/* build-fuzz/corpus_npz/
 	mkdir -p build-fuzz/corpus_model_config && \
 	  cp tests/fuzz_corpus_model_config/* build-fuzz/corpus_model_config/
 	cp tests/fuzz_corpus_router/* build-fuzz/corpus_router/
@@ -423,6 +427,7 @@ fuzz:
 	build-fuzz/fuzz_readers $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_readers
 	build-fuzz/fuzz_v2 $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_v2
 	build-fuzz/fuzz_named $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_named
+	build-fuzz/fuzz_npz $(FUZZ_LIMIT) -max_len=8192 build-fuzz/corpus_npz
 	build-fuzz/fuzz_model_config $(FUZZ_LIMIT) -max_len=2048 build-fuzz/corpus_model_config
 	build-fuzz/fuzz_config $(FUZZ_LIMIT) -max_len=2048 build-fuzz/corpus_config
 	build-fuzz/fuzz_router $(FUZZ_LIMIT) -max_len=1024 build-fuzz/corpus_router
