@@ -76,8 +76,8 @@ static md_status v2_header(json_t *in, size_t max_vals, md_tensor *t, size_t *co
     return MD_OK;
 }
 
-/* IEEE half-precision bits to float. */
-static float half_to_float(uint16_t h)
+/* IEEE half-precision bits to float (tensor_internal.h). */
+float md_half_to_float(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0x1f) {
@@ -139,7 +139,7 @@ md_status md_v2_decode_binary(json_t *in, const void *bytes, size_t nbytes, size
         /* past float32's range the cast is undefined */
         V2_CONVERT(double, fabs(v) <= (double)FLT_MAX ? (float)v : INFINITY)
     } else if (!strcmp(dt, "FP16")) {
-        V2_CONVERT(uint16_t, half_to_float(v))
+        V2_CONVERT(uint16_t, md_half_to_float(v))
     } else if (!strcmp(dt, "BF16")) {
         V2_CONVERT(uint16_t, bf16_to_float(v))
     } else if (!strcmp(dt, "INT64")) {
