@@ -662,7 +662,6 @@ static void rows_offloaded(md_req *req) { offloaded(req, ON_DEFERRED); }
 static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json_len,
                          const char *bin, size_t bin_len, md_err *err);
 
-#define NPZ_DECODE(b, l, m, a, e) md_err_set(e, MD_EMEDIA, "NPZ soon") /* TEMP */
 /* ---- named inputs (config.inputs) ----
  *
  * A version with declared inputs is sent rows as objects, columns, NPZ or
@@ -709,7 +708,7 @@ static md_status named_rows(md_req *req, pending *pd, md_model *m, md_err *err)
         for (int i = 0; i < n; i++)
             md_model_input(m, i, &in[i]);
         if (ct && strncasecmp(ct, "application/x-npz", 17) == 0) {
-            st = NPZ_DECODE(body, len, max_values(req), &a, err);
+            st = md_npz_decode(body, len, max_values(req), &a, err);
         } else if (ct && strncasecmp(ct, "application/x-npy", 17) == 0) {
             md_tensor t;
             if (n != 1 || in[0].is_int)
