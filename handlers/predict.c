@@ -710,20 +710,18 @@ static md_status named_rows(md_req *req, pending *pd, md_model *m, md_err *err)
         if (ct && strncasecmp(ct, "application/x-npz", 17) == 0) {
             st = md_npz_decode(body, len, max_values(req), &a, err);
         } else if (ct && strncasecmp(ct, "application/x-npy", 17) == 0) {
-            md_tensor t;
-            if (n != 1 || in[0].is_int)
+            if (n != 1)
                 st = md_err_setc(err, MD_EINVAL, "invalid_input",
-                                 "model %s version %d takes %s: an NPY body holds one float "
-                                 "array; send an NPZ body (numpy.savez) with one array per "
-                                 "input, by name",
-                                 md_model_name(m), md_model_version(m),
-                                 n != 1 ? "several inputs" : "an integer input");
-            else if ((st = md_npy_decode(body, len, max_values(req), &t, err)) == MD_OK) {
-                pd->t = t;
-                snprintf(pd->v2_input, sizeof pd->v2_input, "%s", in[0].name);
-                pd->v2_datatype[0] = '\0';
-                tensor_to_arrays(pd, &a);
-                if (a.a[0].ndim == in[0].ndim) { /* one row without its batch dimension */
+                                 "model %s version %d takes several inputs, and an NPY body "
+                                 "holds one array: send an NPZ body (numpy.savez) with one "
+                                 "array per input, by name",
+                                 md_model_name(m), md_model_version(m));
+            else if ((st = md_npy_decode_array(body, len, max_values(req), &a.a[0], err)) ==
+                     MD_OK) {
+                a.n = 1;
+                snprintf(a.a[0].name, sizeof a.a[0].name, "%s", in[0].name);
+                if (a.a[0].ndim == in[0].ndim && a.a[0].ndim < MD_MAX_DIMS) {
+                    /* one row without its batch dimension */
                     memmove(a.a[0].shape + 1, a.a[0].shape, sizeof(int64_t) * (MD_MAX_DIMS - 1));
                     a.a[0].shape[0] = 1;
                     a.a[0].ndim++;

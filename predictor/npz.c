@@ -668,3 +668,18 @@ md_status md_npz_decode(const char *data, size_t len, size_t max_values, md_arra
         md_arrays_free(out);
     return st;
 }
+
+md_status md_npy_decode_array(const char *data, size_t len, size_t max_values, md_array *out,
+                              md_err *err)
+{
+    memset(out, 0, sizeof *out);
+    size_t budget = max_values;
+    md_status st = decode_npy((const unsigned char *)(data ? data : ""), data ? len : 0,
+                              "(the NPY body)", &budget, out, err);
+    if (st != MD_OK) {
+        free(out->f32);
+        free(out->i64);
+        memset(out, 0, sizeof *out);
+    }
+    return st;
+}

@@ -629,6 +629,11 @@ md_status md_v2_decode_binary(json_t *in, const void *bytes, size_t nbytes, size
 md_status md_v2_decode_array(json_t *in, const void *bytes, size_t nbytes, size_t max_values,
                              md_array *out, md_err *err);
 
+/* One NPY file (a request body) as a named array (name ""), its integers
+ * exact, as md_npz_decode reads each member. Thread-safe. */
+md_status md_npy_decode_array(const char *data, size_t len, size_t max_values, md_array *out,
+                              md_err *err);
+
 /* Decode an NPY file (float32/64, int64/32, uint8, bool; C order) into float32. */
 md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tensor *out,
                         md_err *err);
