@@ -564,6 +564,18 @@ static md_status named_csv_columns(md_reader *r, md_err *err)
     return MD_OK;
 }
 
+/* Whether an integer input declared `dtype` holds v (refused rather than wrapped). */
+static int int_fits(const char *dtype, int64_t v)
+{
+    if (!strcmp(dtype, "uint8"))
+        return v >= 0 && v <= 255;
+    if (!strcmp(dtype, "int32"))
+        return v >= INT32_MIN && v <= INT32_MAX;
+    if (!strcmp(dtype, "bool"))
+        return v == 0 || v == 1;
+    return 1;
+}
+
 /* One value of input i into the row's words: an int64 in two words, a float in one. */
 static void put_value(md_reader *r, float *row, int i, int64_t j, int64_t iv, float fv)
 {
@@ -587,6 +599,10 @@ static md_status named_csv_next(md_reader *r, int64_t rowno, float *row, md_err 
             if (nr == NUM_EMPTY)
                 return row_error(r, rowno, err, "column \"%s\" (input \"%s\") is empty",
                                  r->colnames[c], r->in[i].name);
+            if (nr == NUM_OK && r->in[i].is_int && !int_fits(r->in[i].dtype, iv))
+                return row_error(r, rowno, err, "column \"%s\" (input \"%s\") holds %lld, "
+                                 "which its dtype %s does not", r->colnames[c], r->in[i].name,
+                                 (long long)iv, r->in[i].dtype);
             if (nr != NUM_OK)
                 return row_error(r, rowno, err, "column \"%s\" (input \"%s\") is not %s: %s",
                                  r->colnames[c], r->in[i].name,
@@ -622,6 +638,8 @@ static int named_json_values(md_reader *r, json_t *v, float *row, int i, int64_t
             iv = json_is_true(v);
         else
             return -1;
+        if (!int_fits(r->in[i].dtype, iv))
+            return -3;
     } else {
         if (!json_is_number(v))
             return -1;
@@ -654,7 +672,8 @@ static md_status named_jsonl_convert(md_reader *r, json_t *v, int64_t rowno, flo
             if (rc)
                 return row_error(r, rowno, err, "field \"%s\" (input \"%s\") holds %s", key,
                                  r->in[i].name,
-                                 rc == -2 ? "a value past float32's range"
+                                 rc == -3 ? "a value its integer dtype does not hold"
+                                 : rc == -2 ? "a value past float32's range"
                                  : r->in[i].is_int ? "a value that is not an integer (the "
                                                      "input is declared an integer type)"
                                                    : "a value that is not a number");
