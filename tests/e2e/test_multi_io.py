@@ -511,6 +511,8 @@ def test_v2_output_selection(server):
             assert_outputs(dict(got), {k: want[k] for k in outs}, what)
     body, headers = tab_v2(NUM, CAT, outputs=["nope"])
     v2_error(post(server, "/v2/models/tab/infer", body, headers=headers), 400, "nope")
+    body, headers = tab_v2(NUM, CAT, outputs=["logits", "logits"])
+    v2_error(post(server, "/v2/models/tab/infer", body, headers=headers), 400, "logits")
 
 
 def test_labels_and_top_k_read_the_logits_output(server):
@@ -1015,6 +1017,9 @@ DEPLOY_REFUSALS = [
     ("duplicate-output", "tuple",
      {"input": {"shape": [4]}, "outputs": [{"name": "logits"}, {"name": "logits"}]},
      {"invalid_config"}, ["logits"]),
+    ("output-name-of-a-job-field", "tuple",
+     {"input": {"shape": [4]}, "outputs": [{"name": "prediction"}, {"name": "norm"}]},
+     {"invalid_config"}, ["prediction"]),
     ("input-and-inputs", "tabular",
      {"input": {"shape": [4]}, "inputs": TAB_INPUTS}, {"invalid_config"}, ["input"]),
     ("two-logits", "tabular",
