@@ -96,6 +96,8 @@ endif
 LIB_C   += predictor/weights.c handlers/training.c handlers/metrics.c
 # jobs over image folders (issue 15)
 LIB_C   += jobs/images.c
+# npz datasets: one array per named input (issue 27)
+LIB_C   += jobs/npzset.c
 # IDX.gz inflated by ISA-L (issue 14: the runner's cost of an IDX.gz row)
 LIB_C   += jobs/gzstream.c
 # one rule for how an output row reads as classes (issue 29: binary, multi-label)
@@ -359,7 +361,7 @@ fuzz:
 	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lz -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
-	  jobs/readers.c jobs/gzstream.c jobs/images.c predictor/image.c $(TENSOR_SRC) \
+	  jobs/readers.c jobs/gzstream.c jobs/images.c jobs/npzset.c predictor/image.c $(TENSOR_SRC) \
 	  build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lpng -ljpeg -lz -lisal -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \
