@@ -132,7 +132,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
 .PHONY: all run test unit unit-pg e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
-	fixtures-check fuzz s3rver s3-live bench-cluster bench-shadow \
+	fixtures-check fuzz s3rver s3-live bench-cluster bench-shadow bench-multi-io \
 	cuda-compile-check docker-check image-check deps-image
 
 all: $(MODELD)
@@ -322,6 +322,14 @@ bench: deps
 	$(PYTHON) bench/memory.py --modeld $(CURDIR)/$(MODELD)
 	$(MAKE) --no-print-directory bench-cluster
 	$(MAKE) --no-print-directory bench-shadow
+	$(MAKE) --no-print-directory bench-multi-io
+
+# Named inputs and outputs (issue 27): the single-input figures of the build
+# before them and of this one side by side, then the two-input model under
+# the same load in each request form (bench/multi_io.sh).
+bench-multi-io: deps
+	$(MAKE) all
+	bash bench/multi_io.sh
 
 # Safe rollouts (issue 28): the primary's answers with and without a 100 %
 # shadow version, side by side under the same wrk loads (bench/shadow.py).
