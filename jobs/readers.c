@@ -46,13 +46,14 @@
 #include "gzstream.h"
 #include "images.h"
 #include "jobs.h"
+#include "npzset.h"
 
 #define READ_CHUNK (64 * 1024)          /* the text buffer's first size */
 #define NPY_READ_BUFFER (1024 * 1024)   /* stdio buffer of an NPY file */
 #define MAX_RECORD (64 * 1024 * 1024)   /* the longest CSV/JSONL row kept */
 #define SHOW_MAX 40                     /* characters of a bad value quoted back */
 
-typedef enum { FMT_CSV, FMT_JSONL, FMT_NPY, FMT_IDX, FMT_IMAGES } reader_format;
+typedef enum { FMT_CSV, FMT_JSONL, FMT_NPY, FMT_IDX, FMT_IMAGES, FMT_NPZ } reader_format;
 
 /* Where the CSV scanner is within a record. */
 typedef enum {
@@ -107,6 +108,9 @@ struct md_reader {
 
     /* images: a folder of PNG and JPEG files (images.c) */
     md_images *images;
+
+    /* npz: one array per named input (npzset.c) */
+    md_npzset *npz;
 
     /* named inputs (csv, jsonl): each input's values come from `src`, the
      * CSV columns (indexes in in_cols) or JSON fields (in_keys) */
@@ -1352,8 +1356,11 @@ md_status md_reader_open(const md_reader_opts *opts, md_reader **out, md_err *er
         format = FMT_IDX;
     else if (!strcmp(opts->format, "images"))
         format = FMT_IMAGES;
+    else if (!strcmp(opts->format, "npz"))
+        format = FMT_NPZ;
     else
-        return open_error(err, "unknown dataset format \"%s\"; use csv, jsonl, npy, idx or images",
+        return open_error(err, "unknown dataset format \"%s\"; use csv, jsonl, npy, npz, idx or "
+                          "images",
                           opts->format);
 
     md_reader *r = md_xcalloc(1, sizeof *r);
@@ -1366,6 +1373,23 @@ md_status md_reader_open(const md_reader_opts *opts, md_reader **out, md_err *er
     case FMT_CSV: st = csv_open(r, opts, err); break;
     case FMT_JSONL: st = jsonl_open(r, opts, err); break;
     case FMT_NPY: st = npy_open(r, opts, err); break;
+    case FMT_NPZ:
+        if (opts->n_inputs < 1) {
+            st = open_error(err, "%s: an npz dataset holds one array per model input, and the "
+                            "model declares no config.inputs: use npy", r->name);
+            break;
+        }
+        r->n_in = opts->n_inputs;
+        for (int i = 0; i < r->n_in; i++) {
+            r->in[i] = opts->inputs[i];
+            r->width += r->in[i].values * (r->in[i].is_int ? 2 : 1);
+        }
+        st = md_npzset_open(opts->path, r->name, r->in, r->n_in, opts->label, &r->npz, err);
+        if (st == MD_OK) {
+            r->total = md_npzset_rows(r->npz);
+            r->has_labels = opts->label != NULL;
+        }
+        break;
     case FMT_IMAGES:
         st = md_images_open(opts, r->name, &r->images, err);
         if (st == MD_OK) {
@@ -1414,6 +1438,12 @@ md_status md_reader_next(md_reader *r, float *row, int64_t *label, md_err *err)
     case FMT_CSV: return csv_next(r, row, label, err);
     case FMT_JSONL: return jsonl_next(r, row, label, err);
     case FMT_NPY: return npy_next(r, row, err);
+    case FMT_NPZ: {
+        md_status st = md_npzset_next(r->npz, r->position, row, label, err);
+        if (st == MD_OK || st == MD_EINVAL)
+            r->position++; /* a bad row is consumed */
+        return st;
+    }
     case FMT_IMAGES: {
         md_status st = md_images_read(r->images, r->position, row, label, err);
         if (st == MD_OK || st == MD_EINVAL)
@@ -1481,6 +1511,7 @@ void md_reader_close(md_reader *r)
     free(r->buf);
     free(r->label_name);
     md_images_close(r->images);
+    md_npzset_close(r->npz);
     free(r->name);
     free(r);
 }

@@ -643,6 +643,21 @@ md_status md_v2_text_array(json_t *in, const char *data, size_t len, size_t max_
 md_status md_v2_decode_array(json_t *in, const void *bytes, size_t nbytes, size_t max_values,
                              md_array *out, md_err *err);
 
+/* One member of an NPZ archive, as its checked directory says. */
+typedef struct md_npz_entry {
+    char name[MD_IO_NAME_MAX]; /* without ".npy" */
+    int deflated;
+    uint32_t crc;
+    uint64_t csize, usize;     /* its bytes in the archive, and as an NPY file */
+    uint64_t offset;           /* where its bytes start in the archive */
+} md_npz_entry;
+
+/* The members of the NPZ archive data[0..len) (a dataset file, mapped),
+ * checked as md_npz_decode checks them (names, local headers, sizes that
+ * deflate can make), nothing inflated: into list[0..*n) (room for
+ * MD_MAX_IO). Thread-safe. */
+md_status md_npz_list(const char *data, size_t len, md_npz_entry *list, int *n, md_err *err);
+
 /* One NPY file (a request body) as a named array (name ""), its integers
  * exact, as md_npz_decode reads each member. Thread-safe. */
 md_status md_npy_decode_array(const char *data, size_t len, size_t max_values, md_array *out,
