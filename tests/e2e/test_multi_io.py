@@ -1237,6 +1237,7 @@ def job_data(tmp_path_factory):
             f.write(json.dumps({"label": int(truth[i]), "category": int(category[i]),
                                 "numeric": [float(v) for v in numeric[i]]}) + "\n")
     np.savez(d / "rows.npz", numeric=numeric, category=category)
+    np.savez_compressed(d / "labelled.npz", category=category, numeric=numeric, y=truth)
     ns = type("JobData", (), {})()
     ns.dir, ns.numeric, ns.category, ns.want, ns.truth = d, numeric, category, want, truth
     ns.correct = int((want["logits"].argmax(1) == truth).sum())
@@ -1341,6 +1342,16 @@ def test_npz_job(jsrv, job_data):
     spec = {"model": "tab", "input": {"path": str(job_data.dir / "rows.npz")}}
     jid, job = run_job(jsrv, spec)
     check_jsonl(jsrv, jid, job_data, labelled=False)
+
+
+def test_npz_job_with_a_label_array(jsrv, job_data):
+    """savez_compressed, members in another order, `label` naming the array
+    of labels: PyTorch's count of right answers."""
+    spec = {"model": "tab", "input": {"path": str(job_data.dir / "labelled.npz"), "label": "y"},
+            "batch_size": 64}
+    jid, job = run_job(jsrv, spec)
+    assert job["labeled"] == JOB_ROWS and job["correct"] == job_data.correct, job
+    check_jsonl(jsrv, jid, job_data)
 
 
 def test_npz_job_npy_output_is_a_file_per_output(jsrv, job_data, tmp_path):
