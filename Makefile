@@ -106,6 +106,8 @@ LIB_C   += predictor/inputs.c predictor/rows.c
 LIB_C   += checkpoint/s3.c
 # the blobs seam (blobs_impl.h): a directory (default) or S3 with a local cache
 LIB_C   += checkpoint/blobs_dir.c checkpoint/blobs_s3.c
+# job datasets in S3: inputs streamed by Range, image folders, outputs (issue 26)
+LIB_C   += checkpoint/s3_data.c
 LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)

@@ -36,6 +36,7 @@
  * following symlinks, again at run time (this replica's settings).
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -392,6 +393,105 @@ static void test_pause(md_jobs *J, int slot)
     pthread_mutex_unlock(&J->mu);
 }
 
+/* ---- datasets in S3 ---- */
+
+static int is_s3(const char *path) { return path && strncmp(path, "s3://", 5) == 0; }
+
+/* What a run reads from S3: streams of an object (and of its IDX labels),
+ * or a folder of images copied into <store>/jobs/<id>.images. */
+typedef struct s3_input {
+    md_s3_stream *data, *labels;
+    int images_copied;
+} s3_input;
+
+/* Remove the directory `name` under dirfd and everything in it (no symlink
+ * followed: each level is opened with O_NOFOLLOW). */
+static void remove_tree(int parent, const char *name, int depth)
+{
+    int fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0 && depth < MD_IMAGES_MAX_DEPTH + 2) {
+        DIR *d = fdopendir(fd);
+        if (d) {
+            struct dirent *e;
+            while ((e = readdir(d)) != NULL) {
+                if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+                    continue;
+                if (unlinkat(dirfd(d), e->d_name, 0) != 0 && (errno == EISDIR || errno == EPERM))
+                    remove_tree(dirfd(d), e->d_name, depth + 1);
+            }
+            closedir(d);
+            fd = -1;
+        }
+    }
+    if (fd >= 0)
+        close(fd);
+    unlinkat(parent, name, AT_REMOVEDIR);
+}
+
+/* A folder of images in S3 (input.path s3://BUCKET/PREFIX/): copied afresh
+ * into <store>/jobs/<id>.images, which the reader then walks as any
+ * directory, so the listing, its order and the label rules are the
+ * directory walk's own. *in_fd is that directory. */
+static md_status s3_images_open(md_jobs *J, const char *id, const char *url, slot_ref *sref,
+                                s3_input *in, int *in_fd, md_err *err)
+{
+    char dir[4200], name[128];
+    snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(J->store));
+    snprintf(name, sizeof name, "%s.images", id);
+    int jobs_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (jobs_fd < 0)
+        return md_err_set(err, MD_EIO, "cannot open %s: %s", dir, strerror(errno));
+    remove_tree(jobs_fd, name, 0); /* a copy an earlier run left half made */
+    in->images_copied = 1;
+    md_status st = MD_OK;
+    if (mkdirat(jobs_fd, name, 0700) != 0)
+        st = md_err_set(err, MD_EIO, "cannot make %s/%s: %s", dir, name, strerror(errno));
+    int fd = st == MD_OK ? openat(jobs_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+                         : -1;
+    if (st == MD_OK && fd < 0)
+        st = md_err_set(err, MD_EIO, "cannot open %s/%s: %s", dir, name, strerror(errno));
+    int64_t files = 0;
+    if (st == MD_OK)
+        st = md_s3_fetch_folder(url, &J->fetch, fd, J->image_max_files, J->image_max_bytes,
+                                download_keep_going, sref, &files, err);
+    close(jobs_fd);
+    if (st != MD_OK) {
+        if (fd >= 0)
+            close(fd);
+        return st;
+    }
+    md_log(MD_LOG_INFO, "job %s: %lld objects of %s copied for the reader", id, (long long)files,
+           url);
+    *in_fd = fd;
+    return MD_OK;
+}
+
+/* 1 (with `err` set) when an S3 stream of this run failed: its reader saw
+ * an early EOF or a truncated file, not the object's end. */
+static int s3_input_failed(s3_input *in, md_err *err)
+{
+    return (in->data && md_s3_stream_status(in->data, err) != MD_OK) ||
+           (in->labels && md_s3_stream_status(in->labels, err) != MD_OK);
+}
+
+/* After the reader and the input descriptors are closed. */
+static void s3_input_close(md_jobs *J, const char *id, s3_input *in)
+{
+    md_s3_stream_close(in->data);
+    md_s3_stream_close(in->labels);
+    if (in->images_copied) {
+        char dir[4200], name[128];
+        snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(J->store));
+        snprintf(name, sizeof name, "%s.images", id);
+        int jobs_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (jobs_fd >= 0) {
+            remove_tree(jobs_fd, name, 0);
+            close(jobs_fd);
+        }
+    }
+    memset(in, 0, sizeof *in);
+}
+
 /* ---- running one job ---- */
 
 static void run_job(md_jobs *J, int slot, const char *id)
@@ -408,6 +508,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     }
     json_t *spec = json_object_get(job, "spec");
     json_t *input = json_object_get(spec, "input"), *output = json_object_get(spec, "output");
+    const char *s3_out = json_string_value(json_object_get(output, "path"));
     const char *model_name = json_string_value(json_object_get(job, "model"));
     int version = (int)json_integer_value(json_object_get(spec, "version"));
     int skip_bad = json_is_string(json_object_get(spec, "on_error")) &&
@@ -424,6 +525,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     md_model *m = NULL;
     md_reader *r = NULL;
     int fd = -1, in_fd = -1, label_fd = -1;
+    s3_input s3in = {0};
     const char *in_format = json_string_value(json_object_get(input, "format"));
     const char *url = json_string_value(json_object_get(input, "url"));
     md_job_outfile of = {.dirfd = -1};
@@ -496,8 +598,17 @@ static void run_job(md_jobs *J, int slot, const char *id)
                         model_name, md_model_version(m));
             goto failed;
         }
-        if (md_path_open_directory(J->fetch.allowed_paths, "input.path", path, "input_not_found",
-                                   &in_fd, &err) != MD_OK) {
+        if (is_s3(path)) {
+            md_status fst = s3_images_open(J, id, path, &sref, &s3in, &in_fd, &err);
+            if (fst != MD_OK) {
+                keeper_stop(&kp);
+                if (atomic_load(&J->lost[slot]) || atomic_load(&J->stopping) ||
+                    atomic_load(&J->cancel[slot]))
+                    goto stopped_early;
+                goto failed;
+            }
+        } else if (md_path_open_directory(J->fetch.allowed_paths, "input.path", path,
+                                          "input_not_found", &in_fd, &err) != MD_OK) {
             keeper_stop(&kp);
             goto failed;
         }
@@ -516,15 +627,19 @@ static void run_job(md_jobs *J, int slot, const char *id)
         }
     } else {
         const char *path = json_string_value(json_object_get(input, "path"));
-        if (md_path_open_file(J->fetch.allowed_paths, "input.path", path, "input_not_found",
-                              &in_fd, &err) != MD_OK) {
+        if (is_s3(path) ? md_s3_stream_open(path, &J->fetch, "input.path", &in_fd, &s3in.data,
+                                            &err) != MD_OK
+                        : md_path_open_file(J->fetch.allowed_paths, "input.path", path,
+                                            "input_not_found", &in_fd, &err) != MD_OK) {
             keeper_stop(&kp);
             goto failed;
         }
         snprintf(input_path, sizeof input_path, "/proc/self/fd/%d", in_fd);
         if (ro.label && !strcmp(in_format, "idx")) {
-            if (md_path_open_file(J->fetch.allowed_paths, "input.label", ro.label,
-                                  "input_not_found", &label_fd, &err) != MD_OK) {
+            if (is_s3(ro.label) ? md_s3_stream_open(ro.label, &J->fetch, "input.label", &label_fd,
+                                                    &s3in.labels, &err) != MD_OK
+                                : md_path_open_file(J->fetch.allowed_paths, "input.label", ro.label,
+                                                    "input_not_found", &label_fd, &err) != MD_OK) {
                 keeper_stop(&kp);
                 goto failed;
             }
@@ -581,6 +696,9 @@ static void run_job(md_jobs *J, int slot, const char *id)
     /* the output is touched only under a fresh lease */
     if (jupdate(J, slot, id, NULL, NULL) == MD_ECONFLICT)
         goto out;
+    if (is_s3(s3_out) && rows_done == 0 && out_bytes == 0 &&
+        md_s3_data_put(s3_out, &J->fetch, NULL, &err) != MD_OK)
+        goto failed; /* an output that exists already: before any work */
     if (md_job_out_open_dir(J->fetch.allowed_paths, J->store, output, out_path, &of, &err) !=
         MD_OK)
         goto failed;
@@ -828,6 +946,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
             if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped,
                            partial, &err) != MD_OK)
                 goto failed;
+            if (is_s3(s3_out) && md_s3_data_put(s3_out, &J->fetch, out_path, &err) != MD_OK)
+                goto failed;
             md_now_iso(now);
             f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
             jupdate(J, slot, id, f, NULL);
@@ -847,8 +967,13 @@ static void run_job(md_jobs *J, int slot, const char *id)
         if (eof && inflight == 0)
             break;
     }
+    /* an S3 input's EOF is the object's end only if its stream says so */
+    if (s3_input_failed(&s3in, &err))
+        goto failed;
     if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped, partial,
                    &err) != MD_OK)
+        goto failed;
+    if (is_s3(s3_out) && md_s3_data_put(s3_out, &J->fetch, out_path, &err) != MD_OK)
         goto failed;
     /* record_metric (issue 12): the accuracy on the version that ran, before
      * the job reads as succeeded, so a client that saw it succeed finds it */
@@ -895,6 +1020,8 @@ stopped_early:
     goto out;
 reader_failed:
     keeper_stop(&kp);
+    if (s3_input_failed(&s3in, &err))
+        goto failed; /* the stream's own failure, not the truncation it caused */
     if (url)
         reader_err_from_url(&err, in_format);
     reader_err_name(&err, in_fd, json_string_value(json_object_get(input, "path")));
@@ -927,6 +1054,7 @@ out:
     free(conf);
     json_decref(confusion);
     md_reader_close(r);
+    s3_input_close(J, id, &s3in);
     md_model_release(m);
     json_decref(job);
 }
