@@ -222,6 +222,11 @@ md_status md_s3_data_check(const char *url, const md_fetch_opts *o, const char *
 typedef struct md_s3_stream md_s3_stream;
 md_status md_s3_stream_open(const char *url, const md_fetch_opts *o, const char *what, int *fd,
                             md_s3_stream **out, md_err *err);
+/* As md_s3_stream_open, the bytes [0, head_bytes) then [from, to) of the
+ * object (to < 0: its end): a chunk of a dataset behind its header. */
+md_status md_s3_stream_open_range(const char *url, const md_fetch_opts *o, const char *what,
+                                  long long head_bytes, long long from, long long to, int *fd,
+                                  md_s3_stream **out, md_err *err);
 /* MD_OK while the stream is whole so far (or complete); else the failure
  * (MD_EUNAVAIL s3_unavailable, MD_ECONFLICT when the object changed,
  * MD_EIO), with its message into `err`. */
@@ -249,8 +254,12 @@ md_status md_s3_fetch_folder(const char *url, const md_fetch_opts *o, int dirfd,
 /* Upload the file at `path` as the object `url` (s3://BUCKET/KEY, checked
  * with md_s3_data_check): refused with MD_ECONFLICT output_exists when the
  * object is there already (modeld never replaces an output), else one PUT,
- * or a multipart upload past 16 MiB. Blocks. Thread-safe. */
+ * or a multipart upload past 16 MiB. path NULL: only that check, so a job
+ * learns a taken name before it computes. Blocks. Thread-safe. */
 md_status md_s3_data_put(const char *url, const md_fetch_opts *o, const char *path, md_err *err);
+
+/* Delete the object `url` (checked as above); absent is MD_OK. Blocks. */
+md_status md_s3_data_delete(const char *url, const md_fetch_opts *o, md_err *err);
 
 /* Download `url` (http, https or file) into a new blob writer: connect and
  * total timeouts, size limit, at most max_redirects redirects, each checked

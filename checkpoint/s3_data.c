@@ -86,6 +86,9 @@ struct md_s3_stream {
     char key[MD_S3_KEY_MAX + 1];
     char etag[128];
     long long size;
+    /* the byte ranges read, in order: [from[i], to[i]) */
+    long long from[2], to[2];
+    int nseg;
     int wfd;
     pthread_t thread;
     int started;
@@ -118,9 +121,15 @@ static void *stream_main(void *arg)
     md_err err;
     md_err_clear(&err);
     md_status st = buf ? MD_OK : md_err_set(&err, MD_ENOMEM, "no memory for an S3 read buffer");
-    long long off = 0;
-    while (st == MD_OK && off < s->size && !atomic_load(&s->stop)) {
-        size_t want = (long long)piece < s->size - off ? piece : (size_t)(s->size - off);
+    int seg = 0;
+    long long off = s->nseg > 0 ? s->from[0] : 0;
+    for (;;) {
+        while (seg < s->nseg && off >= s->to[seg])
+            if (++seg < s->nseg)
+                off = s->from[seg];
+        if (st != MD_OK || seg >= s->nseg || atomic_load(&s->stop))
+            break;
+        size_t want = (long long)piece < s->to[seg] - off ? piece : (size_t)(s->to[seg] - off);
         size_t got = 0;
         for (int attempt = 0;; attempt++) {
             st = md_s3_get_range(s->s3, s->key, off, want, s->etag, buf, &got, &err);
@@ -162,6 +171,13 @@ static void *stream_main(void *arg)
 md_status md_s3_stream_open(const char *url, const md_fetch_opts *o, const char *what, int *fd,
                             md_s3_stream **out, md_err *err)
 {
+    return md_s3_stream_open_range(url, o, what, 0, 0, -1, fd, out, err);
+}
+
+md_status md_s3_stream_open_range(const char *url, const md_fetch_opts *o, const char *what,
+                                  long long head_bytes, long long from, long long to, int *fd,
+                                  md_s3_stream **out, md_err *err)
+{
     *fd = -1;
     *out = NULL;
     char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
@@ -187,6 +203,20 @@ md_status md_s3_stream_open(const char *url, const md_fetch_opts *o, const char 
     }
     s->size = info.size;
     snprintf(s->etag, sizeof s->etag, "%s", info.etag);
+    if (to < 0 || to > s->size)
+        to = s->size;
+    if (head_bytes > s->size)
+        head_bytes = s->size;
+    if (from < head_bytes)
+        from = head_bytes; /* [0, to) read once */
+    if (head_bytes > 0) {
+        s->from[s->nseg] = 0;
+        s->to[s->nseg++] = head_bytes;
+    }
+    if (from < to) {
+        s->from[s->nseg] = from;
+        s->to[s->nseg++] = to;
+    }
     int p[2];
     if (pipe2(p, O_CLOEXEC) != 0) {
         st = md_err_set(err, MD_EIO, "cannot make a pipe for %s: %s", what, strerror(errno));
@@ -381,6 +411,20 @@ md_status md_s3_data_put(const char *url, const md_fetch_opts *o, const char *pa
     else
         *err = herr;
     coded(st == MD_ENOTFOUND ? MD_EIO : st, err);
+    md_s3_close(s3);
+    return st;
+}
+
+md_status md_s3_data_delete(const char *url, const md_fetch_opts *o, md_err *err)
+{
+    char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
+    md_status st = md_s3_data_check(url, o, "output.path", 0, bucket, key, err);
+    if (st != MD_OK)
+        return st;
+    md_s3 *s3 = NULL;
+    if ((st = client_open(o, bucket, &s3, err)) != MD_OK)
+        return st;
+    st = coded(md_s3_delete(s3, key, err), err);
     md_s3_close(s3);
     return st;
 }

@@ -100,6 +100,18 @@ int64_t md_reader_files_skipped(const md_reader *r);
 /* Close. Accepts NULL. */
 void md_reader_close(md_reader *r);
 
+/* Chunked jobs (issue 26). The file offset where the next row's record
+ * starts (csv, jsonl; blank lines before it included), -1 for other
+ * formats: one pass of the reader gives byte ranges of whole rows, so a
+ * quoted newline never splits one. */
+int64_t md_reader_byte_offset(const md_reader *r);
+/* 1 when rows are fixed-size at known offsets (npy; plain idx and its plain
+ * labels file): *data_off where row 0 starts, *row_bytes each, *label_off
+ * where the labels file's bytes start (one a row; -1: no labels file).
+ * 0 otherwise (text formats, gzip, images). */
+int md_reader_layout(const md_reader *r, int64_t *data_off, int64_t *row_bytes,
+                     int64_t *label_off);
+
 /* ---- the job scheduler (scheduler.c) ---- */
 
 typedef struct md_jobs md_jobs;
