@@ -157,7 +157,7 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
                           size_t out_size, md_err *err)
 {
     static const char *const top[] = {"model", "version", "input", "output", "batch_size",
-                                      "top_k", "on_error", "record_metric", NULL};
+                                      "top_k", "on_error", "record_metric", "chunk_rows", NULL};
     static const char *const in_keys[] = {"path", "url", "format", "features", "label", "shape",
                                           "label_from", NULL};
     static const char *const out_keys[] = {"path", "format", "include", NULL};
@@ -251,6 +251,12 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
         snprintf(out_path, out_size, "%s/jobs/%s.%s", md_store_dir(app->store), id,
                  ofmt ? ofmt : "jsonl");
     }
+    json_t *cr = json_object_get(spec, "chunk_rows");
+    if (cr && (!json_is_integer(cr) || json_integer_value(cr) < 1 ||
+               json_integer_value(cr) > 1000000000))
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "chunk_rows must be an integer in 1..1000000000 (rows per chunk of a "
+                           "job over every replica; rounded up to whole batches)");
     json_t *bs = json_object_get(spec, "batch_size");
     if (bs && (!json_is_integer(bs) || json_integer_value(bs) < 1 || json_integer_value(bs) > 65536))
         return md_err_setc(err, MD_EINVAL, "invalid_job", "batch_size must be an integer in 1..65536");
