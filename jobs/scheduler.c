@@ -540,7 +540,8 @@ void md_jobs_write_chunk_metrics(FILE *f)
     md_prom_sample(f, "modeld_job_chunks_taken_over_total", "",
                    (double)atomic_load(&chunks_taken_over));
     md_prom_family(f, "modeld_job_chunks_refused_total", "counter",
-                   "Job chunk finishes of this replica refused: another took the chunk over.");
+                   "Job chunks this replica worked on but may not finish: another took them "
+                   "over after the lease ran out (its renewal or finish was refused).");
     md_prom_sample(f, "modeld_job_chunks_refused_total", "", (double)atomic_load(&chunks_refused));
     md_prom_family(f, "modeld_job_chunk_rows_total", "counter",
                    "Input rows of finished job chunks this replica computed.");
@@ -984,7 +985,6 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         st = md_store_chunk_finish(J->store, c, J->owner, &n, key, &all_done, err);
         if (st == MD_ECONFLICT) {
             lost = 1;
-            atomic_fetch_add(&chunks_refused, 1);
             md_err derr;
             md_s3_data_delete(obj_url, &J->fetch, &derr); /* nobody names it */
         }
@@ -1014,6 +1014,7 @@ out:
         unlink(tmp);
     chunk_input_close(&in);
     if (st != MD_OK && lost) {
+        atomic_fetch_add(&chunks_refused, 1);
         md_log(MD_LOG_WARN, "job %s chunk %lld (attempt %lld): %s", c->job_id, (long long)c->seq,
                (long long)c->attempt, err->msg);
     } else if (st != MD_OK && data_failed) {
