@@ -743,6 +743,20 @@ static void chunk_object_url(const char *out_url, const md_job_chunk *c, char *u
              (long long)c->attempt);
 }
 
+/* Sleep `ms`, ended early when the server stops. */
+static void test_pause_ms(md_jobs *J, long ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long ns = (long long)ts.tv_nsec + ms * 1000000LL;
+    ts.tv_sec += (time_t)(ns / 1000000000LL);
+    ts.tv_nsec = (long)(ns % 1000000000LL);
+    pthread_mutex_lock(&J->mu);
+    if (!atomic_load(&J->stopping))
+        pthread_cond_timedwait(&J->cv, &J->mu, &ts);
+    pthread_mutex_unlock(&J->mu);
+}
+
 /* Run one claimed chunk to its fenced finish. MD_OK: finished; other
  * statuses: given back (or lost), with the reason in `err`. A failure of
  * the data itself (a bad row, the model) fails the job. */
@@ -969,8 +983,12 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
     }
     n.confusion = conf_text;
     /* fence early: a runner that lost the chunk uploads nothing */
-    if ((st = md_store_chunk_renew(J->store, c, J->owner, J->lease_s, NULL, err)) != MD_OK) {
+    int cancel_now = 0;
+    if ((st = md_store_chunk_renew(J->store, c, J->owner, J->lease_s, &cancel_now, err)) != MD_OK ||
+        cancel_now) {
         lost = st == MD_ECONFLICT;
+        if (cancel_now)
+            st = md_err_set(err, MD_ECONFLICT, "job %s was cancelled", c->job_id);
         free(conf_text);
         goto out;
     }
@@ -1034,6 +1052,8 @@ out:
         md_store_chunk_release(J->store, c, J->owner, &rerr); /* another may try at once */
         md_log(MD_LOG_WARN, "job %s chunk %lld given back: %s", c->job_id, (long long)c->seq,
                err->msg);
+        if (!atomic_load(&J->stopping))
+            test_pause_ms(J, 200); /* S3 or the index away: not a busy loop */
     }
     free(text);
     free(conf);
@@ -1268,8 +1288,15 @@ static void run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
         if (jupdate(J, slot, id, NULL, NULL) != MD_OK && atomic_load(&J->lost[slot]))
             goto out;
         json_t *now_job = NULL;
-        if (md_store_job_get(J->store, id, &now_job, &err) != MD_OK)
-            goto failed;
+        if (md_store_job_get(J->store, id, &now_job, &err) != MD_OK) {
+            if (err.status != MD_EUNAVAIL && err.status != MD_EIO)
+                goto failed;
+            /* the index is away (PostgreSQL restarting): the chunks' leases
+             * are on its clock, so nothing runs out meanwhile; try again */
+            md_log(MD_LOG_WARN, "job %s: %s; retrying", id, err.msg);
+            test_pause_ms(J, 200);
+            continue;
+        }
         const char *status = json_string_value(json_object_get(now_job, "status"));
         json_t *ch = json_object_get(now_job, "chunks");
         int failed_now = status && !strcmp(status, "failed");
@@ -2030,8 +2057,10 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
     if (running)
         pthread_cond_broadcast(&J->cv); /* a runner pausing for tests stops pausing */
     pthread_mutex_unlock(&J->mu);
-    if (running)
+    if (running && !md_store_jobs_chunked(J->store))
         return MD_OK;
+    /* a job over every replica: its chunks' runners learn it from the store
+     * at their next renewal, wherever they run */
     /* queued, or running on another replica: through the store */
     int now = 0;
     return md_store_job_request_cancel(J->store, id, &now, err);

@@ -72,6 +72,8 @@ def big_npy(tmp_path_factory):
 
 def replica(start_server, s3, pg_url, store, *args, pace_ms=0, env=None):
     e = s3.env()
+    # small pieces: a chunk takes several Range GETs; a stalled S3 fails a call in 3 s
+    e.update({"MD_TEST_S3_PIECE_BYTES": str(1 << 20), "MD_TEST_S3_STALL_S": "3"})
     e.update(env or {})
     extra = ("--test-job-chunk-delay-ms", str(pace_ms)) if pace_ms else ()
     return start_server("--index-url", pg_url, "--blob-url", f"s3://{s3.bucket}/modeld",
@@ -90,6 +92,18 @@ def reference(start_server, s3, tmp_path, spec):
     body = output(srv, jid).content
     srv.stop()
     return body
+
+
+def wait_through_outage(srv, jid, timeout=300):
+    """wait_job, where GET /jobs/ID may answer 503 while the index is back
+    on its feet (the replica reconnects on its next call)."""
+    def done():
+        r = srv.get(f"/jobs/{jid}")
+        return r.status_code == 200 and r.json()["status"] in ("succeeded", "failed",
+                                                                "cancelled") and r.json()
+    job = poll(done, f"job {jid} ends", timeout)
+    assert job["status"] == "succeeded", f"{job}\n{srv.stderr[-3000:]}"
+    return job
 
 
 def s3_get(s3, key):
@@ -223,3 +237,57 @@ def test_csv_with_quoted_newlines_splits_at_whole_rows(start_server, s3, pg_url,
     spec["output"]["path"] = f"s3://{s3.bucket}/out/notes-single.csv"
     assert got == reference(start_server, s3, tmp_path, spec)
     assert got.decode().splitlines()[0] == "index,prediction,label"
+
+
+def test_cancel_reaches_every_replica_and_keeps_the_done_prefix(start_server, s3, pg_url, tmp_path,
+                                                                big_npy):
+    a, b, jid = two_replicas_one_job(start_server, s3, pg_url, tmp_path, big_npy, "cancel.npy")
+    poll(lambda: get_job(a, jid)["chunks"]["done"] >= 1, "a chunk is done")
+    r = b.request("DELETE", f"/jobs/{jid}")  # through the replica that does not coordinate
+    assert r.status_code == 202, r.text
+    job = wait_job(a, jid, "cancelled", timeout=120)
+    assert job["partial"] is True, job
+    # neither replica holds a chunk of it any more, and none is claimed again
+    poll(lambda: get_job(a, jid)["chunks"]["running"] == 0, "every runner gave its chunk back")
+    done = get_job(a, jid)["chunks"]["done"]
+    assert 1 <= done < ROWS // CHUNK_ROWS, job
+    got = np.load(io.BytesIO(s3_get(s3, "out/cancel.npy")))
+    # the longest run of done chunks from the first: whole chunks, in order
+    assert got.shape[0] % CHUNK_ROWS == 0 and 1 <= got.shape[0] // CHUNK_ROWS <= done, got.shape
+    want = np.load(io.BytesIO(reference(start_server, s3, tmp_path,
+                                        npy_spec(s3, "cancel-single.npy"))))
+    assert (got == want[:got.shape[0]]).all()
+    assert output(a, jid).content == s3_get(s3, "out/cancel.npy")
+
+
+def test_postgresql_restarted_mid_job_finishes_exactly_once(start_server, s3, pg_cluster, pg_url,
+                                                            tmp_path, big_npy):
+    a, b, jid = two_replicas_one_job(start_server, s3, pg_url, tmp_path, big_npy, "pg.npy")
+    poll(lambda: get_job(a, jid)["chunks"]["done"] >= 1, "a chunk is done")
+    pg_cluster.stop("fast")
+    try:
+        # both replicas notice: a renewal or a claim fails while it is away
+        poll(lambda: "retrying" in a.stderr or "given back" in a.stderr or
+             "given back" in b.stderr, "a replica noticed PostgreSQL away")
+    finally:
+        pg_cluster.start()
+    job = wait_through_outage(a, jid)
+    assert job["rows_done"] == ROWS and job["chunks"]["done"] == ROWS // CHUNK_ROWS, job
+    want = reference(start_server, s3, tmp_path, npy_spec(s3, "pg-single.npy"))
+    assert s3_get(s3, "out/pg.npy") == want
+
+
+def test_s3_stalled_mid_chunk_finishes_exactly_once(start_server, s3, pg_url, tmp_path, big_npy):
+    a, b, jid = two_replicas_one_job(start_server, s3, pg_url, tmp_path, big_npy, "stall.npy")
+    poll(lambda: get_job(a, jid)["chunks"]["done"] >= 1, "a chunk is done")
+    os.kill(s3.pid, signal.SIGSTOP)
+    try:
+        poll(lambda: "S3" in a.stderr[-20000:] and ("given back" in a.stderr or
+                                                   "given back" in b.stderr),
+             "a chunk's S3 call fails and the chunk is given back", 120)
+    finally:
+        os.kill(s3.pid, signal.SIGCONT)
+    job = wait_job(a, jid, timeout=300)
+    assert job["rows_done"] == ROWS and job["chunks"]["done"] == ROWS // CHUNK_ROWS, job
+    want = reference(start_server, s3, tmp_path, npy_spec(s3, "stall-single.npy"))
+    assert s3_get(s3, "out/stall.npy") == want
