@@ -128,7 +128,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
 .PHONY: all run test unit unit-pg e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
-	fixtures-check fuzz s3rver s3-live bench-cluster bench-shadow \
+	fixtures-check fuzz s3rver s3-live bench-cluster bench-shadow bench-jobs-cluster \
 	cuda-compile-check docker-check image-check deps-image
 
 all: $(MODELD)
@@ -315,6 +315,7 @@ bench: deps
 	$(PYTHON) bench/memory.py --modeld $(CURDIR)/$(MODELD)
 	$(MAKE) --no-print-directory bench-cluster
 	$(MAKE) --no-print-directory bench-shadow
+	$(MAKE) --no-print-directory bench-jobs-cluster
 
 # Safe rollouts (issue 28): the primary's answers with and without a 100 %
 # shadow version, side by side under the same wrk loads (bench/shadow.py).
@@ -328,6 +329,13 @@ bench-shadow: deps
 bench-cluster: deps
 	$(MAKE) all
 	$(PYTHON) bench/cluster.py --modeld $(CURDIR)/$(MODELD)
+
+# One job over every replica (issue 26): a 1M-row NPY job in S3 in
+# single-host mode and on 1, 2 and 3 replicas of one PostgreSQL index, and the
+# chunk claim rate (bench/jobs_cluster.py; s3rver from `make s3rver`).
+bench-jobs-cluster: deps $(S3RVER)
+	$(MAKE) all
+	$(PYTHON) bench/jobs_cluster.py --modeld $(CURDIR)/$(MODELD)
 
 clean:
 	rm -rf build build-asan build-tsan build-fuzz modeld
