@@ -521,7 +521,8 @@ static void s3_input_close(md_jobs *J, const char *id, s3_input *in)
  */
 
 #define CHUNK_DEPTH 4          /* batches of one chunk in flight */
-#define CHUNKS_TARGET 32       /* a plan aims at this many chunks */
+#define CHUNKS_TARGET 32       /* a plan aims at this many chunks at most */
+#define CHUNK_MIN_BATCHES 16   /* ... of this many batches at least (no chunk_rows) */
 
 static atomic_llong chunks_claimed, chunks_finished, chunks_taken_over, chunks_refused,
     chunk_rows;
@@ -696,8 +697,13 @@ static md_status chunk_plan(md_jobs *J, slot_ref *sref, const char *id, json_t *
         json_object_set_new(plan, "end_byte", json_integer(start_of_next));
     }
     if (st == MD_OK) {
+        /* by default at most CHUNKS_TARGET chunks, each at least
+         * CHUNK_MIN_BATCHES batches: a chunk costs a few S3 and database
+         * round trips, which must stay small beside its compute */
         int64_t per = chunk_rows_asked > 0 ? chunk_rows_asked
                                            : (total + CHUNKS_TARGET - 1) / CHUNKS_TARGET;
+        if (chunk_rows_asked <= 0 && per < (int64_t)batch * CHUNK_MIN_BATCHES)
+            per = (int64_t)batch * CHUNK_MIN_BATCHES;
         per = (per + batch - 1) / batch * batch; /* whole batches */
         if (per < batch)
             per = batch;
@@ -992,11 +998,9 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         free(conf_text);
         goto out;
     }
+    /* no fsync: the part is durable once S3 has it, and only then named */
     chunk_object_url(out_url, c, obj_url, sizeof obj_url);
-    if (fsync(fd) != 0)
-        st = md_err_set(err, MD_EIO, "fsync of %s failed: %s", tmp, strerror(errno));
-    if (st == MD_OK)
-        st = md_s3_data_put(obj_url, &J->fetch, tmp, err);
+    st = md_s3_data_put(obj_url, &J->fetch, tmp, err);
     int all_done = 0;
     if (st == MD_OK) {
         const char *key = obj_url + 5 + strcspn(obj_url + 5, "/") + 1;
