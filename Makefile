@@ -85,7 +85,7 @@ LIB_C   := config/md_err.c config/md_json.c config/md_metrics.c config/config.c 
 	server/multipart.c checkpoint/store.c checkpoint/index.c checkpoint/index_sqlite.c \
 	checkpoint/versions.c checkpoint/promotion.c checkpoint/retention.c checkpoint/traffic.c checkpoint/blobs.c checkpoint/archive.c \
 	checkpoint/download.c checkpoint/named_tensors.c checkpoint/pickle.c checkpoint/torch_zip.c checkpoint/zipdir.c \
-	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/npy.c predictor/v2.c predictor/batcher.c predictor/model.c predictor/registry.c \
+	checkpoint/safetensors.c predictor/model_config.c predictor/image.c predictor/tensor.c predictor/npy.c predictor/npz.c predictor/v2.c predictor/batcher.c predictor/model.c predictor/registry.c \
 	jobs/readers.c jobs/scheduler.c jobs/writers.c jobs/job_store.c handlers/app.c handlers/jobs.c \
 	handlers/deploy.c handlers/upload.c handlers/models.c handlers/traffic.c handlers/shadow.c handlers/predict.c handlers/answer.c \
 	handlers/routes.c handlers/health.c handlers/openapi.c
@@ -114,6 +114,10 @@ LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$
 
 UNIT_TESTS := test_config test_router test_store test_tensor test_readers test_batcher test_formats \
 	test_image test_multipart
+# NPZ bodies (issue 27) over archives numpy wrote (tests/fixtures/npz/); the checked
+# allocator is wrapped to see lying sizes refused before they are allocated
+UNIT_TESTS += test_npz
+LDFLAGS_test_npz := -Wl,--wrap=md_malloc_checked -Wl,--wrap=md_mallocarray_checked
 # the S3 client against a loopback listener: AWS's SigV4 examples, failures, resume
 UNIT_TESTS += test_s3
 # the blobs seam's conformance suite: the directory here, S3 under tests/with_s3.sh
@@ -285,10 +289,12 @@ tsan: deps
 fixtures:
 	$(PYTHON) tests/fixtures/make_fixtures.py
 	$(PYTHON) tests/fixtures/make_images.py
+	$(PYTHON) tests/fixtures/make_npz.py
 
 fixtures-check:
 	$(PYTHON) tests/fixtures/make_fixtures.py --check
 	$(PYTHON) tests/fixtures/make_images.py --check
+	$(PYTHON) tests/fixtures/make_npz.py --check
 
 # the backend reads checkpoint tensors too (md_torch_load_state): it needs their helpers
 $(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $(BUILD)/config/md_err.o $(BUILD)/config/md_json.o \
@@ -296,16 +302,17 @@ $(BUILD)/bench/inprocess: bench/inprocess.c $(BUILD)/predictor/torch_backend.o $
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LIBS)
 
-TENSOR_OBJ := $(BUILD)/predictor/tensor.o $(BUILD)/predictor/npy.o $(BUILD)/predictor/v2.o
+TENSOR_OBJ := $(BUILD)/predictor/tensor.o $(BUILD)/predictor/npy.o $(BUILD)/predictor/npz.o \
+	$(BUILD)/predictor/v2.o
 $(BUILD)/bench/decode: bench/decode.c $(TENSOR_OBJ) $(BUILD)/predictor/numparse.o \
 	$(BUILD)/config/md_err.o $(BUILD)/config/md_json.o
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lstdc++ -lm
+	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lz -lstdc++ -lm
 
 $(BUILD)/bench/encode: bench/encode.c $(BUILD)/handlers/answer.o $(BUILD)/predictor/classes.o $(TENSOR_OBJ) \
 	$(BUILD)/predictor/numparse.o $(BUILD)/config/md_err.o $(BUILD)/config/md_json.o
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lstdc++ -lm
+	$(CC) $(CFLAGS) -o $@ $^ -ljansson -lz -lstdc++ -lm
 
 bench: deps
 	$(MAKE) all $(BUILD)/bench/inprocess $(BUILD)/bench/decode $(BUILD)/bench/encode
@@ -344,7 +351,7 @@ clean:
 # loader, the router, the multipart/form-data iterator, the checkpoint readers,
 # image input and the S3 client's XML answers (clang); not part of `make test`. FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60
-TENSOR_SRC := predictor/tensor.c predictor/npy.c predictor/v2.c
+TENSOR_SRC := predictor/tensor.c predictor/npy.c predictor/npz.c predictor/v2.c predictor/rows.c
 # FUZZ_RUNS=1000000 runs each target that many executions instead of FUZZ_SECONDS
 FUZZ_RUNS ?=
 FUZZ_LIMIT = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS))
@@ -356,17 +363,23 @@ fuzz:
 	  -c predictor/numparse.cpp -o build-fuzz/numparse.o
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_number tests/fuzz_number.c \
-	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
+	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lz -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_tensor tests/fuzz_tensor.c \
-	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
+	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lz -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
 	  jobs/readers.c jobs/gzstream.c jobs/images.c predictor/image.c $(TENSOR_SRC) \
 	  build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lpng -ljpeg -lz -lisal -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \
-	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lstdc++ -lm
+	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lz -lstdc++ -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_named tests/fuzz_named.c \
+	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lz -lstdc++ -lm
+	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
+	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_npz tests/fuzz_npz.c \
+	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lz -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_model_config \
 	  tests/fuzz_model_config.c predictor/model_config.c predictor/image.c config/md_err.c config/md_json.c \
@@ -408,6 +421,8 @@ fuzz:
 	cp tests/fuzz_corpus_readers/* build-fuzz/corpus_readers/
 	cp tests/fuzz_corpus_config/* build-fuzz/corpus_config/
 	mkdir -p build-fuzz/corpus_v2 && cp tests/fuzz_corpus_v2/* build-fuzz/corpus_v2/
+	mkdir -p build-fuzz/corpus_named && cp tests/fuzz_corpus_named/* build-fuzz/corpus_named/
+	mkdir -p build-fuzz/corpus_npz && cp tests/fuzz_corpus_npz/* build-fuzz/corpus_npz/
 	mkdir -p build-fuzz/corpus_model_config && \
 	  cp tests/fuzz_corpus_model_config/* build-fuzz/corpus_model_config/
 	cp tests/fuzz_corpus_router/* build-fuzz/corpus_router/
@@ -421,6 +436,8 @@ fuzz:
 	build-fuzz/fuzz_tensor $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus
 	build-fuzz/fuzz_readers $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_readers
 	build-fuzz/fuzz_v2 $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_v2
+	build-fuzz/fuzz_named $(FUZZ_LIMIT) -max_len=4096 build-fuzz/corpus_named
+	build-fuzz/fuzz_npz $(FUZZ_LIMIT) -max_len=8192 build-fuzz/corpus_npz
 	build-fuzz/fuzz_model_config $(FUZZ_LIMIT) -max_len=2048 build-fuzz/corpus_model_config
 	build-fuzz/fuzz_config $(FUZZ_LIMIT) -max_len=2048 build-fuzz/corpus_config
 	build-fuzz/fuzz_router $(FUZZ_LIMIT) -max_len=1024 build-fuzz/corpus_router

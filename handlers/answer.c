@@ -200,9 +200,182 @@ out:
     free(top);
 }
 
+/* One row of output `io` (from a packed answer row): a number for a
+ * per-row shape [], else nested arrays. */
+static void sb_row(sbuf *b, const float *row, const md_io_info *io)
+{
+    if (io->ndim == 0)
+        sb_float(b, row[io->off]);
+    else
+        sb_nested(b, row + io->off, io->shape, io->ndim, 0);
+}
+
+/* Every row of output `io` as one nested array ([rows, shape...]). */
+static void sb_column(sbuf *b, const float *out, int64_t rows, int64_t stride,
+                      const md_io_info *io)
+{
+    sb_char(b, '[');
+    for (int64_t r = 0; r < rows; r++) {
+        if (r)
+            sb_char(b, ',');
+        sb_row(b, out + r * stride, io);
+    }
+    sb_char(b, ']');
+}
+
+/* labels and scores of the classes output, from a contiguous copy of it */
+static void multi_labels(sbuf *b, const md_answer_opts *o, const float *out, int64_t rows)
+{
+    if (o->class_out < 0 || !(o->top_k || o->labels) || o->classes.kind == MD_CLASSES_NONE)
+        return;
+    const md_io_info *io = &o->outs[o->class_out];
+    size_t n;
+    if (md_mul_size((size_t)rows, (size_t)io->values, &n)) {
+        b->oom = 1;
+        return;
+    }
+    float *cls = malloc((n ? n : 1) * sizeof(float));
+    if (!cls) {
+        b->oom = 1;
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(cls + r * io->values, out + r * o->out_values + io->off,
+               (size_t)io->values * sizeof(float));
+    int64_t shape[2] = {rows, io->values};
+    add_labels_scores(b, o, cls, shape, 2);
+    free(cls);
+}
+
+/* The V2 answer of a version with declared outputs: each one asked for
+ * (all by default), its values in JSON or, with binary data, after it. */
+static void encode_multi_v2(sbuf *b, const md_answer_opts *o, const float *out, int64_t rows,
+                            size_t *json_len)
+{
+    int64_t stride = o->out_values;
+    sb_str(b, "{\"model_name\":");
+    sb_json_string(b, o->model);
+    sb_str(b, ",\"model_version\":\"");
+    sb_int(b, o->version);
+    sb_char(b, '"');
+    if (o->v2_id && o->v2_id[0]) {
+        sb_str(b, ",\"id\":");
+        sb_json_string(b, o->v2_id);
+    }
+    sb_str(b, ",\"outputs\":[");
+    int n = o->n_pick ? o->n_pick : o->n_out;
+    for (int k = 0; k < n; k++) {
+        const md_io_info *io = &o->outs[o->n_pick ? o->pick[k] : k];
+        if (k)
+            sb_char(b, ',');
+        sb_str(b, "{\"name\":");
+        sb_json_string(b, io->name);
+        sb_str(b, ",\"shape\":[");
+        sb_int(b, (long long)rows);
+        for (int d = 0; d < io->ndim; d++) {
+            sb_char(b, ',');
+            sb_int(b, (long long)io->shape[d]);
+        }
+        sb_str(b, "],\"datatype\":\"FP32\"");
+        if (o->v2_binary) {
+            sb_str(b, ",\"parameters\":{\"binary_data_size\":");
+            sb_int(b, (long long)((size_t)rows * (size_t)io->values * sizeof(float)));
+            sb_str(b, "}}");
+            continue;
+        }
+        sb_str(b, ",\"data\":[");
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t v = 0; v < io->values; v++) {
+                if (r || v)
+                    sb_char(b, ',');
+                sb_float(b, out[r * stride + io->off + v]);
+            }
+        sb_str(b, "]}");
+    }
+    sb_str(b, "]}");
+    if (!o->v2_binary) {
+        sb_char(b, '\n');
+        return;
+    }
+    *json_len = b->len;
+    for (int k = 0; k < n; k++) {
+        const md_io_info *io = &o->outs[o->n_pick ? o->pick[k] : k];
+        for (int64_t r = 0; r < rows; r++)
+            sb_add(b, (const char *)(out + r * stride + io->off),
+                   (size_t)io->values * sizeof(float));
+    }
+}
+
+/* The answer of a version with declared outputs: one output as rows of its
+ * shape, several as an object a row (or, for a columnar request, an object
+ * of columns), with labels and scores read from the classes output. */
+static void encode_multi(sbuf *b, const md_answer_opts *o, const float *out, int64_t rows,
+                         size_t *json_len)
+{
+    int64_t stride = o->out_values;
+    if (o->kind == MD_ANSWER_V2) {
+        encode_multi_v2(b, o, out, rows, json_len);
+        return;
+    }
+    if (o->kind == MD_ANSWER_V1) {
+        sb_str(b, "{\"predictions\":");
+    } else {
+        sb_str(b, "{\"model\":");
+        sb_json_string(b, o->model);
+        sb_str(b, ",\"version\":");
+        sb_int(b, o->version);
+        sb_str(b, o->columnar ? ",\"outputs\":" : ",\"predictions\":");
+    }
+    if (o->n_out == 1) {
+        sb_column(b, out, rows, stride, &o->outs[0]);
+    } else if (o->columnar && o->kind != MD_ANSWER_V1) {
+        sb_char(b, '{');
+        for (int j = 0; j < o->n_out; j++) {
+            if (j)
+                sb_char(b, ',');
+            sb_json_string(b, o->outs[j].name);
+            sb_char(b, ':');
+            sb_column(b, out, rows, stride, &o->outs[j]);
+        }
+        sb_char(b, '}');
+    } else {
+        sb_char(b, '[');
+        for (int64_t r = 0; r < rows; r++) {
+            if (r)
+                sb_char(b, ',');
+            sb_char(b, '{');
+            for (int j = 0; j < o->n_out; j++) {
+                if (j)
+                    sb_char(b, ',');
+                sb_json_string(b, o->outs[j].name);
+                sb_char(b, ':');
+                sb_row(b, out + r * stride, &o->outs[j]);
+            }
+            sb_char(b, '}');
+        }
+        sb_char(b, ']');
+    }
+    if (o->kind == MD_ANSWER_PREDICT)
+        multi_labels(b, o, out, rows);
+    sb_str(b, "}\n");
+}
+
 char *md_answer_encode(const md_answer_opts *o, const float *out, const int64_t *shape, int ndim,
                        size_t *len, size_t *json_len)
 {
+    if (o->n_out > 0) {
+        sbuf mb = {0};
+        *len = *json_len = 0;
+        encode_multi(&mb, o, out, ndim > 0 ? shape[0] : 0, json_len);
+        if (mb.oom) {
+            free(mb.p);
+            return NULL;
+        }
+        *len = mb.len;
+        if (!(o->kind == MD_ANSWER_V2 && o->v2_binary))
+            *json_len = mb.len;
+        return mb.p;
+    }
     sbuf b = {0};
     *len = *json_len = 0;
     if (o->kind == MD_ANSWER_V2) {
@@ -253,7 +426,8 @@ char *md_answer_encode(const md_answer_opts *o, const float *out, const int64_t 
         sb_json_string(&b, o->model);
         sb_str(&b, ",\"version\":");
         sb_int(&b, o->version);
-        sb_str(&b, ",\"predictions\":");
+        /* a columnar request ({"inputs": ...}) is answered with "outputs" */
+        sb_str(&b, o->columnar ? ",\"outputs\":" : ",\"predictions\":");
         sb_nested(&b, out, shape, ndim, 0);
         if ((o->top_k || o->labels) && o->classes.kind != MD_CLASSES_NONE)
             add_labels_scores(&b, o, out, shape, ndim);

@@ -36,6 +36,15 @@ typedef struct md_answer_opts {
     const char *v2_id;      /* V2: the request's id ("" or NULL: none) */
     const char *v2_output;  /* V2: the output's name ("" or NULL: output0) */
     int v2_binary;          /* V2: the values as raw float32 after the JSON */
+    /* declared outputs (md_model_n_outputs > 0): `out` is then [rows,
+     * out_values], output j's row at outs[j].off */
+    int n_out;
+    md_io_info outs[MD_MAX_IO];
+    int64_t out_values;
+    int class_out;          /* the output labels and scores read; -1: none */
+    int columnar;           /* PREDICT: {"outputs": ...} for a columnar request */
+    int n_pick;             /* V2: the outputs asked for (0: all), by index */
+    int pick[MD_MAX_IO];
 } md_answer_opts;
 
 /*

@@ -159,7 +159,7 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
     static const char *const top[] = {"model", "version", "input", "output", "batch_size",
                                       "top_k", "on_error", "record_metric", "chunk_rows", NULL};
     static const char *const in_keys[] = {"path", "url", "format", "features", "label", "shape",
-                                          "label_from", NULL};
+                                          "label_from", "columns", NULL};
     static const char *const out_keys[] = {"path", "format", "include", NULL};
     static const char *const in_formats[] = {"csv", "jsonl", "npy", "idx", "images", NULL};
     static const char *const out_formats[] = {"jsonl", "csv", "npy", NULL};
@@ -195,6 +195,13 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
     int images = in_format && !strcmp(in_format, "images");
     if (images && (st = check_images_input(app->cfg, in, err)) != MD_OK)
         return st;
+    json_t *columns = json_object_get(in, "columns");
+    if (columns && (!json_is_object(columns) ||
+                    (in_format && strcmp(in_format, "csv") && strcmp(in_format, "jsonl"))))
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "input.columns maps each of the model's named inputs to its csv "
+                           "columns or jsonl fields: {\"numeric\": [\"age\", \"bmi\"], "
+                           "\"category\": \"city_id\"}");
     if (!images && json_object_get(in, "label_from"))
         return md_err_setc(err, MD_EINVAL, "invalid_job",
                            "input.label_from applies to format images only; csv, jsonl and idx "

@@ -37,6 +37,9 @@ typedef struct pctx {
     int v1;         /* answer KServe V1's {"predictions": ...} only */
     char v2_id[128];
     char v2_output[64];
+    int columnar;        /* a columnar request: answer {"outputs": ...} */
+    int n_pick;          /* V2: the declared outputs asked for, by index (0: all) */
+    int pick[MD_MAX_IO];
     int shadow;          /* the shadow version to compare with, 0: none */
     md_tensor shadow_in; /* the request's copy for it */
 } pctx;
@@ -86,8 +89,28 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
         finish(c);
         return;
     }
+    int n_out = md_model_n_outputs(c->model);
+    if (c->npy && n_out > 1) {
+        md_err e;
+        md_err_setc(&e, MD_EINVAL, "invalid_input",
+                    "model %s version %d answers %d outputs, and an NPY body holds one array: "
+                    "ask for JSON (Accept: application/json)",
+                    md_model_name(c->model), md_model_version(c->model), n_out);
+        md_reply_error(c->req, &e);
+        finish(c);
+        return;
+    }
     if (c->npy) {
         size_t len;
+        int64_t one[MD_MAX_DIMS];
+        if (n_out == 1) { /* the output's own per-row shape */
+            md_io_info oi;
+            md_model_output(c->model, 0, &oi);
+            one[0] = shape[0];
+            memcpy(one + 1, oi.shape, sizeof(int64_t) * (size_t)oi.ndim);
+            shape = one;
+            ndim = 1 + oi.ndim;
+        }
         char *npy = md_npy_encode(out, shape, ndim, &len);
         double seconds = md_req_elapsed_s(c->req);
         md_model_note_answer(c->model, 1, seconds);
@@ -99,6 +122,12 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
     int64_t width = ndim >= 2 ? 1 : ndim == 1;
     for (int d = 1; d < ndim; d++)
         width *= shape[d];
+    int class_out = n_out ? md_model_classes_output(c->model) : 0;
+    if (n_out && class_out >= 0) {
+        md_io_info ci;
+        md_model_output(c->model, class_out, &ci);
+        width = ci.ndim == 1 ? ci.values : 0;
+    }
     md_answer_opts o = {
         .kind = c->v2 ? MD_ANSWER_V2 : c->v1 ? MD_ANSWER_V1 : MD_ANSWER_PREDICT,
         .model = md_model_name(c->model),
@@ -109,7 +138,17 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
         .v2_id = c->v2_id,
         .v2_output = c->v2_output,
         .v2_binary = c->v2_binary,
+        .n_out = n_out,
+        .out_values = md_model_output_values(c->model),
+        .class_out = class_out,
+        .columnar = c->columnar,
+        .n_pick = c->n_pick,
     };
+    for (int j = 0; j < n_out; j++)
+        md_model_output(c->model, j, &o.outs[j]);
+    memcpy(o.pick, c->pick, sizeof o.pick);
+    if (n_out && class_out < 0)
+        o.classes.kind = MD_CLASSES_NONE;
     if (c->top_k && o.kind == MD_ANSWER_PREDICT && o.classes.kind == MD_CLASSES_NONE) {
         md_err e;
         md_err_setc(&e, MD_EINVAL, "no_classes",
@@ -183,6 +222,15 @@ typedef struct pending {
     int has_content_type;
     char v2_id[128];
     char v2_output[64];
+    /* named inputs: V2's several inputs (or an integer one), read before the
+     * lookup; packed for the version once it is known (named_rows) */
+    md_arrays arrays;
+    int have_arrays;
+    char v2_input[MD_IO_NAME_MAX]; /* V2: the one float input's name */
+    char v2_datatype[8];           /* ... and its datatype */
+    int columnar;
+    int n_outs;                    /* V2: the outputs asked for by name */
+    char outs[MD_MAX_IO][MD_IO_NAME_MAX];
 } pending;
 
 static void pending_free(void *p)
@@ -190,6 +238,8 @@ static void pending_free(void *p)
     pending *pd = p;
     if (pd && pd->have_tensor)
         md_tensor_free(&pd->t);
+    if (pd && pd->have_arrays)
+        md_arrays_free(&pd->arrays);
     if (pd)
         md_model_release(pd->model);
     free(pd);
@@ -612,6 +662,160 @@ static void rows_offloaded(md_req *req) { offloaded(req, ON_DEFERRED); }
 static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json_len,
                          const char *bin, size_t bin_len, md_err *err);
 
+#define NPZ_DECODE(b, l, m, a, e) md_err_set(e, MD_EMEDIA, "NPZ soon") /* TEMP */
+/* ---- named inputs (config.inputs) ----
+ *
+ * A version with declared inputs is sent rows as objects, columns, NPZ or
+ * V2 requests naming each input (V2 is read before the lookup, into
+ * pd->arrays, or into pd->t for one float input). They are packed for that
+ * version here (md_model_pack), after the lookup: what the version declares
+ * decides how a JSON body reads. A version without declared inputs takes
+ * one V2 input as ever, read as floats. */
+
+/* A V2 request's one float input (pd->t) as a named array. */
+static void tensor_to_arrays(pending *pd, md_arrays *a)
+{
+    memset(a, 0, sizeof *a);
+    a->n = 1;
+    md_array *x = &a->a[0];
+    snprintf(x->name, sizeof x->name, "%s", pd->v2_input);
+    snprintf(x->datatype, sizeof x->datatype, "%s", pd->v2_datatype);
+    x->ndim = pd->t.ndim;
+    memcpy(x->shape, pd->t.shape, sizeof x->shape);
+    x->count = pd->t.count;
+    x->f32 = pd->t.data;
+    memset(&pd->t, 0, sizeof pd->t);
+    pd->have_tensor = 0;
+}
+
+/* The request's rows for `m`, which declares inputs, packed into pd->t. */
+static md_status named_rows(md_req *req, pending *pd, md_model *m, md_err *err)
+{
+    md_arrays a;
+    md_status st = MD_OK;
+    memset(&a, 0, sizeof a);
+    if (pd->have_arrays) {
+        a = pd->arrays;
+        memset(&pd->arrays, 0, sizeof pd->arrays);
+        pd->have_arrays = 0;
+    } else if (pd->have_tensor) {
+        tensor_to_arrays(pd, &a);
+    } else {
+        size_t len;
+        const char *body = md_req_body(req, &len);
+        const char *ct = pd->has_content_type ? pd->content_type : NULL;
+        md_io_info in[MD_MAX_IO];
+        int n = md_model_n_inputs(m);
+        for (int i = 0; i < n; i++)
+            md_model_input(m, i, &in[i]);
+        if (ct && strncasecmp(ct, "application/x-npz", 17) == 0) {
+            st = NPZ_DECODE(body, len, max_values(req), &a, err);
+        } else if (ct && strncasecmp(ct, "application/x-npy", 17) == 0) {
+            md_tensor t;
+            if (n != 1 || in[0].is_int)
+                st = md_err_setc(err, MD_EINVAL, "invalid_input",
+                                 "model %s version %d takes %s: an NPY body holds one float "
+                                 "array; send an NPZ body (numpy.savez) with one array per "
+                                 "input, by name",
+                                 md_model_name(m), md_model_version(m),
+                                 n != 1 ? "several inputs" : "an integer input");
+            else if ((st = md_npy_decode(body, len, max_values(req), &t, err)) == MD_OK) {
+                pd->t = t;
+                snprintf(pd->v2_input, sizeof pd->v2_input, "%s", in[0].name);
+                pd->v2_datatype[0] = '\0';
+                tensor_to_arrays(pd, &a);
+                if (a.a[0].ndim == in[0].ndim) { /* one row without its batch dimension */
+                    memmove(a.a[0].shape + 1, a.a[0].shape, sizeof(int64_t) * (MD_MAX_DIMS - 1));
+                    a.a[0].shape[0] = 1;
+                    a.a[0].ndim++;
+                }
+            }
+        } else if (!md_tensor_json_type(ct)) {
+            st = md_err_setc(err, MD_EMEDIA, "unsupported_media_type",
+                             "Content-Type %.60s is not accepted; send application/json, "
+                             "application/x-npz or application/x-npy",
+                             ct);
+        } else if (!body || len == 0) {
+            st = md_err_setc(err, MD_EINVAL, "empty_body",
+                             "the request has no body; send rows such as [{\"%s\": ...}]",
+                             in[0].name);
+        } else {
+            st = md_named_decode(body, len, in, n, max_values(req), &a, &pd->columnar, err);
+        }
+    }
+    if (st == MD_OK)
+        st = md_model_pack(m, &a, &pd->t, err);
+    md_arrays_free(&a);
+    if (st == MD_OK)
+        pd->have_tensor = 1;
+    return st;
+}
+
+/* V2's named arrays for a version that takes one unnamed input: the one
+ * input, as floats (as V2 requests were always read for it). */
+static md_status arrays_to_tensor(pending *pd, md_model *m, md_err *err)
+{
+    md_arrays *a = &pd->arrays;
+    if (a->n != 1)
+        return md_err_setc(err, MD_EINVAL, "invalid_input",
+                           "the request has %d inputs, and model %s version %d takes one "
+                           "(it declares no config.inputs)",
+                           a->n, md_model_name(m), md_model_version(m));
+    md_array *x = &a->a[0];
+    md_tensor t;
+    memset(&t, 0, sizeof t);
+    t.ndim = x->ndim;
+    memcpy(t.shape, x->shape, sizeof t.shape);
+    t.count = x->count;
+    if (x->is_int) {
+        t.data = md_mallocarray_checked(x->count ? x->count : 1, sizeof(float), "the input", err);
+        if (!t.data)
+            return MD_ENOMEM;
+        for (size_t i = 0; i < x->count; i++)
+            t.data[i] = (float)x->i64[i];
+    } else {
+        t.data = x->f32;
+        x->f32 = NULL;
+    }
+    md_arrays_free(a);
+    pd->have_arrays = 0;
+    pd->t = t;
+    pd->have_tensor = 1;
+    return MD_OK;
+}
+
+/* V2's "outputs": [{"name"}] against `m`'s declared outputs into c->pick. */
+static md_status pick_outputs(const pending *pd, md_model *m, pctx *c, md_err *err)
+{
+    int n_out = md_model_n_outputs(m);
+    if (!pd->v2 || !n_out)
+        return MD_OK;
+    for (int k = 0; k < pd->n_outs; k++) {
+        int found = -1;
+        for (int j = 0; j < n_out && found < 0; j++) {
+            md_io_info oi;
+            md_model_output(m, j, &oi);
+            if (strcmp(oi.name, pd->outs[k]) == 0)
+                found = j;
+        }
+        if (found < 0) {
+            char names[256];
+            int len = 0;
+            for (int j = 0; j < n_out && len >= 0 && (size_t)len < sizeof names; j++) {
+                md_io_info oi;
+                md_model_output(m, j, &oi);
+                len += snprintf(names + len, sizeof names - (size_t)len, "%s\"%s\"",
+                                j ? ", " : "", oi.name);
+            }
+            return md_err_setc(err, MD_EINVAL, "invalid_input",
+                               "output \"%s\" is not one of model %s version %d's outputs (%s)",
+                               pd->outs[k], md_model_name(m), md_model_version(m), names);
+        }
+        c->pick[c->n_pick++] = found;
+    }
+    return MD_OK;
+}
+
 /* Decode the body if not done yet and submit to `m` (a reference, taken).
  * `at`: ON_HANDLER, so big images may go to a deferred thread or the decode
  * pool, and a JSON body of OFFLOAD_BYTES or more is decoded on the decode
@@ -639,8 +843,26 @@ static void go_on(md_req *req, pending *pd, md_model *m, where at)
             return;
         }
     }
-    if (!pd->have_tensor && pd->body != BODY_ROWS && !images_to_tensor(req, pd, m, at))
+    if (!pd->have_tensor && !pd->have_arrays && pd->body != BODY_ROWS &&
+        !images_to_tensor(req, pd, m, at))
         return;
+    if (md_model_n_inputs(m) > 0 && !pd->have_tensor && !pd->have_arrays && at == ON_HANDLER) {
+        size_t len;
+        md_req_body(req, &len);
+        if (len >= OFFLOAD_BYTES) {
+            pd->model = m; /* as below: the pool decodes large bodies */
+            if (md_req_offload(req, rows_offloaded))
+                return;
+            pd->model = NULL;
+        }
+    }
+    if (md_model_n_inputs(m) > 0 ? named_rows(req, pd, m, &err) != MD_OK
+        : pd->have_arrays       ? arrays_to_tensor(pd, m, &err) != MD_OK
+                                : 0) {
+        md_model_release(m);
+        md_reply_error(req, &err);
+        return;
+    }
     if (!pd->have_tensor) {
         size_t len;
         const char *body = md_req_body(req, &len);
@@ -666,6 +888,13 @@ static void go_on(md_req *req, pending *pd, md_model *m, where at)
     c->v1 = pd->v1;
     memcpy(c->v2_id, pd->v2_id, sizeof c->v2_id);
     memcpy(c->v2_output, pd->v2_output, sizeof c->v2_output);
+    c->columnar = pd->columnar;
+    if (pick_outputs(pd, m, c, &err) != MD_OK) {
+        free(c);
+        md_model_release(m);
+        md_reply_error(req, &err);
+        return;
+    }
     if (pd->unversioned) {
         int sv = md_traffic_shadow(((md_app *)md_req_app(req))->traffic, md_model_name(m),
                                    md_model_version(m));
@@ -863,12 +1092,90 @@ static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json
     if (!root)
         return err->status;
     json_t *inputs = json_object_get(root, "inputs");
-    if (!json_is_array(inputs) || json_array_size(inputs) != 1) {
+    if (!json_is_array(inputs) || json_array_size(inputs) < 1 ||
+        json_array_size(inputs) > MD_MAX_IO) {
         md_tensor_free(&t);
         json_decref(root);
-        return md_err_set(err, MD_EINVAL, "the request needs \"inputs\": an array with one tensor");
+        return md_err_set(err, MD_EINVAL, "the request needs \"inputs\": an array of 1 to %d "
+                          "tensors", MD_MAX_IO);
     }
     json_t *in = json_array_get(inputs, 0);
+    json_t *outs = json_object_get(root, "outputs");
+    pd->n_outs = 0;
+    for (size_t k = 0; k < json_array_size(outs) && k < MD_MAX_IO; k++) {
+        const char *on = json_string_value(json_object_get(json_array_get(outs, k), "name"));
+        if (on)
+            snprintf(pd->outs[pd->n_outs++], sizeof pd->outs[0], "%s", on);
+    }
+    const char *dt0 = json_string_value(json_object_get(in, "datatype"));
+    if (json_array_size(inputs) > 1 ||
+        (dt0 && (!strncmp(dt0, "INT", 3) || !strncmp(dt0, "UINT", 4) || !strcmp(dt0, "BOOL")))) {
+        /* named inputs, or integers: read exactly, by name (named_rows) */
+        md_tensor_free(&t);
+        if (decoded) { /* the row scanner read the integers as floats: read them again */
+            json_decref(root);
+            root = md_v2_parse(body, json_len, max_values(req), 0, &t, &decoded, err);
+            if (!root)
+                return err->status;
+            inputs = json_object_get(root, "inputs");
+        }
+        md_arrays a;
+        memset(&a, 0, sizeof a);
+        size_t at = 0;
+        md_status st = MD_OK;
+        for (size_t k = 0; st == MD_OK && k < json_array_size(inputs); k++) {
+            json_t *x = json_array_get(inputs, k);
+            json_t *bs = json_object_get(json_object_get(x, "parameters"), "binary_data_size");
+            const char *xb = NULL;
+            size_t xn = 0;
+            if (bs) {
+                if (!bin || !json_is_integer(bs) || json_integer_value(bs) < 0 ||
+                    (unsigned long long)json_integer_value(bs) > bin_len - at)
+                    st = md_err_set(err, MD_EINVAL,
+                                    "input %zu's binary_data_size must count bytes that follow "
+                                    "the JSON header (Inference-Header-Content-Length), in the "
+                                    "inputs' order; %zu remain",
+                                    k, bin ? bin_len - at : 0);
+                else {
+                    xb = bin + at;
+                    xn = (size_t)json_integer_value(bs);
+                    at += xn;
+                }
+            }
+            if (st == MD_OK)
+                st = md_v2_decode_array(x, xb ? xb : (bs ? "" : NULL), xn, max_values(req),
+                                        &a.a[k], err);
+            if (st == MD_OK) {
+                a.n = (int)k + 1;
+                for (size_t p = 0; p < k && st == MD_OK; p++)
+                    if (strcmp(a.a[p].name, a.a[k].name) == 0)
+                        st = md_err_set(err, MD_EINVAL, "input \"%s\" is given twice",
+                                        a.a[k].name);
+            }
+        }
+        if (st == MD_OK && at != bin_len)
+            st = md_err_set(err, MD_EINVAL,
+                            "%zu bytes follow the JSON header, and the inputs' "
+                            "binary_data_size count %zu",
+                            bin_len, at);
+        if (st != MD_OK) {
+            md_arrays_free(&a);
+            json_decref(root);
+            return st;
+        }
+        pd->arrays = a;
+        pd->have_arrays = 1;
+        pd->v2_binary = v2_wants_binary(root);
+        const char *id = json_string_value(json_object_get(root, "id"));
+        snprintf(pd->v2_id, sizeof pd->v2_id, "%s", id ? id : "");
+        snprintf(pd->v2_output, sizeof pd->v2_output, "%s",
+                 pd->n_outs ? pd->outs[0] : "output0");
+        json_decref(root);
+        return MD_OK;
+    }
+    const char *in_name = json_string_value(json_object_get(in, "name"));
+    snprintf(pd->v2_input, sizeof pd->v2_input, "%s", in_name ? in_name : "");
+    snprintf(pd->v2_datatype, sizeof pd->v2_datatype, "%s", dt0 && strlen(dt0) < 8 ? dt0 : "");
     json_t *bsize = json_object_get(json_object_get(in, "parameters"), "binary_data_size");
     md_status st;
     if (decoded) {
@@ -901,7 +1208,6 @@ static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json
     pd->have_tensor = 1;
     const char *id = json_string_value(json_object_get(root, "id"));
     snprintf(pd->v2_id, sizeof pd->v2_id, "%s", id ? id : "");
-    json_t *outs = json_object_get(root, "outputs");
     const char *oname = json_string_value(json_object_get(json_array_get(outs, 0), "name"));
     snprintf(pd->v2_output, sizeof pd->v2_output, "%s", oname ? oname : "output0");
     json_decref(root);
@@ -941,6 +1247,17 @@ void md_handle_v2_infer_version(md_req *req)
         v2_infer(req, v);
 }
 
+/* The V2 datatype of a config dtype. */
+static const char *v2_datatype(const char *dtype)
+{
+    return !dtype || !strcmp(dtype, "float32") ? "FP32"
+           : !strcmp(dtype, "float64")         ? "FP64"
+           : !strcmp(dtype, "int64")           ? "INT64"
+           : !strcmp(dtype, "int32")           ? "INT32"
+           : !strcmp(dtype, "bool")            ? "BOOL"
+                                               : "UINT8";
+}
+
 static void v2_model_meta(md_req *req, int version)
 {
     md_app *app = md_req_app(req);
@@ -970,6 +1287,59 @@ static void v2_model_meta(md_req *req, int version)
         md_err_setc(&err, MD_ENOTFOUND, "version_not_found", "model %s has no version %d", name,
                     version);
         md_reply_error(req, &err);
+        return;
+    }
+    json_t *cfg = json_object_get(chosen, "config");
+    if (json_object_get(cfg, "inputs") || json_object_get(cfg, "outputs")) {
+        /* declared inputs and outputs, as tritonclient lists them */
+        json_t *ins = json_array(), *outs = json_array();
+        json_t *e;
+        json_array_foreach(json_object_get(cfg, "inputs"), i, e)
+        {
+            json_t *sh = json_array();
+            json_array_append_new(sh, json_integer(-1));
+            json_t *d;
+            size_t k;
+            json_array_foreach(json_object_get(e, "shape"), k, d) json_array_append(sh, d);
+            json_array_append_new(ins, json_pack("{s:O,s:s,s:o}", "name",
+                                                 json_object_get(e, "name"), "datatype",
+                                                 v2_datatype(json_string_value(
+                                                     json_object_get(e, "dtype"))),
+                                                 "shape", sh));
+        }
+        if (!json_object_get(cfg, "inputs")) {
+            json_t *sh = json_array();
+            json_array_append_new(sh, json_integer(-1));
+            json_t *d;
+            size_t k;
+            json_array_foreach(json_object_get(json_object_get(cfg, "input"), "shape"), k, d)
+                json_array_append(sh, d);
+            json_array_append_new(ins, json_pack("{s:s,s:s,s:o}", "name", "input0", "datatype",
+                                                 v2_datatype(json_string_value(json_object_get(
+                                                     json_object_get(cfg, "input"), "dtype"))),
+                                                 "shape", sh));
+        }
+        json_array_foreach(json_object_get(cfg, "outputs"), i, e)
+        {
+            json_t *sh = json_array();
+            json_array_append_new(sh, json_integer(-1));
+            json_t *d;
+            size_t k;
+            json_array_foreach(json_object_get(e, "shape"), k, d) json_array_append(sh, d);
+            if (!json_object_get(e, "shape"))
+                json_array_append_new(sh, json_integer(-1));
+            json_array_append_new(outs, json_pack("{s:O,s:s,s:o}", "name",
+                                                  json_object_get(e, "name"), "datatype", "FP32",
+                                                  "shape", sh));
+        }
+        if (!json_array_size(outs))
+            json_array_append_new(outs, json_pack("{s:s,s:s,s:[i]}", "name", "output0",
+                                                  "datatype", "FP32", "shape", -1));
+        json_t *meta = json_pack("{s:s,s:o,s:s,s:o,s:o}", "name", name, "versions", versions,
+                                 "platform", "pytorch_torchscript", "inputs", ins, "outputs",
+                                 outs);
+        json_decref(info);
+        md_reply_json(req, 200, meta);
         return;
     }
     json_t *shape = json_array();

@@ -104,6 +104,7 @@ int md_shadow_copy(const md_tensor *in, md_tensor *out)
     memcpy(out->shape, in->shape, sizeof out->shape);
     out->count = in->count;
     out->prescaled = in->prescaled;
+    out->packed = in->packed;
     return 1;
 }
 

@@ -60,6 +60,15 @@ typedef struct md_reader_opts {
                             * directory has subdirectories, else none (borrowed) */
     json_t *class_names;   /* the version's labels (array of strings, borrowed) or NULL */
     int64_t max_files;     /* most directory entries listed; past it MD_ETOOBIG */
+    /* named inputs (csv and jsonl): the version's declared inputs
+     * (md_model_input, borrowed) and input.columns, {"input": "column" or
+     * ["column", ...]} (borrowed; NULL: each input's column or field has its
+     * name). Each row is then the inputs' values side by side as
+     * md_model_pack lays them out (md_model_pack_rows), integers exact, and
+     * md_reader_row_width counts 4-byte words. */
+    const md_io_info *inputs;
+    int n_inputs;
+    json_t *columns;
     long long max_file_bytes; /* the largest image file read; a larger one is a bad row */
 } md_reader_opts;
 

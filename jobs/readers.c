@@ -112,6 +112,17 @@ struct md_reader {
      * where an NPY's rows start */
     int64_t buf_base;
     int64_t data_off;
+
+    /* named inputs (csv, jsonl): each input's values come from `src`, the
+     * CSV columns (indexes in in_cols) or JSON fields (in_keys) */
+    int n_in;
+    md_io_info in[MD_MAX_IO];
+    size_t *in_cols;       /* csv: per input, per value, its column */
+    size_t in_first[MD_MAX_IO]; /* csv: where input i's columns start in in_cols */
+    char **in_keys;        /* jsonl: per input, its field(s), in_first as for csv */
+    int in_whole[MD_MAX_IO]; /* jsonl: one field holds the whole value (flattened) */
+    size_t in_nkeys[MD_MAX_IO];
+    size_t in_nkeys_total;  /* names in in_keys */
 };
 
 /* ---- messages ---- */
@@ -441,11 +452,241 @@ static long find_column(const md_reader *r, const char *name)
     return -1;
 }
 
+/* ---- named inputs (csv and jsonl with input.columns) ---- */
+
+static const char *json_type_name(const json_t *v);
+
+/* An int64 from the whole of `s` (spaces around it allowed), exactly: a
+ * fraction or an exponent is refused, never rounded. */
+static num_result parse_int64(const char *s, int64_t *out)
+{
+    while (is_blank(*s))
+        s++;
+    if (!*s)
+        return NUM_EMPTY;
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s)
+        return NUM_NOT_NUMBER;
+    while (is_blank(*end))
+        end++;
+    if (*end)
+        return NUM_NOT_NUMBER;
+    if (errno == ERANGE)
+        return NUM_RANGE;
+    *out = v;
+    return NUM_OK;
+}
+
+/* input.columns against the version's inputs: for each input its source
+ * names (one, or as many as it has values), into r->in_keys (the names,
+ * owned) and in_first/in_nkeys. `csv`: every name must be one value. */
+static md_status named_sources(md_reader *r, const md_reader_opts *opts, int csv, md_err *err)
+{
+    json_t *cols = opts->columns;
+    if (cols && !json_is_object(cols))
+        return open_error(err, "%s: input.columns must be an object mapping each input to its "
+                          "column, e.g. {\"numeric\": [\"age\", \"bmi\"], \"category\": "
+                          "\"city_id\"}", r->name);
+    if (opts->features)
+        return open_error(err, "%s: the model takes named inputs: map them with input.columns "
+                          "instead of input.features", r->name);
+    const char *key;
+    json_t *v;
+    json_object_foreach(cols, key, v)
+    {
+        int known = 0;
+        for (int i = 0; i < opts->n_inputs && !known; i++)
+            known = strcmp(opts->inputs[i].name, key) == 0;
+        if (!known)
+            return open_error(err, "%s: input.columns names \"%s\", which is not one of the "
+                              "model's inputs", r->name, key);
+    }
+    r->n_in = opts->n_inputs;
+    size_t total = 0;
+    for (int i = 0; i < r->n_in; i++) {
+        r->in[i] = opts->inputs[i];
+        json_t *c = cols ? json_object_get(cols, r->in[i].name) : NULL;
+        size_t n = json_is_array(c) ? json_array_size(c) : 1;
+        total += n;
+    }
+    r->in_keys = md_xcalloc(total ? total : 1, sizeof *r->in_keys);
+    r->in_nkeys_total = total;
+    size_t at = 0;
+    for (int i = 0; i < r->n_in; i++) {
+        const md_io_info *io = &r->in[i];
+        json_t *c = cols ? json_object_get(cols, io->name) : NULL;
+        r->in_first[i] = at;
+        if (c && !json_is_string(c) && !json_is_array(c))
+            return open_error(err, "%s: input.columns.%s must be a column name or an array of "
+                              "them", r->name, io->name);
+        if (json_is_array(c)) {
+            if ((int64_t)json_array_size(c) != io->values)
+                return open_error(err, "%s: input.columns.%s names %zu columns, and input \"%s\" "
+                                  "takes %lld values a row", r->name, io->name,
+                                  json_array_size(c), io->name, (long long)io->values);
+            for (size_t j = 0; j < json_array_size(c); j++) {
+                const char *name = json_string_value(json_array_get(c, j));
+                if (!name)
+                    return open_error(err, "%s: input.columns.%s[%zu] is not a string",
+                                      r->name, io->name, j);
+                r->in_keys[at++] = md_xstrdup(name);
+            }
+            r->in_nkeys[i] = json_array_size(c);
+        } else {
+            const char *name = c ? json_string_value(c) : io->name;
+            if (csv && io->values != 1)
+                return open_error(err, "%s: input \"%s\" takes %lld values a row: name its "
+                                  "columns in input.columns, e.g. {\"%s\": [\"a\", \"b\"]}",
+                                  r->name, io->name, (long long)io->values, io->name);
+            r->in_keys[at++] = md_xstrdup(name);
+            r->in_nkeys[i] = 1;
+            r->in_whole[i] = 1;
+        }
+    }
+    int64_t words = 0;
+    for (int i = 0; i < r->n_in; i++)
+        words += r->in[i].values * (r->in[i].is_int ? 2 : 1);
+    r->width = words;
+    return MD_OK;
+}
+
+/* csv: the named columns into r->in_cols. */
+static md_status named_csv_columns(md_reader *r, md_err *err)
+{
+    size_t total = 0;
+    for (int i = 0; i < r->n_in; i++)
+        total += r->in_nkeys[i];
+    r->in_cols = md_xcalloc(total ? total : 1, sizeof *r->in_cols);
+    for (size_t k = 0; k < total; k++) {
+        long c = find_column(r, r->in_keys[k]);
+        if (c < 0) {
+            char cols[256];
+            column_list(r, cols, sizeof cols);
+            return open_error(err, "%s: the column \"%s\" (input.columns) is not in the header "
+                              "(columns: %s)", r->name, r->in_keys[k], cols);
+        }
+        r->in_cols[k] = (size_t)c;
+    }
+    return MD_OK;
+}
+
+/* One value of input i into the row's words: an int64 in two words, a float in one. */
+static void put_value(md_reader *r, float *row, int i, int64_t j, int64_t iv, float fv)
+{
+    const md_io_info *io = &r->in[i];
+    if (io->is_int)
+        memcpy(row + io->off + 2 * j, &iv, sizeof iv);
+    else
+        row[io->off + j] = fv;
+}
+
+static md_status named_csv_next(md_reader *r, int64_t rowno, float *row, md_err *err)
+{
+    char shown[SHOW_MAX + 8];
+    for (int i = 0; i < r->n_in; i++) {
+        for (size_t j = 0; j < r->in_nkeys[i]; j++) {
+            size_t c = r->in_cols[r->in_first[i] + j];
+            const char *f = r->fields[c];
+            int64_t iv = 0;
+            float fv = 0;
+            num_result nr = r->in[i].is_int ? parse_int64(f, &iv) : parse_float(f, &fv);
+            if (nr == NUM_EMPTY)
+                return row_error(r, rowno, err, "column \"%s\" (input \"%s\") is empty",
+                                 r->colnames[c], r->in[i].name);
+            if (nr != NUM_OK)
+                return row_error(r, rowno, err, "column \"%s\" (input \"%s\") is not %s: %s",
+                                 r->colnames[c], r->in[i].name,
+                                 r->in[i].is_int ? "an integer (input declared an integer "
+                                                   "type; values are not rounded)"
+                                                 : "a finite float32 number",
+                                 show(f, shown));
+            put_value(r, row, i, (int64_t)j, iv, fv);
+        }
+    }
+    return MD_OK;
+}
+
+/* A JSON value (nested arrays flattened) of input i; *n counts its values. */
+static int named_json_values(md_reader *r, json_t *v, float *row, int i, int64_t *n)
+{
+    if (json_is_array(v)) {
+        size_t k;
+        json_t *e;
+        json_array_foreach(v, k, e) {
+            int rc = named_json_values(r, e, row, i, n);
+            if (rc)
+                return rc;
+        }
+        return 0;
+    }
+    int64_t iv = 0;
+    float fv = 0;
+    if (r->in[i].is_int) {
+        if (json_is_integer(v))
+            iv = json_integer_value(v);
+        else if (json_is_boolean(v))
+            iv = json_is_true(v);
+        else
+            return -1;
+    } else {
+        if (!json_is_number(v))
+            return -1;
+        double d = json_number_value(v);
+        if (!(fabs(d) <= FLT_MAX))
+            return -2;
+        fv = (float)d;
+    }
+    if (*n < r->in[i].values)
+        put_value(r, row, i, *n, iv, fv);
+    (*n)++;
+    return 0;
+}
+
+static md_status named_jsonl_convert(md_reader *r, json_t *v, int64_t rowno, float *row,
+                                     md_err *err)
+{
+    if (!json_is_object(v))
+        return row_error(r, rowno, err, "is %s, not an object with the inputs' fields",
+                         json_type_name(v));
+    for (int i = 0; i < r->n_in; i++) {
+        int64_t n = 0;
+        for (size_t j = 0; j < r->in_nkeys[i]; j++) {
+            const char *key = r->in_keys[r->in_first[i] + j];
+            json_t *x = json_object_get(v, key);
+            if (!x)
+                return row_error(r, rowno, err, "has no field \"%s\" (input \"%s\")", key,
+                                 r->in[i].name);
+            int rc = named_json_values(r, x, row, i, &n);
+            if (rc)
+                return row_error(r, rowno, err, "field \"%s\" (input \"%s\") holds %s", key,
+                                 r->in[i].name,
+                                 rc == -2 ? "a value past float32's range"
+                                 : r->in[i].is_int ? "a value that is not an integer (the "
+                                                     "input is declared an integer type)"
+                                                   : "a value that is not a number");
+        }
+        if (n != r->in[i].values)
+            return row_error(r, rowno, err, "input \"%s\" has %lld values, and takes %lld a row",
+                             r->in[i].name, (long long)n, (long long)r->in[i].values);
+    }
+    if (r->label_key) {
+        json_t *l = json_object_get(v, r->label_key);
+        if (!l)
+            return row_error(r, rowno, err, "has no field \"%s\" (the label)", r->label_key);
+    }
+    return MD_OK;
+}
+
 static md_status csv_open(md_reader *r, const md_reader_opts *opts, md_err *err)
 {
     if (opts->features && !json_is_array(opts->features))
         return open_error(err, "%s: for csv, features must be an array of column names", r->name);
-    md_status st = open_stream(r, opts->path, err);
+    md_status st;
+    if (opts->n_inputs > 0 && (st = named_sources(r, opts, 1, err)) != MD_OK)
+        return st;
+    st = open_stream(r, opts->path, err);
     if (st != MD_OK)
         return st;
     text_init(r);
@@ -489,6 +730,11 @@ static md_status csv_open(md_reader *r, const md_reader_opts *opts, md_err *err)
     r->position = 0;
 
     char cols[256];
+    if (r->n_in) {
+        st = named_csv_columns(r, err);
+        if (st != MD_OK)
+            return st;
+    }
     if (opts->label) {
         r->label_col = find_column(r, opts->label);
         if (r->label_col < 0) {
@@ -498,7 +744,9 @@ static md_status csv_open(md_reader *r, const md_reader_opts *opts, md_err *err)
         }
         r->has_labels = 1;
     }
-    if (opts->features) {
+    if (r->n_in) {
+        /* the width is the inputs' words (named_sources) */
+    } else if (opts->features) {
         size_t n = json_array_size(opts->features);
         if (n == 0)
             return open_error(err, "%s: features is empty; name at least one column", r->name);
@@ -545,7 +793,12 @@ static md_status csv_next(md_reader *r, float *row, int64_t *label, md_err *err)
     if (n != r->ncols)
         return row_error(r, rowno, err, "has %zu fields, the header has %zu", n, r->ncols);
     char shown[SHOW_MAX + 8];
-    for (int64_t j = 0; j < r->width; j++) {
+    if (r->n_in) {
+        st = named_csv_next(r, rowno, row, err);
+        if (st != MD_OK)
+            return st;
+    }
+    for (int64_t j = 0; j < r->width && !r->n_in; j++) {
         size_t c = r->feature_cols[j];
         const char *f = r->fields[c];
         switch (parse_float(f, &row[j])) {
@@ -692,7 +945,10 @@ static md_status jsonl_open(md_reader *r, const md_reader_opts *opts, md_err *er
     if (opts->features && !json_is_string(opts->features))
         return open_error(err, "%s: for jsonl, features must be a string naming the field "
                           "that holds the values", r->name);
-    md_status st = open_stream(r, opts->path, err);
+    md_status st;
+    if (opts->n_inputs > 0 && (st = named_sources(r, opts, 0, err)) != MD_OK)
+        return st;
+    st = open_stream(r, opts->path, err);
     if (st != MD_OK)
         return st;
     text_init(r);
@@ -708,7 +964,10 @@ static md_status jsonl_open(md_reader *r, const md_reader_opts *opts, md_err *er
         return st;
     if (!r->label_key && json_is_object(v) && json_object_get(v, "label"))
         r->label_key = md_xstrdup("label");
-    st = jsonl_convert(r, v, 0, NULL, NULL, err);
+    st = r->n_in ? (json_is_object(v) ? MD_OK
+                                      : row_error(r, 0, err, "is %s, not an object with the "
+                                                  "inputs' fields", json_type_name(v)))
+                 : jsonl_convert(r, v, 0, NULL, NULL, err);
     if (st != MD_OK) {
         json_decref(v);
         return st;
@@ -730,7 +989,23 @@ static md_status jsonl_next(md_reader *r, float *row, int64_t *label, md_err *er
         if (st != MD_OK)
             return st;
     }
-    md_status st = jsonl_convert(r, v, r->position - 1, row, label, err);
+    md_status st;
+    if (r->n_in) {
+        st = named_jsonl_convert(r, v, r->position - 1, row, err);
+        if (st == MD_OK && r->label_key) {
+            json_t *l = json_object_get(v, r->label_key);
+            int64_t value;
+            if (json_is_integer(l))
+                *label = json_integer_value(l);
+            else if (json_is_real(l) && integral_double(json_real_value(l), &value))
+                *label = value;
+            else
+                st = row_error(r, r->position - 1, err, "the label field \"%s\" is not an "
+                               "integer", r->label_key);
+        }
+    } else {
+        st = jsonl_convert(r, v, r->position - 1, row, label, err);
+    }
     json_decref(v);
     return st;
 }
@@ -1186,6 +1461,10 @@ void md_reader_close(md_reader *r)
     free(r->colnames);
     free(r->fields);
     free(r->feature_cols);
+    free(r->in_cols);
+    for (size_t k = 0; k < r->in_nkeys_total; k++)
+        free(r->in_keys[k]);
+    free(r->in_keys);
     free(r->features_key);
     free(r->label_key);
     json_decref(r->pending);

@@ -1477,6 +1477,42 @@ static void run_job(md_jobs *J, int slot, const char *id)
         .max_file_bytes = J->image_max_bytes,
     };
     int images = in_format && !strcmp(in_format, "images");
+    /* a version with named inputs: the reader lays each row out as they are
+     * packed (md_model_pack_rows), from input.columns */
+    md_io_info named[MD_MAX_IO];
+    int n_named = md_model_n_inputs(m);
+    for (int i = 0; i < n_named; i++)
+        md_model_input(m, i, &named[i]);
+    if (n_named) {
+        if (!in_format || (strcmp(in_format, "csv") && strcmp(in_format, "jsonl"))) {
+            keeper_stop(&kp);
+            md_err_setc(&err, MD_EUNPROC, "invalid_job",
+                        "model %s version %d takes named inputs, which a job reads from csv or "
+                        "jsonl columns (input.columns), not from %s",
+                        model_name, md_model_version(m), in_format ? in_format : "this input");
+            goto failed;
+        }
+        ro.inputs = named;
+        ro.n_inputs = n_named;
+        ro.columns = json_object_get(input, "columns");
+    } else if (json_object_get(input, "columns")) {
+        keeper_stop(&kp);
+        md_err_setc(&err, MD_EUNPROC, "invalid_job",
+                    "input.columns maps a model's named inputs, and model %s version %d "
+                    "declares none (config.inputs): use input.features",
+                    model_name, md_model_version(m));
+        goto failed;
+    }
+    if (md_model_n_outputs(m) > 1 && output &&
+        json_string_value(json_object_get(output, "format")) &&
+        !strcmp(json_string_value(json_object_get(output, "format")), "npy")) {
+        keeper_stop(&kp);
+        md_err_setc(&err, MD_EUNPROC, "invalid_job",
+                    "model %s version %d answers %d outputs, and an NPY file holds one array: "
+                    "write jsonl or csv (a field per output)",
+                    model_name, md_model_version(m), md_model_n_outputs(m));
+        goto failed;
+    }
     if (images) {
         /* a folder of images: the directory opened as a file is (under
          * allowed_paths, no symlink followed); the reader walks it from
@@ -1566,6 +1602,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
     o.inc_label = md_job_include_has(include, "label", has_labels);
     o.inc_scores = md_job_include_has(include, "scores", 0);
     o.top_k = (int)json_integer_value(json_object_get(spec, "top_k"));
+    if (md_model_n_outputs(m) && md_model_classes_output(m) < 0)
+        o.inc_pred = o.inc_scores = 0; /* no output is the classes one */
     /* input.shape: the per-row shape the flat rows are given to the model in */
     json_t *row_shape = json_object_get(input, "shape");
     int64_t shape_prod = 1;
@@ -1604,7 +1642,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     if (fd < 0)
         goto failed;
     if (fresh) {
-        char head[128] = "";
+        char head[16384] = "";
         if (o.kind == 2) {
             int64_t s1[1] = {0};
             md_job_npy_header(head, 0, s1, 1);
@@ -1615,6 +1653,30 @@ static void run_job(md_jobs *J, int slot, const char *id)
                 strcat(head, "index"), first = 0;
             if (o.inc_path)
                 strcat(head, first ? "path" : ",path"), first = 0;
+            /* a column per output value: NAME_0, NAME_1, ... (NAME for one
+             * value a row); names are letters, digits, _ . -: nothing to quote */
+            for (int j = 0; j < md_model_n_outputs(m); j++) {
+                md_io_info oi;
+                md_model_output(m, j, &oi);
+                for (int64_t v = 0; v < oi.values; v++) {
+                    char col[96];
+                    if (oi.ndim == 0)
+                        snprintf(col, sizeof col, "%s%s", first ? "" : ",", oi.name);
+                    else
+                        snprintf(col, sizeof col, "%s%s_%lld", first ? "" : ",", oi.name,
+                                 (long long)v);
+                    if (strlen(head) + strlen(col) + 64 >= sizeof head) {
+                        md_err_setc(&err, MD_EUNPROC, "invalid_job",
+                                    "the outputs of model %s version %d have too many values "
+                                    "for csv columns; write jsonl",
+                                    model_name, md_model_version(m));
+                        goto failed;
+                    }
+                    strcat(head, col);
+                    first = 0;
+                }
+            }
+
             if (o.inc_pred)
                 strcat(head, first ? "prediction" : ",prediction"), first = 0;
             if (o.inc_label)
@@ -1710,6 +1772,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
                 for (size_t i = 0; i < json_array_size(row_shape); i++)
                     t.shape[i + 1] = json_integer_value(json_array_get(row_shape, i));
             }
+            if (n_named && md_model_pack_rows(m, buf, c->rows, &t, &err) != MD_OK)
+                goto failed;
             if (md_model_submit(m, &t, MD_PRIO_BATCH, chunk_cb, c, &err) != MD_OK)
                 goto failed;
             inflight++;
@@ -1745,7 +1809,16 @@ static void run_job(md_jobs *J, int slot, const char *id)
             int64_t ow = 1;
             for (int d = 1; d < c->out_ndim; d++)
                 ow *= c->out_shape[d];
-            md_classes cls = md_model_classes(m, ow);
+            /* declared outputs: classes from the one marked (or the only one) */
+            int n_out = md_model_n_outputs(m), co = n_out ? md_model_classes_output(m) : -1;
+            md_io_info coi = {0};
+            if (co >= 0)
+                md_model_output(m, co, &coi);
+            md_classes cls = md_model_classes(m, !n_out ? ow : co >= 0 && coi.ndim == 1
+                                                                  ? coi.values
+                                                                  : 0);
+            if (n_out && co < 0)
+                cls.kind = MD_CLASSES_NONE;
             /* a row's class and its accuracy by the version's rule (one
              * column: a binary classifier); no rule, no number, and why */
             int scored = has_labels && (cls.kind == MD_CLASSES_ARGMAX ||
@@ -1773,8 +1846,9 @@ static void run_job(md_jobs *J, int slot, const char *id)
                 }
             }
             for (int64_t i = 0; i < c->rows; i++) {
-                const float *y = c->out + i * ow;
-                if (scored) {
+                const float *row = c->out + i * ow;
+                const float *y = !n_out ? row : co >= 0 ? row + coi.off : NULL;
+                if (scored && y) {
                     int64_t top = md_classes_top(&cls, y);
                     labeled++;
                     correct += top == c->labels[i];
@@ -1788,7 +1862,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
                 if (o.kind != 2)
                     md_job_format_row(&text, &len, &text_cap, &o, m, c->index[i],
                                       md_reader_row_name(r, c->index[i]), y, &cls, has_labels,
-                                      c->labels[i]);
+                                      c->labels[i], n_out ? row : NULL);
             }
             if (o.kind != 2 && md_job_write_all(fd, text, len) != 0) {
                 md_err_set(&err, MD_EIO, "writing %s failed: %s", partial, strerror(errno));

@@ -54,7 +54,7 @@ int md_job_include_has(json_t *include, const char *what, int dflt)
 /* Append one output row as text to `b`. */
 void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *o, md_model *m,
                        int64_t index, const char *path, const float *y, const md_classes *cls,
-                       int has_label, int64_t label)
+                       int has_label, int64_t label, const float *outs)
 {
     json_t *labels = md_model_labels(m);
     int64_t width = cls->width;
@@ -131,6 +131,48 @@ void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *
             ADD(path ? path : "");
         }
         first = 0;
+    }
+    for (int j = 0; outs && j < md_model_n_outputs(m); j++) {
+        /* each declared output, its values flattened */
+        md_io_info oi;
+        md_model_output(m, j, &oi);
+        if (!first)
+            ADD(sep);
+        if (o->kind == 0) {
+            json_t *name = json_string(oi.name);
+            char *t = json_dumps(name, JSON_ENCODE_ANY);
+            md_assert(t != NULL);
+            ADD(t);
+            ADD(":");
+            free(t);
+            json_decref(name);
+            if (oi.ndim > 0)
+                ADD("[");
+        }
+        for (int64_t v = 0; v < oi.values; v++) {
+            if (v)
+                ADD(","); /* CSV: a column per value (NAME_0, NAME_1, ...) */
+            md_float_format(outs[oi.off + v], num, sizeof num);
+            ADD(num);
+        }
+        if (o->kind == 0 && oi.ndim > 0)
+            ADD("]");
+        first = 0;
+    }
+    if (outs && !y) { /* no classes output: the outputs are the answer */
+        if (o->inc_label) {
+            if (!first)
+                ADD(sep);
+            if (o->kind == 0)
+                ADD("\"label\":");
+            if (has_label)
+                snprintf(num, sizeof num, "%lld", (long long)label);
+            else
+                snprintf(num, sizeof num, "%s", o->kind == 0 ? "null" : "");
+            ADD(num);
+        }
+        ADD(o->kind == 0 ? "}\n" : "\n");
+        return;
     }
     float *p = NULL;
     if (cls->kind != MD_CLASSES_NONE && cls->classes > 0) {

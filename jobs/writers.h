@@ -42,9 +42,14 @@ typedef struct md_job_outfmt {
  * `*b` (`*len` used of `*cap`, grown with realloc). `m` is borrowed for its
  * labels; `path` names the row's file (images; NULL: none); `y` holds the
  * row's cls->width outputs, read as classes by `cls` (md_model_classes). */
+/* For a version with declared outputs, `outs` is the row's whole answer
+ * (md_model_output_values floats): each output is written as a field of its
+ * name (CSV: a column, its values joined by ';'), and `y` is the classes
+ * output's part of it (NULL with `cls` NONE when no output is marked); NULL
+ * otherwise. */
 void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *o, md_model *m,
                        int64_t index, const char *path, const float *y, const md_classes *cls,
-                       int has_label, int64_t label);
+                       int has_label, int64_t label, const float *outs);
 
 /* An NPY (<f4) header of `rows` x shape[1..ndim) into `out`, padded to the
  * fixed slot. */

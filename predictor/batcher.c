@@ -279,9 +279,18 @@ static md_status forward_t(md_model *m, md_torch_model *t, int quiet, const floa
         }
     }
     md_torch_outs o;
-    md_status st = md_torch_forward_io(t, ins, n_in, m->out_keys, m->n_out, quiet, &o, err);
+    static const char *const first[1] = {"output0"};
+    md_status st = m->n_out ? md_torch_forward_io(t, ins, n_in, m->out_keys, m->n_out, quiet,
+                                                  &o, err)
+                            : md_torch_forward_io(t, ins, n_in, first, 1, quiet, &o, err);
     if (st != MD_OK)
         return st;
+    if (!m->n_out) { /* the first tensor forward returns, in its own shape */
+        *out = o.data;
+        memcpy(out_shape, o.shape[0], sizeof(int64_t) * (size_t)o.ndim[0]);
+        *out_ndim = o.ndim[0];
+        return MD_OK;
+    }
     for (int j = 0; j < m->n_out; j++) {
         const md_io *io = &m->out[j];
         int same = o.ndim[j] == io->ndim + 1;
@@ -1029,7 +1038,14 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
         md_tensor_free(in);
         return st;
     }
-    if (m->n_in && (!in->packed || in->ndim != 2 || in->shape[1] != m->row_size)) {
+    if (!m->n_in && in->packed) {
+        md_tensor_free(in);
+        return md_err_setc(err, MD_EINVAL, "invalid_input",
+                           "model %s version %d takes one unnamed input (config.input), not "
+                           "named inputs: send its rows as a JSON array",
+                           m->name, md_model_version(m));
+    }
+    if (m->n_in && (in->packed != m->layout || in->ndim != 2 || in->shape[1] != m->row_size)) {
         /* rows of floats for a version whose inputs are named */
         char names[256];
         int len = 0;

@@ -111,6 +111,21 @@ md_status md_model_pack(const md_model *m, const md_arrays *a, md_tensor *out, m
         }
         rows = x->shape[0];
         rows_from = io->name;
+        if (x->datatype[0]) { /* V2 names the datatype: it must be the declared one */
+            static const struct {
+                const char *v2, *dtype;
+            } same[] = {{"FP32", "float32"}, {"FP64", "float64"}, {"INT64", "int64"},
+                        {"INT32", "int32"},  {"UINT8", "uint8"},  {"BOOL", "bool"}};
+            const char *want = NULL;
+            for (size_t k = 0; k < sizeof same / sizeof same[0]; k++)
+                if (strcmp(same[k].dtype, io->dtype_name) == 0)
+                    want = same[k].v2;
+            if (want && strcmp(want, x->datatype) != 0) {
+                snprintf(detail, sizeof detail, "is %s, and the model declares %s: send "
+                         "datatype %s", x->datatype, io->dtype_name, want);
+                return bad(err, m, "input \"%s\" %s", io->name, detail);
+            }
+        }
         if (io->is_int && !x->is_int) {
             snprintf(detail, sizeof detail, "%s", io->dtype_name);
             return bad(err, m, "input \"%s\" is declared %s: send integers (floats are not "
@@ -164,6 +179,54 @@ md_status md_model_pack(const md_model *m, const md_arrays *a, md_tensor *out, m
     out->shape[1] = m->row_size;
     out->count = words;
     out->data = buf;
-    out->packed = 1;
+    out->packed = m->layout;
+    return MD_OK;
+}
+
+md_status md_model_pack_rows(const md_model *m, float *words, int64_t rows, md_tensor *out,
+                             md_err *err)
+{
+    memset(out, 0, sizeof *out);
+    if (!m->n_in || rows < 1) {
+        free(words);
+        return md_err_setc(err, MD_EINVAL, "invalid_input", "model %s version %d: no rows, or "
+                           "no named inputs to pack them for", m->name, md_model_version(m));
+    }
+    for (int i = 0; i < m->n_in; i++) {
+        const md_io *io = &m->in[i];
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = words + r * m->row_size + io->off;
+            if (io->is_int) {
+                for (int64_t v = 0; v < io->values; v++) {
+                    int64_t x;
+                    memcpy(&x, row + 2 * v, sizeof x);
+                    if (!int_fits(io->dtype, x)) {
+                        free(words);
+                        return md_err_setc(err, MD_EINVAL, "invalid_input",
+                                           "input \"%s\": %lld in row %lld does not fit its "
+                                           "dtype %s",
+                                           io->name, (long long)x, (long long)r, io->dtype_name);
+                    }
+                }
+                continue;
+            }
+            for (int64_t v = 0; v < io->values; v++) {
+                float f = row[v];
+                if (io->scale != 1.0)
+                    f *= (float)io->scale;
+                if (io->n_norm == 1)
+                    f = (f - io->mean[0]) / io->std[0];
+                else if (io->n_norm > 1)
+                    f = (f - io->mean[v / io->norm_inner]) / io->std[v / io->norm_inner];
+                row[v] = f;
+            }
+        }
+    }
+    out->ndim = 2;
+    out->shape[0] = rows;
+    out->shape[1] = m->row_size;
+    out->count = (size_t)rows * (size_t)m->row_size;
+    out->data = words;
+    out->packed = m->layout;
     return MD_OK;
 }

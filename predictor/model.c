@@ -114,6 +114,20 @@ static md_status read_io(md_model *m, json_t *config, md_err *err)
     if (m->n_out == 1)
         m->class_out = 0;
     if (m->n_in) {
+        uint32_t h = 2166136261u; /* FNV-1a over what a packed row's layout depends on */
+        for (int i = 0; i < m->n_in; i++) {
+            const md_io *io = &m->in[i];
+            const unsigned char *parts[3] = {(const unsigned char *)io->name,
+                                             (const unsigned char *)io->dtype_name,
+                                             (const unsigned char *)io->shape};
+            size_t lens[3] = {strlen(io->name) + 1, strlen(io->dtype_name) + 1,
+                              sizeof(int64_t) * (size_t)io->ndim};
+            for (int k = 0; k < 3; k++)
+                for (size_t b = 0; b < lens[k]; b++)
+                    h = (h ^ parts[k][b]) * 16777619u;
+            h = (h ^ (uint32_t)io->ndim) * 16777619u;
+        }
+        m->layout = (int)(h | 1u);
         m->row_ndim = 1;
         m->row_shape[0] = words;
         m->row_size = words;

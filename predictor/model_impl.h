@@ -88,6 +88,8 @@ struct md_model {
      * their shapes fixed by the test forward at load. */
     int n_in, n_out;
     int class_out;             /* the output labels read: -1 none (n_out 0: the only one) */
+    int layout;                /* n_in: a hash of the inputs (names, dtypes, shapes), never 0:
+                                * md_model_pack's tensors carry it (md_tensor.packed) */
     md_dtype in_dtype;         /* config.input.dtype (n_in 0) */
     md_io in[MD_MAX_IO], out[MD_MAX_IO];
     const char *out_keys[MD_MAX_IO]; /* out[j].name, for md_torch_forward_io */

@@ -258,12 +258,17 @@ md_status md_named_decode(const char *body, size_t len, const md_io_info *in, in
  * each declared input once by name, `rows` rows in each (dim 0), the rest
  * its declared shape; integers for integer inputs (a float there is refused,
  * never rounded), floats or integers for float inputs, preprocessed as the
- * input declares. `out` gets [rows, words] with packed = 1, for
+ * input declares. `out` gets [rows, words] with packed set, for
  * md_model_submit. MD_EINVAL (400, code invalid_input) naming the input:
  * missing, unknown, of another shape, dtype or row count. `a` stays the
  * caller's. Thread-safe. */
 md_status md_model_pack(const md_model *m, const md_arrays *a, md_tensor *out, md_err *err);
 
+/* As md_model_pack for `rows` rows already laid out as it packs them (a
+ * job's reader fills them: md_reader_opts.inputs): `words` (ownership taken,
+ * even on failure) is preprocessed in place and becomes out->data. */
+md_status md_model_pack_rows(const md_model *m, float *words, int64_t rows, md_tensor *out,
+                             md_err *err);
 /* Counters as JSON: batches, rows, requests, queue wait, batch size histogram. New reference. */
 json_t *md_model_stats(const md_model *m);
 
@@ -505,9 +510,10 @@ struct md_tensor {
     /* 1: the values are ToTensor's already (decoded images, v / 255), so the
      * version's preprocess.scale is not applied; mean/std still are */
     int prescaled;
-    /* 1: md_model_pack made it, for the version with declared inputs that
-     * packed it (a row is their words side by side); such a version takes
-     * no other tensor */
+    /* not 0: md_model_pack made it (a row is the inputs' words side by
+     * side), for versions with these very inputs (a hash of their names,
+     * dtypes and shapes): such a version takes no other tensor, and a
+     * version without declared inputs takes none of these */
     int packed;
 };
 
@@ -529,6 +535,8 @@ typedef struct md_array {
     int64_t shape[MD_MAX_DIMS];
     size_t count;  /* product of shape */
     int is_int;    /* 1: the values are in i64, 0: in f32 */
+    char datatype[8]; /* V2's datatype ("FP32", "INT64", ...) when the request said one
+                       * (it must then be the input's declared dtype), else "" */
     float *f32;
     int64_t *i64;
 } md_array;
@@ -612,6 +620,14 @@ json_t *md_v2_parse(const char *body, size_t len, size_t max_values, int read_da
  * past float32's range are refused. Thread-safe. */
 md_status md_v2_decode_binary(json_t *in, const void *bytes, size_t nbytes, size_t max_values,
                               md_tensor *out, md_err *err);
+
+/* One V2 input (its JSON object `in`, borrowed) into a named array: integer
+ * datatypes (INT*, UINT*, BOOL) as int64, exactly (JSON data must hold
+ * integers; UINT64 past int64's range refused), float ones as float32 as
+ * md_v2_decode reads them. `bytes` (nbytes): its binary data, or NULL for
+ * JSON "data". Errors name the input. Thread-safe. */
+md_status md_v2_decode_array(json_t *in, const void *bytes, size_t nbytes, size_t max_values,
+                             md_array *out, md_err *err);
 
 /* Decode an NPY file (float32/64, int64/32, uint8, bool; C order) into float32. */
 md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tensor *out,

@@ -7,11 +7,16 @@
 #define MD_TENSOR_INTERNAL_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "predictor.h"
 
 /* The index of the first NaN or infinity among `count` floats, or `count`. */
 size_t md_first_not_finite(const float *buf, size_t count);
+
+/* IEEE half-precision bits to float, exactly (v2.c; npz.c reads float16
+ * members with it). Infinities and NaN stay what they are. */
+float md_half_to_float(uint16_t h);
 
 /* The JSON row scanner over [p, end) starting at an array ('[' after blanks):
  * the rows into *out (owned by the caller on MD_OK, cleared otherwise), at

@@ -76,8 +76,8 @@ static md_status v2_header(json_t *in, size_t max_vals, md_tensor *t, size_t *co
     return MD_OK;
 }
 
-/* IEEE half-precision bits to float. */
-static float half_to_float(uint16_t h)
+/* IEEE half-precision bits to float (tensor_internal.h). */
+float md_half_to_float(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0x1f) {
@@ -139,7 +139,7 @@ md_status md_v2_decode_binary(json_t *in, const void *bytes, size_t nbytes, size
         /* past float32's range the cast is undefined */
         V2_CONVERT(double, fabs(v) <= (double)FLT_MAX ? (float)v : INFINITY)
     } else if (!strcmp(dt, "FP16")) {
-        V2_CONVERT(uint16_t, half_to_float(v))
+        V2_CONVERT(uint16_t, md_half_to_float(v))
     } else if (!strcmp(dt, "BF16")) {
         V2_CONVERT(uint16_t, bf16_to_float(v))
     } else if (!strcmp(dt, "INT64")) {
@@ -274,6 +274,7 @@ typedef struct v2_walk {
     size_t a, b;       /* the data the row scanner read: s[a..b) */
     md_tensor rows;
     size_t kept;       /* values and members jansson builds, data aside */
+    size_t data_values; /* values in the data arrays jansson builds */
     size_t bad;        /* where the body stops being JSON */
 } v2_walk;
 
@@ -400,9 +401,10 @@ static size_t v2_object(v2_walk *w, size_t i, v2_member_fn on_member)
     }
 }
 
-/* The array at s[i] == '[' of inputs or outputs: its first element, an
- * object, walked with on_first; the others are dropped (null keeps their
- * count, which the request is answered on). */
+/* The array at s[i] == '[' of inputs or outputs: each element, an object,
+ * walked with on_first (a version may have several named inputs and
+ * outputs; MD_V2_MAX_JSON_VALUES bounds what is kept of them, and
+ * max_values their data together). */
 static size_t v2_list(v2_walk *w, size_t i, v2_member_fn on_first)
 {
     const char *s = w->s;
@@ -414,9 +416,8 @@ static size_t v2_list(v2_walk *w, size_t i, v2_member_fn on_first)
         w->depth--;
         return i + 1;
     }
-    for (size_t n = 0;; n++) {
-        size_t end = n ? v2_drop(w, i)
-                   : i < len && s[i] == '{' ? v2_object(w, i, on_first) : v2_keep(w, i);
+    for (;;) {
+        size_t end = i < len && s[i] == '{' ? v2_object(w, i, on_first) : v2_keep(w, i);
         if (!end)
             return 0;
         i = md_json_blank(s, len, end);
@@ -483,8 +484,11 @@ static size_t v2_data(v2_walk *w, size_t v)
     size_t end = md_json_skip(w->s, w->len, v, MD_JSON_MAX_DEPTH - w->depth, &sc);
     if (!end)
         return v2_bad(w, sc.bad);
-    /* a rectangular array has no more arrays than numbers */
-    if (sc.values - sc.containers > w->max_values || sc.containers > w->max_values)
+    /* a rectangular array has no more arrays than numbers; every input's
+     * data together is bounded as one input's is */
+    w->data_values += sc.values;
+    if (sc.values - sc.containers > w->max_values || sc.containers > w->max_values ||
+        w->data_values > 2 * w->max_values)
         w->too_many_data = 1;
     return end;
 }
@@ -518,7 +522,7 @@ static size_t v2_walk_body(v2_walk *w)
 {
     w->depth = 0;
     w->inputs = w->data = w->too_many_data = 0;
-    w->kept = 0;
+    w->kept = w->data_values = 0;
     size_t i = md_json_blank(w->s, w->len, 0);
     if (i < w->len && w->s[i] != '{' && w->s[i] != '[')
         return v2_bad(w, i); /* jansson reads only an object or an array */
@@ -609,4 +613,152 @@ json_t *md_v2_parse(const char *body, size_t len, size_t max_vals, int read_data
         json_decref(root);
         w.use_rows = 0; /* again, with the data for jansson, to answer as it always has */
     }
+}
+
+/* ---- several named inputs: one V2 input into an md_array ---- */
+
+static int v2_is_int_type(const char *dt)
+{
+    return dt && (!strncmp(dt, "INT", 3) || !strncmp(dt, "UINT", 4) || !strcmp(dt, "BOOL"));
+}
+
+/* The integers of JSON `data` (flat or nested) into buf[0..count). */
+static md_status v2_json_ints(json_t *data, const char *name, int64_t *buf, size_t count,
+                              md_err *err)
+{
+    json_t *stack[MD_MAX_DIMS + 1];
+    size_t pos[MD_MAX_DIMS + 1], n = 0;
+    int depth = 0;
+    stack[0] = data;
+    pos[0] = 0;
+    while (depth >= 0) {
+        if (pos[depth] >= json_array_size(stack[depth])) {
+            if (--depth >= 0)
+                pos[depth]++;
+            continue;
+        }
+        json_t *v = json_array_get(stack[depth], pos[depth]);
+        if (json_is_array(v)) {
+            if (depth + 1 > MD_MAX_DIMS)
+                return md_err_set(err, MD_EINVAL, "input \"%s\": data is nested too deeply", name);
+            stack[++depth] = v;
+            pos[depth] = 0;
+            continue;
+        }
+        if (n >= count)
+            return md_err_set(err, MD_EINVAL,
+                              "input \"%s\": data has more values than its shape (%zu)", name,
+                              count);
+        if (json_is_integer(v))
+            buf[n++] = (int64_t)json_integer_value(v);
+        else if (json_is_boolean(v))
+            buf[n++] = json_is_true(v);
+        else
+            return md_err_set(err, MD_EINVAL,
+                              "input \"%s\": data value %zu is not an integer, and its datatype "
+                              "is an integer type (values are not rounded)",
+                              name, n);
+        pos[depth]++;
+    }
+    if (n != count)
+        return md_err_set(err, MD_EINVAL, "input \"%s\": data has %zu values but its shape needs "
+                          "%zu", name, n, count);
+    return MD_OK;
+}
+
+md_status md_v2_decode_array(json_t *in, const void *bytes, size_t nbytes, size_t max_vals,
+                             md_array *out, md_err *err)
+{
+    memset(out, 0, sizeof *out);
+    const char *name = json_string_value(json_object_get(in, "name"));
+    if (!name || !name[0] || strlen(name) >= sizeof out->name)
+        return md_err_set(err, MD_EINVAL, "every input needs a \"name\" of 1 to %zu characters, "
+                          "the model's input it is for", sizeof out->name - 1);
+    snprintf(out->name, sizeof out->name, "%s", name);
+    const char *dt = json_string_value(json_object_get(in, "datatype"));
+    if (dt && strlen(dt) < sizeof out->datatype)
+        snprintf(out->datatype, sizeof out->datatype, "%s", dt);
+    md_tensor t;
+    md_status st;
+    if (!v2_is_int_type(dt)) {
+        st = bytes ? md_v2_decode_binary(in, bytes, nbytes, max_vals, &t, err)
+                   : md_v2_decode(in, max_vals, &t, err);
+        if (st != MD_OK) {
+            char msg[sizeof err->msg];
+            snprintf(msg, sizeof msg, "%s", err->msg);
+            md_err_setc(err, st, md_err_code(err), "input \"%s\": %s", name, msg);
+            return st;
+        }
+        out->ndim = t.ndim;
+        memcpy(out->shape, t.shape, sizeof out->shape);
+        out->count = t.count;
+        out->f32 = t.data;
+        return MD_OK;
+    }
+    size_t count;
+    if ((st = v2_header(in, max_vals, &t, &count, err)) != MD_OK)
+        return st;
+    out->ndim = t.ndim;
+    memcpy(out->shape, t.shape, sizeof out->shape);
+    out->is_int = 1;
+    int64_t *buf = md_mallocarray_checked(count ? count : 1, sizeof(int64_t), "the input", err);
+    if (!buf)
+        return MD_ENOMEM;
+    if (!bytes) {
+        json_t *data = json_object_get(in, "data");
+        st = json_is_array(data) ? v2_json_ints(data, name, buf, count, err)
+                                 : md_err_set(err, MD_EINVAL, "input \"%s\": data must be an "
+                                              "array (flat or nested)", name);
+    } else {
+        size_t esize = (size_t)v2_type_size(dt);
+        const unsigned char *src = bytes;
+        st = MD_OK;
+        if (nbytes / esize != count || nbytes % esize)
+            st = md_err_set(err, MD_EINVAL,
+                            "input \"%s\": binary_data_size is %zu bytes, but %zu values of %s "
+                            "take %zu", name, nbytes, count, dt, count * esize);
+        for (size_t i = 0; st == MD_OK && i < count; i++) {
+            const unsigned char *p = src + i * esize;
+            if (!strcmp(dt, "INT64")) {
+                memcpy(&buf[i], p, 8);
+            } else if (!strcmp(dt, "UINT64")) {
+                uint64_t v;
+                memcpy(&v, p, 8);
+                if (v > (uint64_t)INT64_MAX)
+                    st = md_err_set(err, MD_EINVAL, "input \"%s\": value %zu is past int64's "
+                                    "range", name, i);
+                buf[i] = (int64_t)v;
+            } else if (!strcmp(dt, "INT32")) {
+                int32_t v;
+                memcpy(&v, p, 4);
+                buf[i] = v;
+            } else if (!strcmp(dt, "UINT32")) {
+                uint32_t v;
+                memcpy(&v, p, 4);
+                buf[i] = v;
+            } else if (!strcmp(dt, "INT16")) {
+                int16_t v;
+                memcpy(&v, p, 2);
+                buf[i] = v;
+            } else if (!strcmp(dt, "UINT16")) {
+                uint16_t v;
+                memcpy(&v, p, 2);
+                buf[i] = v;
+            } else if (!strcmp(dt, "INT8")) {
+                buf[i] = (int8_t)p[0];
+            } else if (!strcmp(dt, "BOOL")) {
+                buf[i] = p[0] != 0;
+            } else {
+                buf[i] = p[0];
+            }
+        }
+    }
+    if (st != MD_OK) {
+        free(buf);
+        memset(out, 0, sizeof *out);
+        return st;
+    }
+    out->count = count;
+    out->i64 = buf;
+    return MD_OK;
 }

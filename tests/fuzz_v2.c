@@ -45,6 +45,44 @@ static void check(md_status st, md_tensor *t, const md_err *err)
     }
 }
 
+/* md_v2_decode_array: on success the shape's product of values, the name
+ * and datatype kept, integers for integer datatypes (JSON integers the same
+ * as jansson's), finite floats otherwise; a failure says why. */
+static void check_array(json_t *in, const void *bytes, size_t nbytes)
+{
+    md_array a;
+    md_err err;
+    md_err_clear(&err);
+    md_status st = md_v2_decode_array(in, bytes, nbytes, MAX_VALUES, &a, &err);
+    if (st != MD_OK) {
+        if (err.msg[0] == '\0' || a.f32 || a.i64)
+            abort();
+        return;
+    }
+    size_t count = 1;
+    for (int d = 0; d < a.ndim; d++)
+        count *= (size_t)a.shape[d];
+    if (count != a.count || a.count > MAX_VALUES || a.ndim < 1 ||
+        strcmp(a.name, json_string_value(json_object_get(in, "name"))) != 0)
+        abort();
+    const char *dt = json_string_value(json_object_get(in, "datatype"));
+    int is_int = dt && (!strncmp(dt, "INT", 3) || !strncmp(dt, "UINT", 4) || !strcmp(dt, "BOOL"));
+    if (is_int != a.is_int)
+        abort();
+    json_t *data = json_object_get(in, "data");
+    for (size_t i = 0; i < a.count; i++) {
+        if (!a.is_int && !isfinite(a.f32[i]))
+            abort();
+        /* flat JSON integers read exactly */
+        json_t *v = json_array_get(data, i);
+        if (a.is_int && !bytes && json_array_size(data) == a.count && json_is_integer(v) &&
+            a.i64[i] != (int64_t)json_integer_value(v))
+            abort();
+    }
+    free(a.f32);
+    free(a.i64);
+}
+
 static int eq(json_t *a, json_t *b) { return (!a && !b) || (a && b && json_equal(a, b)); }
 
 #define AT(v, k) json_object_get((v), (k))
@@ -157,6 +195,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     } else {
         check(md_v2_decode(in, MAX_VALUES, &t, &err), &t, &err);
     }
+    /* every input as a named array (several inputs, integers exact) */
+    json_t *inputs = json_is_object(root) ? json_object_get(root, "inputs") : NULL;
+    for (size_t k = 0; k < json_array_size(inputs) && k < 4; k++)
+        check_array(json_array_get(inputs, k), nul ? nul + 1 : NULL,
+                    nul ? size - json_len - 1 : 0);
     json_decref(root);
     return 0;
 }
