@@ -932,7 +932,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
             }
             if (o.kind != 2)
                 md_job_format_row(&text, &len, &text_cap, &o, m, b->index[i], NULL, y, &cls,
-                                  has_labels, b->labels[i]);
+                                  has_labels, b->labels[i], NULL);
         }
         if (o.kind != 2 && md_job_write_all(fd, text, len) != 0) {
             st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));
@@ -1228,8 +1228,11 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
 }
 
 /* The coordinator of a chunked job (see DESIGN above), holding the job's
- * lease: plan, run chunks with the other runners, assemble once. */
-static void run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
+ * lease: plan, run chunks with the other runners, assemble once. Returns 0
+ * (having changed nothing) when the model version declares named inputs or
+ * outputs, whose rows and columns only the single runner lays out: the job
+ * then runs on this process alone, as in single-host mode. */
+static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
 {
     md_err err;
     md_err_clear(&err);
@@ -1241,18 +1244,25 @@ static void run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
     const char *out_path = json_string_value(json_object_get(job, "output_path"));
     int version = (int)json_integer_value(json_object_get(spec, "version"));
     char now[32];
+    json_t *f;
+    keeper_start(&kp, J, slot, id);
+    m = J->resolve(J->resolve_ctx, model_name, version, &err);
+    if (!m)
+        goto failed;
+    if ((md_model_n_inputs(m) || md_model_n_outputs(m)) &&
+        json_is_null(json_object_get(job, "chunks_total"))) {
+        keeper_stop(&kp);
+        md_model_release(m);
+        return 0;
+    }
     md_now_iso(now);
-    json_t *f = json_pack("{s:s}", "status", "running");
+    f = json_pack("{s:s}", "status", "running");
     if (json_is_null(json_object_get(job, "started_at")))
         json_object_set_new(f, "started_at", json_string(now));
     jupdate(J, slot, id, f, NULL);
     json_decref(f);
     if (atomic_load(&J->lost[slot]))
-        return;
-    keeper_start(&kp, J, slot, id);
-    m = J->resolve(J->resolve_ctx, model_name, version, &err);
-    if (!m)
-        goto failed;
+        goto out;
     int batch = (int)json_integer_value(json_object_get(spec, "batch_size"));
     if (!version || batch <= 0) {
         if (batch <= 0) {
@@ -1379,6 +1389,7 @@ failed:
 out:
     keeper_stop(&kp);
     md_model_release(m);
+    return 1;
 }
 
 /* ---- running one job ---- */
@@ -1395,8 +1406,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
         json_decref(job);
         return;
     }
-    if (md_store_jobs_chunked(J->store) && chunkable(json_object_get(job, "spec"))) {
-        run_chunked_job(J, slot, id, job); /* one job over every replica */
+    if (md_store_jobs_chunked(J->store) && chunkable(json_object_get(job, "spec")) &&
+        run_chunked_job(J, slot, id, job)) { /* one job over every replica */
         json_decref(job);
         return;
     }
