@@ -11,7 +11,8 @@ SigV4-checking proxy: s3.py), with boto3 putting the data the way users do:
   size (MD_TEST_S3_PART_BYTES), the object byte for byte GET /jobs/ID/output;
   an output that exists already is never replaced;
 - an image folder s3://BUCKET/PREFIX/ of PNGs in class folders: the same
-  rows, labels and predictions as the same folder on disk;
+  rows, labels and predictions as the same folder on disk, and accuracy
+  equal to torchvision's ImageFolder with the model in this process;
 - refusals: outside allowed_s3 (input, labels, output, folder) 403
   source_not_allowed, no allowed_s3 at all 403, "..", "." and "//" keys 400,
   a missing object a failed job naming it;
@@ -28,7 +29,7 @@ import pytest
 from test_jobs import (IMAGES_GZ, LABELS_GZ, N, assert_accuracy, assert_done, assert_full_jsonl,
                        create_job, deploy_fashion, err_code, fmnist, jsonl_rows, output,
                        post_job, wait_job)
-from test_images_jobs import IMAGE_CONFIG, folders  # noqa: F401 (fixtures)
+from test_images_jobs import IMAGE_CONFIG, check_against_torch, folders  # noqa: F401 (fixtures)
 
 assert fmnist  # a fixture, used by name
 PIECE = 256 * 1024  # bytes of one Range GET: the 8 MB IDX file takes ~30
@@ -179,7 +180,7 @@ def test_a_cut_range_get_is_retried_and_the_output_is_exact(srv, s3, fmnist):
 
 def test_an_image_folder_in_s3_reads_as_the_same_folder_on_disk(start_server, s3, folders,
                                                                 tmp_path):
-    root, _ = folders
+    root, expected = folders
     local = root / "fashion"
     c = s3.client()
     n = 0
@@ -206,6 +207,8 @@ def test_an_image_folder_in_s3_reads_as_the_same_folder_on_disk(start_server, s3
     for k in ("rows_total", "correct", "labeled", "confusion", "accuracy"):
         assert a[k] == b[k], (k, a, b)
     assert output(srv, j_s3).content == output(srv, j_disk).content
+    # and both are what torchvision's ImageFolder and the model give in-process
+    check_against_torch(a, jsonl_rows(output(srv, j_s3)), expected["fashion"])
     # the copy the reader walked goes with the runner's end of the job
     deadline = time.monotonic() + 30
     while list((srv.store / "jobs").glob("*.images")):
