@@ -738,7 +738,9 @@ md_status md_s3_map_error(const md_s3 *s3, int cc, long http_status, const char 
                                                         strlen(s3_code))
         snprintf(code, sizeof code, "%s", s3_code);
     md_text_escape(nat, sizeof nat, native ? native : "");
-    md_log(MD_LOG_WARN, "s3: %s s3://%s/%s at %s: curl %d, HTTP %ld %s: %s", op, bucket, k, where, cc,
+    /* a HEAD answered 404 is an answer (is the name free?), not a failure */
+    md_log(cc == 0 && http_status == 404 && op && !strcmp(op, "HEAD") ? MD_LOG_DEBUG : MD_LOG_WARN,
+           "s3: %s s3://%s/%s at %s: curl %d, HTTP %ld %s: %s", op, bucket, k, where, cc,
            http_status, code, nat);
 
     static const char *const unavailable[] = {"SlowDown", "ServiceUnavailable", "InternalError",
