@@ -96,6 +96,8 @@ endif
 LIB_C   += predictor/weights.c handlers/training.c handlers/metrics.c
 # jobs over image folders (issue 15)
 LIB_C   += jobs/images.c
+# npz datasets: one array per named input (issue 27)
+LIB_C   += jobs/npzset.c
 # IDX.gz inflated by ISA-L (issue 14: the runner's cost of an IDX.gz row)
 LIB_C   += jobs/gzstream.c
 # one rule for how an output row reads as classes (issue 29: binary, multi-label)
@@ -132,7 +134,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
 .PHONY: all run test unit unit-pg e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
-	fixtures-check fuzz s3rver s3-live bench-cluster bench-shadow bench-jobs-cluster \
+	fixtures-check fuzz s3rver s3-live bench-cluster bench-shadow bench-multi-io bench-jobs-cluster \
 	cuda-compile-check docker-check image-check deps-image
 
 all: $(MODELD)
@@ -322,7 +324,15 @@ bench: deps
 	$(PYTHON) bench/memory.py --modeld $(CURDIR)/$(MODELD)
 	$(MAKE) --no-print-directory bench-cluster
 	$(MAKE) --no-print-directory bench-shadow
+	$(MAKE) --no-print-directory bench-multi-io
 	$(MAKE) --no-print-directory bench-jobs-cluster
+
+# Named inputs and outputs (issue 27): the single-input figures of the build
+# before them and of this one side by side, then the two-input model under
+# the same load in each request form (bench/multi_io.sh).
+bench-multi-io: deps
+	$(MAKE) all
+	bash bench/multi_io.sh
 
 # Safe rollouts (issue 28): the primary's answers with and without a 100 %
 # shadow version, side by side under the same wrk loads (bench/shadow.py).
@@ -369,7 +379,7 @@ fuzz:
 	  $(TENSOR_SRC) build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lz -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_readers tests/fuzz_readers.c \
-	  jobs/readers.c jobs/gzstream.c jobs/images.c predictor/image.c $(TENSOR_SRC) \
+	  jobs/readers.c jobs/gzstream.c jobs/images.c jobs/npzset.c predictor/image.c $(TENSOR_SRC) \
 	  build-fuzz/numparse.o config/md_err.c config/md_json.c -ljansson -lpng -ljpeg -lz -lisal -lstdc++ -lm
 	clang -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 \
 	  -fsanitize=fuzzer,address,undefined -o build-fuzz/fuzz_v2 tests/fuzz_v2.c \

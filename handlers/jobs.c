@@ -161,7 +161,8 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
     static const char *const in_keys[] = {"path", "url", "format", "features", "label", "shape",
                                           "label_from", "columns", NULL};
     static const char *const out_keys[] = {"path", "format", "include", NULL};
-    static const char *const in_formats[] = {"csv", "jsonl", "npy", "idx", "images", NULL};
+    static const char *const in_formats[] = {"csv", "jsonl", "npy", "npz", "idx", "images",
+                                             NULL};
     static const char *const out_formats[] = {"jsonl", "csv", "npy", NULL};
     static const char *const includes[] = {"index", "path", "prediction", "label", "scores",
                                            NULL};
@@ -192,6 +193,15 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
     if ((st = check_keys(in, "input", in_keys, err)) != MD_OK)
         return st;
     const char *in_format = json_string_value(json_object_get(in, "format"));
+    const char *in_where = json_string_value(json_object_get(in, "path"));
+    if (!in_where)
+        in_where = json_string_value(json_object_get(in, "url"));
+    if (!json_object_get(in, "format") && in_where && strlen(in_where) > 4 &&
+        !strcmp(in_where + strlen(in_where) - 4, ".npz")) {
+        /* numpy's own name says what it is */
+        json_object_set_new(in, "format", json_string("npz"));
+        in_format = "npz";
+    }
     int images = in_format && !strcmp(in_format, "images");
     if (images && (st = check_images_input(app->cfg, in, err)) != MD_OK)
         return st;
@@ -212,7 +222,15 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
         return md_err_setc(err, MD_EINVAL, "invalid_job", "input needs exactly one of path and url");
     if (!one_of(json_string_value(json_object_get(in, "format")), in_formats))
         return md_err_setc(err, MD_EINVAL, "invalid_format",
-                           "input.format must be one of csv, jsonl, npy, idx, images");
+                           "input.format must be one of csv, jsonl, npy, npz, idx, images");
+    /* an NPZ is a zip, read from its directory at the end: not a stream */
+    if (path && !strncmp(path, "s3://", 5) &&
+        !strcmp(json_string_value(json_object_get(in, "format")), "npz"))
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "input.path %.200s: an npz input is read from its zip directory, not "
+                           "as a stream, so it cannot be read from S3 yet; copy it under "
+                           "allowed_paths, or put one npy per input in S3",
+                           path);
     if (path && !images && (st = check_input(app->cfg, "input.path", path, err)) != MD_OK)
         return st;
     md_fetch_opts fo = md_fetch_opts_from_cfg(app->cfg);

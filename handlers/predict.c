@@ -89,17 +89,7 @@ static void predict_done(void *ctx, md_status st, const md_err *err, const float
         finish(c);
         return;
     }
-    int n_out = md_model_n_outputs(c->model);
-    if (c->npy && n_out > 1) {
-        md_err e;
-        md_err_setc(&e, MD_EINVAL, "invalid_input",
-                    "model %s version %d answers %d outputs, and an NPY body holds one array: "
-                    "ask for JSON (Accept: application/json)",
-                    md_model_name(c->model), md_model_version(c->model), n_out);
-        md_reply_error(c->req, &e);
-        finish(c);
-        return;
-    }
+    int n_out = md_model_n_outputs(c->model); /* an NPY answer has one (go_on checked) */
     if (c->npy) {
         size_t len;
         int64_t one[MD_MAX_DIMS];
@@ -661,8 +651,96 @@ static void rows_offloaded(md_req *req) { offloaded(req, ON_DEFERRED); }
 
 static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json_len,
                          const char *bin, size_t bin_len, md_err *err);
+static int v2_wants_binary(json_t *root);
+static void v2_output_names(pending *pd, json_t *outs);
 
-#define NPZ_DECODE(b, l, m, a, e) md_err_set(e, MD_EMEDIA, "NPZ soon") /* TEMP */
+/* The inputs of a V2 request by name into pd->arrays: every input's data
+ * read where it lies in the body (md_v2_parse_spans: no jansson node per
+ * value), integers exactly; with the binary extension, each input's bytes
+ * in turn after the JSON. For several inputs, and for one integer input of
+ * a version with declared inputs (named_rows reads it again this way). */
+static md_status v2_named(md_req *req, pending *pd, const char *body, size_t json_len,
+                          const char *bin, size_t bin_len, md_err *err)
+{
+    (void)req;
+    size_t span_a[MD_MAX_IO], span_b[MD_MAX_IO];
+    json_t *root = md_v2_parse_spans(body, json_len, max_values(req), span_a, span_b, err);
+    if (!root)
+        return err->status;
+    json_t *inputs = json_object_get(root, "inputs");
+    md_status st = MD_OK;
+    if (!json_is_array(inputs) || json_array_size(inputs) < 1 ||
+        json_array_size(inputs) > MD_MAX_IO)
+        st = md_err_set(err, MD_EINVAL, "the request needs \"inputs\": an array of 1 to %d "
+                        "tensors", MD_MAX_IO);
+    md_arrays a;
+    memset(&a, 0, sizeof a);
+    size_t at = 0, total = 0;
+    for (size_t k = 0; st == MD_OK && k < json_array_size(inputs); k++) {
+        json_t *x = json_array_get(inputs, k);
+        const char *xname = json_string_value(json_object_get(x, "name"));
+        json_t *bs = json_object_get(json_object_get(x, "parameters"), "binary_data_size");
+        if (bs) {
+            if (!bin || !json_is_integer(bs) || json_integer_value(bs) < 0 ||
+                (unsigned long long)json_integer_value(bs) > bin_len - at)
+                st = md_err_set(err, MD_EINVAL,
+                                "input \"%.64s\": binary_data_size must count bytes that "
+                                "follow the JSON header (Inference-Header-Content-Length), "
+                                "in the inputs' order; %zu remain",
+                                xname ? xname : "(unnamed)", bin ? bin_len - at : 0);
+            else {
+                size_t xn = (size_t)json_integer_value(bs);
+                st = md_v2_decode_array(x, bin + at, xn, max_values(req) - total, &a.a[k], err);
+                at += xn;
+            }
+        } else {
+            st = md_v2_text_array(x, body + span_a[k], span_b[k] - span_a[k],
+                                  max_values(req) - total, &a.a[k], err);
+        }
+        if (st == MD_OK) {
+            a.n = (int)k + 1;
+            total += a.a[k].count;
+            for (size_t p = 0; p < k && st == MD_OK; p++)
+                if (strcmp(a.a[p].name, a.a[k].name) == 0)
+                    st = md_err_set(err, MD_EINVAL, "input \"%s\" is given twice", a.a[k].name);
+        }
+    }
+    if (st == MD_OK && at != bin_len)
+        st = md_err_set(err, MD_EINVAL,
+                        "%zu bytes follow the JSON header, and the inputs' binary_data_size "
+                        "count %zu",
+                        bin_len, at);
+    if (st != MD_OK) {
+        md_arrays_free(&a);
+        json_decref(root);
+        return st;
+    }
+    if (pd->have_arrays)
+        md_arrays_free(&pd->arrays);
+    pd->arrays = a;
+    pd->have_arrays = 1;
+    pd->v2_binary = v2_wants_binary(root);
+    const char *id = json_string_value(json_object_get(root, "id"));
+    snprintf(pd->v2_id, sizeof pd->v2_id, "%s", id ? id : "");
+    json_t *outs = json_object_get(root, "outputs");
+    v2_output_names(pd, outs);
+    json_decref(root);
+    return MD_OK;
+}
+
+/* The JSON part and the binary data of the request's V2 body (v2_split's
+ * reading, which the request has passed already). */
+static void v2_parts(md_req *req, size_t *json_len, const char **bin, size_t *bin_len)
+{
+    size_t len;
+    const char *body = md_req_body(req, &len);
+    const char *h = md_req_header(req, "Inference-Header-Content-Length");
+    unsigned long long n = h ? strtoull(h, NULL, 10) : 0;
+    *json_len = n && n <= len ? (size_t)n : len;
+    *bin = n && n <= len ? body + n : NULL;
+    *bin_len = n && n <= len ? len - (size_t)n : 0;
+}
+
 /* ---- named inputs (config.inputs) ----
  *
  * A version with declared inputs is sent rows as objects, columns, NPZ or
@@ -698,6 +776,22 @@ static md_status named_rows(md_req *req, pending *pd, md_model *m, md_err *err)
         a = pd->arrays;
         memset(&pd->arrays, 0, sizeof pd->arrays);
         pd->have_arrays = 0;
+    } else if (pd->have_tensor && pd->v2 &&
+               (!strncmp(pd->v2_datatype, "INT", 3) || !strncmp(pd->v2_datatype, "UINT", 4) ||
+                !strcmp(pd->v2_datatype, "BOOL"))) {
+        /* one integer V2 input, read as floats before the version was
+         * known: read it again, exactly */
+        size_t json_len, bin_len, len;
+        const char *bin, *body = md_req_body(req, &len);
+        v2_parts(req, &json_len, &bin, &bin_len);
+        md_tensor_free(&pd->t);
+        pd->have_tensor = 0;
+        st = v2_named(req, pd, body, json_len, bin, bin_len, err);
+        if (st == MD_OK) {
+            a = pd->arrays;
+            memset(&pd->arrays, 0, sizeof pd->arrays);
+            pd->have_arrays = 0;
+        }
     } else if (pd->have_tensor) {
         tensor_to_arrays(pd, &a);
     } else {
@@ -709,22 +803,20 @@ static md_status named_rows(md_req *req, pending *pd, md_model *m, md_err *err)
         for (int i = 0; i < n; i++)
             md_model_input(m, i, &in[i]);
         if (ct && strncasecmp(ct, "application/x-npz", 17) == 0) {
-            st = NPZ_DECODE(body, len, max_values(req), &a, err);
+            st = md_npz_decode(body, len, max_values(req), &a, err);
         } else if (ct && strncasecmp(ct, "application/x-npy", 17) == 0) {
-            md_tensor t;
-            if (n != 1 || in[0].is_int)
+            if (n != 1)
                 st = md_err_setc(err, MD_EINVAL, "invalid_input",
-                                 "model %s version %d takes %s: an NPY body holds one float "
-                                 "array; send an NPZ body (numpy.savez) with one array per "
-                                 "input, by name",
-                                 md_model_name(m), md_model_version(m),
-                                 n != 1 ? "several inputs" : "an integer input");
-            else if ((st = md_npy_decode(body, len, max_values(req), &t, err)) == MD_OK) {
-                pd->t = t;
-                snprintf(pd->v2_input, sizeof pd->v2_input, "%s", in[0].name);
-                pd->v2_datatype[0] = '\0';
-                tensor_to_arrays(pd, &a);
-                if (a.a[0].ndim == in[0].ndim) { /* one row without its batch dimension */
+                                 "model %s version %d takes several inputs, and an NPY body "
+                                 "holds one array: send an NPZ body (numpy.savez) with one "
+                                 "array per input, by name",
+                                 md_model_name(m), md_model_version(m));
+            else if ((st = md_npy_decode_array(body, len, max_values(req), &a.a[0], err)) ==
+                     MD_OK) {
+                a.n = 1;
+                snprintf(a.a[0].name, sizeof a.a[0].name, "%s", in[0].name);
+                if (a.a[0].ndim == in[0].ndim && a.a[0].ndim < MD_MAX_DIMS) {
+                    /* one row without its batch dimension */
                     memmove(a.a[0].shape + 1, a.a[0].shape, sizeof(int64_t) * (MD_MAX_DIMS - 1));
                     a.a[0].shape[0] = 1;
                     a.a[0].ndim++;
@@ -791,6 +883,13 @@ static md_status pick_outputs(const pending *pd, md_model *m, pctx *c, md_err *e
     if (!pd->v2 || !n_out)
         return MD_OK;
     for (int k = 0; k < pd->n_outs; k++) {
+        if (!pd->outs[k][0])
+            return md_err_setc(err, MD_EINVAL, "invalid_input",
+                               "every entry of \"outputs\" needs the \"name\" of an output");
+        for (int p = 0; p < k; p++)
+            if (strcmp(pd->outs[p], pd->outs[k]) == 0)
+                return md_err_setc(err, MD_EINVAL, "invalid_input",
+                                   "output \"%s\" is asked for twice", pd->outs[k]);
         int found = -1;
         for (int j = 0; j < n_out && found < 0; j++) {
             md_io_info oi;
@@ -879,8 +978,21 @@ static void go_on(md_req *req, pending *pd, md_model *m, where at)
             return;
         }
     }
-    pd->have_tensor = 0; /* submit takes it, even on failure */
     pctx *c = md_xcalloc(1, sizeof *c);
+    /* refusals that need the version, before anything is queued (the
+     * tensor stays the request's: pending_free frees it) */
+    if (pick_outputs(pd, m, c, &err) != MD_OK ||
+        (pd->npy && md_model_n_outputs(m) > 1 &&
+         md_err_setc(&err, MD_EINVAL, "invalid_input",
+                     "model %s version %d answers %d outputs, and an NPY body holds one "
+                     "array: ask for JSON (Accept: application/json)",
+                     md_model_name(m), md_model_version(m), md_model_n_outputs(m)))) {
+        free(c);
+        md_model_release(m);
+        md_reply_error(req, &err);
+        return;
+    }
+    pd->have_tensor = 0; /* submit takes it, even on failure */
     c->top_k = pd->top_k;
     c->npy = pd->npy;
     c->v2 = pd->v2;
@@ -889,12 +1001,6 @@ static void go_on(md_req *req, pending *pd, md_model *m, where at)
     memcpy(c->v2_id, pd->v2_id, sizeof c->v2_id);
     memcpy(c->v2_output, pd->v2_output, sizeof c->v2_output);
     c->columnar = pd->columnar;
-    if (pick_outputs(pd, m, c, &err) != MD_OK) {
-        free(c);
-        md_model_release(m);
-        md_reply_error(req, &err);
-        return;
-    }
     if (pd->unversioned) {
         int sv = md_traffic_shadow(((md_app *)md_req_app(req))->traffic, md_model_name(m),
                                    md_model_version(m));
@@ -1062,6 +1168,18 @@ static int v2_split(md_req *req, const char *body, size_t len, size_t *json_len,
     return 1;
 }
 
+/* The outputs a V2 request asks for by name into pd->outs (an entry
+ * without a name as "", refused for a version with declared outputs). */
+static void v2_output_names(pending *pd, json_t *outs)
+{
+    pd->n_outs = 0;
+    for (size_t k = 0; k < json_array_size(outs) && k < MD_MAX_IO; k++) {
+        const char *on = json_string_value(json_object_get(json_array_get(outs, k), "name"));
+        snprintf(pd->outs[pd->n_outs++], sizeof pd->outs[0], "%.*s",
+                 (int)sizeof pd->outs[0] - 1, on ? on : "");
+    }
+}
+
 /* Whether the request asks for its output as binary data: the output's
  * "parameters": {"binary_data": true}, or the request's
  * "binary_data_output": true (what tritonclient sends). */
@@ -1101,77 +1219,13 @@ static md_status v2_read(md_req *req, pending *pd, const char *body, size_t json
     }
     json_t *in = json_array_get(inputs, 0);
     json_t *outs = json_object_get(root, "outputs");
-    pd->n_outs = 0;
-    for (size_t k = 0; k < json_array_size(outs) && k < MD_MAX_IO; k++) {
-        const char *on = json_string_value(json_object_get(json_array_get(outs, k), "name"));
-        if (on)
-            snprintf(pd->outs[pd->n_outs++], sizeof pd->outs[0], "%s", on);
-    }
+    v2_output_names(pd, outs);
     const char *dt0 = json_string_value(json_object_get(in, "datatype"));
-    if (json_array_size(inputs) > 1 ||
-        (dt0 && (!strncmp(dt0, "INT", 3) || !strncmp(dt0, "UINT", 4) || !strcmp(dt0, "BOOL")))) {
-        /* named inputs, or integers: read exactly, by name (named_rows) */
+    if (json_array_size(inputs) > 1) {
+        /* several inputs: read by name, their data where it lies (v2_named) */
         md_tensor_free(&t);
-        if (decoded) { /* the row scanner read the integers as floats: read them again */
-            json_decref(root);
-            root = md_v2_parse(body, json_len, max_values(req), 0, &t, &decoded, err);
-            if (!root)
-                return err->status;
-            inputs = json_object_get(root, "inputs");
-        }
-        md_arrays a;
-        memset(&a, 0, sizeof a);
-        size_t at = 0;
-        md_status st = MD_OK;
-        for (size_t k = 0; st == MD_OK && k < json_array_size(inputs); k++) {
-            json_t *x = json_array_get(inputs, k);
-            json_t *bs = json_object_get(json_object_get(x, "parameters"), "binary_data_size");
-            const char *xb = NULL;
-            size_t xn = 0;
-            if (bs) {
-                if (!bin || !json_is_integer(bs) || json_integer_value(bs) < 0 ||
-                    (unsigned long long)json_integer_value(bs) > bin_len - at)
-                    st = md_err_set(err, MD_EINVAL,
-                                    "input %zu's binary_data_size must count bytes that follow "
-                                    "the JSON header (Inference-Header-Content-Length), in the "
-                                    "inputs' order; %zu remain",
-                                    k, bin ? bin_len - at : 0);
-                else {
-                    xb = bin + at;
-                    xn = (size_t)json_integer_value(bs);
-                    at += xn;
-                }
-            }
-            if (st == MD_OK)
-                st = md_v2_decode_array(x, xb ? xb : (bs ? "" : NULL), xn, max_values(req),
-                                        &a.a[k], err);
-            if (st == MD_OK) {
-                a.n = (int)k + 1;
-                for (size_t p = 0; p < k && st == MD_OK; p++)
-                    if (strcmp(a.a[p].name, a.a[k].name) == 0)
-                        st = md_err_set(err, MD_EINVAL, "input \"%s\" is given twice",
-                                        a.a[k].name);
-            }
-        }
-        if (st == MD_OK && at != bin_len)
-            st = md_err_set(err, MD_EINVAL,
-                            "%zu bytes follow the JSON header, and the inputs' "
-                            "binary_data_size count %zu",
-                            bin_len, at);
-        if (st != MD_OK) {
-            md_arrays_free(&a);
-            json_decref(root);
-            return st;
-        }
-        pd->arrays = a;
-        pd->have_arrays = 1;
-        pd->v2_binary = v2_wants_binary(root);
-        const char *id = json_string_value(json_object_get(root, "id"));
-        snprintf(pd->v2_id, sizeof pd->v2_id, "%s", id ? id : "");
-        snprintf(pd->v2_output, sizeof pd->v2_output, "%s",
-                 pd->n_outs ? pd->outs[0] : "output0");
         json_decref(root);
-        return MD_OK;
+        return v2_named(req, pd, body, json_len, bin, bin_len, err);
     }
     const char *in_name = json_string_value(json_object_get(in, "name"));
     snprintf(pd->v2_input, sizeof pd->v2_input, "%s", in_name ? in_name : "");

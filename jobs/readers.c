@@ -46,13 +46,14 @@
 #include "gzstream.h"
 #include "images.h"
 #include "jobs.h"
+#include "npzset.h"
 
 #define READ_CHUNK (64 * 1024)          /* the text buffer's first size */
 #define NPY_READ_BUFFER (1024 * 1024)   /* stdio buffer of an NPY file */
 #define MAX_RECORD (64 * 1024 * 1024)   /* the longest CSV/JSONL row kept */
 #define SHOW_MAX 40                     /* characters of a bad value quoted back */
 
-typedef enum { FMT_CSV, FMT_JSONL, FMT_NPY, FMT_IDX, FMT_IMAGES } reader_format;
+typedef enum { FMT_CSV, FMT_JSONL, FMT_NPY, FMT_IDX, FMT_IMAGES, FMT_NPZ } reader_format;
 
 /* Where the CSV scanner is within a record. */
 typedef enum {
@@ -112,6 +113,9 @@ struct md_reader {
      * where an NPY's rows start */
     int64_t buf_base;
     int64_t data_off;
+
+    /* npz: one array per named input (npzset.c) */
+    md_npzset *npz;
 
     /* named inputs (csv, jsonl): each input's values come from `src`, the
      * CSV columns (indexes in in_cols) or JSON fields (in_keys) */
@@ -572,6 +576,18 @@ static md_status named_csv_columns(md_reader *r, md_err *err)
     return MD_OK;
 }
 
+/* Whether an integer input declared `dtype` holds v (refused rather than wrapped). */
+static int int_fits(const char *dtype, int64_t v)
+{
+    if (!strcmp(dtype, "uint8"))
+        return v >= 0 && v <= 255;
+    if (!strcmp(dtype, "int32"))
+        return v >= INT32_MIN && v <= INT32_MAX;
+    if (!strcmp(dtype, "bool"))
+        return v == 0 || v == 1;
+    return 1;
+}
+
 /* One value of input i into the row's words: an int64 in two words, a float in one. */
 static void put_value(md_reader *r, float *row, int i, int64_t j, int64_t iv, float fv)
 {
@@ -595,6 +611,10 @@ static md_status named_csv_next(md_reader *r, int64_t rowno, float *row, md_err 
             if (nr == NUM_EMPTY)
                 return row_error(r, rowno, err, "column \"%s\" (input \"%s\") is empty",
                                  r->colnames[c], r->in[i].name);
+            if (nr == NUM_OK && r->in[i].is_int && !int_fits(r->in[i].dtype, iv))
+                return row_error(r, rowno, err, "column \"%s\" (input \"%s\") holds %lld, "
+                                 "which its dtype %s does not", r->colnames[c], r->in[i].name,
+                                 (long long)iv, r->in[i].dtype);
             if (nr != NUM_OK)
                 return row_error(r, rowno, err, "column \"%s\" (input \"%s\") is not %s: %s",
                                  r->colnames[c], r->in[i].name,
@@ -630,6 +650,8 @@ static int named_json_values(md_reader *r, json_t *v, float *row, int i, int64_t
             iv = json_is_true(v);
         else
             return -1;
+        if (!int_fits(r->in[i].dtype, iv))
+            return -3;
     } else {
         if (!json_is_number(v))
             return -1;
@@ -662,7 +684,8 @@ static md_status named_jsonl_convert(md_reader *r, json_t *v, int64_t rowno, flo
             if (rc)
                 return row_error(r, rowno, err, "field \"%s\" (input \"%s\") holds %s", key,
                                  r->in[i].name,
-                                 rc == -2 ? "a value past float32's range"
+                                 rc == -3 ? "a value its integer dtype does not hold"
+                                 : rc == -2 ? "a value past float32's range"
                                  : r->in[i].is_int ? "a value that is not an integer (the "
                                                      "input is declared an integer type)"
                                                    : "a value that is not a number");
@@ -1343,8 +1366,11 @@ md_status md_reader_open(const md_reader_opts *opts, md_reader **out, md_err *er
         format = FMT_IDX;
     else if (!strcmp(opts->format, "images"))
         format = FMT_IMAGES;
+    else if (!strcmp(opts->format, "npz"))
+        format = FMT_NPZ;
     else
-        return open_error(err, "unknown dataset format \"%s\"; use csv, jsonl, npy, idx or images",
+        return open_error(err, "unknown dataset format \"%s\"; use csv, jsonl, npy, npz, idx or "
+                          "images",
                           opts->format);
 
     md_reader *r = md_xcalloc(1, sizeof *r);
@@ -1357,6 +1383,23 @@ md_status md_reader_open(const md_reader_opts *opts, md_reader **out, md_err *er
     case FMT_CSV: st = csv_open(r, opts, err); break;
     case FMT_JSONL: st = jsonl_open(r, opts, err); break;
     case FMT_NPY: st = npy_open(r, opts, err); break;
+    case FMT_NPZ:
+        if (opts->n_inputs < 1) {
+            st = open_error(err, "%s: an npz dataset holds one array per model input, and the "
+                            "model declares no config.inputs: use npy", r->name);
+            break;
+        }
+        r->n_in = opts->n_inputs;
+        for (int i = 0; i < r->n_in; i++) {
+            r->in[i] = opts->inputs[i];
+            r->width += r->in[i].values * (r->in[i].is_int ? 2 : 1);
+        }
+        st = md_npzset_open(opts->path, r->name, r->in, r->n_in, opts->label, &r->npz, err);
+        if (st == MD_OK) {
+            r->total = md_npzset_rows(r->npz);
+            r->has_labels = opts->label != NULL;
+        }
+        break;
     case FMT_IMAGES:
         st = md_images_open(opts, r->name, &r->images, err);
         if (st == MD_OK) {
@@ -1405,6 +1448,12 @@ md_status md_reader_next(md_reader *r, float *row, int64_t *label, md_err *err)
     case FMT_CSV: return csv_next(r, row, label, err);
     case FMT_JSONL: return jsonl_next(r, row, label, err);
     case FMT_NPY: return npy_next(r, row, err);
+    case FMT_NPZ: {
+        md_status st = md_npzset_next(r->npz, r->position, row, label, err);
+        if (st == MD_OK || st == MD_EINVAL)
+            r->position++; /* a bad row is consumed */
+        return st;
+    }
     case FMT_IMAGES: {
         md_status st = md_images_read(r->images, r->position, row, label, err);
         if (st == MD_OK || st == MD_EINVAL)
@@ -1472,6 +1521,7 @@ void md_reader_close(md_reader *r)
     free(r->buf);
     free(r->label_name);
     md_images_close(r->images);
+    md_npzset_close(r->npz);
     free(r->name);
     free(r);
 }

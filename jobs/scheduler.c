@@ -1495,11 +1495,12 @@ static void run_job(md_jobs *J, int slot, const char *id)
     for (int i = 0; i < n_named; i++)
         md_model_input(m, i, &named[i]);
     if (n_named) {
-        if (!in_format || (strcmp(in_format, "csv") && strcmp(in_format, "jsonl"))) {
+        if (!in_format ||
+            (strcmp(in_format, "csv") && strcmp(in_format, "jsonl") && strcmp(in_format, "npz"))) {
             keeper_stop(&kp);
             md_err_setc(&err, MD_EUNPROC, "invalid_job",
                         "model %s version %d takes named inputs, which a job reads from csv or "
-                        "jsonl columns (input.columns), not from %s",
+                        "jsonl columns (input.columns) or an npz file's arrays, not from %s",
                         model_name, md_model_version(m), in_format ? in_format : "this input");
             goto failed;
         }

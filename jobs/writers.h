@@ -44,7 +44,7 @@ typedef struct md_job_outfmt {
  * row's cls->width outputs, read as classes by `cls` (md_model_classes). */
 /* For a version with declared outputs, `outs` is the row's whole answer
  * (md_model_output_values floats): each output is written as a field of its
- * name (CSV: a column, its values joined by ';'), and `y` is the classes
+ * name (CSV: a column per value, NAME_0, NAME_1, ...), and `y` is the classes
  * output's part of it (NULL with `cls` NONE when no output is marked); NULL
  * otherwise. */
 void md_job_format_row(char **b, size_t *len, size_t *cap, const md_job_outfmt *o, md_model *m,

@@ -1094,7 +1094,9 @@ md_status md_model_submit_alive(md_model *m, md_tensor *in, md_priority prio, md
                            "each row has %lld values, more than the limit of %lld per row",
                            (long long)row_size, (long long)MD_MAX_ROW_VALUES);
     }
-    if (!m->n_in) /* md_model_pack preprocessed each input */
+    if (m->n_in) /* each input's own, by this version's config */
+        md_inputs_preprocess(m, in->data, rows);
+    else
         preprocess(m, in);
     item *it = md_xcalloc(1, sizeof *it);
     it->in = *in;

@@ -13,6 +13,8 @@
  * requests share a batch only when their rows are the same version's, so
  * every row of a batch has the same layout; a tensor not packed by
  * md_model_pack for that version is refused at submit.
+ * Each input's preprocess applies at submit (md_inputs_preprocess), with the
+ * version the rows go to: a shadow's copy of a request gets its own.
  * Costs: the arrays as decoded plus the packed rows, each about the values'
  * size: a small multiple of the request's.
  */
@@ -159,19 +161,9 @@ md_status md_model_pack(const md_model *m, const md_arrays *a, md_tensor *out, m
                 memcpy(row, src, (size_t)io->values * sizeof(int64_t));
                 continue;
             }
-            for (int64_t v = 0; v < io->values; v++) {
-                float f = x->is_int ? (float)x->i64[r * io->values + v]
-                                    : x->f32[r * io->values + v];
-                if (io->scale != 1.0)
-                    f *= (float)io->scale;
-                if (io->n_norm == 1)
-                    f = (f - io->mean[0]) / io->std[0];
-                else if (io->n_norm > 1) {
-                    int c = (int)(v / io->norm_inner);
-                    f = (f - io->mean[c]) / io->std[c];
-                }
-                row[v] = f;
-            }
+            for (int64_t v = 0; v < io->values; v++)
+                row[v] = x->is_int ? (float)x->i64[r * io->values + v]
+                                   : x->f32[r * io->values + v];
         }
     }
     out->ndim = 2;
@@ -196,7 +188,7 @@ md_status md_model_pack_rows(const md_model *m, float *words, int64_t rows, md_t
         const md_io *io = &m->in[i];
         for (int64_t r = 0; r < rows; r++) {
             float *row = words + r * m->row_size + io->off;
-            if (io->is_int) {
+            if (io->is_int) { /* the reader checked its dtype's range: again, cheaply */
                 for (int64_t v = 0; v < io->values; v++) {
                     int64_t x;
                     memcpy(&x, row + 2 * v, sizeof x);
@@ -208,8 +200,26 @@ md_status md_model_pack_rows(const md_model *m, float *words, int64_t rows, md_t
                                            io->name, (long long)x, (long long)r, io->dtype_name);
                     }
                 }
-                continue;
             }
+        }
+    }
+    out->ndim = 2;
+    out->shape[0] = rows;
+    out->shape[1] = m->row_size;
+    out->count = (size_t)rows * (size_t)m->row_size;
+    out->data = words;
+    out->packed = m->layout;
+    return MD_OK;
+}
+
+void md_inputs_preprocess(const md_model *m, float *words, int64_t rows)
+{
+    for (int i = 0; i < m->n_in; i++) {
+        const md_io *io = &m->in[i];
+        if (io->is_int || (io->scale == 1.0 && io->n_norm == 0))
+            continue;
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = words + r * m->row_size + io->off;
             for (int64_t v = 0; v < io->values; v++) {
                 float f = row[v];
                 if (io->scale != 1.0)
@@ -222,11 +232,4 @@ md_status md_model_pack_rows(const md_model *m, float *words, int64_t rows, md_t
             }
         }
     }
-    out->ndim = 2;
-    out->shape[0] = rows;
-    out->shape[1] = m->row_size;
-    out->count = (size_t)rows * (size_t)m->row_size;
-    out->data = words;
-    out->packed = m->layout;
-    return MD_OK;
 }

@@ -209,21 +209,44 @@ static md_status io_load_check(md_model *m, const char *name, json_t *config, md
                            what, ferr.msg);
     }
     json_t *outs = json_object_get(config, "outputs");
-    int n_out = m->n_out ? m->n_out : 1;
-    for (int j = 0; j < n_out && m->n_out; j++) {
+    int n_out = m->n_out ? m->n_out : 1; /* without config.outputs: the first tensor */
+    for (int j = 0; j < n_out; j++) {
         md_io *io = &m->out[j];
         char a[96], b[96];
-        int same = o1.ndim[j] == o2.ndim[j];
+        int same = o1.ndim[j] == o2.ndim[j] && o1.shape[j][0] == 1 && o2.shape[j][0] == 2;
         for (int d = 1; same && d < o1.ndim[j]; d++)
             same = o1.shape[j][d] == o2.shape[j][d];
         if (!same)
             return md_err_setc(err, MD_EUNPROC, "batch_dependent_output",
-                               "model %s answers output \"%s\" of shape %s for a batch of 1 row "
+                               "model %s answers %s%s%s of shape %s for a batch of 1 row "
                                "and %s for a batch of 2; modeld batches the rows of different "
                                "requests together, so each output needs one row per input row, "
                                "computed from that row alone",
-                               name, io->name, md_fmt_dims(a, sizeof a, o1.shape[j], o1.ndim[j]),
+                               name, m->n_out ? "output \"" : "its output",
+                               m->n_out ? io->name : "", m->n_out ? "\"" : "",
+                               md_fmt_dims(a, sizeof a, o1.shape[j], o1.ndim[j]),
                                md_fmt_dims(b, sizeof b, o2.shape[j], o2.ndim[j]));
+        if (!m->n_out) {
+            /* labels against the one output, as a version without declared
+             * inputs checks them */
+            int on = o1.ndim[0];
+            md_classes cls = md_classes_from_config(m->classes_cfg, on == 2 ? o1.shape[0][1] : 0);
+            if (m->labels && on == 2 && cls.kind == MD_CLASSES_NONE)
+                return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                                   "config.labels names %zu classes, but %s",
+                                   json_array_size(m->labels), md_classes_none_reason());
+            if (m->labels && (on != 2 || cls.classes != (int64_t)json_array_size(m->labels)))
+                return md_err_setc(err, MD_EUNPROC, "invalid_config",
+                                   "config.labels has %zu names but the model outputs %lld "
+                                   "values per row%s",
+                                   json_array_size(m->labels),
+                                   on >= 2 ? (long long)o1.values[0] : 1LL,
+                                   cls.kind == MD_CLASSES_BINARY
+                                       ? " (a binary classifier: give two names, the class "
+                                         "below the threshold first)"
+                                       : "");
+            break;
+        }
         io->ndim = o1.ndim[j] - 1;
         memcpy(io->shape, o1.shape[j] + 1, sizeof(int64_t) * (size_t)io->ndim);
         io->values = o1.values[j];

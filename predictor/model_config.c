@@ -76,6 +76,13 @@ static md_status check_io(json_t *v, const char *list, md_err *err)
         if (!io_name_ok(name))
             return io_bad(err, list, i, name,
                           "a name is 1 to 63 letters, digits, '_', '.' or '-'");
+        static const char *const taken[] = {"index", "path", "prediction", "label", "scores",
+                                            NULL};
+        for (const char *const *t = taken; !inputs && *t; t++)
+            if (strcmp(name, *t) == 0)
+                return io_bad(err, list, i, name,
+                              "the name is a field of every job's output (index, path, "
+                              "prediction, label, scores): choose another");
         for (size_t k = 0; k < i; k++)
             if (strcmp(json_string_value(json_object_get(json_array_get(v, k), "name")), name) ==
                 0)

@@ -158,6 +158,9 @@ static inline double now_s(void)
 /* model.c: "[a, b, c]" of dims[0..n) into buf, which it returns. */
 const char *md_fmt_dims(char *buf, size_t size, const int64_t *dims, int n);
 
+/* inputs.c: each declared input's preprocess over `rows` packed rows, in place. */
+void md_inputs_preprocess(const md_model *m, float *words, int64_t rows);
+
 /* model.c: free a version whose last worker is gone (or that never started
  * one): its packed copies, its module, its config. */
 void md_model_destroy(md_model *m);

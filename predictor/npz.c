@@ -500,10 +500,15 @@ static md_status decode_npy(const unsigned char *p, size_t n, const char *q, siz
     return MD_OK;
 }
 
-md_status md_npz_decode(const char *data, size_t len, size_t max_values, md_arrays *out,
-                        md_err *err)
+/* md_npz_decode, or with `list` set (room for MD_MAX_IO) only the members'
+ * checked directory entries into list[0..*nlist): nothing inflated, decoded
+ * or allocated (a dataset file read member by member: md_npz_list). */
+static md_status npz_read(const char *data, size_t len, size_t max_values, md_arrays *out,
+                          md_npz_entry *list, int *nlist, md_err *err)
 {
     memset(out, 0, sizeof *out);
+    if (nlist)
+        *nlist = 0;
     const unsigned char *d = (const unsigned char *)data;
     if (!d)
         len = 0;
@@ -561,7 +566,10 @@ md_status md_npz_decode(const char *data, size_t len, size_t max_values, md_arra
         md_array *a = &out->a[out->n];
         memcpy(a->name, m.name, nlen - 4);
         a->name[nlen - 4] = '\0';
-        if (md_arrays_find(out, a->name)) {
+        int twice = md_arrays_find(out, a->name) != NULL;
+        for (int k = 0; list && k < *nlist; k++)
+            twice |= strcmp(list[k].name, a->name) == 0;
+        if (twice) {
             st = md_err_setc(err, MD_EINVAL, "bad_npz",
                              "the NPZ body holds two arrays named \"%s\"; %s", q, fix);
             memset(a, 0, sizeof *a);
@@ -617,6 +625,26 @@ md_status md_npz_decode(const char *data, size_t len, size_t max_values, md_arra
         }
         prev_end = data_off + m.csize;
         m.data = d + data_off;
+        if (list) {
+            if (m.deflated ? m.usize > m.csize * DEFLATE_MAX_RATIO + DEFLATE_SLACK
+                           : m.usize != m.csize) {
+                st = md_err_setc(err, MD_EINVAL, "bad_npz",
+                                 "the NPZ member \"%s\" declares %llu bytes, which its %llu "
+                                 "%s bytes cannot hold; %s",
+                                 q, (unsigned long long)m.usize, (unsigned long long)m.csize,
+                                 m.deflated ? "deflated" : "stored", fix);
+                break;
+            }
+            md_npz_entry *en = &list[(*nlist)++];
+            snprintf(en->name, sizeof en->name, "%s", a->name);
+            memset(a->name, 0, sizeof a->name);
+            en->deflated = m.deflated;
+            en->crc = m.crc;
+            en->csize = m.csize;
+            en->usize = m.usize;
+            en->offset = data_off;
+            continue;
+        }
         /* bounded before anything is allocated: by the values still allowed */
         uint64_t allowed = (uint64_t)budget > (UINT64_MAX - NPY_SLACK) / 8
                                ? UINT64_MAX
@@ -666,5 +694,32 @@ md_status md_npz_decode(const char *data, size_t len, size_t max_values, md_arra
         st = bad_zip(err, "has a central directory longer than its entries");
     if (st != MD_OK)
         md_arrays_free(out);
+    return st;
+}
+
+md_status md_npz_decode(const char *data, size_t len, size_t max_values, md_arrays *out,
+                        md_err *err)
+{
+    return npz_read(data, len, max_values, out, NULL, NULL, err);
+}
+
+md_status md_npz_list(const char *data, size_t len, md_npz_entry *list, int *n, md_err *err)
+{
+    md_arrays none;
+    return npz_read(data, len, 0, &none, list, n, err);
+}
+
+md_status md_npy_decode_array(const char *data, size_t len, size_t max_values, md_array *out,
+                              md_err *err)
+{
+    memset(out, 0, sizeof *out);
+    size_t budget = max_values;
+    md_status st = decode_npy((const unsigned char *)(data ? data : ""), data ? len : 0,
+                              "(the NPY body)", &budget, out, err);
+    if (st != MD_OK) {
+        free(out->f32);
+        free(out->i64);
+        memset(out, 0, sizeof *out);
+    }
     return st;
 }

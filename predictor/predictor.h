@@ -257,16 +257,17 @@ md_status md_named_decode(const char *body, size_t len, const md_io_info *in, in
 /* Pack named arrays (a request's or a job chunk's) into the version's rows:
  * each declared input once by name, `rows` rows in each (dim 0), the rest
  * its declared shape; integers for integer inputs (a float there is refused,
- * never rounded), floats or integers for float inputs, preprocessed as the
- * input declares. `out` gets [rows, words] with packed set, for
- * md_model_submit. MD_EINVAL (400, code invalid_input) naming the input:
+ * never rounded), floats or integers for float inputs (each input's
+ * preprocess applies at submit, by the version the rows go to). `out` gets
+ * [rows, words] with packed set, for md_model_submit. MD_EINVAL (400, code invalid_input) naming the input:
  * missing, unknown, of another shape, dtype or row count. `a` stays the
  * caller's. Thread-safe. */
 md_status md_model_pack(const md_model *m, const md_arrays *a, md_tensor *out, md_err *err);
 
 /* As md_model_pack for `rows` rows already laid out as it packs them (a
  * job's reader fills them: md_reader_opts.inputs): `words` (ownership taken,
- * even on failure) is preprocessed in place and becomes out->data. */
+ * even on failure) becomes out->data, its integers checked against their
+ * dtypes. */
 md_status md_model_pack_rows(const md_model *m, float *words, int64_t rows, md_tensor *out,
                              md_err *err);
 /* Counters as JSON: batches, rows, requests, queue wait, batch size histogram. New reference. */
@@ -621,6 +622,19 @@ json_t *md_v2_parse(const char *body, size_t len, size_t max_values, int read_da
 md_status md_v2_decode_binary(json_t *in, const void *bytes, size_t nbytes, size_t max_values,
                               md_tensor *out, md_err *err);
 
+/* md_v2_parse for a request of several (or integer) inputs: every input's
+ * "data" is left out of the root (it holds [] there) and where it lies in
+ * the body is recorded instead, span_a[i]..span_b[i] for inputs[i] (both 0:
+ * no data; room for MD_MAX_IO), for md_v2_text_array. Their values together
+ * are at most max_values (413). So the request costs its body and a small
+ * tree, not a jansson node per value. Thread-safe. */
+json_t *md_v2_parse_spans(const char *body, size_t len, size_t max_values, size_t *span_a,
+                          size_t *span_b, md_err *err);
+/* One V2 input whose data is the JSON text data[0..len) (a span of
+ * md_v2_parse_spans) into a named array, as md_v2_decode_array reads it;
+ * `in` (borrowed) gives its name, shape and datatype. Thread-safe. */
+md_status md_v2_text_array(json_t *in, const char *data, size_t len, size_t max_values,
+                           md_array *out, md_err *err);
 /* One V2 input (its JSON object `in`, borrowed) into a named array: integer
  * datatypes (INT*, UINT*, BOOL) as int64, exactly (JSON data must hold
  * integers; UINT64 past int64's range refused), float ones as float32 as
@@ -628,6 +642,26 @@ md_status md_v2_decode_binary(json_t *in, const void *bytes, size_t nbytes, size
  * JSON "data". Errors name the input. Thread-safe. */
 md_status md_v2_decode_array(json_t *in, const void *bytes, size_t nbytes, size_t max_values,
                              md_array *out, md_err *err);
+
+/* One member of an NPZ archive, as its checked directory says. */
+typedef struct md_npz_entry {
+    char name[MD_IO_NAME_MAX]; /* without ".npy" */
+    int deflated;
+    uint32_t crc;
+    uint64_t csize, usize;     /* its bytes in the archive, and as an NPY file */
+    uint64_t offset;           /* where its bytes start in the archive */
+} md_npz_entry;
+
+/* The members of the NPZ archive data[0..len) (a dataset file, mapped),
+ * checked as md_npz_decode checks them (names, local headers, sizes that
+ * deflate can make), nothing inflated: into list[0..*n) (room for
+ * MD_MAX_IO). Thread-safe. */
+md_status md_npz_list(const char *data, size_t len, md_npz_entry *list, int *n, md_err *err);
+
+/* One NPY file (a request body) as a named array (name ""), its integers
+ * exact, as md_npz_decode reads each member. Thread-safe. */
+md_status md_npy_decode_array(const char *data, size_t len, size_t max_values, md_array *out,
+                              md_err *err);
 
 /* Decode an NPY file (float32/64, int64/32, uint8, bool; C order) into float32. */
 md_status md_npy_decode(const char *data, size_t len, size_t max_values, md_tensor *out,

@@ -289,6 +289,8 @@ static md_status row(rd *r)
 /* '[' rows ']' */
 static md_status rows(rd *r)
 {
+    ws(r);
+    size_t open = r->i; /* the '[': a one-input row without the batch's brackets starts here */
     md_status st = expect(r, -1, '[', "an array of rows");
     if (st != MD_OK)
         return st;
@@ -299,7 +301,7 @@ static md_status rows(rd *r)
     ws(r);
     if (r->n == 1 && r->in[0].ndim > 0 && r->i < r->len && r->s[r->i] != '[' &&
         r->s[r->i] != '{') {
-        r->i--; /* back to '[': the array is the row */
+        r->i = open; /* back to '[': the array is the row */
         st = value(r, 0, 0);
         r->out->a[0].shape[0] = 1;
         return st;

@@ -489,7 +489,6 @@ extern "C" md_status md_torch_forward_io(md_torch_model *m, const md_torch_in *i
         std::vector<torch::Tensor> ys((size_t)n_out);
         for (int j = 0; j < n_out; j++) {
             torch::jit::IValue v;
-            const char *what = nullptr;
             if (r.isGenericDict()) {
                 c10::impl::GenericDict d = r.toGenericDict();
                 auto it = d.find(c10::IValue(std::string(keys[j])));
@@ -519,17 +518,18 @@ extern "C" md_status md_torch_forward_io(md_torch_model *m, const md_torch_in *i
             } else if (n_out == 1) {
                 v = r;
             } else {
+                std::string kind = r.tagKind();
                 return md_err_setc(err, MD_EUNPROC, "bad_model_output",
                                    "the model's forward returned one %s, not the %d outputs "
                                    "config.outputs declares",
-                                   r.tagKind().c_str(), n_out);
+                                   kind.c_str(), n_out);
             }
-            if (!v.isTensor())
-                what = v.tagKind().c_str();
-            if (what)
+            if (!v.isTensor()) {
+                std::string kind = v.tagKind();
                 return md_err_setc(err, MD_EUNPROC, "bad_model_output",
                                    "output \"%s\" of the model's forward is a %s, not a tensor",
-                                   keys[j], what);
+                                   keys[j], kind.c_str());
+            }
             torch::Tensor y = v.toTensor();
             snprintf(out->dtype[j], sizeof out->dtype[j], "%s", dtype_name(y.scalar_type()));
             if (y.dim() < 1 || y.dim() > 8 || y.size(0) != rows)
@@ -546,16 +546,16 @@ extern "C" md_status md_torch_forward_io(md_torch_model *m, const md_torch_in *i
             out->off[j] = out->row_values;
             out->row_values += out->values[j];
         }
+        /* everything that can throw first: the outputs side by side in a
+         * tensor, then the one malloc'd copy the caller owns */
+        std::vector<torch::Tensor> parts(ys.begin(), ys.end());
+        torch::Tensor packed = torch::cat(parts, 1).contiguous();
+        const float *src = packed.data_ptr<float>();
         size_t n = (size_t)rows * (size_t)out->row_values;
         float *buf = (float *)malloc(n ? n * sizeof(float) : 1);
         if (!buf)
             return md_err_set(err, MD_ENOMEM, "out of memory for the model's output");
-        for (int j = 0; j < n_out; j++) {
-            const float *src = ys[(size_t)j].data_ptr<float>();
-            for (int64_t row = 0; row < rows; row++)
-                memcpy(buf + row * out->row_values + out->off[j], src + row * out->values[j],
-                       (size_t)out->values[j] * sizeof(float));
-        }
+        memcpy(buf, src, n * sizeof(float));
         out->n = n_out;
         out->data = buf;
         return MD_OK;

@@ -275,6 +275,15 @@ typedef struct v2_walk {
     md_tensor rows;
     size_t kept;       /* values and members jansson builds, data aside */
     size_t data_values; /* values in the data arrays jansson builds */
+    /* spans mode (md_v2_parse_spans): every input's data is left out of the
+     * copy jansson reads, and where it lies in the body is recorded */
+    int spans;
+    int element;                  /* the index of the list element being walked */
+    int in_inputs;                /* walking the inputs list */
+    int input_elements;           /* how many it has */
+    int drop_data;                /* pass 2: every data array becomes [] (several inputs:
+                                   * the caller reads them with md_v2_parse_spans) */
+    size_t span_a[MD_MAX_IO], span_b[MD_MAX_IO];
     size_t bad;        /* where the body stops being JSON */
 } v2_walk;
 
@@ -416,7 +425,10 @@ static size_t v2_list(v2_walk *w, size_t i, v2_member_fn on_first)
         w->depth--;
         return i + 1;
     }
-    for (;;) {
+    for (int element = 0;; element++) {
+        w->element = element;
+        if (w->in_inputs && element >= w->input_elements)
+            w->input_elements = element + 1;
         size_t end = i < len && s[i] == '{' ? v2_object(w, i, on_first) : v2_keep(w, i);
         if (!end)
             return 0;
@@ -464,6 +476,34 @@ static size_t v2_output0(v2_walk *w, const char *key, size_t klen, size_t v)
 static size_t v2_data(v2_walk *w, size_t v)
 {
     w->data++;
+    if (w->out && w->drop_data) {
+        md_json_scan sc;
+        memset(&sc, 0, sizeof sc);
+        size_t end = md_json_skip(w->s, w->len, v, MD_JSON_MAX_DEPTH - w->depth, &sc);
+        if (end)
+            v2_replace(w, v, end, "[]");
+        return end;
+    }
+    if (w->spans) {
+        md_json_scan sc;
+        memset(&sc, 0, sizeof sc);
+        size_t end = md_json_skip(w->s, w->len, v, MD_JSON_MAX_DEPTH - w->depth, &sc);
+        if (!end)
+            return v2_bad(w, sc.bad);
+        if (w->out) {
+            v2_replace(w, v, end, "[]");
+            return end;
+        }
+        /* every input's data together holds at most max_values numbers */
+        w->data_values += sc.values - sc.containers;
+        if (w->data_values > w->max_values || sc.containers > w->max_values)
+            w->too_many_data = 1;
+        if (w->element < MD_MAX_IO) {
+            w->span_a[w->element] = v;
+            w->span_b[w->element] = end;
+        }
+        return end;
+    }
     if (!w->out && w->data == 1 && w->read_data && v2_is(w, v, '[')) {
         md_err err;
         const char *stop = NULL;
@@ -508,7 +548,12 @@ static size_t v2_top(v2_walk *w, const char *key, size_t klen, size_t v)
 {
     if (V2_KEY("inputs")) {
         w->inputs++;
-        return v2_is(w, v, '[') ? v2_list(w, v, v2_input0) : v2_keep(w, v);
+        if (!v2_is(w, v, '['))
+            return v2_keep(w, v);
+        w->in_inputs = 1;
+        size_t end = v2_list(w, v, v2_input0);
+        w->in_inputs = 0;
+        return end;
     }
     if (V2_KEY("outputs"))
         return v2_is(w, v, '[') ? v2_list(w, v, v2_output0) : v2_keep(w, v);
@@ -568,6 +613,9 @@ json_t *md_v2_parse(const char *body, size_t len, size_t max_vals, int read_data
     w.use_rows = w.rows.data && w.inputs == 1 && w.data == 1;
     if (!w.use_rows)
         md_tensor_free(&w.rows);
+    /* several inputs: no jansson node per value; the caller reads them by
+     * name where they lie (md_v2_parse_spans) */
+    w.drop_data = w.input_elements > 1;
     for (;;) {
         w.out = malloc(w.len + 1);
         if (!w.out) {
@@ -613,6 +661,189 @@ json_t *md_v2_parse(const char *body, size_t len, size_t max_vals, int read_data
         json_decref(root);
         w.use_rows = 0; /* again, with the data for jansson, to answer as it always has */
     }
+}
+
+static int v2_is_int_type(const char *dt);
+
+json_t *md_v2_parse_spans(const char *body, size_t len, size_t max_vals, size_t *span_a,
+                          size_t *span_b, md_err *err)
+{
+    v2_walk w;
+    memset(&w, 0, sizeof w);
+    w.s = body ? body : "";
+    w.len = body ? len : 0;
+    w.max_values = max_vals;
+    w.spans = 1;
+    if (!v2_walk_body(&w)) {
+        md_err_set(err, MD_EINVAL, "the body is not a JSON inference request (not JSON at byte "
+                   "%zu)", w.bad);
+        return NULL;
+    }
+    if (w.kept > MD_V2_MAX_JSON_VALUES || w.too_many_data) {
+        if (w.too_many_data)
+            md_err_setc(err, MD_ETOOBIG, "too_many_values",
+                        "the inputs' data hold more than the limit of %zu values; send fewer "
+                        "rows per request", max_vals);
+        else
+            md_err_setc(err, MD_ETOOBIG, "too_many_json_values",
+                        "the request holds %zu JSON values and keys outside the inputs' data, "
+                        "more than the limit of %d (MD_V2_MAX_JSON_VALUES); modeld reads only "
+                        "inputs, id, outputs and parameters: send less there", w.kept,
+                        MD_V2_MAX_JSON_VALUES);
+        return NULL;
+    }
+    w.out = malloc(w.len + 1);
+    if (!w.out) {
+        md_err_set(err, MD_ENOMEM, "no memory for a copy of the %zu-byte request", len);
+        return NULL;
+    }
+    w.out_len = w.copied = 0;
+    v2_walk_body(&w); /* as pass 1: it cannot fail now */
+    v2_replace(&w, w.len, w.len, "");
+    json_error_t jerr;
+    json_t *root = json_loadb(w.out, w.out_len, 0, &jerr);
+    free(w.out);
+    if (!root) {
+        md_err_set(err, MD_EINVAL, "the body is not a JSON inference request (%s)", jerr.text);
+        return NULL;
+    }
+    memcpy(span_a, w.span_a, sizeof w.span_a);
+    memcpy(span_b, w.span_b, sizeof w.span_b);
+    return root;
+}
+
+/* The numbers of JSON data s[0..len) (nested arrays flattened), exactly
+ * `count` of them, into f32 or (is_int) i64: integers from their digits,
+ * true and false as 1 and 0. */
+static md_status v2_text_values(const char *s, size_t len, const char *name, int is_int,
+                                size_t count, float *f32, int64_t *i64, md_err *err)
+{
+    size_t n = 0, i = 0;
+    int depth = 0;
+    while (i < len) {
+        char c = s[i];
+        if (c == '[') {
+            if (++depth > MD_MAX_DIMS)
+                return md_err_set(err, MD_EINVAL, "input \"%s\": data is nested too deeply",
+                                  name);
+            i++;
+            continue;
+        }
+        if (c == ']') {
+            depth--;
+            i++;
+            continue;
+        }
+        if (c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r') {
+            i++;
+            continue;
+        }
+        if (n >= count)
+            return md_err_set(err, MD_EINVAL,
+                              "input \"%s\": data has more values than its shape (%zu)", name,
+                              count);
+        if (len - i >= 4 && !memcmp(s + i, "true", 4)) {
+            if (is_int)
+                i64[n++] = 1;
+            else
+                f32[n++] = 1.0f;
+            i += 4;
+            continue;
+        }
+        if (len - i >= 5 && !memcmp(s + i, "false", 5)) {
+            if (is_int)
+                i64[n++] = 0;
+            else
+                f32[n++] = 0.0f;
+            i += 5;
+            continue;
+        }
+        /* md_json_skip validated the grammar: a number, or a value that is
+         * no number (a string, null, an object) */
+        size_t j = i + (s[i] == '-');
+        if (j >= len || s[j] < '0' || s[j] > '9')
+            return md_err_set(err, MD_EINVAL, "input \"%s\": data value %zu is not a number",
+                              name, n);
+        size_t k = j;
+        int integer = 1;
+        while (k < len && ((s[k] >= '0' && s[k] <= '9') || s[k] == '.' || s[k] == 'e' ||
+                           s[k] == 'E' || s[k] == '+' || s[k] == '-')) {
+            integer &= s[k] >= '0' && s[k] <= '9';
+            k++;
+        }
+        if (is_int) {
+            uint64_t v = 0;
+            int over = !integer;
+            for (size_t q = j; q < k && !over; q++) {
+                over = v > (UINT64_MAX - 9) / 10;
+                v = v * 10 + (uint64_t)(s[q] - '0');
+            }
+            if (!integer)
+                return md_err_set(err, MD_EINVAL,
+                                  "input \"%s\": data value %zu is not an integer, and its "
+                                  "datatype is an integer type (values are not rounded)",
+                                  name, n);
+            if (over || v > (uint64_t)INT64_MAX + (uint64_t)(s[i] == '-'))
+                return md_err_set(err, MD_EINVAL, "input \"%s\": data value %zu is past "
+                                  "int64's range", name, n);
+            i64[n++] = s[i] == '-' ? (int64_t)(0 - v) : (int64_t)v;
+        } else {
+            double d;
+            if (md_parse_double(s + i, s + k, &d) != 0 || !(fabs(d) <= (double)FLT_MAX))
+                return md_err_set(err, MD_EINVAL, "input \"%s\": data value %zu is outside "
+                                  "float32's range", name, n);
+            f32[n++] = (float)d;
+        }
+        i = k;
+    }
+    if (n != count)
+        return md_err_set(err, MD_EINVAL, "input \"%s\": data has %zu values but its shape "
+                          "needs %zu", name, n, count);
+    return MD_OK;
+}
+
+md_status md_v2_text_array(json_t *in, const char *data, size_t len, size_t max_vals,
+                           md_array *out, md_err *err)
+{
+    memset(out, 0, sizeof *out);
+    const char *name = json_string_value(json_object_get(in, "name"));
+    if (!name || !name[0] || strlen(name) >= sizeof out->name)
+        return md_err_set(err, MD_EINVAL, "every input needs a \"name\" of 1 to %zu characters, "
+                          "the model's input it is for", sizeof out->name - 1);
+    snprintf(out->name, sizeof out->name, "%s", name);
+    const char *dt = json_string_value(json_object_get(in, "datatype"));
+    md_tensor t;
+    size_t count;
+    md_status st = v2_header(in, max_vals, &t, &count, err);
+    if (st != MD_OK) {
+        char msg[sizeof err->msg];
+        snprintf(msg, sizeof msg, "%s", err->msg);
+        md_err_setc(err, st, md_err_code(err), "input \"%s\": %s", name, msg);
+        return st;
+    }
+    snprintf(out->datatype, sizeof out->datatype, "%s", dt);
+    out->ndim = t.ndim;
+    memcpy(out->shape, t.shape, sizeof out->shape);
+    out->is_int = v2_is_int_type(dt);
+    if (!data || len == 0 || data[0] != '[')
+        return md_err_set(err, MD_EINVAL, "input \"%s\": data must be an array (flat or "
+                          "nested)", name);
+    void *buf = md_mallocarray_checked(count ? count : 1, out->is_int ? 8 : 4, "the input", err);
+    if (!buf)
+        return MD_ENOMEM;
+    st = v2_text_values(data, len, name, out->is_int, count, out->is_int ? NULL : buf,
+                        out->is_int ? buf : NULL, err);
+    if (st != MD_OK) {
+        free(buf);
+        memset(out, 0, sizeof *out);
+        return st;
+    }
+    out->count = count;
+    if (out->is_int)
+        out->i64 = buf;
+    else
+        out->f32 = buf;
+    return MD_OK;
 }
 
 /* ---- several named inputs: one V2 input into an md_array ---- */
@@ -696,8 +927,12 @@ md_status md_v2_decode_array(json_t *in, const void *bytes, size_t nbytes, size_
         return MD_OK;
     }
     size_t count;
-    if ((st = v2_header(in, max_vals, &t, &count, err)) != MD_OK)
+    if ((st = v2_header(in, max_vals, &t, &count, err)) != MD_OK) {
+        char msg[sizeof err->msg];
+        snprintf(msg, sizeof msg, "%s", err->msg);
+        md_err_setc(err, st, md_err_code(err), "input \"%s\": %s", name, msg);
         return st;
+    }
     out->ndim = t.ndim;
     memcpy(out->shape, t.shape, sizeof out->shape);
     out->is_int = 1;

@@ -83,6 +83,47 @@ static void check_array(json_t *in, const void *bytes, size_t nbytes)
     free(a.i64);
 }
 
+/* md_v2_parse_spans + md_v2_text_array read each input's data where it
+ * lies as md_v2_decode_array reads jansson's tree of it: the same values,
+ * integers exactly, or both refuse. */
+static void spans_differential(const char *body, size_t len, json_t *old)
+{
+    md_err err;
+    md_err_clear(&err);
+    size_t a[MD_MAX_IO], b[MD_MAX_IO];
+    json_t *root = md_v2_parse_spans(body, len, MAX_VALUES, a, b, &err);
+    if (!root)
+        return; /* a limit (the other path may count differently) or not JSON */
+    json_t *ri = json_object_get(root, "inputs"), *oi = json_object_get(old, "inputs");
+    for (size_t k = 0; k < json_array_size(ri) && k < MD_MAX_IO; k++) {
+        json_t *r = json_array_get(ri, k), *o = json_array_get(oi, k);
+        if (!json_is_object(r) || !json_object_get(o, "data") || b[k] <= a[k])
+            continue;
+        md_array x, y;
+        md_err e1, e2;
+        md_err_clear(&e1);
+        md_err_clear(&e2);
+        md_status s1 = md_v2_text_array(r, body + a[k], b[k] - a[k], MAX_VALUES, &x, &e1);
+        md_status s2 = md_v2_decode_array(o, NULL, 0, MAX_VALUES, &y, &e2);
+        if (s1 == MD_OK && s2 == MD_OK) {
+            if (x.count != y.count || x.is_int != y.is_int || x.ndim != y.ndim)
+                abort();
+            for (size_t v = 0; v < x.count; v++)
+                if (x.is_int ? x.i64[v] != y.i64[v] : x.f32[v] != y.f32[v])
+                    abort();
+        } else if (s1 == MD_OK && y.is_int == 0 && x.is_int) {
+            abort();
+        }
+        if (s1 != MD_OK && e1.msg[0] == '\0')
+            abort();
+        free(x.f32);
+        free(x.i64);
+        free(y.f32);
+        free(y.i64);
+    }
+    json_decref(root);
+}
+
 static int eq(json_t *a, json_t *b) { return (!a && !b) || (a && b && json_equal(a, b)); }
 
 #define AT(v, k) json_object_get((v), (k))
@@ -144,8 +185,13 @@ static void differential(const char *body, size_t len)
             AT(AT(r0, "parameters"), "binary_data_size")))
         abort();
     if (!decoded) {
-        if (!eq(AT(o0, "data"), AT(r0, "data")))
+        /* several inputs: every data array is [] (read with md_v2_parse_spans) */
+        if (json_array_size(oi) > 1 ? json_array_size(AT(r0, "data")) != 0 &&
+                                          json_is_array(AT(o0, "data"))
+                                    : !eq(AT(o0, "data"), AT(r0, "data")))
             abort();
+        if (json_array_size(oi) > 1)
+            spans_differential(body, len, old);
         json_decref(old);
         json_decref(root);
         return;

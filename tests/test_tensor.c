@@ -1494,8 +1494,7 @@ static void test_v2_parse(void **state)
         /* "d\u0061ta" is "data" to jansson, which keeps the last of two keys */
         "{\"inputs\":[{\"shape\":[2],\"datatype\":\"FP32\",\"data\":[1,2],\"d\\u0061ta\":[3,4]}]}",
         "{\"inputs\":[{\"shape\":[2],\"datatype\":\"FP32\",\"data\":[1,2],\"data\":[3,4]}]}",
-        /* two inputs; binary data announced; a value that rounds to FLT_MAX */
-        "{\"inputs\":[{\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1]},{\"data\":[2]}]}",
+        /* binary data announced; a value that rounds to FLT_MAX */
         "{\"inputs\":[{\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1],"
         "\"parameters\":{\"binary_data_size\":4}}]}",
         "{\"inputs\":[{\"shape\":[1],\"datatype\":\"FP32\",\"data\":[3.4028235e38]}]}",
@@ -1508,6 +1507,46 @@ static void test_v2_parse(void **state)
         assert_true(json_array_size(json_object_get(
                         json_array_get(json_object_get(root, "inputs"), 0), "data")) > 0);
         json_decref(root);
+    }
+    /* several inputs: no input's data is built (the handler reads each
+     * where it lies, md_v2_parse_spans), none is scanned */
+    root = v2p("{\"inputs\":[{\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1]},"
+               "{\"name\":\"b\",\"data\":[2, 3]}]}",
+               &t, &decoded);
+    assert_non_null(root);
+    assert_int_equal(decoded, 0);
+    assert_null(t.data);
+    for (size_t k = 0; k < 2; k++) {
+        json_t *d = json_object_get(json_array_get(json_object_get(root, "inputs"), k), "data");
+        assert_true(json_is_array(d) && json_array_size(d) == 0);
+    }
+    assert_string_equal(
+        json_string_value(json_object_get(json_array_get(json_object_get(root, "inputs"), 1), "name")),
+        "b");
+    json_decref(root);
+    /* ... and md_v2_parse_spans says where each lies */
+    {
+        const char *body = "{\"inputs\":[{\"name\":\"a\",\"shape\":[2],\"datatype\":\"INT64\","
+                           "\"data\":[9007199254740993, -1]},{\"name\":\"b\",\"shape\":[1,2],"
+                           "\"datatype\":\"FP32\",\"data\":[[0.5, 2]]}]}";
+        size_t sa[MD_MAX_IO], sb[MD_MAX_IO];
+        md_err e;
+        md_err_clear(&e);
+        json_t *r = md_v2_parse_spans(body, strlen(body), 100, sa, sb, &e);
+        assert_non_null(r);
+        md_array x;
+        json_t *in0 = json_array_get(json_object_get(r, "inputs"), 0);
+        assert_int_equal(md_v2_text_array(in0, body + sa[0], sb[0] - sa[0], 100, &x, &e), MD_OK);
+        assert_true(x.is_int && x.count == 2 && x.i64[0] == 9007199254740993LL && x.i64[1] == -1);
+        free(x.i64);
+        json_t *in1 = json_array_get(json_object_get(r, "inputs"), 1);
+        assert_int_equal(md_v2_text_array(in1, body + sa[1], sb[1] - sa[1], 100, &x, &e), MD_OK);
+        assert_true(!x.is_int && x.count == 2 && x.f32[0] == 0.5f && x.f32[1] == 2.0f);
+        free(x.f32);
+        json_decref(r);
+        /* over the limit together */
+        assert_null(md_v2_parse_spans(body, strlen(body), 3, sa, sb, &e));
+        assert_int_equal(e.status, MD_ETOOBIG);
     }
     /* jansson keeps the last "data": [3, 4] */
     root = v2p(whole[5], &t, &decoded);
