@@ -585,6 +585,14 @@ static void chunk_input_close(chunk_input *in)
     in->fd = in->label_fd = -1;
 }
 
+/* 1 (its failure in `err`) when a stream of `in` failed: the reader then saw
+ * a short file, which says nothing of the data. */
+static int chunk_streams_failed(chunk_input *in, md_err *err)
+{
+    return (in->data && md_s3_stream_status(in->data, err) != MD_OK) ||
+           (in->labels && md_s3_stream_status(in->labels, err) != MD_OK);
+}
+
 /* plan NULL: the whole input. */
 static md_status chunk_input_open(md_jobs *J, json_t *input, json_t *plan, const md_job_chunk *c,
                                   md_model *m, chunk_input *in, md_err *err)
@@ -631,8 +639,8 @@ static md_status chunk_input_open(md_jobs *J, json_t *input, json_t *plan, const
         .max_file_bytes = J->image_max_bytes,
     };
     st = md_reader_open(&ro, &in->r, err);
-    if (st != MD_OK && in->data && md_s3_stream_status(in->data, err) == MD_OK && in->labels)
-        md_s3_stream_status(in->labels, err);
+    if (st != MD_OK) /* a stream that failed cut the file short: its own failure, not the data's */
+        st = chunk_streams_failed(in, err) ? err->status : st;
     return st;
 }
 
@@ -810,7 +818,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
     if (batch <= 0)
         batch = md_model_max_batch(m);
     if ((st = chunk_input_open(J, input, plan, c, m, &in, err)) != MD_OK) {
-        data_failed = st == MD_EINVAL;
+        data_failed = st == MD_EINVAL || st == MD_ENOTFOUND; /* the data, not S3 being away */
         goto out;
     }
     int64_t width = md_reader_row_width(in.r);
@@ -870,7 +878,10 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
                 }
                 if (st != MD_OK) {
                     free(buf);
-                    data_failed = st == MD_EINVAL;
+                    if (chunk_streams_failed(&in, err))
+                        st = err->status; /* S3 failed: the chunk is given back */
+                    else
+                        data_failed = st == MD_EINVAL;
                     goto out;
                 }
                 /* the dataset's row number: the chunk's first plus the row within it */
