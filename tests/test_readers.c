@@ -1201,7 +1201,8 @@ static void test_open_errors(void **state)
         assert_msg_has(open_fails("/tmp", formats[f], NULL, NULL, &err), "is a directory", NULL);
     }
     assert_msg_has(open_fails(DATASETS "small.csv", "parquet", NULL, NULL, &err),
-                   "unknown dataset format \"parquet\"; use csv, jsonl, npy, idx or images", NULL);
+                   "unknown dataset format \"parquet\"; use csv, jsonl, npy, npz, idx or images",
+                   NULL);
     assert_msg_has(open_fails(DATASETS "small.csv", NULL, NULL, NULL, &err),
                    "no format given for dataset small.csv", NULL);
     assert_msg_has(open_fails(NULL, "csv", NULL, NULL, &err), "no dataset path given", NULL);
@@ -1632,11 +1633,159 @@ static void test_images_folder(void **state)
     json_decref(names);
 }
 
+/* ---- named inputs (issue 27): rows laid out as md_model_pack packs them ---- */
+
+static const int64_t s_3[1] = {3};
+
+/* "numeric": 3 floats at word 0; "ids": one int64 at word 3 */
+static const md_io_info named_in[2] = {
+    {.name = "numeric", .dtype = "float32", .ndim = 1, .shape = s_3, .values = 3, .off = 0},
+    {.name = "ids", .dtype = "int64", .is_int = 1, .ndim = 0, .shape = NULL, .values = 1,
+     .off = 3},
+};
+
+static md_status open_named(const char *path, const char *format, const char *columns,
+                            const char *label, const md_io_info *in, int n, md_reader **r,
+                            md_err *err)
+{
+    json_t *cols = columns ? json_loads(columns, 0, NULL) : NULL;
+    md_reader_opts o = {.path = path, .format = format, .label = label, .inputs = in,
+                        .n_inputs = n, .columns = cols};
+    md_status st = md_reader_open(&o, r, err);
+    json_decref(cols);
+    return st;
+}
+
+/* The next row's words: numeric (3 floats) and ids (int64, exact). */
+static void expect_named(md_reader *r, float a, float b, float c, int64_t id, int64_t label)
+{
+    float row[8];
+    int64_t got_label = -7, got_id;
+    md_err err;
+    md_err_clear(&err);
+    assert_int_equal(md_reader_row_width(r), 5);
+    md_status st = md_reader_next(r, row, &got_label, &err);
+    if (st != MD_OK)
+        fail_msg("status %d: %s", st, err.msg);
+    assert_true(row[0] == a && row[1] == b && row[2] == c);
+    memcpy(&got_id, row + 3, sizeof got_id);
+    assert_true(got_id == id);
+    assert_int_equal(got_label, label);
+}
+
+static void test_named_csv_jsonl(void **state)
+{
+    (void)state;
+    char path[64];
+    md_reader *r;
+    md_err err;
+    write_temp(path, "age,bmi,bp,city,y\n1.5,2,3,9007199254740993,1\n-1,0,0.25,-4,0\n");
+    assert_int_equal(open_named(path, "csv",
+                                "{\"numeric\": [\"age\", \"bmi\", \"bp\"], \"ids\": \"city\"}", "y",
+                                named_in, 2, &r, &err),
+                     MD_OK);
+    expect_named(r, 1.5f, 2, 3, 9007199254740993LL, 1);
+    expect_named(r, -1, 0, 0.25f, -4, 0);
+    md_reader_close(r);
+    /* an integer input takes integers: 2.5 is a bad row (skippable), not 2 */
+    write_temp(path, "age,bmi,bp,city\n1,2,3,2.5\n1,2,3,7\n");
+    assert_int_equal(open_named(path, "csv",
+                                "{\"numeric\": [\"age\", \"bmi\", \"bp\"], \"ids\": \"city\"}", NULL,
+                                named_in, 2, &r, &err),
+                     MD_OK);
+    float row[8];
+    int64_t label;
+    assert_int_equal(md_reader_next(r, row, &label, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "row 0", "column \"city\" (input \"ids\")", "not an integer", NULL);
+    expect_named(r, 1, 2, 3, 7, -1);
+    md_reader_close(r);
+    /* columns: unknown input, missing column, wrong count */
+    assert_int_equal(open_named(path, "csv", "{\"nope\": \"age\"}", NULL, named_in, 2, &r, &err),
+                     MD_EINVAL);
+    assert_msg_has(err.msg, "\"nope\", which is not one of the model's inputs", NULL);
+    assert_int_equal(open_named(path, "csv", "{\"numeric\": [\"age\", \"x\", \"bp\"], \"ids\": \"city\"}",
+                                NULL, named_in, 2, &r, &err),
+                     MD_EINVAL);
+    assert_msg_has(err.msg, "the column \"x\" (input.columns) is not in the header", NULL);
+    assert_int_equal(open_named(path, "csv", "{\"numeric\": [\"age\"], \"ids\": \"city\"}", NULL,
+                                named_in, 2, &r, &err),
+                     MD_EINVAL);
+    assert_msg_has(err.msg, "names 1 columns, and input \"numeric\" takes 3 values a row", NULL);
+    /* jsonl: each input from the field of its name */
+    write_temp(path, "{\"numeric\": [1, 2, 3], \"ids\": 9007199254740993, \"label\": 1}\n"
+                     "{\"numeric\": [[0.5], [0], [1]], \"ids\": -1, \"label\": 0}\n"
+                     "{\"numeric\": [1, 2], \"ids\": 1, \"label\": 0}\n");
+    assert_int_equal(open_named(path, "jsonl", NULL, NULL, named_in, 2, &r, &err), MD_OK);
+    assert_true(md_reader_has_labels(r));
+    expect_named(r, 1, 2, 3, 9007199254740993LL, 1);
+    expect_named(r, 0.5f, 0, 1, -1, 0);
+    assert_int_equal(md_reader_next(r, row, &label, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "input \"numeric\" has 2 values, and takes 3 a row", NULL);
+    md_reader_close(r);
+}
+
+#define NPZ_DIR "tests/fixtures/npz/"
+
+static void test_npz_dataset(void **state)
+{
+    (void)state;
+    md_reader *r;
+    md_err err;
+    static const int64_t s_31[1] = {3};
+    const md_io_info in[2] = {
+        {.name = "x", .dtype = "float32", .ndim = 1, .shape = s_31, .values = 3, .off = 0},
+        {.name = "ids", .dtype = "int64", .is_int = 1, .ndim = 0, .values = 1, .off = 3},
+    };
+    const char *files[2] = {NPZ_DIR "dataset.npz", NPZ_DIR "dataset_stored.npz"};
+    for (int f = 0; f < 2; f++) {
+        assert_int_equal(open_named(files[f], "npz", NULL, "y", in, 2, &r, &err), MD_OK);
+        assert_int_equal(md_reader_total_rows(r), 4);
+        expect_named(r, 0, 0.25f, 0.5f, 9007199254740993LL, 0);
+        expect_named(r, 0.75f, 1, 1.25f, -1, 1);
+        expect_named(r, 1.5f, 1.75f, 2, 2, 0);
+        expect_named(r, 2.25f, 2.5f, 2.75f, 300, 1);
+        float row[8];
+        int64_t label;
+        assert_int_equal(md_reader_next(r, row, &label, &err), MD_ENOTFOUND);
+        md_reader_close(r);
+    }
+    /* a value its dtype does not hold is a bad row, and the next one reads */
+    const md_io_info u8[2] = {in[0], {.name = "ids", .dtype = "uint8", .is_int = 1, .ndim = 0,
+                                      .values = 1, .off = 3}};
+    assert_int_equal(open_named(files[0], "npz", NULL, NULL, u8, 2, &r, &err), MD_OK);
+    float row[8];
+    int64_t label;
+    assert_int_equal(md_reader_next(r, row, &label, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "row 0", "does not fit input \"ids\"'s dtype uint8", NULL);
+    assert_int_equal(md_reader_next(r, row, &label, &err), MD_EINVAL); /* -1 */
+    assert_int_equal(md_reader_next(r, row, &label, &err), MD_OK);     /* 2 */
+    md_reader_close(r);
+    /* a float array for an integer input, a missing array, rows that differ, damage */
+    const md_io_info xint[1] = {{.name = "x", .dtype = "int64", .is_int = 1, .ndim = 1,
+                                 .shape = s_31, .values = 3, .off = 0}};
+    assert_int_equal(open_named(files[0], "npz", NULL, NULL, xint, 1, &r, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "array \"x\" is floating point", "declared int64", NULL);
+    const md_io_info nope[1] = {{.name = "nope", .dtype = "float32", .ndim = 0, .values = 1}};
+    assert_int_equal(open_named(files[0], "npz", NULL, NULL, nope, 1, &r, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "no array \"nope\"", "ids", NULL);
+    assert_int_equal(open_named(NPZ_DIR "two.npz", "npz", NULL, NULL, in, 2, &r, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "has 3 rows, and array \"x\" 2", NULL);
+    assert_int_equal(open_named(NPZ_DIR "bomb_lying.npz", "npz", NULL, NULL, in, 2, &r, &err),
+                     MD_EINVAL);
+    assert_int_equal(open_named(NPZ_DIR "not_zip.npz", "npz", NULL, NULL, in, 2, &r, &err),
+                     MD_EINVAL);
+    /* a model without named inputs reads npy, not npz */
+    assert_int_equal(open_named(files[0], "npz", NULL, NULL, NULL, 0, &r, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "declares no config.inputs", NULL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_csv_small, remove_temps),
         cmocka_unit_test_teardown(test_chunk_offsets_and_layout, remove_temps),
+        cmocka_unit_test_teardown(test_named_csv_jsonl, remove_temps),
+        cmocka_unit_test(test_npz_dataset),
         cmocka_unit_test_teardown(test_csv_without_label, remove_temps),
         cmocka_unit_test_teardown(test_csv_features, remove_temps),
         cmocka_unit_test_teardown(test_csv_quoted, remove_temps),
