@@ -108,6 +108,8 @@ LIB_C   += predictor/inputs.c predictor/rows.c
 LIB_C   += checkpoint/s3.c
 # the blobs seam (blobs_impl.h): a directory (default) or S3 with a local cache
 LIB_C   += checkpoint/blobs_dir.c checkpoint/blobs_s3.c
+# job datasets in S3: inputs streamed by Range, image folders, outputs (issue 26)
+LIB_C   += checkpoint/s3_data.c
 LIB_CXX := predictor/torch_backend.cpp predictor/numparse.cpp
 LIB_S   := handlers/openapi_blob.S
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CXX:%.cpp=$(BUILD)/%.o) $(LIB_S:%.S=$(BUILD)/%.o)
@@ -132,7 +134,7 @@ UNIT_BINS  := $(UNIT_TESTS:%=$(BUILD)/tests/%)
 MODELD := $(if $(SAN_FLAGS),$(BUILD)/modeld,modeld)
 
 .PHONY: all run test unit unit-pg e2e asan tsan faults soak bench deps deps-build clean lint-openapi fixtures \
-	fixtures-check fuzz s3rver s3-live bench-cluster bench-shadow bench-multi-io \
+	fixtures-check fuzz s3rver s3-live bench-cluster bench-shadow bench-multi-io bench-jobs-cluster \
 	cuda-compile-check docker-check image-check deps-image
 
 all: $(MODELD)
@@ -325,6 +327,7 @@ bench: deps
 	$(MAKE) --no-print-directory bench-cluster
 	$(MAKE) --no-print-directory bench-shadow
 	$(MAKE) --no-print-directory bench-multi-io
+	$(MAKE) --no-print-directory bench-jobs-cluster
 
 # Named inputs and outputs (issue 27): the single-input figures of the build
 # before them and of this one side by side, then the two-input model under
@@ -345,6 +348,13 @@ bench-shadow: deps
 bench-cluster: deps
 	$(MAKE) all
 	$(PYTHON) bench/cluster.py --modeld $(CURDIR)/$(MODELD)
+
+# One job over every replica (issue 26): a 1M-row NPY job in S3 in
+# single-host mode and on 1, 2 and 3 replicas of one PostgreSQL index, and the
+# chunk claim rate (bench/jobs_cluster.py; s3rver from `make s3rver`).
+bench-jobs-cluster: deps $(S3RVER)
+	$(MAKE) all
+	$(PYTHON) bench/jobs_cluster.py --modeld $(CURDIR)/$(MODELD)
 
 clean:
 	rm -rf build build-asan build-tsan build-fuzz modeld

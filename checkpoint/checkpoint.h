@@ -198,6 +198,69 @@ md_fetch_opts md_fetch_opts_from_cfg(const md_cfg *cfg);
  * only when it is fetched. Thread-safe. */
 md_status md_source_check(const char *url, const md_fetch_opts *opts, md_err *err);
 
+/* ---- datasets in S3: job inputs and outputs (s3_data.c) ----
+ * Read and written with the AWS_* credentials of the S3 blob store
+ * (s3.h), only under the buckets and prefixes allowed_s3 lists. */
+
+/* Check the s3:// job path `url` (`what` names its field, "input.path")
+ * without talking to S3: an object (folder 0: s3://BUCKET/KEY) or a folder
+ * of images (folder 1: s3://BUCKET/PREFIX/ or s3://BUCKET/). MD_EINVAL
+ * invalid_path for a malformed URL or key; MD_EFORBIDDEN source_not_allowed
+ * outside allowed_s3 (403, as for deploys). bucket gets room for 64 bytes,
+ * key for 1025. Thread-safe; in download.c, next to the deploy check. */
+md_status md_s3_data_check(const char *url, const md_fetch_opts *o, const char *what, int folder,
+                           char *bucket, char *key, md_err *err);
+
+/* An S3 object read as a stream: md_s3_stream_open HEADs the object (size,
+ * ETag), then a thread reads it in pieces of a few MiB with Range GETs
+ * guarded by If-Match (an object replaced meanwhile fails the read, it is
+ * never mixed), retrying a piece that failed, and writes each piece to a
+ * pipe. *fd is the pipe's read end, the caller's to close; readers open it
+ * as /proc/self/fd/N like any file read front to back. Memory: one piece.
+ * The read end reaches EOF at the object's end or when the reading failed:
+ * md_s3_stream_status tells them apart. Thread-safe per handle. */
+typedef struct md_s3_stream md_s3_stream;
+md_status md_s3_stream_open(const char *url, const md_fetch_opts *o, const char *what, int *fd,
+                            md_s3_stream **out, md_err *err);
+/* As md_s3_stream_open, the bytes [0, head_bytes) then [from, to) of the
+ * object (to < 0: its end): a chunk of a dataset behind its header. */
+md_status md_s3_stream_open_range(const char *url, const md_fetch_opts *o, const char *what,
+                                  long long head_bytes, long long from, long long to, int *fd,
+                                  md_s3_stream **out, md_err *err);
+/* MD_OK while the stream is whole so far (or complete); else the failure
+ * (MD_EUNAVAIL s3_unavailable, MD_ECONFLICT when the object changed,
+ * MD_EIO), with its message into `err`. */
+md_status md_s3_stream_status(md_s3_stream *s, md_err *err);
+/* The object's size in bytes (from the HEAD). */
+long long md_s3_stream_size(const md_s3_stream *s);
+/* Stop and join the thread. Close every descriptor of the read end first
+ * (the thread's blocked write then fails with EPIPE). Accepts NULL. */
+void md_s3_stream_close(md_s3_stream *s);
+
+/* Copy the objects under the folder `url` (s3://BUCKET/PREFIX/, listed page
+ * by page, in key order) into the directory `dirfd` as files at the same
+ * relative paths (subdirectories made as needed), so a directory walk sees
+ * the folder as it is in S3. Keys with an empty, "." or ".." segment, and
+ * "folder" markers ending in '/', are skipped. More than max_files objects
+ * is MD_ETOOBIG (job_max_files); an object larger than max_file_bytes is not
+ * downloaded but made a sparse file of its size, so the reader rejects it
+ * as it would rejected that file on disk. keep_going (may be NULL) is asked
+ * between objects; 0 stops with MD_ECONFLICT. *files gets the objects
+ * copied. Blocks. Thread-safe. */
+md_status md_s3_fetch_folder(const char *url, const md_fetch_opts *o, int dirfd, int64_t max_files,
+                             long long max_file_bytes, int (*keep_going)(void *ctx), void *ctx,
+                             int64_t *files, md_err *err);
+
+/* Upload the file at `path` as the object `url` (s3://BUCKET/KEY, checked
+ * with md_s3_data_check): refused with MD_ECONFLICT output_exists when the
+ * object is there already (modeld never replaces an output), else one PUT,
+ * or a multipart upload past 16 MiB. path NULL: only that check, so a job
+ * learns a taken name before it computes. Blocks. Thread-safe. */
+md_status md_s3_data_put(const char *url, const md_fetch_opts *o, const char *path, md_err *err);
+
+/* Delete the object `url` (checked as above); absent is MD_OK. Blocks. */
+md_status md_s3_data_delete(const char *url, const md_fetch_opts *o, md_err *err);
+
 /* Download `url` (http, https or file) into a new blob writer: connect and
  * total timeouts, size limit, at most max_redirects redirects, each checked
  * like the URL itself; every connection refused when it goes to an internal

@@ -456,6 +456,45 @@ static md_status s3_source_check(const char *url, const md_fetch_opts *o, char *
                        url);
 }
 
+md_status md_s3_data_check(const char *url, const md_fetch_opts *o, const char *what, int folder,
+                            char *bucket, char *key, md_err *err)
+{
+    md_err perr;
+    if (md_s3_url_parse(url, bucket, key, &perr) != MD_OK)
+        return md_err_setc(err, MD_EINVAL, "invalid_path", "%s %.200s: %s", what, url, perr.msg);
+    size_t klen = strlen(key);
+    if (!folder && (klen == 0 || key[klen - 1] == '/'))
+        return md_err_setc(err, MD_EINVAL, "invalid_path",
+                           "%s %.200s names no object; give s3://BUCKET/KEY of the file", what,
+                           url);
+    if (folder && klen > 0 && key[klen - 1] != '/')
+        return md_err_setc(err, MD_EINVAL, "invalid_path",
+                           "%s %.200s: a folder of images in S3 is a prefix ending in '/', as "
+                           "s3://BUCKET/images/",
+                           what, url);
+    for (const char *seg = key; klen && seg && *seg;
+         seg = strchr(seg, '/') ? strchr(seg, '/') + 1 : NULL) {
+        size_t n = strcspn(seg, "/");
+        if ((n == 1 && seg[0] == '.') || (n == 2 && seg[0] == '.' && seg[1] == '.') || n == 0)
+            return md_err_setc(err, MD_EINVAL, "invalid_path",
+                               "%s %.200s: a key with an empty, \".\" or \"..\" segment is not "
+                               "accepted; name the object without them",
+                               what, url);
+    }
+    if (!o->allowed_s3 || o->allowed_s3->count == 0)
+        return md_err_setc(err, MD_EFORBIDDEN, "source_not_allowed",
+                           "%s %.200s: s3:// datasets are disabled; set allowed_s3 to the "
+                           "buckets (or BUCKET/PREFIX) jobs may read and write",
+                           what, url);
+    for (int i = 0; i < o->allowed_s3->count; i++)
+        if (s3_allowed_by(bucket, key, o->allowed_s3->items[i]))
+            return MD_OK;
+    return md_err_setc(err, MD_EFORBIDDEN, "source_not_allowed",
+                       "%s %.200s is not under any allowed_s3 entry (BUCKET or BUCKET/PREFIX); "
+                       "add it to the allowed_s3 setting",
+                       what, url);
+}
+
 /* Download s3://bucket/key into a new blob writer: HEAD first, so an object
  * past max_bytes is refused before a byte is written; then the bytes into
  * the writer's temp file (s3.c resumes a cut transfer), hashed there. */

@@ -120,6 +120,30 @@ static const char *const migrations[MD_INDEX_SCHEMA] = {
     "  state TEXT NOT NULL DEFAULT 'live' CHECK (state IN ('live','deleting')),"
     "  created_at TEXT NOT NULL);"
     "CREATE INDEX blob_keys_sha256 ON blob_keys(sha256, state);",
+    /* 9: one job over every replica (issue 26): as index_sqlite.c's 9 */
+    "CREATE TABLE job_chunks ("
+    "  job_id TEXT COLLATE \"C\" NOT NULL,"
+    "  seq BIGINT NOT NULL,"
+    "  start_row BIGINT NOT NULL,"
+    "  end_row BIGINT NOT NULL,"
+    "  start_byte BIGINT NOT NULL,"
+    "  end_byte BIGINT NOT NULL,"
+    "  status TEXT NOT NULL DEFAULT 'pending' CHECK (status IN ('pending','running','done')),"
+    "  owner TEXT,"
+    "  attempt BIGINT NOT NULL DEFAULT 0,"
+    "  lease_until DOUBLE PRECISION,"
+    "  rows_done BIGINT NOT NULL DEFAULT 0,"
+    "  rows_skipped BIGINT NOT NULL DEFAULT 0,"
+    "  correct BIGINT NOT NULL DEFAULT 0,"
+    "  labeled BIGINT NOT NULL DEFAULT 0,"
+    "  confusion TEXT,"
+    "  output_key TEXT,"
+    "  output_bytes BIGINT NOT NULL DEFAULT 0,"
+    "  taken_over BIGINT NOT NULL DEFAULT 0,"
+    "  PRIMARY KEY (job_id, seq));"
+    "CREATE INDEX job_chunks_claim ON job_chunks(status, job_id, seq);"
+    "ALTER TABLE jobs ADD COLUMN chunks_total BIGINT;"
+    "ALTER TABLE jobs ADD COLUMN chunk_plan TEXT;",
 };
 
 typedef struct md_index_pg {

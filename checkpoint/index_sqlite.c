@@ -93,6 +93,34 @@ static const char *const migrations[] = {
     "  state TEXT NOT NULL DEFAULT 'live' CHECK (state IN ('live','deleting')),"
     "  created_at TEXT NOT NULL);"
     "CREATE INDEX blob_keys_sha256 ON blob_keys(sha256, state);",
+    /* 9: one job over every replica (issue 26): the chunks a job is planned
+     * into (rows, and input bytes for CSV and JSON Lines), each claimed by a
+     * runner of any replica with a lease on the database's clock, finished
+     * once under owner and attempt; the job's chunk count and plan. SQLite
+     * (one host) makes the tables and never plans chunks. */
+    "CREATE TABLE job_chunks ("
+    "  job_id TEXT NOT NULL,"
+    "  seq INTEGER NOT NULL,"
+    "  start_row INTEGER NOT NULL,"
+    "  end_row INTEGER NOT NULL,"
+    "  start_byte INTEGER NOT NULL,"
+    "  end_byte INTEGER NOT NULL,"
+    "  status TEXT NOT NULL DEFAULT 'pending' CHECK (status IN ('pending','running','done')),"
+    "  owner TEXT,"
+    "  attempt INTEGER NOT NULL DEFAULT 0,"
+    "  lease_until REAL,"
+    "  rows_done INTEGER NOT NULL DEFAULT 0,"
+    "  rows_skipped INTEGER NOT NULL DEFAULT 0,"
+    "  correct INTEGER NOT NULL DEFAULT 0,"
+    "  labeled INTEGER NOT NULL DEFAULT 0,"
+    "  confusion TEXT,"
+    "  output_key TEXT,"
+    "  output_bytes INTEGER NOT NULL DEFAULT 0,"
+    "  taken_over INTEGER NOT NULL DEFAULT 0,"
+    "  PRIMARY KEY (job_id, seq));"
+    "CREATE INDEX job_chunks_claim ON job_chunks(status, job_id, seq);"
+    "ALTER TABLE jobs ADD COLUMN chunks_total INTEGER;"
+    "ALTER TABLE jobs ADD COLUMN chunk_plan TEXT;",
 };
 
 typedef struct md_index_sqlite {

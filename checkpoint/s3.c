@@ -43,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -737,7 +738,9 @@ md_status md_s3_map_error(const md_s3 *s3, int cc, long http_status, const char 
                                                         strlen(s3_code))
         snprintf(code, sizeof code, "%s", s3_code);
     md_text_escape(nat, sizeof nat, native ? native : "");
-    md_log(MD_LOG_WARN, "s3: %s s3://%s/%s at %s: curl %d, HTTP %ld %s: %s", op, bucket, k, where, cc,
+    /* a HEAD answered 404 is an answer (is the name free?), not a failure */
+    md_log(cc == 0 && http_status == 404 && op && !strcmp(op, "HEAD") ? MD_LOG_DEBUG : MD_LOG_WARN,
+           "s3: %s s3://%s/%s at %s: curl %d, HTTP %ld %s: %s", op, bucket, k, where, cc,
            http_status, code, nat);
 
     static const char *const unavailable[] = {"SlowDown", "ServiceUnavailable", "InternalError",
@@ -803,9 +806,12 @@ typedef struct s3_call {
     int mem_keep_all;     /* a 2xx listing: past mem_max is an error */
     int mem_overflow;
     int mem_nomem;        /* the answer's buffer could not grow */
-    /* the upload */
+    /* the upload: the whole file read with read(), or (src_ranged) the
+     * bytes [src_base, src_end) read with pread from src_pos */
     int src_fd;
     int src_errno;
+    int src_ranged;
+    int64_t src_base, src_pos, src_end;
     /* headers of the last answer */
     char etag[128];
     char content_range[128];
@@ -946,7 +952,13 @@ static size_t on_read(char *buf, size_t size, size_t n, void *ud)
 {
     s3_call *c = ud;
     for (;;) {
-        ssize_t r = read(c->src_fd, buf, size * n);
+        size_t want = size * n;
+        if (c->src_ranged && (int64_t)want > c->src_end - c->src_pos)
+            want = (size_t)(c->src_end - c->src_pos);
+        ssize_t r = c->src_ranged ? pread(c->src_fd, buf, want, (off_t)c->src_pos)
+                                  : read(c->src_fd, buf, want);
+        if (r > 0 && c->src_ranged)
+            c->src_pos += r;
         if (r >= 0)
             return (size_t)r;
         if (errno != EINTR) {
@@ -959,6 +971,12 @@ static size_t on_read(char *buf, size_t size, size_t n, void *ud)
 static int on_seek(void *ud, curl_off_t offset, int origin)
 {
     s3_call *c = ud;
+    if (c->src_ranged) {
+        if (origin != SEEK_SET || offset < 0 || offset > c->src_end - c->src_base)
+            return CURL_SEEKFUNC_FAIL;
+        c->src_pos = c->src_base + (int64_t)offset;
+        return CURL_SEEKFUNC_OK;
+    }
     return lseek(c->src_fd, (off_t)offset, origin) < 0 ? CURL_SEEKFUNC_FAIL : CURL_SEEKFUNC_OK;
 }
 
@@ -1098,8 +1116,10 @@ static md_status call_perform(md_s3 *s3, s3_call *c, const call_spec *sp, CURLco
     }
     if (!strcmp(sp->method, "HEAD"))
         curl_easy_setopt(e, CURLOPT_NOBODY, 1L);
-    else if (!strcmp(sp->method, "PUT")) {
+    else if (!strcmp(sp->method, "PUT") || sp->upload_fd >= 0) {
         curl_easy_setopt(e, CURLOPT_UPLOAD, 1L);
+        if (strcmp(sp->method, "PUT") != 0) /* a POST with a body (multipart's complete) */
+            curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, sp->method);
         c->src_fd = sp->upload_fd;
         curl_easy_setopt(e, CURLOPT_READFUNCTION, on_read);
         curl_easy_setopt(e, CURLOPT_READDATA, c);
@@ -1539,5 +1559,238 @@ md_status md_s3_list(md_s3 *s3, const char *prefix, int page_size, md_s3_list_fn
     free(token);
     free(prev);
     free(query);
+    return st;
+}
+
+/* ---- ranged reads and multipart uploads (job datasets, issue 26) ---- */
+
+md_status md_s3_get_range(md_s3 *s3, const char *key, int64_t offset, size_t len,
+                          const char *if_match, char *buf, size_t *got, md_err *err)
+{
+    *got = 0;
+    if (len == 0 || offset < 0 || len > MD_S3_RANGE_MAX)
+        return md_err_set(err, MD_EINVAL, "an S3 range read must ask for 1 to %d bytes",
+                          MD_S3_RANGE_MAX);
+    char fkey[MD_S3_KEY_MAX + 1];
+    md_status st = full_key(s3, key, fkey, err);
+    if (st != MD_OK)
+        return st;
+    char range[96], match[160];
+    snprintf(range, sizeof range, "Range: bytes=%" PRId64 "-%" PRId64, offset,
+             offset + (int64_t)len - 1);
+    const char *headers[3] = {range, NULL, NULL};
+    if (if_match && if_match[0]) {
+        snprintf(match, sizeof match, "If-Match: %s", if_match);
+        headers[1] = match;
+    }
+    call_spec sp = {.method = "GET", .fkey = fkey, .query = "", .headers = headers, .upload_fd = -1,
+                    .bounded = 1};
+    s3_call c;
+    /* the piece into memory, bounded by what was asked (an error answer by
+     * its own bound) */
+    call_init(&c, len > MD_S3_ERROR_BODY_MAX ? len : MD_S3_ERROR_BODY_MAX, 1);
+    CURLcode cc = CURLE_FAILED_INIT;
+    st = c.curl ? call_perform(s3, &c, &sp, &cc, err) : md_err_set(err, MD_ENOMEM, "no libcurl handle");
+    if (st == MD_OK)
+        st = call_verdict(s3, &c, cc, "GET", fkey, NULL, err);
+    if (st == MD_OK) {
+        long code = response_code(&c);
+        char k[200];
+        md_text_escape(k, sizeof k, fkey);
+        if (code == 206 && !range_starts_at(c.content_range, offset))
+            st = md_err_set(err, MD_EIO, "S3 answered a range of s3://%s/%s that does not start "
+                            "at byte %" PRId64, s3->bucket, k, offset);
+        else if (code != 206 && offset > 0)
+            st = md_err_set(err, MD_EIO, "S3 ignored the range asked of s3://%s/%s (HTTP %ld)",
+                            s3->bucket, k, code);
+        else if (c.mem_len > len)
+            st = md_err_set(err, MD_EIO, "S3 answered more of s3://%s/%s than the range asked",
+                            s3->bucket, k);
+        else {
+            if (c.mem_len)
+                memcpy(buf, c.mem, c.mem_len);
+            *got = c.mem_len;
+        }
+    }
+    call_free(&c);
+    return st;
+}
+
+/* sha256 of the bytes [off, off + len) of fd as hex. */
+static md_status range_sha256(int fd, int64_t off, int64_t len, char hex[65], md_err *err,
+                              const char *shown)
+{
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    if (!ctx || EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) != 1) {
+        EVP_MD_CTX_free(ctx);
+        return md_err_set(err, MD_EINTERNAL, "sha256 is not available from OpenSSL");
+    }
+    static __thread unsigned char buf[65536];
+    md_status st = MD_OK;
+    while (len > 0) {
+        size_t want = len < (int64_t)sizeof buf ? (size_t)len : sizeof buf;
+        ssize_t r = pread(fd, buf, want, (off_t)off);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            st = md_err_set(err, MD_EIO, "cannot read %s to upload it: %s", shown,
+                            r < 0 ? strerror(errno) : "the file is shorter than it was");
+            break;
+        }
+        EVP_DigestUpdate(ctx, buf, (size_t)r);
+        off += r;
+        len -= r;
+    }
+    unsigned char md[32];
+    unsigned int mdn = 0;
+    if (st == MD_OK)
+        EVP_DigestFinal_ex(ctx, md, &mdn);
+    EVP_MD_CTX_free(ctx);
+    if (st == MD_OK)
+        for (int i = 0; i < 32; i++)
+            snprintf(hex + 2 * i, 3, "%02x", md[i]);
+    return st;
+}
+
+/* One request whose body is the bytes [off, off + len) of fd; the answer's
+ * ETag into etag (may be NULL), its body (bounded) kept in *c for the caller
+ * to read and free. */
+static md_status ranged_upload(md_s3 *s3, const char *method, const char *fkey, const char *query,
+                               int fd, int64_t off, int64_t len, const char *shown, char *etag,
+                               size_t etag_size, s3_call *c, md_err *err)
+{
+    call_init(c, MD_S3_ERROR_BODY_MAX, 0);
+    char sha[65];
+    md_status st = range_sha256(fd, off, len, sha, err, shown);
+    if (st != MD_OK)
+        return st;
+    c->src_ranged = 1;
+    c->src_base = c->src_pos = off;
+    c->src_end = off + len;
+    call_spec sp = {.method = method, .fkey = fkey, .query = query, .payload_sha = sha,
+                    .upload_fd = fd, .upload_size = len};
+    CURLcode cc = CURLE_FAILED_INIT;
+    st = c->curl ? call_perform(s3, c, &sp, &cc, err) : md_err_set(err, MD_ENOMEM, "no libcurl handle");
+    if (st == MD_OK)
+        st = call_verdict(s3, c, cc, method, fkey, shown, err);
+    if (st == MD_OK && etag)
+        snprintf(etag, etag_size, "%s", c->etag);
+    return st;
+}
+
+md_status md_s3_put_file_multipart(md_s3 *s3, const char *key, const char *path, int64_t part_bytes,
+                                   md_err *err)
+{
+    if (part_bytes < 1)
+        part_bytes = MD_S3_PART_BYTES_DEFAULT;
+    char fkey[MD_S3_KEY_MAX + 1], shown[160];
+    md_status st = full_key(s3, key, fkey, err);
+    if (st != MD_OK)
+        return st;
+    md_text_escape(shown, sizeof shown, path);
+    int fd = -1;
+    long long size = 0;
+    if ((st = open_upload(path, shown, &fd, &size, err)) != MD_OK)
+        return st;
+    if (size <= part_bytes) {
+        close(fd);
+        return put_file(s3, key, path, NULL, err);
+    }
+    int64_t parts = (size + part_bytes - 1) / part_bytes;
+    if (parts > 10000) {
+        close(fd);
+        return md_err_set(err, MD_ETOOBIG, "%s is %lld bytes: more than S3's 10000 parts of %lld "
+                          "bytes", shown, size, (long long)part_bytes);
+    }
+    /* CreateMultipartUpload */
+    char query[1024 + 64];
+    md_s3_param p1[1] = {{"uploads", ""}};
+    md_s3_query_build(query, sizeof query, p1, 1);
+    call_spec sp = {.method = "POST", .fkey = fkey, .query = query, .upload_fd = -1, .bounded = 1};
+    s3_call c;
+    call_init(&c, MD_S3_ERROR_BODY_MAX, 0);
+    CURLcode cc = CURLE_FAILED_INIT;
+    st = c.curl ? call_perform(s3, &c, &sp, &cc, err) : md_err_set(err, MD_ENOMEM, "no libcurl handle");
+    if (st == MD_OK)
+        st = call_verdict(s3, &c, cc, "POST", fkey, NULL, err);
+    char upload_id[1024] = "";
+    if (st == MD_OK && (!c.mem || md_s3_xml_text(c.mem, c.mem_len, "UploadId", upload_id,
+                                                 sizeof upload_id) != 1))
+        st = malformed(err, "no UploadId in the answer to CreateMultipartUpload");
+    call_free(&c);
+    if (st != MD_OK) {
+        close(fd);
+        return st;
+    }
+    /* the parts, then CompleteMultipartUpload with their ETags in order */
+    size_t body_cap = 128 + (size_t)parts * 200, body_len = 0;
+    char *body = malloc(body_cap);
+    if (!body)
+        st = md_err_set(err, MD_ENOMEM, "no memory for a multipart upload's part list");
+    if (st == MD_OK)
+        body_len = (size_t)snprintf(body, body_cap, "<CompleteMultipartUpload>");
+    for (int64_t i = 0; st == MD_OK && i < parts; i++) {
+        char num[24], etag[128], esc[160];
+        snprintf(num, sizeof num, "%" PRId64, i + 1);
+        md_s3_param pp[2] = {{"partNumber", num}, {"uploadId", upload_id}};
+        md_s3_query_build(query, sizeof query, pp, 2);
+        int64_t off = i * part_bytes, len = size - off < part_bytes ? size - off : part_bytes;
+        st = ranged_upload(s3, "PUT", fkey, query, fd, off, len, shown, etag, sizeof etag, &c, err);
+        call_free(&c);
+        if (st == MD_OK && !etag[0])
+            st = malformed(err, "no ETag in the answer to UploadPart");
+        if (st != MD_OK)
+            break;
+        /* an ETag is quoted hex: only '"' needs escaping in XML text */
+        size_t k = 0;
+        for (const char *e = etag; *e && k + 7 < sizeof esc; e++) {
+            if (*e == '"')
+                memcpy(esc + k, "&quot;", 6), k += 6;
+            else if (*e == '&' || *e == '<')
+                continue;
+            else
+                esc[k++] = *e;
+        }
+        esc[k] = '\0';
+        body_len += (size_t)snprintf(body + body_len, body_cap - body_len,
+                                     "<Part><PartNumber>%s</PartNumber><ETag>%s</ETag></Part>", num,
+                                     esc);
+    }
+    if (st == MD_OK) {
+        body_len += (size_t)snprintf(body + body_len, body_cap - body_len,
+                                     "</CompleteMultipartUpload>");
+        int mfd = memfd_create("md-s3-complete", MFD_CLOEXEC);
+        if (mfd < 0 || write(mfd, body, body_len) != (ssize_t)body_len)
+            st = md_err_set(err, MD_EIO, "cannot stage a multipart upload's part list: %s",
+                            strerror(errno));
+        md_s3_param pc[1] = {{"uploadId", upload_id}};
+        md_s3_query_build(query, sizeof query, pc, 1);
+        if (st == MD_OK)
+            st = ranged_upload(s3, "POST", fkey, query, mfd, 0, (int64_t)body_len, shown, NULL, 0,
+                               &c, err);
+        /* S3 may answer 200 with an <Error> body when the completion fails */
+        char code[64] = "", msg[256] = "";
+        if (st == MD_OK && c.mem && memmem(c.mem, c.mem_len, "<Error>", 7)) {
+            md_s3_parse_error(c.mem, c.mem_len, code, sizeof code, msg, sizeof msg);
+            st = md_s3_map_error(s3, 0, 500, code, msg, "POST", fkey, err);
+        }
+        call_free(&c);
+        if (mfd >= 0)
+            close(mfd);
+    }
+    free(body);
+    close(fd);
+    if (st != MD_OK) {
+        /* AbortMultipartUpload, so the parts stop costing storage */
+        md_s3_param pa[1] = {{"uploadId", upload_id}};
+        md_s3_query_build(query, sizeof query, pa, 1);
+        call_spec sa = {.method = "DELETE", .fkey = fkey, .query = query, .upload_fd = -1,
+                        .bounded = 1};
+        call_init(&c, MD_S3_ERROR_BODY_MAX, 0);
+        md_err ignored;
+        if (c.curl)
+            call_perform(s3, &c, &sa, &cc, &ignored);
+        call_free(&c);
+    }
     return st;
 }

@@ -169,6 +169,27 @@ typedef int (*md_s3_list_fn)(void *ctx, const md_s3_object *obj);
 md_status md_s3_list(md_s3 *s3, const char *prefix, int page_size, md_s3_list_fn fn, void *ctx,
                      md_err *err);
 
+/* Read the bytes [offset, offset + len) of `key` into `buf` (len bytes, at
+ * most MD_S3_RANGE_MAX) with one "Range" GET, guarded by "If-Match:
+ * if_match" when if_match is non-empty (an object replaced meanwhile is
+ * MD_ECONFLICT, HTTP 412). *got is the bytes read: fewer than len only at
+ * the object's end. An answer that ignores the range (past offset 0) or
+ * starts elsewhere is MD_EIO. Bounded by request_timeout_ms and the
+ * low-speed limit, so a stalled server fails the call, never hangs it. */
+#define MD_S3_RANGE_MAX (64 << 20)
+md_status md_s3_get_range(md_s3 *s3, const char *key, int64_t offset, size_t len,
+                          const char *if_match, char *buf, size_t *got, md_err *err);
+
+/* Upload the file at `path` as `key`: one PUT when it is at most
+ * `part_bytes` (0: MD_S3_PART_BYTES_DEFAULT), else a multipart upload of
+ * parts of part_bytes (each signed with its own sha256, read with pread so
+ * the file is never held in memory), completed with the parts' ETags in
+ * order, and aborted on any failure so no half object and no orphan parts
+ * remain. More than 10000 parts is MD_ETOOBIG. */
+#define MD_S3_PART_BYTES_DEFAULT ((int64_t)16 << 20)
+md_status md_s3_put_file_multipart(md_s3 *s3, const char *key, const char *path, int64_t part_bytes,
+                                   md_err *err);
+
 /* ---- the one request path, for tests and operations not wrapped above ---- */
 
 typedef struct md_s3_param {

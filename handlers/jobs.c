@@ -8,6 +8,10 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <regex.h>
+
+/* md_s3_data_check's buffers (checkpoint.h) */
+#define MD_S3_BUCKET_CHARS 64
+#define MD_S3_KEY_CHARS 1025
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +35,11 @@ static md_status jobs_unavailable(md_err *err)
 
 static md_status check_input(const md_cfg *cfg, const char *what, const char *path, md_err *err)
 {
+    if (!strncmp(path, "s3://", 5)) { /* allowed_s3 only: S3 itself is asked by the runner */
+        md_fetch_opts fo = md_fetch_opts_from_cfg(cfg);
+        char bucket[MD_S3_BUCKET_CHARS], key[MD_S3_KEY_CHARS];
+        return md_s3_data_check(path, &fo, what, 0, bucket, key, err);
+    }
     int fd;
     md_status st = md_path_open_file(&cfg->allowed_paths, what, path, "input_not_found", &fd, err);
     if (st == MD_OK)
@@ -42,6 +51,11 @@ static md_status check_input(const md_cfg *cfg, const char *what, const char *pa
  * symlinks, and nothing there yet (a job never replaces a file). */
 static md_status check_output(const md_cfg *cfg, const char *path, md_err *err)
 {
+    if (!strncmp(path, "s3://", 5)) { /* whether it exists is the runner's check */
+        md_fetch_opts fo = md_fetch_opts_from_cfg(cfg);
+        char bucket[MD_S3_BUCKET_CHARS], key[MD_S3_KEY_CHARS];
+        return md_s3_data_check(path, &fo, "output.path", 0, bucket, key, err);
+    }
     int dirfd;
     const char *leaf;
     md_status st = md_path_open_dir(&cfg->allowed_paths, "output.path", path, "invalid_path",
@@ -83,11 +97,19 @@ static md_status check_images_input(const md_cfg *cfg, json_t *in, md_err *err)
         return md_err_setc(err, MD_EINVAL, "invalid_job",
                            "input.path is required for format images: the directory of images");
     int fd;
-    md_status st = md_path_open_directory(&cfg->allowed_paths, "input.path", path,
-                                          "input_not_found", &fd, err);
-    if (st != MD_OK)
-        return st;
-    close(fd);
+    md_status st;
+    if (!strncmp(path, "s3://", 5)) {
+        md_fetch_opts fo = md_fetch_opts_from_cfg(cfg);
+        char bucket[MD_S3_BUCKET_CHARS], key[MD_S3_KEY_CHARS];
+        if ((st = md_s3_data_check(path, &fo, "input.path", 1, bucket, key, err)) != MD_OK)
+            return st;
+    } else {
+        st = md_path_open_directory(&cfg->allowed_paths, "input.path", path, "input_not_found",
+                                    &fd, err);
+        if (st != MD_OK)
+            return st;
+        close(fd);
+    }
     json_t *lf = json_object_get(in, "label_from");
     if (!lf || (json_is_string(lf) && one_of(json_string_value(lf),
                                              (const char *const[]){"folder", "none", NULL})))
@@ -135,7 +157,7 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
                           size_t out_size, md_err *err)
 {
     static const char *const top[] = {"model", "version", "input", "output", "batch_size",
-                                      "top_k", "on_error", "record_metric", NULL};
+                                      "top_k", "on_error", "record_metric", "chunk_rows", NULL};
     static const char *const in_keys[] = {"path", "url", "format", "features", "label", "shape",
                                           "label_from", "columns", NULL};
     static const char *const out_keys[] = {"path", "format", "include", NULL};
@@ -201,6 +223,14 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
     if (!one_of(json_string_value(json_object_get(in, "format")), in_formats))
         return md_err_setc(err, MD_EINVAL, "invalid_format",
                            "input.format must be one of csv, jsonl, npy, npz, idx, images");
+    /* an NPZ is a zip, read from its directory at the end: not a stream */
+    if (path && !strncmp(path, "s3://", 5) &&
+        !strcmp(json_string_value(json_object_get(in, "format")), "npz"))
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "input.path %.200s: an npz input is read from its zip directory, not "
+                           "as a stream, so it cannot be read from S3 yet; copy it under "
+                           "allowed_paths, or put one npy per input in S3",
+                           path);
     if (path && !images && (st = check_input(app->cfg, "input.path", path, err)) != MD_OK)
         return st;
     md_fetch_opts fo = md_fetch_opts_from_cfg(app->cfg);
@@ -239,10 +269,19 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
         if ((st = check_output(app->cfg, opath, err)) != MD_OK)
             return st;
         snprintf(out_path, out_size, "%s", opath);
+        if (!strncmp(opath, "s3://", 5)) /* written in the store, then put in S3 */
+            snprintf(out_path, out_size, "%s/jobs/%s.%s", md_store_dir(app->store), id,
+                     ofmt ? ofmt : "jsonl");
     } else {
         snprintf(out_path, out_size, "%s/jobs/%s.%s", md_store_dir(app->store), id,
                  ofmt ? ofmt : "jsonl");
     }
+    json_t *cr = json_object_get(spec, "chunk_rows");
+    if (cr && (!json_is_integer(cr) || json_integer_value(cr) < 1 ||
+               json_integer_value(cr) > 1000000000))
+        return md_err_setc(err, MD_EINVAL, "invalid_job",
+                           "chunk_rows must be an integer in 1..1000000000 (rows per chunk of a "
+                           "job over every replica; rounded up to whole batches)");
     json_t *bs = json_object_get(spec, "batch_size");
     if (bs && (!json_is_integer(bs) || json_integer_value(bs) < 1 || json_integer_value(bs) > 65536))
         return md_err_setc(err, MD_EINVAL, "invalid_job", "batch_size must be an integer in 1..65536");
@@ -437,7 +476,8 @@ void md_handle_job_output(md_req *req)
     json_t *spec_out = json_object_get(json_object_get(job, "spec"), "output");
     int fd = -1;
     struct stat sb;
-    if (json_is_string(json_object_get(spec_out, "path"))) {
+    const char *spec_path = json_string_value(json_object_get(spec_out, "path"));
+    if (spec_path && strncmp(spec_path, "s3://", 5) != 0) { /* s3://: the store's copy */
         md_err_clear(&err);
         if (md_path_open_file(&app->cfg->allowed_paths, "output.path", path, "output_missing",
                               &fd, &err) != MD_OK)

@@ -355,3 +355,5 @@ void md_gz_close(md_gz *g)
     free(g->st);
     free(g);
 }
+
+int md_gz_is_gzip(const md_gz *g) { return g && g->gzip; }

@@ -35,4 +35,8 @@ const char *md_gz_error(const md_gz *g, int *sys_errno);
 
 void md_gz_close(md_gz *g);
 
+/* 1 when the file is gzip (inflated as it is read), which has no random
+ * access: a chunked job keeps it one chunk. */
+int md_gz_is_gzip(const md_gz *g);
+
 #endif

@@ -16,7 +16,7 @@
 #define JOB_COLS                                                                              \
     "id, model, version, spec, status, rows_done, rows_total, rows_skipped, output_path, "   \
     "output_bytes, correct, labeled, confusion, rows_per_s, partial, error, created_at, "    \
-    "started_at, finished_at, updated_at, owner, files_skipped, accuracy_note "
+    "started_at, finished_at, updated_at, owner, files_skipped, accuracy_note, chunks_total "
 
 static json_t *col_or_null(md_ixstmt *st, int i)
 {
@@ -38,7 +38,8 @@ static json_t *job_json(md_ixstmt *st)
                                   "rows_total", "rows_skipped", "output_path", "output_bytes",
                                   "correct", "labeled", "confusion", "rows_per_s", "partial",
                                   "error", "created_at", "started_at", "finished_at",
-                                  "updated_at", "owner", "files_skipped", "accuracy_note"};
+                                  "updated_at", "owner", "files_skipped", "accuracy_note",
+                                  "chunks_total"};
     json_t *j = json_object();
     for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++) {
         if (i == 3 || i == 12) {
@@ -89,6 +90,39 @@ out:
     return rc;
 }
 
+/* A chunked job's progress: "chunks": {total, done, running, pending,
+ * holders: the owners of its running chunks}. The lock held. */
+static void chunk_summary(md_store *s, const char *id, json_t *job)
+{
+    md_err err;
+    md_ixstmt *st = prep(s, "SELECT status, owner, count(*) FROM job_chunks WHERE job_id = ?1 "
+                            "GROUP BY status, owner ORDER BY status, owner", &err);
+    if (!st)
+        return;
+    ix_bind_text(st, 1, id);
+    long long done = 0, running = 0, pending = 0;
+    json_t *holders = json_array();
+    while (ix_step(st) == MD_IX_ROW) {
+        const char *status = ix_column_text(st, 0);
+        const char *owner = ix_column_text(st, 1);
+        long long n = ix_column_int64(st, 2);
+        if (status && !strcmp(status, "done"))
+            done += n;
+        else if (status && !strcmp(status, "running")) {
+            running += n;
+            if (owner)
+                json_array_append_new(holders, json_string(owner));
+        } else
+            pending += n;
+    }
+    ix_finalize(st);
+    json_object_set_new(job, "chunks",
+                        json_pack("{s:I,s:I,s:I,s:I,s:o}", "total",
+                                  (json_int_t)json_integer_value(json_object_get(job, "chunks_total")),
+                                  "done", (json_int_t)done, "running", (json_int_t)running,
+                                  "pending", (json_int_t)pending, "holders", holders));
+}
+
 md_status md_store_job_get(md_store *s, const char *id, json_t **out, md_err *err)
 {
     pthread_mutex_lock(&s->mu);
@@ -100,8 +134,11 @@ md_status md_store_job_get(md_store *s, const char *id, json_t **out, md_err *er
     }
     ix_bind_text(st, 1, id);
     int step = ix_step(st);
-    if (step == MD_IX_ROW)
+    if (step == MD_IX_ROW) {
         *out = job_json(st);
+        if (json_integer_value(json_object_get(*out, "chunks_total")) > 0)
+            chunk_summary(s, id, *out);
+    }
     else if (step == MD_IX_ERROR) /* not a 404: the index could not answer */
         rc = db_fail(s, err, "read the job");
     else
@@ -407,4 +444,357 @@ void md_jobs_write_metrics(md_store *s, FILE *f)
         md_prom_label(l, sizeof l, "state", states[i]);
         md_prom_sample(f, "modeld_job_rows_done", l, (double)rows[i]);
     }
+    md_jobs_write_chunk_metrics(f);
+}
+
+/* ---- chunks of one job over every replica (issue 26) ----
+ *
+ * PostgreSQL only (md_store_jobs_chunked): a claim is one UPDATE of the
+ * first claimable chunk picked with FOR UPDATE SKIP LOCKED, so runners of
+ * every replica claim different chunks without waiting on one another;
+ * leases are seconds on the DATABASE's clock (clock_timestamp()), never on
+ * a host's. A chunk is finished only by the owner and attempt that claimed
+ * it, inside one transaction that also adds its counts to the job's, so a
+ * runner that lost its chunk (paused past its lease, then resumed) finishes
+ * nothing, and every row is counted once. */
+
+#define DB_NOW "extract(epoch from clock_timestamp())"
+
+int md_store_jobs_chunked(md_store *s)
+{
+#ifdef MD_WITH_PG
+    return s->ix->ops == &md_index_pg_ops;
+#else
+    (void)s;
+    return 0;
+#endif
+}
+
+md_status md_store_chunks_plan(md_store *s, const char *job_id, const char *owner, json_t *chunks,
+                               json_t *plan, int *planned, md_err *err)
+{
+    *planned = 0;
+    char *plan_text = json_dumps(plan, JSON_COMPACT);
+    pthread_mutex_lock(&s->mu);
+    md_status rc = txn_begin(s, err);
+    if (rc != MD_OK)
+        goto out;
+    md_ixstmt *up = prep(s, "UPDATE jobs SET chunks_total = ?1, chunk_plan = ?2 WHERE id = ?3 AND "
+                            "owner = ?4 AND chunks_total IS NULL", err);
+    if (!up)
+        rc = MD_EIO;
+    if (rc == MD_OK) {
+        ix_bind_int64(up, 1, (long long)json_array_size(chunks));
+        ix_bind_text(up, 2, plan_text);
+        ix_bind_text(up, 3, job_id);
+        ix_bind_text(up, 4, owner);
+        if (ix_step(up) != MD_IX_DONE)
+            rc = db_fail(s, err, "plan job chunks");
+        else if (ix_changes(s->ix) != 1)
+            rc = md_err_setc(err, MD_ECONFLICT, "job_lease_lost",
+                             "job %s is planned already or held by another process", job_id);
+    }
+    ix_finalize(up);
+    md_ixstmt *ins = rc == MD_OK ? prep(s, "INSERT INTO job_chunks (job_id, seq, start_row, "
+                                           "end_row, start_byte, end_byte) VALUES (?1,?2,?3,?4,?5,?6)",
+                                        err)
+                                 : NULL;
+    if (rc == MD_OK && !ins)
+        rc = MD_EIO;
+    for (size_t i = 0; rc == MD_OK && i < json_array_size(chunks); i++) {
+        json_t *c = json_array_get(chunks, i);
+        ix_reset(ins);
+        ix_bind_text(ins, 1, job_id);
+        ix_bind_int64(ins, 2, (long long)i);
+        for (int k = 0; k < 4; k++)
+            ix_bind_int64(ins, 3 + k, json_integer_value(json_array_get(c, (size_t)k)));
+        if (ix_step(ins) != MD_IX_DONE)
+            rc = db_fail(s, err, "insert job chunk");
+    }
+    ix_finalize(ins);
+    rc = txn_end(s, rc, TXN_KEEP, err);
+    *planned = rc == MD_OK;
+out:
+    pthread_mutex_unlock(&s->mu);
+    free(plan_text);
+    return rc;
+}
+
+md_status md_store_chunk_plan_get(md_store *s, const char *job_id, json_t **plan, md_err *err)
+{
+    *plan = NULL;
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    md_ixstmt *st = prep(s, "SELECT chunk_plan FROM jobs WHERE id = ?1", err);
+    if (!st)
+        rc = MD_EIO;
+    else {
+        ix_bind_text(st, 1, job_id);
+        int r = ix_step(st);
+        if (r == MD_IX_ROW && ix_column_type(st, 0) != MD_IXT_NULL)
+            *plan = json_col(st, 0);
+        else if (r == MD_IX_ERROR)
+            rc = db_fail(s, err, "read the job's chunk plan");
+    }
+    ix_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_chunk_claim(md_store *s, const char *owner, double lease_s, const char *only_job,
+                               md_job_chunk *c, int *found, md_err *err)
+{
+    *found = 0;
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    md_ixstmt *st = prep(
+        s,
+        "UPDATE job_chunks c SET status = 'running', owner = ?1, attempt = c.attempt + 1, "
+        "lease_until = " DB_NOW " + ?2, "
+        "taken_over = CASE WHEN c.status = 'running' THEN 1 ELSE 0 END "
+        "FROM (SELECT k.job_id, k.seq FROM job_chunks k JOIN jobs j ON j.id = k.job_id "
+        "      WHERE j.status IN ('queued','running') AND j.cancel_requested = 0 "
+        "        AND (CAST(?3 AS TEXT) IS NULL OR k.job_id = ?3) "
+        "        AND (k.status = 'pending' OR (k.status = 'running' AND k.lease_until < " DB_NOW "))"
+        "      ORDER BY j.created_at, k.job_id, k.seq LIMIT 1 FOR UPDATE OF k SKIP LOCKED) pick "
+        "WHERE c.job_id = pick.job_id AND c.seq = pick.seq "
+        "RETURNING c.job_id, c.seq, c.start_row, c.end_row, c.start_byte, c.end_byte, c.attempt, "
+        "c.taken_over",
+        err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    ix_bind_text(st, 1, owner);
+    ix_bind_double(st, 2, lease_s);
+    if (only_job)
+        ix_bind_text(st, 3, only_job);
+    else
+        ix_bind_null(st, 3);
+    int r = ix_step(st);
+    if (r == MD_IX_ROW) {
+        memset(c, 0, sizeof *c);
+        snprintf(c->job_id, sizeof c->job_id, "%s", ix_column_text(st, 0));
+        c->seq = ix_column_int64(st, 1);
+        c->start_row = ix_column_int64(st, 2);
+        c->end_row = ix_column_int64(st, 3);
+        c->start_byte = ix_column_int64(st, 4);
+        c->end_byte = ix_column_int64(st, 5);
+        c->attempt = ix_column_int64(st, 6);
+        c->taken_over = (int)ix_column_int64(st, 7);
+        *found = 1;
+        r = ix_step(st);
+    }
+    if (r != MD_IX_DONE)
+        rc = db_fail(s, err, "claim a job chunk");
+    ix_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_chunk_renew(md_store *s, const md_job_chunk *c, const char *owner, double lease_s,
+                               int *cancel_requested, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    md_ixstmt *st = prep(s,
+                         "UPDATE job_chunks SET lease_until = " DB_NOW " + ?1 WHERE job_id = ?2 "
+                         "AND seq = ?3 AND owner = ?4 AND attempt = ?5 AND status = 'running' "
+                         "RETURNING (SELECT cancel_requested FROM jobs WHERE id = ?2)",
+                         err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    ix_bind_double(st, 1, lease_s);
+    ix_bind_text(st, 2, c->job_id);
+    ix_bind_int64(st, 3, c->seq);
+    ix_bind_text(st, 4, owner);
+    ix_bind_int64(st, 5, c->attempt);
+    int r = ix_step(st);
+    if (r == MD_IX_ROW) {
+        if (cancel_requested)
+            *cancel_requested = (int)ix_column_int64(st, 0);
+        r = ix_step(st);
+        if (r != MD_IX_DONE)
+            rc = db_fail(s, err, "renew a job chunk");
+    } else if (r == MD_IX_DONE) {
+        rc = md_err_setc(err, MD_ECONFLICT, "chunk_lease_lost",
+                         "chunk %lld of job %s is no longer held by this process (attempt %lld)",
+                         (long long)c->seq, c->job_id, (long long)c->attempt);
+    } else {
+        rc = db_fail(s, err, "renew a job chunk");
+    }
+    ix_finalize(st);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_chunk_finish(md_store *s, const md_job_chunk *c, const char *owner,
+                                const md_job_chunk_counts *n, const char *output_key,
+                                int *all_done, md_err *err)
+{
+    *all_done = 0;
+    char now[32];
+    now_iso(now);
+    pthread_mutex_lock(&s->mu);
+    md_status rc = txn_begin(s, err);
+    if (rc != MD_OK)
+        goto out;
+    md_ixstmt *st = prep(s,
+                         "UPDATE job_chunks SET status = 'done', lease_until = NULL, rows_done = ?1, "
+                         "rows_skipped = ?2, correct = ?3, labeled = ?4, confusion = ?5, "
+                         "output_key = ?6, output_bytes = ?7 WHERE job_id = ?8 AND seq = ?9 AND "
+                         "owner = ?10 AND attempt = ?11 AND status = 'running'",
+                         err);
+    if (!st)
+        rc = MD_EIO;
+    if (rc == MD_OK) {
+        ix_bind_int64(st, 1, n->rows);
+        ix_bind_int64(st, 2, n->skipped);
+        ix_bind_int64(st, 3, n->correct);
+        ix_bind_int64(st, 4, n->labeled);
+        if (n->confusion)
+            ix_bind_text(st, 5, n->confusion);
+        else
+            ix_bind_null(st, 5);
+        ix_bind_text(st, 6, output_key);
+        ix_bind_int64(st, 7, n->output_bytes);
+        ix_bind_text(st, 8, c->job_id);
+        ix_bind_int64(st, 9, c->seq);
+        ix_bind_text(st, 10, owner);
+        ix_bind_int64(st, 11, c->attempt);
+        if (ix_step(st) != MD_IX_DONE)
+            rc = db_fail(s, err, "finish a job chunk");
+        else if (ix_changes(s->ix) != 1)
+            rc = md_err_setc(err, MD_ECONFLICT, "chunk_lease_lost",
+                             "chunk %lld of job %s was taken over (attempt %lld is not its "
+                             "holder any more): this finish is refused",
+                             (long long)c->seq, c->job_id, (long long)c->attempt);
+    }
+    ix_finalize(st);
+    /* a cancelled (or ended) job takes no more chunks: its output is being
+     * assembled from what was done before */
+    st = rc == MD_OK ? prep(s, "SELECT 1 FROM jobs WHERE id = ?1 AND status IN ('queued','running') "
+                               "AND cancel_requested = 0", err)
+                     : NULL;
+    if (rc == MD_OK && !st)
+        rc = MD_EIO;
+    if (rc == MD_OK) {
+        ix_bind_text(st, 1, c->job_id);
+        int r = ix_step(st);
+        if (r == MD_IX_DONE)
+            rc = md_err_setc(err, MD_ECONFLICT, "job_not_running",
+                             "job %s was cancelled or has ended: chunk %lld is not taken", c->job_id,
+                             (long long)c->seq);
+        else if (r != MD_IX_ROW)
+            rc = db_fail(s, err, "check the job of a chunk");
+    }
+    ix_finalize(st);
+    st = rc == MD_OK ? prep(s, "UPDATE jobs SET rows_done = rows_done + ?1, rows_skipped = "
+                               "rows_skipped + ?2, correct = correct + ?3, labeled = labeled + ?4, "
+                               "output_bytes = output_bytes + ?5, updated_at = ?6 WHERE id = ?7",
+                            err)
+                     : NULL;
+    if (rc == MD_OK && !st)
+        rc = MD_EIO;
+    if (rc == MD_OK) {
+        ix_bind_int64(st, 1, n->rows);
+        ix_bind_int64(st, 2, n->skipped);
+        ix_bind_int64(st, 3, n->correct);
+        ix_bind_int64(st, 4, n->labeled);
+        ix_bind_int64(st, 5, n->output_bytes);
+        ix_bind_text(st, 6, now);
+        ix_bind_text(st, 7, c->job_id);
+        if (ix_step(st) != MD_IX_DONE)
+            rc = db_fail(s, err, "count a job chunk");
+    }
+    ix_finalize(st);
+    st = rc == MD_OK ? prep(s, "SELECT count(*) FROM job_chunks WHERE job_id = ?1 AND status != "
+                               "'done'", err)
+                     : NULL;
+    if (rc == MD_OK && !st)
+        rc = MD_EIO;
+    if (rc == MD_OK) {
+        ix_bind_text(st, 1, c->job_id);
+        if (ix_step(st) == MD_IX_ROW)
+            *all_done = ix_column_int64(st, 0) == 0;
+        else
+            rc = db_fail(s, err, "count a job's chunks");
+    }
+    ix_finalize(st);
+    rc = txn_end(s, rc, TXN_KEEP, err);
+    if (rc != MD_OK)
+        *all_done = 0;
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_chunk_release(md_store *s, const md_job_chunk *c, const char *owner, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    md_ixstmt *st = prep(s,
+                         "UPDATE job_chunks SET status = 'pending', owner = NULL, lease_until = NULL "
+                         "WHERE job_id = ?1 AND seq = ?2 AND owner = ?3 AND attempt = ?4 AND "
+                         "status = 'running'",
+                         err);
+    if (!st)
+        rc = MD_EIO;
+    else {
+        ix_bind_text(st, 1, c->job_id);
+        ix_bind_int64(st, 2, c->seq);
+        ix_bind_text(st, 3, owner);
+        ix_bind_int64(st, 4, c->attempt);
+        if (ix_step(st) != MD_IX_DONE)
+            rc = db_fail(s, err, "release a job chunk");
+    }
+    ix_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_chunks_list(md_store *s, const char *job_id, json_t **out, md_err *err)
+{
+    *out = NULL;
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    md_ixstmt *st = prep(s,
+                         "SELECT seq, status, start_row, end_row, rows_done, output_key, "
+                         "output_bytes, confusion, rows_skipped FROM job_chunks WHERE job_id = ?1 "
+                         "ORDER BY seq",
+                         err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    ix_bind_text(st, 1, job_id);
+    json_t *a = json_array();
+    int r;
+    while ((r = ix_step(st)) == MD_IX_ROW) {
+        json_t *c = json_pack("{s:I,s:s,s:I,s:I,s:I,s:o,s:I,s:o}", "seq",
+                              (json_int_t)ix_column_int64(st, 0), "status",
+                              ix_column_text(st, 1) ? ix_column_text(st, 1) : "",
+                              "start_row", (json_int_t)ix_column_int64(st, 2), "end_row",
+                              (json_int_t)ix_column_int64(st, 3), "rows",
+                              (json_int_t)ix_column_int64(st, 4), "output_key",
+                              col_or_null(st, 5), "output_bytes",
+                              (json_int_t)ix_column_int64(st, 6), "confusion",
+                              ix_column_type(st, 7) == MD_IXT_NULL ? json_null() : json_col(st, 7));
+        json_object_set_new(c, "skipped", json_integer(ix_column_int64(st, 8)));
+        json_array_append_new(a, c);
+    }
+    ix_finalize(st);
+    if (r != MD_IX_DONE) {
+        json_decref(a);
+        rc = db_fail(s, err, "list a job's chunks");
+        goto out;
+    }
+    *out = a;
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
 }

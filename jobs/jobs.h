@@ -109,6 +109,18 @@ int64_t md_reader_files_skipped(const md_reader *r);
 /* Close. Accepts NULL. */
 void md_reader_close(md_reader *r);
 
+/* Chunked jobs (issue 26). The file offset where the next row's record
+ * starts (csv, jsonl; blank lines before it included), -1 for other
+ * formats: one pass of the reader gives byte ranges of whole rows, so a
+ * quoted newline never splits one. */
+int64_t md_reader_byte_offset(const md_reader *r);
+/* 1 when rows are fixed-size at known offsets (npy; plain idx and its plain
+ * labels file): *data_off where row 0 starts, *row_bytes each, *label_off
+ * where the labels file's bytes start (one a row; -1: no labels file).
+ * 0 otherwise (text formats, gzip, images). */
+int md_reader_layout(const md_reader *r, int64_t *data_off, int64_t *row_bytes,
+                     int64_t *label_off);
+
 /* ---- the job scheduler (scheduler.c) ---- */
 
 typedef struct md_jobs md_jobs;
@@ -191,6 +203,64 @@ md_status md_store_job_release(md_store *store, const char *id, const char *owne
 void md_jobs_write_metrics(md_store *store, FILE *f);
 md_status md_store_job_request_cancel(md_store *store, const char *id, int *cancelled_now,
                                       md_err *err);
+
+/* ---- one job over every replica: its chunks (job_store.c) ----
+ * With the PostgreSQL index only: see the DESIGN in job_store.c. Every
+ * function is thread-safe (the store's mutex). */
+
+/* 1 when jobs are planned into chunks any replica may run (PostgreSQL). */
+int md_store_jobs_chunked(md_store *store);
+
+typedef struct md_job_chunk {
+    char job_id[64];
+    int64_t seq;                 /* 0-based, in input order */
+    int64_t start_row, end_row;  /* rows [start, end) of the input */
+    int64_t start_byte, end_byte; /* csv, jsonl: the input bytes of those rows; else -1 */
+    int64_t attempt;             /* 1 for the first claim, +1 per takeover */
+    int taken_over;              /* claimed from a holder whose lease ran out */
+} md_job_chunk;
+
+typedef struct md_job_chunk_counts {
+    int64_t rows, skipped, correct, labeled;
+    long long output_bytes;
+    const char *confusion; /* JSON text, or NULL */
+} md_job_chunk_counts;
+
+/* Record the chunks of `job_id` (an array of [start_row, end_row,
+ * start_byte, end_byte]) and its `plan` (JSON the runners read back) in one
+ * transaction, only while `owner` holds the job and it has none yet:
+ * *planned = 1; MD_ECONFLICT otherwise. */
+md_status md_store_chunks_plan(md_store *store, const char *job_id, const char *owner,
+                               json_t *chunks, json_t *plan, int *planned, md_err *err);
+/* The job's plan (a new reference), or *plan = NULL when it has none. */
+md_status md_store_chunk_plan_get(md_store *store, const char *job_id, json_t **plan, md_err *err);
+/* Claim the first chunk (oldest job first; only `only_job`'s when not NULL)
+ * that is pending, or running with its lease run out on the database's
+ * clock: leased to `owner` for lease_s seconds, attempt + 1. *found = 0
+ * when there is none. */
+md_status md_store_chunk_claim(md_store *store, const char *owner, double lease_s,
+                               const char *only_job, md_job_chunk *c, int *found, md_err *err);
+/* Renew the lease while owner and attempt still hold the chunk; MD_ECONFLICT
+ * (chunk_lease_lost) when not. *cancel_requested gets the job's flag. */
+md_status md_store_chunk_renew(md_store *store, const md_job_chunk *c, const char *owner,
+                               double lease_s, int *cancel_requested, md_err *err);
+/* Mark the chunk done with its counts and output object, fenced by owner
+ * and attempt (MD_ECONFLICT chunk_lease_lost when they no longer hold it:
+ * nothing changes), adding its counts to the job's in the same
+ * transaction; *all_done = 1 when that was the job's last chunk. */
+md_status md_store_chunk_finish(md_store *store, const md_job_chunk *c, const char *owner,
+                                const md_job_chunk_counts *counts, const char *output_key,
+                                int *all_done, md_err *err);
+/* Give the chunk back (pending again), if owner and attempt still hold it. */
+md_status md_store_chunk_release(md_store *store, const md_job_chunk *c, const char *owner,
+                                 md_err *err);
+/* Write the chunk metric families (this process's counters; Prometheus
+ * text) to `f`: chunks claimed, finished, taken over, refused, rows.
+ * Called by md_jobs_write_metrics. Thread-safe (atomics). */
+void md_jobs_write_chunk_metrics(FILE *f);
+/* The job's chunks in order: [{seq, status, start_row, end_row, rows,
+ * output_key, output_bytes, confusion}], a new reference. */
+md_status md_store_chunks_list(md_store *store, const char *job_id, json_t **out, md_err *err);
 
 #ifdef __cplusplus
 }

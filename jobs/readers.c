@@ -109,6 +109,11 @@ struct md_reader {
     /* images: a folder of PNG and JPEG files (images.c) */
     md_images *images;
 
+    /* chunked jobs (issue 26): file bytes before buf[0] (text formats), and
+     * where an NPY's rows start */
+    int64_t buf_base;
+    int64_t data_off;
+
     /* npz: one array per named input (npzset.c) */
     md_npzset *npz;
 
@@ -316,8 +321,10 @@ static md_status read_record(md_reader *r, int csv, char **rec, size_t *len, md_
 
         /* need more bytes: make room at the end */
         if (r->discarding) {
+            r->buf_base += (int64_t)r->end;
             r->start = r->scan = r->end = 0;
         } else if (r->start > 0) {
+            r->buf_base += (int64_t)r->start;
             memmove(r->buf, r->buf + r->start, r->end - r->start);
             r->end -= r->start;
             r->scan -= r->start;
@@ -326,6 +333,7 @@ static md_status read_record(md_reader *r, int csv, char **rec, size_t *len, md_
         if (r->end + 1 >= r->cap) {
             if (r->cap - 1 >= MAX_RECORD) {
                 r->discarding = 1;
+                r->buf_base += (int64_t)r->end;
                 r->start = r->scan = r->end = 0;
             } else {
                 size_t cap = (r->cap - 1) * 2 + 1;
@@ -1062,6 +1070,7 @@ static md_status npy_open(md_reader *r, const md_reader_opts *opts, md_err *err)
         return open_error(err, "%s: the NPY header is truncated", r->name);
     header[hlen] = '\0';
     off += hlen;
+    r->data_off = (int64_t)off;
 
     md_npy_dict dict;
     md_npy_dict_status ds = md_npy_parse_dict(header, &dict);
@@ -1245,6 +1254,7 @@ static md_status idx_open(md_reader *r, const md_reader_opts *opts, md_err *err)
     if (st != MD_OK)
         return st;
     r->total = dims[0];
+    r->data_off = 4 + 4 * (int64_t)magic[3]; /* the magic, then one size per dim */
     r->width = 1;
     for (int i = 1; i < magic[3]; i++) {
         if (md_mul_i64(r->width, dims[i], &r->width) || r->width > MD_MAX_ROW_VALUES)
@@ -1514,4 +1524,31 @@ void md_reader_close(md_reader *r)
     md_npzset_close(r->npz);
     free(r->name);
     free(r);
+}
+
+/* ---- chunked jobs (issue 26) ---- */
+
+int64_t md_reader_byte_offset(const md_reader *r)
+{
+    if (r->format != FMT_CSV && r->format != FMT_JSONL)
+        return -1;
+    return r->buf_base + (int64_t)r->start;
+}
+
+int md_reader_layout(const md_reader *r, int64_t *data_off, int64_t *row_bytes, int64_t *label_off)
+{
+    *label_off = -1;
+    if (r->format == FMT_NPY) {
+        *data_off = r->data_off;
+        *row_bytes = (int64_t)r->rowbytes;
+        return 1;
+    }
+    if (r->format == FMT_IDX && !md_gz_is_gzip(r->gz) &&
+        (!r->gz_labels || !md_gz_is_gzip(r->gz_labels))) {
+        *data_off = r->data_off;
+        *row_bytes = (int64_t)r->rowbytes;
+        *label_off = r->gz_labels ? 8 : -1; /* magic and the count: one byte a label */
+        return 1;
+    }
+    return 0;
 }

@@ -36,6 +36,7 @@
  * following symlinks, again at run time (this replica's settings).
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -50,6 +51,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../config/md_metrics.h"
 #include "jobs.h"
 #include "writers.h"
 
@@ -392,6 +394,1015 @@ static void test_pause(md_jobs *J, int slot)
     pthread_mutex_unlock(&J->mu);
 }
 
+/* ---- datasets in S3 ---- */
+
+static int is_s3(const char *path) { return path && strncmp(path, "s3://", 5) == 0; }
+
+/* What a run reads from S3: streams of an object (and of its IDX labels),
+ * or a folder of images copied into <store>/jobs/<id>.images. */
+typedef struct s3_input {
+    md_s3_stream *data, *labels;
+    int images_copied;
+} s3_input;
+
+/* Remove the directory `name` under dirfd and everything in it (no symlink
+ * followed: each level is opened with O_NOFOLLOW). */
+static void remove_tree(int parent, const char *name, int depth)
+{
+    int fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0 && depth < MD_IMAGES_MAX_DEPTH + 2) {
+        DIR *d = fdopendir(fd);
+        if (d) {
+            struct dirent *e;
+            while ((e = readdir(d)) != NULL) {
+                if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+                    continue;
+                if (unlinkat(dirfd(d), e->d_name, 0) != 0 && (errno == EISDIR || errno == EPERM))
+                    remove_tree(dirfd(d), e->d_name, depth + 1);
+            }
+            closedir(d);
+            fd = -1;
+        }
+    }
+    if (fd >= 0)
+        close(fd);
+    unlinkat(parent, name, AT_REMOVEDIR);
+}
+
+/* A folder of images in S3 (input.path s3://BUCKET/PREFIX/): copied afresh
+ * into <store>/jobs/<id>.images, which the reader then walks as any
+ * directory, so the listing, its order and the label rules are the
+ * directory walk's own. *in_fd is that directory. */
+static md_status s3_images_open(md_jobs *J, const char *id, const char *url, slot_ref *sref,
+                                s3_input *in, int *in_fd, md_err *err)
+{
+    char dir[4200], name[128];
+    snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(J->store));
+    snprintf(name, sizeof name, "%s.images", id);
+    int jobs_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (jobs_fd < 0)
+        return md_err_set(err, MD_EIO, "cannot open %s: %s", dir, strerror(errno));
+    remove_tree(jobs_fd, name, 0); /* a copy an earlier run left half made */
+    in->images_copied = 1;
+    md_status st = MD_OK;
+    if (mkdirat(jobs_fd, name, 0700) != 0)
+        st = md_err_set(err, MD_EIO, "cannot make %s/%s: %s", dir, name, strerror(errno));
+    int fd = st == MD_OK ? openat(jobs_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+                         : -1;
+    if (st == MD_OK && fd < 0)
+        st = md_err_set(err, MD_EIO, "cannot open %s/%s: %s", dir, name, strerror(errno));
+    int64_t files = 0;
+    if (st == MD_OK)
+        st = md_s3_fetch_folder(url, &J->fetch, fd, J->image_max_files, J->image_max_bytes,
+                                download_keep_going, sref, &files, err);
+    close(jobs_fd);
+    if (st != MD_OK) {
+        if (fd >= 0)
+            close(fd);
+        return st;
+    }
+    md_log(MD_LOG_INFO, "job %s: %lld objects of %s copied for the reader", id, (long long)files,
+           url);
+    *in_fd = fd;
+    return MD_OK;
+}
+
+/* 1 (with `err` set) when an S3 stream of this run failed: its reader saw
+ * an early EOF or a truncated file, not the object's end. */
+static int s3_input_failed(s3_input *in, md_err *err)
+{
+    return (in->data && md_s3_stream_status(in->data, err) != MD_OK) ||
+           (in->labels && md_s3_stream_status(in->labels, err) != MD_OK);
+}
+
+/* After the reader and the input descriptors are closed. */
+static void s3_input_close(md_jobs *J, const char *id, s3_input *in)
+{
+    md_s3_stream_close(in->data);
+    md_s3_stream_close(in->labels);
+    if (in->images_copied) {
+        char dir[4200], name[128];
+        snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(J->store));
+        snprintf(name, sizeof name, "%s.images", id);
+        int jobs_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (jobs_fd >= 0) {
+            remove_tree(jobs_fd, name, 0);
+            close(jobs_fd);
+        }
+    }
+    memset(in, 0, sizeof *in);
+}
+
+/* ---- one job over every replica: chunks (issue 26) ----
+ *
+ * DESIGN
+ * With the PostgreSQL index, a job whose input and output are in S3 (so
+ * every replica reads and writes the same bytes) runs in chunks. The runner
+ * that claims the job (its coordinator, under the job's own lease) plans it
+ * once: chunks of whole batches, by rows for NPY and plain IDX (offsets from
+ * the header), by the byte offsets one pass of the real reader finds for CSV
+ * and JSON Lines (so a quoted newline never splits a row), one chunk for a
+ * gzip stream; the plan is recorded with the chunks in one transaction.
+ * Every runner of every replica then claims chunks (job_store.c: SKIP
+ * LOCKED, leases on the database clock), reads its rows with Range GETs of
+ * the header and the chunk's bytes, computes them, uploads its output as
+ * <output>.chunks/<seq>-<attempt>, and finishes the chunk fenced by owner
+ * and attempt, adding its counts to the job's in that transaction. A runner
+ * that loses its lease (killed, paused past it) finishes nothing: the chunk
+ * is claimed again, attempt + 1, and only that attempt's object is named
+ * by the chunk's row. The coordinator also runs chunks; once all are done
+ * it assembles the parts in order (CSV header once, the NPY header with the
+ * final shape) into the store's copy, puts it in S3 and records accuracy
+ * (and record_metric) once. A coordinator that dies is replaced through the
+ * job's lease like any job runner, and goes on from the recorded chunks.
+ * Cancel: runners see the flag when they renew and give their chunks back;
+ * the coordinator then writes the longest contiguous prefix of done chunks
+ * as the partial output.
+ */
+
+#define CHUNK_DEPTH 4          /* batches of one chunk in flight */
+#define CHUNKS_TARGET 32       /* a plan aims at this many chunks at most */
+#define CHUNK_MIN_BATCHES 16   /* ... of this many batches at least (no chunk_rows) */
+
+static atomic_llong chunks_claimed, chunks_finished, chunks_taken_over, chunks_refused,
+    chunk_rows;
+
+void md_jobs_write_chunk_metrics(FILE *f)
+{
+    md_prom_family(f, "modeld_job_chunks_claimed_total", "counter",
+                   "Job chunks this replica claimed (issue 26: one job over every replica).");
+    md_prom_sample(f, "modeld_job_chunks_claimed_total", "", (double)atomic_load(&chunks_claimed));
+    md_prom_family(f, "modeld_job_chunks_finished_total", "counter",
+                   "Job chunks this replica finished (its finish accepted).");
+    md_prom_sample(f, "modeld_job_chunks_finished_total", "",
+                   (double)atomic_load(&chunks_finished));
+    md_prom_family(f, "modeld_job_chunks_taken_over_total", "counter",
+                   "Job chunks this replica claimed after their holder's lease ran out.");
+    md_prom_sample(f, "modeld_job_chunks_taken_over_total", "",
+                   (double)atomic_load(&chunks_taken_over));
+    md_prom_family(f, "modeld_job_chunks_refused_total", "counter",
+                   "Job chunks this replica worked on but may not finish: another took them "
+                   "over after the lease ran out (its renewal or finish was refused).");
+    md_prom_sample(f, "modeld_job_chunks_refused_total", "", (double)atomic_load(&chunks_refused));
+    md_prom_family(f, "modeld_job_chunk_rows_total", "counter",
+                   "Input rows of finished job chunks this replica computed.");
+    md_prom_sample(f, "modeld_job_chunk_rows_total", "", (double)atomic_load(&chunk_rows));
+}
+
+static int chunkable(json_t *spec)
+{
+    json_t *input = json_object_get(spec, "input");
+    const char *path = json_string_value(json_object_get(input, "path"));
+    const char *fmt = json_string_value(json_object_get(input, "format"));
+    const char *out = json_string_value(json_object_get(json_object_get(spec, "output"), "path"));
+    const char *label = json_string_value(json_object_get(input, "label"));
+    if (!is_s3(path) || !is_s3(out) || !fmt)
+        return 0;
+    if (!strcmp(fmt, "idx") && label && !is_s3(label))
+        return 0;
+    return !strcmp(fmt, "npy") || !strcmp(fmt, "csv") || !strcmp(fmt, "jsonl") ||
+           !strcmp(fmt, "idx");
+}
+
+/* The reader of a chunk's rows (or of the whole input, to plan): streams of
+ * the header and [from, to) of the data (and of the labels file). */
+typedef struct chunk_input {
+    md_s3_stream *data, *labels;
+    int fd, label_fd;
+    md_reader *r;
+} chunk_input;
+
+static void chunk_input_close(chunk_input *in)
+{
+    md_reader_close(in->r);
+    if (in->fd >= 0)
+        close(in->fd);
+    if (in->label_fd >= 0)
+        close(in->label_fd);
+    md_s3_stream_close(in->data);
+    md_s3_stream_close(in->labels);
+    memset(in, 0, sizeof *in);
+    in->fd = in->label_fd = -1;
+}
+
+/* 1 (its failure in `err`) when a stream of `in` failed: the reader then saw
+ * a short file, which says nothing of the data. */
+static int chunk_streams_failed(chunk_input *in, md_err *err)
+{
+    return (in->data && md_s3_stream_status(in->data, err) != MD_OK) ||
+           (in->labels && md_s3_stream_status(in->labels, err) != MD_OK);
+}
+
+/* plan NULL: the whole input. */
+static md_status chunk_input_open(md_jobs *J, json_t *input, json_t *plan, const md_job_chunk *c,
+                                  md_model *m, chunk_input *in, md_err *err)
+{
+    memset(in, 0, sizeof *in);
+    in->fd = in->label_fd = -1;
+    const char *path = json_string_value(json_object_get(input, "path"));
+    const char *label = json_string_value(json_object_get(input, "label"));
+    const char *fmt = json_string_value(json_object_get(input, "format"));
+    long long head = 0, from = 0, to = -1, lhead = 0, lfrom = 0, lto = -1;
+    if (plan && c) {
+        long long data_off = json_integer_value(json_object_get(plan, "data_off"));
+        long long row_bytes = json_integer_value(json_object_get(plan, "row_bytes"));
+        if (json_is_true(json_object_get(plan, "fixed"))) {
+            head = data_off;
+            from = data_off + c->start_row * row_bytes;
+            to = data_off + c->end_row * row_bytes;
+            lhead = 8;
+            lfrom = 8 + c->start_row;
+            lto = 8 + c->end_row;
+        } else if (c->start_byte >= 0) {
+            head = json_integer_value(json_object_get(plan, "head_bytes"));
+            from = c->start_byte;
+            to = c->end_byte;
+        }
+    }
+    md_status st = md_s3_stream_open_range(path, &J->fetch, "input.path", head, from, to, &in->fd,
+                                           &in->data, err);
+    if (st == MD_OK && label && !strcmp(fmt, "idx"))
+        st = md_s3_stream_open_range(label, &J->fetch, "input.label", lhead, lfrom, lto,
+                                     &in->label_fd, &in->labels, err);
+    if (st != MD_OK)
+        return st;
+    char input_path[64], label_path[64];
+    snprintf(input_path, sizeof input_path, "/proc/self/fd/%d", in->fd);
+    snprintf(label_path, sizeof label_path, "/proc/self/fd/%d", in->label_fd);
+    md_reader_opts ro = {
+        .path = input_path,
+        .format = fmt,
+        .features = json_object_get(input, "features"),
+        .label = label ? (!strcmp(fmt, "idx") ? label_path : label) : NULL,
+        .class_names = m ? md_model_labels(m) : NULL,
+        .max_files = J->image_max_files,
+        .max_file_bytes = J->image_max_bytes,
+    };
+    st = md_reader_open(&ro, &in->r, err);
+    if (st != MD_OK) /* a stream that failed cut the file short: its own failure, not the data's */
+        st = chunk_streams_failed(in, err) ? err->status : st;
+    return st;
+}
+
+/* Plan the job: chunks of whole batches; one pass of the reader for the
+ * text formats. */
+static md_status chunk_plan(md_jobs *J, slot_ref *sref, const char *id, json_t *input, int batch,
+                            int64_t chunk_rows_asked, md_model *m, md_err *err)
+{
+    chunk_input in;
+    md_status st = chunk_input_open(J, input, NULL, NULL, m, &in, err);
+    if (st != MD_OK) {
+        chunk_input_close(&in);
+        return st;
+    }
+    json_t *plan = json_object(), *chunks = json_array();
+    int64_t data_off = 0, row_bytes = 0, label_off = -1, total = md_reader_total_rows(in.r);
+    int fixed = md_reader_layout(in.r, &data_off, &row_bytes, &label_off);
+    int text = md_reader_byte_offset(in.r) >= 0;
+    /* text: the byte offset before every batch-th row, found by the reader */
+    int64_t *marks = NULL;
+    size_t nmarks = 0, cap_marks = 0;
+    if (text) {
+        const char *fmt = json_string_value(json_object_get(input, "format"));
+        /* JSON Lines reads row 0 at open: it starts at byte 0 */
+        int64_t head = !strcmp(fmt, "csv") ? md_reader_byte_offset(in.r) : 0;
+        json_object_set_new(plan, "head_bytes", json_integer(head));
+        float *row = md_xmalloc(sizeof(float) * (size_t)(md_reader_row_width(in.r) > 0
+                                                             ? md_reader_row_width(in.r)
+                                                             : 1));
+        int64_t start_of_next = head;
+        for (int64_t n = 0;; n++) {
+            if (n % batch == 0) {
+                if (nmarks == cap_marks) {
+                    cap_marks = cap_marks ? cap_marks * 2 : 1024;
+                    int64_t *grown = realloc(marks, cap_marks * sizeof *marks);
+                    if (!grown) {
+                        st = md_err_set(err, MD_ENOMEM, "out of memory for a job's plan");
+                        break;
+                    }
+                    marks = grown;
+                }
+                marks[nmarks++] = start_of_next;
+            }
+            int64_t label;
+            md_status rs = md_reader_next(in.r, row, &label, err);
+            if (rs == MD_ENOTFOUND)
+                break;
+            if (rs != MD_OK && rs != MD_EINVAL) {
+                st = rs;
+                break;
+            }
+            start_of_next = md_reader_byte_offset(in.r);
+            if (n % 4096 == 0 && !download_keep_going(sref)) {
+                st = md_err_set(err, MD_ECONFLICT, "the job stopped while it was planned");
+                break;
+            }
+        }
+        free(row);
+        total = md_reader_position(in.r);
+        if (st == MD_OK && md_s3_stream_status(in.data, err) != MD_OK)
+            st = err->status;
+        json_object_set_new(plan, "end_byte", json_integer(start_of_next));
+    }
+    if (st == MD_OK) {
+        /* by default at most CHUNKS_TARGET chunks, each at least
+         * CHUNK_MIN_BATCHES batches: a chunk costs a few S3 and database
+         * round trips, which must stay small beside its compute */
+        int64_t per = chunk_rows_asked > 0 ? chunk_rows_asked
+                                           : (total + CHUNKS_TARGET - 1) / CHUNKS_TARGET;
+        if (chunk_rows_asked <= 0 && per < (int64_t)batch * CHUNK_MIN_BATCHES)
+            per = (int64_t)batch * CHUNK_MIN_BATCHES;
+        per = (per + batch - 1) / batch * batch; /* whole batches */
+        if (per < batch)
+            per = batch;
+        if (!fixed && !text)
+            per = total > 0 ? total : 1; /* gzip: one chunk */
+        int64_t end_byte = json_integer_value(json_object_get(plan, "end_byte"));
+        for (int64_t a = 0; a < total || (a == 0 && total == 0); a += per) {
+            int64_t b = a + per < total ? a + per : total;
+            int64_t sb = -1, eb = -1;
+            if (text) {
+                sb = marks[a / batch];
+                eb = (size_t)(b / batch) < nmarks && b < total ? marks[b / batch] : end_byte;
+            }
+            json_array_append_new(chunks, json_pack("[I,I,I,I]", (json_int_t)a, (json_int_t)b,
+                                                    (json_int_t)sb, (json_int_t)eb));
+            if (total == 0)
+                break;
+        }
+        json_object_set_new(plan, "fixed", json_boolean(fixed));
+        json_object_set_new(plan, "data_off", json_integer(data_off));
+        json_object_set_new(plan, "row_bytes", json_integer(row_bytes));
+        json_object_set_new(plan, "rows_total", json_integer(total));
+        json_object_set_new(plan, "has_labels", json_boolean(md_reader_has_labels(in.r)));
+        json_object_set_new(plan, "chunk_rows", json_integer(per));
+        int planned = 0;
+        st = md_store_chunks_plan(J->store, id, J->owner, chunks, plan, &planned, err);
+        if (st == MD_OK)
+            md_log(MD_LOG_INFO, "job %s: planned %zu chunks of %lld rows (%lld rows)", id,
+                   json_array_size(chunks), (long long)per, (long long)total);
+    }
+    free(marks);
+    json_decref(plan);
+    json_decref(chunks);
+    chunk_input_close(&in);
+    return st;
+}
+
+/* <output key>.chunks/<seq>-<attempt>: beside the output, so under the
+ * same allowed_s3 entry. */
+static void chunk_object_url(const char *out_url, const md_job_chunk *c, char *url, size_t size)
+{
+    snprintf(url, size, "%s.chunks/%06lld-%lld", out_url, (long long)c->seq,
+             (long long)c->attempt);
+}
+
+/* Sleep `ms`, ended early when the server stops. */
+static void test_pause_ms(md_jobs *J, long ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long ns = (long long)ts.tv_nsec + ms * 1000000LL;
+    ts.tv_sec += (time_t)(ns / 1000000000LL);
+    ts.tv_nsec = (long)(ns % 1000000000LL);
+    pthread_mutex_lock(&J->mu);
+    if (!atomic_load(&J->stopping))
+        pthread_cond_timedwait(&J->cv, &J->mu, &ts);
+    pthread_mutex_unlock(&J->mu);
+}
+
+/* Run one claimed chunk to its fenced finish. MD_OK: finished; other
+ * statuses: given back (or lost), with the reason in `err`. A failure of
+ * the data itself (a bad row, the model) fails the job. */
+static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *err)
+{
+    json_t *job = NULL, *plan = NULL;
+    md_model *m = NULL;
+    chunk_input in = {.fd = -1, .label_fd = -1};
+    int fd = -1, lost = 0, data_failed = 0;
+    char tmp[4400] = "", obj_url[2200] = "";
+    char *text = NULL;
+    size_t text_cap = 0;
+    int64_t *conf = NULL, classes = 0;
+    md_job_chunk_counts n = {0};
+    chunk ring[CHUNK_DEPTH];
+    memset(ring, 0, sizeof ring);
+    for (int i = 0; i < CHUNK_DEPTH; i++) {
+        pthread_mutex_init(&ring[i].mu, NULL);
+        pthread_cond_init(&ring[i].cv, NULL);
+    }
+    int head = 0, inflight = 0, eof = 0;
+    atomic_fetch_add(&chunks_claimed, 1);
+    if (c->taken_over)
+        atomic_fetch_add(&chunks_taken_over, 1);
+    md_status st = md_store_job_get(J->store, c->job_id, &job, err);
+    if (st == MD_OK)
+        st = md_store_chunk_plan_get(J->store, c->job_id, &plan, err);
+    if (st == MD_OK && !plan)
+        st = md_err_set(err, MD_EINTERNAL, "job %s has chunks but no plan", c->job_id);
+    if (st != MD_OK)
+        goto out;
+    json_t *spec = json_object_get(job, "spec");
+    json_t *input = json_object_get(spec, "input"), *output = json_object_get(spec, "output");
+    const char *out_url = json_string_value(json_object_get(output, "path"));
+    const char *model_name = json_string_value(json_object_get(job, "model"));
+    int version = (int)json_integer_value(json_object_get(job, "version"));
+    int batch = (int)json_integer_value(json_object_get(spec, "batch_size"));
+    int skip_bad = json_is_string(json_object_get(spec, "on_error")) &&
+                   !strcmp(json_string_value(json_object_get(spec, "on_error")), "skip");
+    m = J->resolve(J->resolve_ctx, model_name, version, err);
+    if (!m) {
+        st = err->status ? err->status : MD_EUNAVAIL;
+        goto out;
+    }
+    if (batch <= 0)
+        batch = md_model_max_batch(m);
+    if ((st = chunk_input_open(J, input, plan, c, m, &in, err)) != MD_OK) {
+        data_failed = st == MD_EINVAL || st == MD_ENOTFOUND; /* the data, not S3 being away */
+        goto out;
+    }
+    int64_t width = md_reader_row_width(in.r);
+    int has_labels = md_reader_has_labels(in.r);
+    int64_t rows_wanted = c->end_row - c->start_row;
+    md_job_outfmt o = {0};
+    const char *ofmt = json_string_value(json_object_get(output, "format"));
+    o.kind = !ofmt || !strcmp(ofmt, "jsonl") ? 0 : !strcmp(ofmt, "csv") ? 1 : 2;
+    json_t *include = json_object_get(output, "include");
+    o.inc_index = md_job_include_has(include, "index", 1);
+    o.inc_pred = md_job_include_has(include, "prediction", 1);
+    o.inc_label = md_job_include_has(include, "label", has_labels);
+    o.inc_scores = md_job_include_has(include, "scores", 0);
+    o.top_k = (int)json_integer_value(json_object_get(spec, "top_k"));
+    json_t *row_shape = json_object_get(input, "shape");
+
+    snprintf(tmp, sizeof tmp, "%s/jobs/%s.c%lld-%lld.%ld.part", md_store_dir(J->store), c->job_id,
+             (long long)c->seq, (long long)c->attempt, (long)getpid());
+    fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        st = md_err_set(err, MD_EIO, "cannot create %s: %s", tmp, strerror(errno));
+        goto out;
+    }
+    double renewed = mono();
+    int64_t read_rows = 0; /* rows consumed of this chunk, good and bad */
+    for (;;) {
+        while (!eof && inflight < CHUNK_DEPTH && read_rows < rows_wanted) {
+            chunk *b = &ring[(head + inflight) % CHUNK_DEPTH];
+            chunk_reset(b);
+            size_t vals;
+            if (__builtin_mul_overflow((size_t)batch, (size_t)width, &vals) || vals > (1u << 30)) {
+                st = md_err_setc(err, MD_ETOOBIG, "invalid_job", "a batch of %d rows of %lld "
+                                 "values is too large; lower batch_size", batch, (long long)width);
+                data_failed = 1;
+                goto out;
+            }
+            float *buf = md_malloc_checked(vals * sizeof(float), "a job batch", err);
+            if (!buf) {
+                st = MD_ENOMEM;
+                goto out;
+            }
+            b->labels = md_xmalloc(sizeof(int64_t) * (size_t)batch);
+            b->index = md_xmalloc(sizeof(int64_t) * (size_t)batch);
+            while (b->rows < batch && read_rows < rows_wanted) {
+                int64_t pos = md_reader_position(in.r);
+                st = md_reader_next(in.r, buf + b->rows * width, &b->labels[b->rows], err);
+                if (st == MD_ENOTFOUND) {
+                    eof = 1;
+                    st = MD_OK;
+                    break;
+                }
+                read_rows++;
+                if (st == MD_EINVAL && skip_bad) {
+                    n.skipped++;
+                    st = MD_OK;
+                    continue;
+                }
+                if (st != MD_OK) {
+                    free(buf);
+                    if (chunk_streams_failed(&in, err))
+                        st = err->status; /* S3 failed: the chunk is given back */
+                    else
+                        data_failed = st == MD_EINVAL;
+                    goto out;
+                }
+                /* the dataset's row number: the chunk's first plus the row within it */
+                b->index[b->rows++] = c->start_row + pos;
+            }
+            if (b->rows == 0) {
+                free(buf);
+                break;
+            }
+            md_tensor t = {.ndim = 2, .shape = {b->rows, width}, .data = buf,
+                           .count = (size_t)(b->rows * width)};
+            if (json_array_size(row_shape) > 0) {
+                t.ndim = 1 + (int)json_array_size(row_shape);
+                for (size_t i = 0; i < json_array_size(row_shape); i++)
+                    t.shape[i + 1] = json_integer_value(json_array_get(row_shape, i));
+            }
+            if ((st = md_model_submit(m, &t, MD_PRIO_BATCH, chunk_cb, b, err)) != MD_OK)
+                goto out;
+            inflight++;
+        }
+        if (inflight == 0)
+            break;
+        chunk *b = &ring[head];
+        chunk_wait(b);
+        head = (head + 1) % CHUNK_DEPTH;
+        inflight--;
+        if (b->st != MD_OK) {
+            *err = b->err;
+            st = b->st;
+            data_failed = 1;
+            goto out;
+        }
+        int64_t ow = 1;
+        for (int d = 1; d < b->out_ndim; d++)
+            ow *= b->out_shape[d];
+        md_classes cls = md_model_classes(m, ow);
+        int scored = has_labels && (cls.kind == MD_CLASSES_ARGMAX || cls.kind == MD_CLASSES_BINARY);
+        if (scored && !conf && cls.classes > 1 && cls.classes <= 1000) {
+            classes = cls.classes;
+            conf = md_xcalloc((size_t)(classes * classes), sizeof(int64_t));
+        }
+        size_t len = 0;
+        if (o.kind == 2) {
+            len = (size_t)(b->rows * ow) * sizeof(float);
+            if (md_job_write_all(fd, (const char *)b->out, len) != 0) {
+                st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));
+                goto out;
+            }
+        }
+        for (int64_t i = 0; i < b->rows; i++) {
+            const float *y = b->out + i * ow;
+            if (scored) {
+                int64_t top = md_classes_top(&cls, y);
+                n.labeled++;
+                n.correct += top == b->labels[i];
+                if (conf && b->labels[i] >= 0 && b->labels[i] < classes && top >= 0 &&
+                    top < classes)
+                    conf[b->labels[i] * classes + top]++;
+            }
+            if (o.kind != 2)
+                md_job_format_row(&text, &len, &text_cap, &o, m, b->index[i], NULL, y, &cls,
+                                  has_labels, b->labels[i], NULL);
+        }
+        if (o.kind != 2 && md_job_write_all(fd, text, len) != 0) {
+            st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));
+            goto out;
+        }
+        n.output_bytes += (long long)len;
+        n.rows += b->rows;
+        if (J->chunk_delay_ms > 0)
+            test_pause(J, slot); /* a test acts in the middle of a chunk */
+        if (atomic_load(&J->stopping)) {
+            st = md_err_set(err, MD_EUNAVAIL, "the server is stopping");
+            goto out;
+        }
+        if (mono() - renewed > J->lease_s / 4 || J->chunk_delay_ms > 0) {
+            int cancel = 0;
+            if ((st = md_store_chunk_renew(J->store, c, J->owner, J->lease_s, &cancel, err)) !=
+                MD_OK) {
+                lost = st == MD_ECONFLICT;
+                goto out;
+            }
+            renewed = mono();
+            if (cancel) {
+                st = md_err_set(err, MD_ECONFLICT, "job %s was cancelled", c->job_id);
+                goto out;
+            }
+        }
+    }
+    /* every row of the chunk, and the data behind them whole */
+    if (md_s3_stream_status(in.data, err) != MD_OK ||
+        (in.labels && md_s3_stream_status(in.labels, err) != MD_OK)) {
+        st = err->status;
+        goto out;
+    }
+    /* rows_done counts good and bad rows, as the single runner's does */
+    n.rows += n.skipped;
+    if (n.rows != rows_wanted) {
+        st = md_err_set(err, MD_EIO, "chunk %lld of job %s holds %lld rows, its plan %lld: the "
+                        "input changed since the job was planned", (long long)c->seq, c->job_id,
+                        (long long)n.rows, (long long)rows_wanted);
+        data_failed = 1;
+        goto out;
+    }
+    char *conf_text = NULL;
+    if (conf) {
+        json_t *cm = json_array();
+        for (int64_t a = 0; a < classes; a++) {
+            json_t *line = json_array();
+            for (int64_t b2 = 0; b2 < classes; b2++)
+                json_array_append_new(line, json_integer(conf[a * classes + b2]));
+            json_array_append_new(cm, line);
+        }
+        conf_text = json_dumps(cm, JSON_COMPACT);
+        json_decref(cm);
+    }
+    n.confusion = conf_text;
+    /* fence early: a runner that lost the chunk uploads nothing */
+    int cancel_now = 0;
+    if ((st = md_store_chunk_renew(J->store, c, J->owner, J->lease_s, &cancel_now, err)) != MD_OK ||
+        cancel_now) {
+        lost = st == MD_ECONFLICT;
+        if (cancel_now)
+            st = md_err_set(err, MD_ECONFLICT, "job %s was cancelled", c->job_id);
+        free(conf_text);
+        goto out;
+    }
+    /* no fsync: the part is durable once S3 has it, and only then named */
+    chunk_object_url(out_url, c, obj_url, sizeof obj_url);
+    st = md_s3_data_put(obj_url, &J->fetch, tmp, err);
+    int all_done = 0;
+    if (st == MD_OK) {
+        const char *key = obj_url + 5 + strcspn(obj_url + 5, "/") + 1;
+        st = md_store_chunk_finish(J->store, c, J->owner, &n, key, &all_done, err);
+        if (st == MD_ECONFLICT) {
+            lost = 1;
+            md_err derr;
+            md_s3_data_delete(obj_url, &J->fetch, &derr); /* nobody names it */
+        }
+    }
+    free(conf_text);
+    if (st == MD_OK) {
+        atomic_fetch_add(&chunks_finished, 1);
+        atomic_fetch_add(&chunk_rows, n.rows - n.skipped);
+        pthread_mutex_lock(&J->mu);
+        pthread_cond_broadcast(&J->cv); /* a coordinator waiting here may assemble */
+        pthread_mutex_unlock(&J->mu);
+    }
+out:
+    while (inflight > 0) {
+        chunk_wait(&ring[head]);
+        head = (head + 1) % CHUNK_DEPTH;
+        inflight--;
+    }
+    for (int i = 0; i < CHUNK_DEPTH; i++) {
+        chunk_reset(&ring[i]);
+        pthread_mutex_destroy(&ring[i].mu);
+        pthread_cond_destroy(&ring[i].cv);
+    }
+    if (fd >= 0)
+        close(fd);
+    if (tmp[0])
+        unlink(tmp);
+    chunk_input_close(&in);
+    if (st != MD_OK && lost) {
+        atomic_fetch_add(&chunks_refused, 1);
+        md_log(MD_LOG_WARN, "job %s chunk %lld (attempt %lld): %s", c->job_id, (long long)c->seq,
+               (long long)c->attempt, err->msg);
+    } else if (st != MD_OK && data_failed) {
+        /* the data or the model: the job fails, whoever coordinates it */
+        char now[32];
+        md_now_iso(now);
+        json_t *f = json_pack("{s:s,s:s,s:s}", "status", "failed", "error", err->msg,
+                              "finished_at", now);
+        md_err uerr;
+        md_store_job_update(J->store, c->job_id, f, &uerr);
+        json_decref(f);
+        md_store_chunk_release(J->store, c, J->owner, &uerr);
+        md_log(MD_LOG_WARN, "job %s failed in chunk %lld: %s", c->job_id, (long long)c->seq,
+               err->msg);
+    } else if (st != MD_OK) {
+        md_err rerr;
+        md_store_chunk_release(J->store, c, J->owner, &rerr); /* another may try at once */
+        md_log(MD_LOG_WARN, "job %s chunk %lld given back: %s", c->job_id, (long long)c->seq,
+               err->msg);
+        if (!atomic_load(&J->stopping))
+            test_pause_ms(J, 200); /* S3 or the index away: not a busy loop */
+    }
+    free(text);
+    free(conf);
+    md_model_release(m);
+    json_decref(plan);
+    json_decref(job);
+    return st;
+}
+
+/* Append the object `url` to fd (the assembly of a chunked job's output). */
+static md_status append_object(md_jobs *J, const char *url, int fd, md_err *err)
+{
+    int in = -1;
+    md_s3_stream *s = NULL;
+    md_status st = md_s3_stream_open(url, &J->fetch, "output.path", &in, &s, err);
+    if (st != MD_OK)
+        return st;
+    char buf[65536];
+    for (;;) {
+        ssize_t r = read(in, buf, sizeof buf);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            st = md_err_set(err, MD_EIO, "reading a chunk's output failed: %s", strerror(errno));
+            break;
+        }
+        if (r == 0)
+            break;
+        if (md_job_write_all(fd, buf, (size_t)r) != 0) {
+            st = md_err_set(err, MD_EIO, "writing the job output failed: %s", strerror(errno));
+            break;
+        }
+    }
+    if (st == MD_OK)
+        st = md_s3_stream_status(s, err);
+    close(in);
+    md_s3_stream_close(s);
+    return st;
+}
+
+/* The job's output from its done chunks, in order, up to the first one not
+ * done (a cancelled job: the longest contiguous prefix): the store's copy
+ * at out_path, then the object in S3. Counts come from those chunks. */
+static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const char *out_path,
+                                int cancelled, int64_t *rows_out, json_t **confusion, md_err *err)
+{
+    json_t *output = json_object_get(spec, "output");
+    const char *out_url = json_string_value(json_object_get(output, "path"));
+    const char *ofmt = json_string_value(json_object_get(output, "format"));
+    int kind = !ofmt || !strcmp(ofmt, "jsonl") ? 0 : !strcmp(ofmt, "csv") ? 1 : 2;
+    json_t *chunks = NULL;
+    md_status st = md_store_chunks_list(J->store, id, &chunks, err);
+    if (st != MD_OK)
+        return st;
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.%ld.assembling", out_path, (long)getpid());
+    int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        json_decref(chunks);
+        return md_err_set(err, MD_EIO, "cannot create %s: %s", tmp, strerror(errno));
+    }
+    /* has_labels as the chunks saw it: from the plan */
+    json_t *plan = NULL;
+    md_store_chunk_plan_get(J->store, id, &plan, err);
+    int has_labels = json_is_true(json_object_get(plan, "has_labels"));
+    json_decref(plan);
+    char head[MD_JOB_NPY_HEADER + 1] = "";
+    size_t head_len = 0;
+    if (kind == 2) {
+        int64_t s1[1] = {0};
+        md_job_npy_header(head, 0, s1, 1);
+        head_len = MD_JOB_NPY_HEADER;
+    } else if (kind == 1) {
+        json_t *include = json_object_get(output, "include");
+        int first = 1;
+        const char *names[] = {"index", "prediction", "label", "scores"};
+        int on[] = {md_job_include_has(include, "index", 1),
+                    md_job_include_has(include, "prediction", 1),
+                    md_job_include_has(include, "label", has_labels),
+                    md_job_include_has(include, "scores", 0)};
+        for (int i = 0; i < 4; i++)
+            if (on[i]) {
+                strcat(head, first ? "" : ",");
+                strcat(head, names[i]);
+                first = 0;
+            }
+        strcat(head, "\n");
+        head_len = strlen(head);
+    }
+    if (head_len && md_job_write_all(fd, head, head_len) != 0)
+        st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));
+    int64_t rows = 0, skipped = 0;
+    long long payload = 0;
+    json_t *conf = NULL;
+    size_t i;
+    json_t *c;
+    json_array_foreach(chunks, i, c)
+    {
+        if (st != MD_OK)
+            break;
+        if (strcmp(json_string_value(json_object_get(c, "status")), "done") != 0) {
+            if (!cancelled)
+                st = md_err_set(err, MD_EINTERNAL, "chunk %zu of job %s is not done", i, id);
+            break;
+        }
+        char url[2200];
+        snprintf(url, sizeof url, "s3://%.*s/%s", (int)strcspn(out_url + 5, "/"), out_url + 5,
+                 json_string_value(json_object_get(c, "output_key")));
+        st = append_object(J, url, fd, err);
+        rows += json_integer_value(json_object_get(c, "rows"));
+        skipped += json_integer_value(json_object_get(c, "skipped"));
+        payload += json_integer_value(json_object_get(c, "output_bytes"));
+        json_t *cm = json_object_get(c, "confusion");
+        if (json_is_array(cm)) {
+            if (!conf)
+                conf = json_deep_copy(cm);
+            else
+                for (size_t a = 0; a < json_array_size(cm); a++)
+                    for (size_t b = 0; b < json_array_size(json_array_get(cm, a)); b++) {
+                        json_t *cell = json_array_get(json_array_get(conf, a), b);
+                        if (cell)
+                            json_integer_set(cell, json_integer_value(cell) +
+                                                       json_integer_value(json_array_get(
+                                                           json_array_get(cm, a), b)));
+                    }
+        }
+    }
+    if (st == MD_OK && kind == 2) {
+        /* rows written: skipped rows wrote nothing; the width from the bytes */
+        int64_t out_rows = rows - skipped, width = 0;
+        if (out_rows > 0 && payload % (4 * out_rows) == 0)
+            width = payload / 4 / out_rows;
+        int64_t shape[2] = {out_rows, width};
+        char h[MD_JOB_NPY_HEADER];
+        md_job_npy_header(h, out_rows, shape, out_rows > 0 ? 2 : 1);
+        if (pwrite(fd, h, MD_JOB_NPY_HEADER, 0) != MD_JOB_NPY_HEADER)
+            st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));
+    }
+    if (st == MD_OK && fsync(fd) != 0)
+        st = md_err_set(err, MD_EIO, "fsync of %s failed: %s", tmp, strerror(errno));
+    close(fd);
+    if (st == MD_OK && rename(tmp, out_path) != 0)
+        st = md_err_set(err, MD_EIO, "cannot rename %s: %s", tmp, strerror(errno));
+    if (st != MD_OK)
+        unlink(tmp);
+    if (st == MD_OK)
+        st = md_s3_data_put(out_url, &J->fetch, out_path, err);
+    if (st == MD_OK) { /* the parts are in the output now */
+        json_array_foreach(chunks, i, c)
+        {
+            const char *key = json_string_value(json_object_get(c, "output_key"));
+            if (!key)
+                continue;
+            char url[2200];
+            snprintf(url, sizeof url, "s3://%.*s/%s", (int)strcspn(out_url + 5, "/"), out_url + 5,
+                     key);
+            md_err derr;
+            md_s3_data_delete(url, &J->fetch, &derr);
+        }
+    }
+    *rows_out = rows;
+    if (st == MD_OK)
+        *confusion = conf;
+    else
+        json_decref(conf);
+    json_decref(chunks);
+    return st;
+}
+
+/* The coordinator of a chunked job (see DESIGN above), holding the job's
+ * lease: plan, run chunks with the other runners, assemble once. Returns 0
+ * (having changed nothing) when the model version declares named inputs or
+ * outputs, whose rows and columns only the single runner lays out: the job
+ * then runs on this process alone, as in single-host mode. */
+static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
+{
+    md_err err;
+    md_err_clear(&err);
+    slot_ref sref = {J, slot};
+    keeper kp = {0};
+    md_model *m = NULL;
+    json_t *spec = json_object_get(job, "spec");
+    const char *model_name = json_string_value(json_object_get(job, "model"));
+    const char *out_path = json_string_value(json_object_get(job, "output_path"));
+    int version = (int)json_integer_value(json_object_get(spec, "version"));
+    char now[32];
+    json_t *f;
+    keeper_start(&kp, J, slot, id);
+    m = J->resolve(J->resolve_ctx, model_name, version, &err);
+    if (!m)
+        goto failed;
+    if ((md_model_n_inputs(m) || md_model_n_outputs(m)) &&
+        json_is_null(json_object_get(job, "chunks_total"))) {
+        keeper_stop(&kp);
+        md_model_release(m);
+        return 0;
+    }
+    md_now_iso(now);
+    f = json_pack("{s:s}", "status", "running");
+    if (json_is_null(json_object_get(job, "started_at")))
+        json_object_set_new(f, "started_at", json_string(now));
+    jupdate(J, slot, id, f, NULL);
+    json_decref(f);
+    if (atomic_load(&J->lost[slot]))
+        goto out;
+    int batch = (int)json_integer_value(json_object_get(spec, "batch_size"));
+    if (!version || batch <= 0) {
+        if (batch <= 0) {
+            batch = md_model_max_batch(m);
+            json_object_set_new(spec, "batch_size", json_integer(batch));
+        }
+        f = json_pack("{s:i,s:O}", "version", md_model_version(m), "spec", spec);
+        jupdate(J, slot, id, f, NULL);
+        json_decref(f);
+    }
+    if (json_is_null(json_object_get(job, "chunks_total"))) {
+        const char *s3_out = json_string_value(json_object_get(json_object_get(spec, "output"),
+                                                               "path"));
+        if (md_s3_data_put(s3_out, &J->fetch, NULL, &err) != MD_OK)
+            goto failed; /* an output that exists already: before any work */
+        md_status st = chunk_plan(J, &sref, id, json_object_get(spec, "input"), batch,
+                                  json_integer_value(json_object_get(spec, "chunk_rows")), m, &err);
+        if (st != MD_OK) {
+            if (atomic_load(&J->lost[slot]) || atomic_load(&J->stopping))
+                goto out;
+            goto failed;
+        }
+    }
+    keeper_stop(&kp);
+    json_t *plan = NULL;
+    if (md_store_chunk_plan_get(J->store, id, &plan, &err) != MD_OK || !plan)
+        goto failed;
+    f = json_pack("{s:I}", "rows_total",
+                  (json_int_t)json_integer_value(json_object_get(plan, "rows_total")));
+    json_decref(plan);
+    jupdate(J, slot, id, f, NULL);
+    json_decref(f);
+    int cancelled = 0;
+    for (;;) {
+        if (atomic_load(&J->lost[slot]) || atomic_load(&J->stopping))
+            goto out;
+        if (jupdate(J, slot, id, NULL, NULL) != MD_OK && atomic_load(&J->lost[slot]))
+            goto out;
+        json_t *now_job = NULL;
+        if (md_store_job_get(J->store, id, &now_job, &err) != MD_OK) {
+            if (err.status != MD_EUNAVAIL && err.status != MD_EIO)
+                goto failed;
+            /* the index is away (PostgreSQL restarting): the chunks' leases
+             * are on its clock, so nothing runs out meanwhile; try again */
+            md_log(MD_LOG_WARN, "job %s: %s; retrying", id, err.msg);
+            test_pause_ms(J, 200);
+            continue;
+        }
+        const char *status = json_string_value(json_object_get(now_job, "status"));
+        json_t *ch = json_object_get(now_job, "chunks");
+        int failed_now = status && !strcmp(status, "failed");
+        long long total = json_integer_value(json_object_get(ch, "total"));
+        long long done = json_integer_value(json_object_get(ch, "done"));
+        json_decref(now_job);
+        if (failed_now)
+            goto out; /* a chunk's data failed the job: its runner recorded why */
+        if (atomic_load(&J->cancel[slot])) {
+            cancelled = 1;
+            break;
+        }
+        if (done == total)
+            break;
+        md_job_chunk c;
+        int found = 0;
+        if (md_store_chunk_claim(J->store, J->owner, J->lease_s, id, &c, &found, &err) == MD_OK &&
+            found) {
+            md_err cerr;
+            md_err_clear(&cerr);
+            keeper_start(&kp, J, slot, id); /* the job's lease, while the chunk runs */
+            run_chunk(J, slot, &c, &cerr);
+            keeper_stop(&kp);
+            continue;
+        }
+        /* every chunk is held by a runner: wait for one to finish (or its
+         * lease to run out), renewing this job's lease */
+        pthread_mutex_lock(&J->mu);
+        if (!atomic_load(&J->stopping)) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            long long ns = (long long)ts.tv_nsec + 200000000LL;
+            ts.tv_sec += (time_t)(ns / 1000000000LL);
+            ts.tv_nsec = (long)(ns % 1000000000LL);
+            pthread_cond_timedwait(&J->cv, &J->mu, &ts);
+        }
+        pthread_mutex_unlock(&J->mu);
+    }
+    /* the last chunk is done (or the job cancelled): assemble once */
+    int64_t rows = 0;
+    json_t *confusion = NULL;
+    if (jupdate(J, slot, id, NULL, NULL) != MD_OK)
+        goto out;
+    if (chunk_assemble(J, id, spec, out_path, cancelled, &rows, &confusion, &err) != MD_OK)
+        goto failed;
+    json_t *final = NULL;
+    if (md_store_job_get(J->store, id, &final, &err) != MD_OK)
+        goto failed;
+    int64_t correct = json_integer_value(json_object_get(final, "correct"));
+    int64_t labeled = json_integer_value(json_object_get(final, "labeled"));
+    json_decref(final);
+    const char *record = json_string_value(json_object_get(spec, "record_metric"));
+    int promoted = 0;
+    if (!cancelled && record && labeled > 0 &&
+        md_store_record_metric(J->store, model_name, md_model_version(m), record,
+                               (double)correct / (double)labeled, &promoted, &err) != MD_OK)
+        md_log(MD_LOG_WARN, "job %s: recording metrics.%s failed: %s", id, record, err.msg);
+    else if (promoted && J->moved)
+        J->moved(J->resolve_ctx, model_name, md_model_version(m));
+    md_now_iso(now);
+    f = json_pack("{s:s,s:s}", "status", cancelled ? "cancelled" : "succeeded", "finished_at", now);
+    if (cancelled)
+        json_object_set_new(f, "partial", json_true());
+    else
+        json_object_set_new(f, "rows_total", json_integer(rows));
+    if (confusion)
+        json_object_set_new(f, "confusion", confusion);
+    jupdate(J, slot, id, f, NULL);
+    json_decref(f);
+    md_log(MD_LOG_INFO, "job %s %s: %lld rows assembled from its chunks", id,
+           cancelled ? "cancelled" : "succeeded", (long long)rows);
+    goto out;
+failed:
+    keeper_stop(&kp);
+    fail_job(J, slot, id, &err);
+out:
+    keeper_stop(&kp);
+    md_model_release(m);
+    return 1;
+}
+
 /* ---- running one job ---- */
 
 static void run_job(md_jobs *J, int slot, const char *id)
@@ -406,8 +1417,14 @@ static void run_job(md_jobs *J, int slot, const char *id)
         json_decref(job);
         return;
     }
+    if (md_store_jobs_chunked(J->store) && chunkable(json_object_get(job, "spec")) &&
+        run_chunked_job(J, slot, id, job)) { /* one job over every replica */
+        json_decref(job);
+        return;
+    }
     json_t *spec = json_object_get(job, "spec");
     json_t *input = json_object_get(spec, "input"), *output = json_object_get(spec, "output");
+    const char *s3_out = json_string_value(json_object_get(output, "path"));
     const char *model_name = json_string_value(json_object_get(job, "model"));
     int version = (int)json_integer_value(json_object_get(spec, "version"));
     int skip_bad = json_is_string(json_object_get(spec, "on_error")) &&
@@ -424,6 +1441,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     md_model *m = NULL;
     md_reader *r = NULL;
     int fd = -1, in_fd = -1, label_fd = -1;
+    s3_input s3in = {0};
     const char *in_format = json_string_value(json_object_get(input, "format"));
     const char *url = json_string_value(json_object_get(input, "url"));
     md_job_outfile of = {.dirfd = -1};
@@ -533,8 +1551,17 @@ static void run_job(md_jobs *J, int slot, const char *id)
                         model_name, md_model_version(m));
             goto failed;
         }
-        if (md_path_open_directory(J->fetch.allowed_paths, "input.path", path, "input_not_found",
-                                   &in_fd, &err) != MD_OK) {
+        if (is_s3(path)) {
+            md_status fst = s3_images_open(J, id, path, &sref, &s3in, &in_fd, &err);
+            if (fst != MD_OK) {
+                keeper_stop(&kp);
+                if (atomic_load(&J->lost[slot]) || atomic_load(&J->stopping) ||
+                    atomic_load(&J->cancel[slot]))
+                    goto stopped_early;
+                goto failed;
+            }
+        } else if (md_path_open_directory(J->fetch.allowed_paths, "input.path", path,
+                                          "input_not_found", &in_fd, &err) != MD_OK) {
             keeper_stop(&kp);
             goto failed;
         }
@@ -553,15 +1580,19 @@ static void run_job(md_jobs *J, int slot, const char *id)
         }
     } else {
         const char *path = json_string_value(json_object_get(input, "path"));
-        if (md_path_open_file(J->fetch.allowed_paths, "input.path", path, "input_not_found",
-                              &in_fd, &err) != MD_OK) {
+        if (is_s3(path) ? md_s3_stream_open(path, &J->fetch, "input.path", &in_fd, &s3in.data,
+                                            &err) != MD_OK
+                        : md_path_open_file(J->fetch.allowed_paths, "input.path", path,
+                                            "input_not_found", &in_fd, &err) != MD_OK) {
             keeper_stop(&kp);
             goto failed;
         }
         snprintf(input_path, sizeof input_path, "/proc/self/fd/%d", in_fd);
         if (ro.label && !strcmp(in_format, "idx")) {
-            if (md_path_open_file(J->fetch.allowed_paths, "input.label", ro.label,
-                                  "input_not_found", &label_fd, &err) != MD_OK) {
+            if (is_s3(ro.label) ? md_s3_stream_open(ro.label, &J->fetch, "input.label", &label_fd,
+                                                    &s3in.labels, &err) != MD_OK
+                                : md_path_open_file(J->fetch.allowed_paths, "input.label", ro.label,
+                                                    "input_not_found", &label_fd, &err) != MD_OK) {
                 keeper_stop(&kp);
                 goto failed;
             }
@@ -620,6 +1651,9 @@ static void run_job(md_jobs *J, int slot, const char *id)
     /* the output is touched only under a fresh lease */
     if (jupdate(J, slot, id, NULL, NULL) == MD_ECONFLICT)
         goto out;
+    if (is_s3(s3_out) && rows_done == 0 && out_bytes == 0 &&
+        md_s3_data_put(s3_out, &J->fetch, NULL, &err) != MD_OK)
+        goto failed; /* an output that exists already: before any work */
     if (md_job_out_open_dir(J->fetch.allowed_paths, J->store, output, out_path, &of, &err) !=
         MD_OK)
         goto failed;
@@ -903,6 +1937,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
             if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped,
                            partial, &err) != MD_OK)
                 goto failed;
+            if (is_s3(s3_out) && md_s3_data_put(s3_out, &J->fetch, out_path, &err) != MD_OK)
+                goto failed;
             md_now_iso(now);
             f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
             jupdate(J, slot, id, f, NULL);
@@ -922,8 +1958,13 @@ static void run_job(md_jobs *J, int slot, const char *id)
         if (eof && inflight == 0)
             break;
     }
+    /* an S3 input's EOF is the object's end only if its stream says so */
+    if (s3_input_failed(&s3in, &err))
+        goto failed;
     if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped, partial,
                    &err) != MD_OK)
+        goto failed;
+    if (is_s3(s3_out) && md_s3_data_put(s3_out, &J->fetch, out_path, &err) != MD_OK)
         goto failed;
     /* record_metric (issue 12): the accuracy on the version that ran, before
      * the job reads as succeeded, so a client that saw it succeed finds it */
@@ -970,6 +2011,8 @@ stopped_early:
     goto out;
 reader_failed:
     keeper_stop(&kp);
+    if (s3_input_failed(&s3in, &err))
+        goto failed; /* the stream's own failure, not the truncation it caused */
     if (url)
         reader_err_from_url(&err, in_format);
     reader_err_name(&err, in_fd, json_string_value(json_object_get(input, "path")));
@@ -1002,6 +2045,7 @@ out:
     free(conf);
     json_decref(confusion);
     md_reader_close(r);
+    s3_input_close(J, id, &s3in);
     md_model_release(m);
     json_decref(job);
 }
@@ -1057,6 +2101,20 @@ static void *runner_main(void *arg)
             pthread_mutex_unlock(&J->mu);
             continue;
         }
+        /* no job to run here: a chunk of one another replica coordinates */
+        md_job_chunk c;
+        int found = 0;
+        md_err_clear(&err);
+        if (md_store_jobs_chunked(J->store) &&
+            md_store_chunk_claim(J->store, J->owner, J->lease_s, NULL, &c, &found, &err) != MD_OK)
+            md_log(MD_LOG_WARN, "jobs: %s", err.msg);
+        if (found) {
+            atomic_store(&J->cancel[slot], 0);
+            md_err cerr;
+            md_err_clear(&cerr);
+            run_chunk(J, slot, &c, &cerr);
+            continue;
+        }
         pthread_mutex_lock(&J->mu);
         if (!atomic_load(&J->stopping)) {
             struct timespec ts;
@@ -1100,8 +2158,10 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
     if (running)
         pthread_cond_broadcast(&J->cv); /* a runner pausing for tests stops pausing */
     pthread_mutex_unlock(&J->mu);
-    if (running)
+    if (running && !md_store_jobs_chunked(J->store))
         return MD_OK;
+    /* a job over every replica: its chunks' runners learn it from the store
+     * at their next renewal, wherever they run */
     /* queued, or running on another replica: through the store */
     int now = 0;
     return md_store_job_request_cancel(J->store, id, &now, err);

@@ -327,7 +327,8 @@ md_status md_job_out_open_dir(const md_strlist *allowed_paths, md_store *store, 
     of->dirfd = -1;
     of->path = out_path;
     const char *leaf;
-    if (json_is_string(json_object_get(output, "path"))) {
+    const char *opath = json_string_value(json_object_get(output, "path"));
+    if (opath && strncmp(opath, "s3://", 5) != 0) { /* s3://: staged in the store, then put */
         /* checked again here: this replica's allowed_paths may differ from
          * the one that took the request, and the tree may have changed */
         md_status st = md_path_open_dir(allowed_paths, "output.path", out_path,

@@ -243,6 +243,46 @@ static void test_csv_quoted(void **state)
 }
 
 /* Bad rows name their row; each is consumed and the next good row follows. */
+/* Chunked jobs (issue 26): the byte offset where each next record starts,
+ * a quoted newline inside a record and a blank line between records
+ * included, and the fixed-row layout of NPY and plain IDX (none for gzip). */
+static void test_chunk_offsets_and_layout(void **state)
+{
+    (void)state;
+    md_reader *r = open_ok(DATASETS "quoted.csv", "csv", "[\"x1\", \"x2\"]", "label");
+    assert_int_equal(md_reader_byte_offset(r), 20); /* after the header */
+    const int64_t after[] = {37, 61, 88, 108};      /* row 2 holds a newline in quotes */
+    for (int i = 0; i < 4; i++) {
+        float row[2];
+        int64_t label;
+        md_err err;
+        assert_int_equal(md_reader_next(r, row, &label, &err), MD_OK);
+        assert_int_equal(md_reader_byte_offset(r), after[i]);
+    }
+    int64_t off, rb, loff;
+    assert_int_equal(md_reader_layout(r, &off, &rb, &loff), 0);
+    md_reader_close(r);
+
+    r = open_ok(DATASETS "small_u8.npy", "npy", NULL, NULL);
+    assert_int_equal(md_reader_byte_offset(r), -1);
+    assert_int_equal(md_reader_layout(r, &off, &rb, &loff), 1);
+    assert_int_equal(off, 128);
+    assert_int_equal(rb, 4);
+    assert_int_equal(loff, -1);
+    md_reader_close(r);
+
+    r = open_ok(DATASETS "images.idx3", "idx", NULL, DATASETS "labels.idx1");
+    assert_int_equal(md_reader_layout(r, &off, &rb, &loff), 1);
+    assert_int_equal(off, 16); /* the magic and three sizes */
+    assert_int_equal(rb, md_reader_row_width(r));
+    assert_int_equal(loff, 8);
+    md_reader_close(r);
+
+    r = open_ok(DATASETS "images.idx3.gz", "idx", NULL, DATASETS "labels.idx1.gz");
+    assert_int_equal(md_reader_layout(r, &off, &rb, &loff), 0); /* gzip: no random access */
+    md_reader_close(r);
+}
+
 static void test_csv_bad_rows(void **state)
 {
     (void)state;
@@ -1743,6 +1783,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_csv_small, remove_temps),
+        cmocka_unit_test_teardown(test_chunk_offsets_and_layout, remove_temps),
         cmocka_unit_test_teardown(test_named_csv_jsonl, remove_temps),
         cmocka_unit_test(test_npz_dataset),
         cmocka_unit_test_teardown(test_csv_without_label, remove_temps),

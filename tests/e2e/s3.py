@@ -16,7 +16,8 @@ request body is spooled to disk, never held whole in memory).
 The proxy has one fault knob, for the download-resume tests: a POST to
 /__harness__/cut?after=N makes the next object GET answer its full headers
 and only N bytes of body, then close the connection. GET /__harness__/stats
-answers "refused=N forwarded=N cuts=N lists=N" (lists: ListObjectsV2 pages).
+answers "refused=N forwarded=N cuts=N lists=N parts=N ranges=N" (lists:
+ListObjectsV2 pages; parts: UploadPart requests; ranges: GETs with a Range).
 
 Used three ways:
   - the pytest fixture `s3` (tests/e2e/conftest.py imports it): an S3Harness
@@ -158,8 +159,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._answer(200, b"ok\n", "text/plain")
         elif parts.path == CONTROL + "/stats":
             srv = self.server
-            self._answer(200, ("refused=%d forwarded=%d cuts=%d lists=%d\n" % (
-                srv.refused, srv.forwarded, srv.cuts, srv.lists)).encode(), "text/plain")
+            self._answer(200, ("refused=%d forwarded=%d cuts=%d lists=%d parts=%d ranges=%d\n" % (
+                srv.refused, srv.forwarded, srv.cuts, srv.lists, srv.parts,
+                srv.ranges)).encode(), "text/plain")
         else:
             self._answer(404, b"unknown harness control\n", "text/plain")
 
@@ -233,6 +235,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.server.forwarded += 1
         if self.command == "GET" and "list-type=2" in urllib.parse.urlsplit(self.path).query:
             self.server.lists += 1
+        query = urllib.parse.urlsplit(self.path).query
+        if self.command == "PUT" and "partNumber=" in query and "uploadId=" in query:
+            self.server.parts += 1
+        if self.command == "GET" and self.headers.get("Range"):
+            self.server.ranges += 1
         try:
             self._forward(body)
         finally:
@@ -300,7 +307,7 @@ class SigV4Proxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.region = region
         self.spool_dir = spool_dir
         self.cut_after = None
-        self.refused = self.forwarded = self.cuts = self.lists = 0
+        self.refused = self.forwarded = self.cuts = self.lists = self.parts = self.ranges = 0
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
                                        daemon=True)
 

@@ -417,8 +417,10 @@ def test_validation(fashion, fmnist, tmp_path):
     cases = [
         ("unknown top-level key", {"model": "fashion", "input": good_in, "bogus": 1},
          400, "unknown_field"),
-        ("unknown input key", {"model": "fashion", "input": {**good_in, "columns": ["p0"]}},
+        ("unknown input key", {"model": "fashion", "input": {**good_in, "colums": ["p0"]}},
          400, "unknown_field"),
+        ("columns not an object", {"model": "fashion", "input": {**good_in, "columns": ["p0"]}},
+         400, "invalid_job"),
         ("unknown output key", {"model": "fashion", "input": good_in, "output": {"fmt": "csv"}},
          400, "unknown_field"),
         ("missing model", {"input": good_in}, 400, "invalid_job"),

@@ -62,8 +62,9 @@ from conftest import REPO, TSCALE, child_env, free_port, modeld_bin
 READMES = ["README.md"] + sorted(str(p.relative_to(REPO)) for p in REPO.glob("examples/*/README.md"))
 # not-run blocks allowed per file: keep these small
 NOT_RUN = {
-    "README.md": 6,                          # make run / make test; docker; buildah; docker compose;
-                                             # kubectl; several hosts (PostgreSQL, S3, compose, k8s)
+    "README.md": 7,                          # make run / make test; docker; buildah; docker compose;
+                                             # kubectl; several hosts (PostgreSQL, S3, compose, k8s);
+                                             # a job over S3 (test_jobs_s3.py runs it on s3rver)
     "examples/fashion_mnist/README.md": 1,   # the full training run (a minute)
     "examples/fashion_cnn/README.md": 1,     # the full training run (a minute)
 }

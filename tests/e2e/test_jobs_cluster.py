@@ -1,0 +1,293 @@
+"""
+test_jobs_cluster.py - one batch job spread over every replica (issue 26, part
+2: chunks), against the real binary, a real PostgreSQL (pg.py) as the index
+and a real S3 server (s3rver behind the SigV4 proxy: s3.py) holding the
+dataset boto3 put there and the output:
+
+- two and three replicas on one job over 60,000 rows: every replica computes
+  chunks (its /metrics say so), GET /jobs/ID shows the chunks and their
+  holders, and the output in S3 is byte for byte what one replica alone
+  (SQLite, the single-host path) writes for the same input;
+- kill -9 of a replica holding a chunk: another takes the chunk over once
+  its lease (on the database's clock) ran out, and the output is exact;
+- kill -STOP of a holder past its lease, then kill -CONT: its late work is
+  refused (its own /metrics count it), and the output is exact;
+- a CSV dataset with quoted newlines splits into chunks at whole rows only,
+  and the job's accuracy is PyTorch's own count;
+- cancel reaches every replica; the partial output is the longest contiguous
+  prefix of done chunks.
+
+Pacing: --test-job-chunk-delay-ms makes each batch of a chunk pause, so "a
+replica holds a chunk" is a state that lasts, however fast the machine is;
+nothing here sleeps to synchronise: every wait polls a condition.
+"""
+import io
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from conftest import TSCALE
+from test_jobs import (N, create_job, deploy_fashion, fmnist, get_job, output, read_idx_gz,
+                       IMAGES_GZ, wait_job)
+
+assert fmnist  # a fixture, used by name
+ROWS = 60000
+BATCH = 500
+CHUNK_ROWS = 6000  # 10 chunks of 12 batches
+LEASE_S = 2
+
+
+def poll(fn, what, timeout=60.0):
+    deadline = time.monotonic() + timeout * TSCALE
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(0.02)
+    pytest.fail(f"{what}: not within {timeout * TSCALE:.0f} s (last: {last!r})")
+
+
+def metric(srv, name):
+    text = srv.get("/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    pytest.fail(f"no {name} in /metrics of {srv.url}")
+
+
+@pytest.fixture(scope="session")
+def big_npy(tmp_path_factory):
+    """60,000 rows: the FashionMNIST test images six times, uint8 [60000, 784]."""
+    images = read_idx_gz(IMAGES_GZ).reshape(N, -1)
+    data = np.concatenate([images] * (ROWS // N))
+    path = tmp_path_factory.mktemp("big") / "big.npy"
+    np.save(path, data)
+    return path
+
+
+def replica(start_server, s3, pg_url, store, *args, pace_ms=0, env=None):
+    e = s3.env()
+    # small pieces: a chunk takes several Range GETs; a stalled S3 fails a call in 3 s
+    e.update({"MD_TEST_S3_PIECE_BYTES": str(1 << 20), "MD_TEST_S3_STALL_S": "3"})
+    e.update(env or {})
+    extra = ("--test-job-chunk-delay-ms", str(pace_ms)) if pace_ms else ()
+    return start_server("--index-url", pg_url, "--blob-url", f"s3://{s3.bucket}/modeld",
+                        "--allowed-s3", f"{s3.bucket}/data,{s3.bucket}/out",
+                        "--job-lease-s", str(LEASE_S), "--max-jobs", "1", "--store-poll-ms", "50",
+                        *extra, *args, env=e, store=store)
+
+
+def reference(start_server, s3, tmp_path, spec):
+    """The same job on one replica alone (SQLite: the single-host path)."""
+    srv = start_server("--allowed-s3", f"{s3.bucket}/data,{s3.bucket}/out", env=s3.env(),
+                       store=tmp_path / "single")
+    deploy_fashion(srv)
+    jid = create_job(srv, spec)
+    wait_job(srv, jid, timeout=300)
+    body = output(srv, jid).content
+    srv.stop()
+    return body
+
+
+def wait_through_outage(srv, jid, timeout=300):
+    """wait_job, where GET /jobs/ID may answer 503 while the index is back
+    on its feet (the replica reconnects on its next call)."""
+    def done():
+        r = srv.get(f"/jobs/{jid}")
+        return r.status_code == 200 and r.json()["status"] in ("succeeded", "failed",
+                                                                "cancelled") and r.json()
+    job = poll(done, f"job {jid} ends", timeout)
+    assert job["status"] == "succeeded", f"{job}\n{srv.stderr[-3000:]}"
+    return job
+
+
+def s3_get(s3, key):
+    return s3.client().get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+
+
+def s3_keys(s3, prefix):
+    out = s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=prefix)
+    return sorted(o["Key"] for o in out.get("Contents", []))
+
+
+def holder_pid(owner):
+    return int(owner.split("|")[1])
+
+
+def npy_spec(s3, out_key):
+    return {"model": "fashion", "batch_size": BATCH, "chunk_rows": CHUNK_ROWS,
+            "input": {"path": f"s3://{s3.bucket}/data/big.npy", "format": "npy"},
+            "output": {"path": f"s3://{s3.bucket}/out/{out_key}", "format": "npy"}}
+
+
+@pytest.mark.parametrize("n_replicas", [2, 3])
+def test_replicas_share_one_job_and_write_what_one_replica_writes(start_server, s3, pg_url,
+                                                                  tmp_path, big_npy, n_replicas):
+    s3.client().upload_file(str(big_npy), s3.bucket, "data/big.npy")
+    want = reference(start_server, s3, tmp_path, npy_spec(s3, "single.npy"))
+    reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}", pace_ms=50)
+            for i in range(n_replicas)]
+    deploy_fashion(reps[0])
+    jid = create_job(reps[0], npy_spec(s3, "cluster.npy"))
+    # every replica holds a chunk at some point: polled, not slept for
+    pids = {r.proc.pid for r in reps}
+    seen = set()
+
+    def all_held():
+        job = get_job(reps[-1], jid)
+        seen.update(holder_pid(h) for h in (job.get("chunks") or {}).get("holders", []))
+        return seen >= pids or job["status"] != "running" and job["status"] != "queued"
+    poll(all_held, "every replica holds a chunk")
+    assert seen >= pids, f"chunk holders {seen}, replicas {pids}"
+    job = wait_job(reps[1], jid, timeout=300)
+    assert job["rows_done"] == ROWS and job["rows_total"] == ROWS, job
+    assert job["chunks"]["total"] == ROWS // CHUNK_ROWS, job
+    assert job["chunks"]["done"] == ROWS // CHUNK_ROWS and job["chunks"]["running"] == 0, job
+    got = s3_get(s3, "out/cluster.npy")
+    assert got == want, "the cluster's output differs from one replica's"
+    assert output(reps[0], jid).content == want  # the coordinator's store copy
+    out = np.load(io.BytesIO(got))
+    assert out.shape == (ROWS, 10), out.shape
+    finished = [metric(r, "modeld_job_chunks_finished_total") for r in reps]
+    assert all(f >= 1 for f in finished), f"chunks finished per replica {finished}"
+    assert sum(finished) == ROWS // CHUNK_ROWS, finished
+    rows = [metric(r, "modeld_job_chunk_rows_total") for r in reps]
+    assert sum(rows) == ROWS and all(x > 0 for x in rows), rows
+    # the chunk objects are gone once assembled
+    assert s3_keys(s3, "out/cluster.npy.chunks/") == []
+
+
+def held_by(srv, jid, pid):
+    job = get_job(srv, jid)
+    return any(holder_pid(h) == pid for h in (job.get("chunks") or {}).get("holders", []))
+
+
+def two_replicas_one_job(start_server, s3, pg_url, tmp_path, big_npy, out_key):
+    s3.client().upload_file(str(big_npy), s3.bucket, "data/big.npy")
+    a = replica(start_server, s3, pg_url, tmp_path / "a", pace_ms=100)
+    deploy_fashion(a)
+    jid = create_job(a, npy_spec(s3, out_key))
+    poll(lambda: get_job(a, jid).get("owner"), "a coordinator holds the job")
+    b = replica(start_server, s3, pg_url, tmp_path / "b", pace_ms=100)
+    # the coordinator is A (the job was made there and A runs it): B only runs chunks
+    assert holder_pid(get_job(a, jid)["owner"]) == a.proc.pid
+    poll(lambda: held_by(a, jid, b.proc.pid), "B holds a chunk")
+    return a, b, jid
+
+
+def test_kill9_of_a_chunk_holder_is_taken_over_and_the_output_is_exact(start_server, s3, pg_url,
+                                                                      tmp_path, big_npy):
+    a, b, jid = two_replicas_one_job(start_server, s3, pg_url, tmp_path, big_npy, "k9.npy")
+    os.kill(b.proc.pid, signal.SIGKILL)
+    b.proc.wait()
+    poll(lambda: metric(a, "modeld_job_chunks_taken_over_total") >= 1,
+         "A takes B's chunk over once its lease ran out")
+    job = wait_job(a, jid, timeout=300)
+    assert job["rows_done"] == ROWS, job
+    want = reference(start_server, s3, tmp_path, npy_spec(s3, "k9-single.npy"))
+    assert s3_get(s3, "out/k9.npy") == want
+
+
+def test_a_paused_holder_past_its_lease_finishes_nothing(start_server, s3, pg_url, tmp_path,
+                                                         big_npy):
+    a, b, jid = two_replicas_one_job(start_server, s3, pg_url, tmp_path, big_npy, "stop.npy")
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        poll(lambda: metric(a, "modeld_job_chunks_taken_over_total") >= 1,
+             "A takes the paused B's chunk over")
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    poll(lambda: metric(b, "modeld_job_chunks_refused_total") >= 1,
+         "B, resumed, learns its chunk is another's and finishes nothing")
+    job = wait_job(a, jid, timeout=300)
+    assert job["rows_done"] == ROWS and job["chunks"]["done"] == ROWS // CHUNK_ROWS, job
+    want = reference(start_server, s3, tmp_path, npy_spec(s3, "stop-single.npy"))
+    assert s3_get(s3, "out/stop.npy") == want
+    # only the finishing attempt of each chunk left an object, and those are gone
+    assert s3_keys(s3, "out/stop.npy.chunks/") == []
+
+
+def test_csv_with_quoted_newlines_splits_at_whole_rows(start_server, s3, pg_url, tmp_path, fmnist):
+    # the FashionMNIST CSV with a quoted text column holding newlines
+    lines = fmnist.csv.read_text().splitlines()
+    head, rows = lines[0], lines[1:]
+    text = head + ",note\n" + "".join(
+        f'{r},"row {i}\nline two, with a comma"\n' if i % 3 == 0 else f"{r},plain\n"
+        for i, r in enumerate(rows))
+    s3.client().put_object(Bucket=s3.bucket, Key="data/notes.csv", Body=text.encode())
+    features = [c for c in head.split(",") if c != "label"]
+    spec = {"model": "fashion", "batch_size": 100, "chunk_rows": 700,
+            "input": {"path": f"s3://{s3.bucket}/data/notes.csv", "format": "csv",
+                      "label": "label", "features": features},
+            "output": {"path": f"s3://{s3.bucket}/out/notes.csv", "format": "csv"}}
+    a = replica(start_server, s3, pg_url, tmp_path / "a")
+    b = replica(start_server, s3, pg_url, tmp_path / "b")
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    job = wait_job(b, jid, timeout=300)
+    assert job["chunks"]["total"] == (N + 699) // 700, job
+    assert job["rows_done"] == N and job["labeled"] == N, job
+    assert job["correct"] == fmnist.correct, job
+    got = s3_get(s3, "out/notes.csv")
+    spec["output"]["path"] = f"s3://{s3.bucket}/out/notes-single.csv"
+    assert got == reference(start_server, s3, tmp_path, spec)
+    assert got.decode().splitlines()[0] == "index,prediction,label"
+
+
+def test_cancel_reaches_every_replica_and_keeps_the_done_prefix(start_server, s3, pg_url, tmp_path,
+                                                                big_npy):
+    a, b, jid = two_replicas_one_job(start_server, s3, pg_url, tmp_path, big_npy, "cancel.npy")
+    poll(lambda: get_job(a, jid)["chunks"]["done"] >= 1, "a chunk is done")
+    r = b.request("DELETE", f"/jobs/{jid}")  # through the replica that does not coordinate
+    assert r.status_code == 202, r.text
+    job = wait_job(a, jid, "cancelled", timeout=120)
+    assert job["partial"] is True, job
+    # neither replica holds a chunk of it any more, and none is claimed again
+    poll(lambda: get_job(a, jid)["chunks"]["running"] == 0, "every runner gave its chunk back")
+    done = get_job(a, jid)["chunks"]["done"]
+    assert 1 <= done < ROWS // CHUNK_ROWS, job
+    got = np.load(io.BytesIO(s3_get(s3, "out/cancel.npy")))
+    # the longest run of done chunks from the first: whole chunks, in order
+    assert got.shape[0] % CHUNK_ROWS == 0 and 1 <= got.shape[0] // CHUNK_ROWS <= done, got.shape
+    want = np.load(io.BytesIO(reference(start_server, s3, tmp_path,
+                                        npy_spec(s3, "cancel-single.npy"))))
+    assert (got == want[:got.shape[0]]).all()
+    assert output(a, jid).content == s3_get(s3, "out/cancel.npy")
+
+
+def test_postgresql_restarted_mid_job_finishes_exactly_once(start_server, s3, pg_cluster, pg_url,
+                                                            tmp_path, big_npy):
+    a, b, jid = two_replicas_one_job(start_server, s3, pg_url, tmp_path, big_npy, "pg.npy")
+    poll(lambda: get_job(a, jid)["chunks"]["done"] >= 1, "a chunk is done")
+    pg_cluster.stop("fast")
+    try:
+        # both replicas notice: a renewal or a claim fails while it is away
+        poll(lambda: "retrying" in a.stderr or "given back" in a.stderr or
+             "given back" in b.stderr, "a replica noticed PostgreSQL away")
+    finally:
+        pg_cluster.start()
+    job = wait_through_outage(a, jid)
+    assert job["rows_done"] == ROWS and job["chunks"]["done"] == ROWS // CHUNK_ROWS, job
+    want = reference(start_server, s3, tmp_path, npy_spec(s3, "pg-single.npy"))
+    assert s3_get(s3, "out/pg.npy") == want
+
+
+def test_s3_stalled_mid_chunk_finishes_exactly_once(start_server, s3, pg_url, tmp_path, big_npy):
+    a, b, jid = two_replicas_one_job(start_server, s3, pg_url, tmp_path, big_npy, "stall.npy")
+    poll(lambda: get_job(a, jid)["chunks"]["done"] >= 1, "a chunk is done")
+    os.kill(s3.pid, signal.SIGSTOP)
+    try:
+        poll(lambda: "S3" in a.stderr[-20000:] and ("given back" in a.stderr or
+                                                   "given back" in b.stderr),
+             "a chunk's S3 call fails and the chunk is given back", 120)
+    finally:
+        os.kill(s3.pid, signal.SIGCONT)
+    job = wait_job(a, jid, timeout=300)
+    assert job["rows_done"] == ROWS and job["chunks"]["done"] == ROWS // CHUNK_ROWS, job
+    want = reference(start_server, s3, tmp_path, npy_spec(s3, "stall-single.npy"))
+    assert s3_get(s3, "out/stall.npy") == want
