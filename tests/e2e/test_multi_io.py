@@ -1354,17 +1354,17 @@ def test_npz_job_with_a_label_array(jsrv, job_data):
     check_jsonl(jsrv, jid, job_data)
 
 
-def test_npz_job_npy_output_is_a_file_per_output(jsrv, job_data, tmp_path):
-    out = tmp_path / "preds"
+def test_npz_job_npy_output_is_refused_for_several_outputs(jsrv, job_data, tmp_path):
+    """An NPY file holds one array: a version with several outputs writes a
+    field per output (jsonl or csv). The job says so by name and writes
+    nothing (the decision recorded in openapi's JobInput)."""
+    out = tmp_path / "preds.npy"
     spec = {"model": "tab", "input": {"path": str(job_data.dir / "rows.npz"), "format": "npz"},
             "output": {"format": "npy", "path": str(out)}}
-    run_job(jsrv, spec)
-    assert out.is_dir(), f"no folder {out}"
-    assert sorted(p.name for p in out.iterdir()) == ["embedding.npy", "logits.npy"]
-    for name in TAB_NAMES:
-        a = np.load(out / f"{name}.npy", allow_pickle=False)
-        assert a.dtype == np.float32, (name, a.dtype)
-        assert_close(a, job_data.want[name], f"NPY output {name}")
+    jid, job = run_job(jsrv, spec, want="failed")
+    msg = json.dumps(job["error"])
+    assert "answers 2 outputs" in msg and "NPY file holds one array" in msg and "jsonl" in msg, job
+    assert not out.exists(), "nothing is written for a refused job"
 
 
 def test_csv_job_reads_integers_as_integers(jsrv, job_data, tmp_path):
