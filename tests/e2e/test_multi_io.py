@@ -1411,3 +1411,41 @@ def test_job_refuses_columns_that_do_not_fit(jsrv, job_data):
         else:
             assert r.status_code == 400, r.text
             assert word in r.json()["error"]["message"], r.text
+
+
+# ---------------------------------------------------------------- training checkpoints
+
+
+def test_state_dict_into_architecture_with_declared_io(server, tmp_path):
+    """What a training loop writes (a torch.save state_dict) deployed into the
+    model's architecture takes config.inputs and config.outputs the same way
+    as a TorchScript version: the deploy's test forward checks them (a 422
+    names what does not fit) and the answers are PyTorch's with those
+    weights, integers exact."""
+    arch = FIX / "tabular.pt"
+    r = server.request("PUT", "/models/tsd/architecture", data=arch.read_bytes(),
+                       timeout=60 * TSCALE)
+    assert r.status_code in (200, 201), f"architecture: {r.status_code} {r.text}"
+    m = torch.jit.load(str(arch))
+    sd = {k: (v + 0.125 if v.is_floating_point() else v) for k, v in m.state_dict().items()}
+    torch.save(sd, str(tmp_path / "sd.pt"))
+    with open(tmp_path / "sd.pt", "rb") as f:
+        r = requests.post(server.url + "/models/tsd/versions", files={"checkpoint": f},
+                          data={"config": json.dumps(TAB_CONFIG)}, timeout=60 * TSCALE)
+    assert r.status_code == 201, f"state_dict deploy: {r.status_code} {r.text}"
+    assert r.json()["format"] == "torch_save", r.json()
+    m.load_state_dict(sd)
+    m.eval()
+    with torch.no_grad():
+        want = [t.numpy() for t in m(torch.from_numpy(NUM), torch.from_numpy(CAT))]
+    body = ok_json(post(server, "/models/tsd/predict", objects(NUM, CAT)), "rows as objects")
+    got = rows_answer(body, TAB_NAMES, len(NUM), "state_dict version")
+    assert_outputs(got, dict(zip(TAB_NAMES, want)), "state_dict version")
+    # the same checks as any deploy: an integer input declared float fails the test forward
+    bad = {**TAB_CONFIG, "inputs": [TAB_INPUTS[0], {"name": "category", "shape": [],
+                                                     "dtype": "float32"}]}
+    with open(tmp_path / "sd.pt", "rb") as f:
+        r = requests.post(server.url + "/models/tsd/versions", files={"checkpoint": f},
+                          data={"config": json.dumps(bad)}, timeout=60 * TSCALE)
+    assert r.status_code == 422, f"{r.status_code} {r.text}"
+    assert r.json()["error"]["code"] in FORWARD_FAILS, r.text
