@@ -802,8 +802,9 @@ static md_status v2_text_values(const char *s, size_t len, const char *name, int
     return MD_OK;
 }
 
-md_status md_v2_text_array(json_t *in, const char *data, size_t len, size_t max_vals,
-                           md_array *out, md_err *err)
+/* The name and datatype of V2 input `in` into a cleared `out`: every named
+ * input needs a name. */
+static md_status v2_array_name(json_t *in, md_array *out, md_err *err)
 {
     memset(out, 0, sizeof *out);
     const char *name = json_string_value(json_object_get(in, "name"));
@@ -812,19 +813,42 @@ md_status md_v2_text_array(json_t *in, const char *data, size_t len, size_t max_
                           "the model's input it is for", sizeof out->name - 1);
     snprintf(out->name, sizeof out->name, "%s", name);
     const char *dt = json_string_value(json_object_get(in, "datatype"));
+    if (dt && strlen(dt) < sizeof out->datatype)
+        snprintf(out->datatype, sizeof out->datatype, "%s", dt);
+    return MD_OK;
+}
+
+/* err's message, failing with `st`, prefixed with the input's name. */
+static md_status v2_input_error(md_status st, const char *name, md_err *err)
+{
+    char msg[sizeof err->msg];
+    snprintf(msg, sizeof msg, "%s", err->msg);
+    md_err_setc(err, st, md_err_code(err), "input \"%s\": %s", name, msg);
+    return st;
+}
+
+/* v2_header for a named array: its shape into out, its value count. */
+static md_status v2_array_header(json_t *in, size_t max_vals, md_array *out, size_t *count,
+                                 md_err *err)
+{
     md_tensor t;
-    size_t count;
-    md_status st = v2_header(in, max_vals, &t, &count, err);
-    if (st != MD_OK) {
-        char msg[sizeof err->msg];
-        snprintf(msg, sizeof msg, "%s", err->msg);
-        md_err_setc(err, st, md_err_code(err), "input \"%s\": %s", name, msg);
-        return st;
-    }
-    snprintf(out->datatype, sizeof out->datatype, "%s", dt);
+    md_status st = v2_header(in, max_vals, &t, count, err);
+    if (st != MD_OK)
+        return v2_input_error(st, out->name, err);
     out->ndim = t.ndim;
     memcpy(out->shape, t.shape, sizeof out->shape);
-    out->is_int = v2_is_int_type(dt);
+    return MD_OK;
+}
+
+md_status md_v2_text_array(json_t *in, const char *data, size_t len, size_t max_vals,
+                           md_array *out, md_err *err)
+{
+    size_t count;
+    md_status st = v2_array_name(in, out, err);
+    if (st != MD_OK || (st = v2_array_header(in, max_vals, out, &count, err)) != MD_OK)
+        return st;
+    const char *name = out->name;
+    out->is_int = v2_is_int_type(out->datatype);
     if (!data || len == 0 || data[0] != '[')
         return md_err_set(err, MD_EINVAL, "input \"%s\": data must be an array (flat or "
                           "nested)", name);
@@ -900,26 +924,17 @@ static md_status v2_json_ints(json_t *data, const char *name, int64_t *buf, size
 md_status md_v2_decode_array(json_t *in, const void *bytes, size_t nbytes, size_t max_vals,
                              md_array *out, md_err *err)
 {
-    memset(out, 0, sizeof *out);
-    const char *name = json_string_value(json_object_get(in, "name"));
-    if (!name || !name[0] || strlen(name) >= sizeof out->name)
-        return md_err_set(err, MD_EINVAL, "every input needs a \"name\" of 1 to %zu characters, "
-                          "the model's input it is for", sizeof out->name - 1);
-    snprintf(out->name, sizeof out->name, "%s", name);
+    md_status st = v2_array_name(in, out, err);
+    if (st != MD_OK)
+        return st;
+    const char *name = out->name;
     const char *dt = json_string_value(json_object_get(in, "datatype"));
-    if (dt && strlen(dt) < sizeof out->datatype)
-        snprintf(out->datatype, sizeof out->datatype, "%s", dt);
     md_tensor t;
-    md_status st;
     if (!v2_is_int_type(dt)) {
         st = bytes ? md_v2_decode_binary(in, bytes, nbytes, max_vals, &t, err)
                    : md_v2_decode(in, max_vals, &t, err);
-        if (st != MD_OK) {
-            char msg[sizeof err->msg];
-            snprintf(msg, sizeof msg, "%s", err->msg);
-            md_err_setc(err, st, md_err_code(err), "input \"%s\": %s", name, msg);
-            return st;
-        }
+        if (st != MD_OK)
+            return v2_input_error(st, name, err);
         out->ndim = t.ndim;
         memcpy(out->shape, t.shape, sizeof out->shape);
         out->count = t.count;
@@ -927,14 +942,8 @@ md_status md_v2_decode_array(json_t *in, const void *bytes, size_t nbytes, size_
         return MD_OK;
     }
     size_t count;
-    if ((st = v2_header(in, max_vals, &t, &count, err)) != MD_OK) {
-        char msg[sizeof err->msg];
-        snprintf(msg, sizeof msg, "%s", err->msg);
-        md_err_setc(err, st, md_err_code(err), "input \"%s\": %s", name, msg);
+    if ((st = v2_array_header(in, max_vals, out, &count, err)) != MD_OK)
         return st;
-    }
-    out->ndim = t.ndim;
-    memcpy(out->shape, t.shape, sizeof out->shape);
     out->is_int = 1;
     int64_t *buf = md_mallocarray_checked(count ? count : 1, sizeof(int64_t), "the input", err);
     if (!buf)
