@@ -194,11 +194,13 @@ out:
     return rc;
 }
 
-static double wall_now(void)
+/* Now, in seconds since the epoch, on the index's clock: leases are
+ * compared by every replica sharing it, so they are read and written on
+ * one clock (PostgreSQL's), never on each host's. SQLite serves one host. */
+static const char *db_now_sql(md_store *s)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+    return md_store_jobs_chunked(s) ? "extract(epoch from clock_timestamp())"
+                                    : "((julianday('now') - 2440587.5) * 86400.0)";
 }
 
 /* UPDATE the columns named by `fields`; with `owner`, only while that owner
@@ -226,8 +228,9 @@ static md_status job_update(md_store *s, const char *id, const char *owner, doub
     }
     int id_idx = idx++;
     if (owner) {
-        n += (size_t)snprintf(sql + n, sizeof sql - n, ", lease_until = ?%d WHERE id = ?%d AND "
-                              "owner = ?%d RETURNING cancel_requested", idx, id_idx, idx + 1);
+        n += (size_t)snprintf(sql + n, sizeof sql - n, ", lease_until = %s + ?%d WHERE id = ?%d "
+                              "AND owner = ?%d RETURNING cancel_requested", db_now_sql(s), idx,
+                              id_idx, idx + 1);
     } else {
         snprintf(sql + n, sizeof sql - n, " WHERE id = ?%d", id_idx);
     }
@@ -263,7 +266,7 @@ static md_status job_update(md_store *s, const char *id, const char *owner, doub
     }
     ix_bind_text(st, id_idx, id);
     if (owner) {
-        ix_bind_double(st, id_idx + 1, wall_now() + lease_s);
+        ix_bind_double(st, id_idx + 1, lease_s);
         ix_bind_text(st, id_idx + 2, owner);
         int r = ix_step(st);
         if (r == MD_IX_ROW) {
@@ -308,17 +311,17 @@ md_status md_store_job_claim_next(md_store *s, const char *owner, double lease_s
     id[0] = '\0';
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    double now = wall_now();
-    md_ixstmt *sel = prep(s,
-                             "SELECT id, owner, lease_until FROM jobs WHERE status IN "
-                             "('queued','running') AND (owner IS NULL OR owner != ?1) "
-                             "ORDER BY created_at, id",
-                             err);
-    md_ixstmt *upd = prep(s,
-                             "UPDATE jobs SET owner = ?1, lease_until = ?2 WHERE id = ?3 AND "
-                             "status IN ('queued','running') AND "
-                             "(owner = ?4 OR (owner IS NULL AND ?4 IS NULL))",
-                             err);
+    char sel_sql[400], upd_sql[400];
+    snprintf(sel_sql, sizeof sel_sql,
+             "SELECT id, owner, lease_until, %s FROM jobs WHERE status IN "
+             "('queued','running') AND (owner IS NULL OR owner != ?1) ORDER BY created_at, id",
+             db_now_sql(s));
+    snprintf(upd_sql, sizeof upd_sql,
+             "UPDATE jobs SET owner = ?1, lease_until = %s + ?2 WHERE id = ?3 AND "
+             "status IN ('queued','running') AND (owner = ?4 OR (owner IS NULL AND ?4 IS NULL))",
+             db_now_sql(s));
+    md_ixstmt *sel = prep(s, sel_sql, err);
+    md_ixstmt *upd = prep(s, upd_sql, err);
     if (!sel || !upd) {
         rc = MD_EIO;
         goto out;
@@ -328,12 +331,12 @@ md_status md_store_job_claim_next(md_store *s, const char *owner, double lease_s
     while ((r = ix_step(sel)) == MD_IX_ROW) {
         const char *cand = ix_column_text(sel, 0);
         const char *held = ix_column_text(sel, 1);
-        double until = ix_column_double(sel, 2);
+        double until = ix_column_double(sel, 2), now = ix_column_double(sel, 3);
         if (held && until >= now && !(owner_dead && owner_dead(held, ctx)))
             continue; /* a live lease */
         ix_reset(upd);
         ix_bind_text(upd, 1, owner);
-        ix_bind_double(upd, 2, now + lease_s);
+        ix_bind_double(upd, 2, lease_s);
         ix_bind_text(upd, 3, cand);
         if (held)
             ix_bind_text(upd, 4, held);
@@ -512,6 +515,8 @@ md_status md_store_chunks_plan(md_store *s, const char *job_id, const char *owne
             rc = db_fail(s, err, "insert job chunk");
     }
     ix_finalize(ins);
+    if (rc == MD_OK) /* idle runners of every replica hear of the chunks at the commit */
+        rc = ix_notify_change(s->ix, err);
     rc = txn_end(s, rc, TXN_KEEP, err);
     *planned = rc == MD_OK;
 out:
@@ -751,6 +756,8 @@ md_status md_store_chunk_release(md_store *s, const md_job_chunk *c, const char 
         ix_bind_int64(st, 4, c->attempt);
         if (ix_step(st) != MD_IX_DONE)
             rc = db_fail(s, err, "release a job chunk");
+        else if (ix_changes(s->ix) == 1)
+            rc = ix_notify_change(s->ix, err); /* another replica may take it at once */
     }
     ix_finalize(st);
     pthread_mutex_unlock(&s->mu);

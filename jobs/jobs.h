@@ -150,6 +150,11 @@ md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_
                         md_default_moved moved, void *resolve_ctx, md_jobs **out, md_err *err);
 /* Queue a job already inserted in the store. Thread-safe. */
 void md_jobs_enqueue(md_jobs *jobs, const char *id);
+
+/* Wake the idle runners now (the index notified a change, which may be a
+ * chunk plan or a chunk given back): they look for work at once rather
+ * than at their next poll. Thread-safe. */
+void md_jobs_wake(md_jobs *jobs);
 /* Cancel: a queued job at once, a running one after its current chunk; the
  * output so far is kept and marked partial. Thread-safe. */
 md_status md_jobs_cancel(md_jobs *jobs, const char *id, md_err *err);

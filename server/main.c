@@ -119,6 +119,8 @@ static void *poll_main(void *arg)
             break;
         if (notified) {
             md_app_sync(app);
+            if (app->jobs)
+                md_jobs_wake(app->jobs); /* the change may be chunks to take */
             next = now_s(); /* the next slice starts now */
         } else if (sync && now_s() >= next_sync) {
             next_sync += app->cfg->store_poll_ms / 1000.0;
