@@ -6,9 +6,10 @@ issue 26).
 Against a throwaway PostgreSQL 15 (tests/e2e/pg.py) and s3rver behind the
 SigV4-checking proxy (tests/e2e/s3.py), on loopback:
 
-1. a BENCH_JOB_ROWS-row NPY dataset in S3 (float32 [rows, 4], the
-   tests/fixtures/mlp.pt model's input; 1,000,000 rows by default), one job
-   NPY in, NPY out, both in S3:
+1. a BENCH_JOB_ROWS-row NPY dataset in S3 (float32 [rows, 4]; 1,000,000
+   rows by default), one job NPY in, NPY out, both in S3, through two models:
+   `mlp` (tests/fixtures/mlp.pt, 4 -> 3: the job is all I/O and fixed
+   costs) and `wide` (4 -> 512 -> 512 -> 3, made here: compute dominates),
      - single-host mode: modeld on its SQLite index (one runner streams it);
      - cluster mode with 1, 2 and 3 replicas on one PostgreSQL (chunks);
    rows/s from POST /jobs until the job reads succeeded (plan, chunks,
@@ -43,6 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "out"
 MODEL = REPO / "tests" / "fixtures" / "mlp.pt"
 CONFIG = {"input": {"shape": [4]}, "output": "logits"}
+# the compute-bound job: the same rows through 4 -> 512 -> 512 -> 3 (264k
+# multiply-adds a row, ~60x the tiny MLP's), made here with PyTorch
+WIDE = 512
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 from pg import PgCluster, _free_port  # noqa: E402
 from s3 import S3Harness  # noqa: E402
@@ -89,11 +93,21 @@ class Modeld:
         self.log.close()
 
 
-def deploy(srv):
-    with open(MODEL, "rb") as f:
-        r = requests.post(srv.url + "/models/mlp/versions", files={"checkpoint": f},
-                          data={"config": json.dumps(CONFIG)}, timeout=60)
-    r.raise_for_status()
+def make_wide(path):
+    import torch
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, WIDE), torch.nn.ReLU(),
+                              torch.nn.Linear(WIDE, WIDE), torch.nn.ReLU(),
+                              torch.nn.Linear(WIDE, 3)).eval()
+    torch.jit.script(net).save(str(path))
+
+
+def deploy(srv, models):
+    for name, path in models.items():
+        with open(path, "rb") as f:
+            r = requests.post(srv.url + f"/models/{name}/versions", files={"checkpoint": f},
+                              data={"config": json.dumps(CONFIG)}, timeout=60)
+        r.raise_for_status()
 
 
 def run_job(srv, spec):
@@ -144,11 +158,13 @@ def main():
         env = s3h.env()
         env["MD_TEST_S3_STALL_S"] = "30"
         allowed = ("--allowed-s3", f"{s3h.bucket}/data,{s3h.bucket}/out")
+        models = {"mlp": MODEL, "wide": tmp / "wide.pt"}
+        make_wide(models["wide"])
         n = [0]
 
-        def spec(extra=None):
+        def spec(model, extra=None):
             n[0] += 1
-            s = {"model": "mlp", "batch_size": BATCH,
+            s = {"model": model, "batch_size": BATCH,
                  "input": {"path": f"s3://{s3h.bucket}/data/big.npy", "format": "npy"},
                  "output": {"path": f"s3://{s3h.bucket}/out/o{n[0]}.npy", "format": "npy"}}
             s.update(extra or {})
@@ -158,20 +174,22 @@ def main():
             key = job["spec"]["output"]["path"].split("/", 3)[3]
             return c.get_object(Bucket=s3h.bucket, Key=key)["Body"].read()
 
-        # single host
+        # single host: each model's job, its output the reference
         single = Modeld(args.modeld, tmp / "single", env, allowed, "single")
         servers.append(single)
-        deploy(single)
-        times, reference = [], None
-        for _ in range(ROUNDS):
-            dt, job = run_job(single, spec())
-            times.append(dt)
-            reference = reference or out_bytes(job)
+        deploy(single, models)
+        reference = {}
+        for model in models:
+            times = []
+            for _ in range(ROUNDS):
+                dt, job = run_job(single, spec(model))
+                times.append(dt)
+                reference[model] = reference.get(model) or out_bytes(job)
+            results["modes"][f"{model} single-host"] = {
+                "seconds": times, "rows_per_s": ROWS / statistics.median(times)}
+            log(f"{model} single-host: {ROWS / statistics.median(times):.0f} rows/s")
         single.stop()
         servers.remove(single)
-        results["modes"]["single-host"] = {"seconds": times,
-                                           "rows_per_s": ROWS / statistics.median(times)}
-        log(f"single-host: {ROWS / statistics.median(times):.0f} rows/s")
 
         for replicas in (1, 2, 3):
             url = pg.new_database()
@@ -182,29 +200,36 @@ def main():
                                     f"s3://{s3h.bucket}/modeld{replicas}", "--max-jobs", "1",
                                     *allowed), f"cluster{replicas}-{i}"))
                 servers.append(reps[-1])
-            deploy(reps[0])
-            for r in reps[1:]:  # every replica has the model loaded before the clock starts
-                deadline = time.monotonic() + 60
-                while requests.post(r.url + "/models/mlp/predict", json=[[0, 0, 0, 0]],
-                                    timeout=10).status_code != 200:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("a replica never loaded the model")
-                    time.sleep(0.05)
-            times = []
-            for _ in range(ROUNDS):
-                dt, job = run_job(reps[0], spec())
-                times.append(dt)
-                if out_bytes(job) != reference:
-                    raise RuntimeError(f"{replicas} replicas: the output differs from single-host")
-            finished = [metric(r, "modeld_job_chunks_finished_total") for r in reps]
-            results["modes"][f"cluster-{replicas}"] = {
-                "seconds": times, "rows_per_s": ROWS / statistics.median(times),
-                "chunks_finished_per_replica": finished}
-            log(f"cluster, {replicas} replica(s): {ROWS / statistics.median(times):.0f} rows/s, "
-                f"chunks per replica {finished}")
+            deploy(reps[0], models)
+            for r in reps[1:]:  # every replica has the models loaded before the clock starts
+                for model in models:
+                    deadline = time.monotonic() + 60
+                    while requests.post(r.url + f"/models/{model}/predict", json=[[0, 0, 0, 0]],
+                                        timeout=10).status_code != 200:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("a replica never loaded the model")
+                        time.sleep(0.05)
+            for model in models:
+                before = [metric(r, "modeld_job_chunks_finished_total") for r in reps]
+                times = []
+                for _ in range(ROUNDS):
+                    dt, job = run_job(reps[0], spec(model))
+                    times.append(dt)
+                    if out_bytes(job) != reference[model]:
+                        raise RuntimeError(f"{model}, {replicas} replicas: the output differs "
+                                           "from single-host")
+                finished = [metric(r, "modeld_job_chunks_finished_total") - b
+                            for r, b in zip(reps, before)]
+                results["modes"][f"{model} cluster-{replicas}"] = {
+                    "seconds": times, "rows_per_s": ROWS / statistics.median(times),
+                    "chunks": job["chunks"]["total"],
+                    "chunks_finished_per_replica": finished}
+                log(f"{model} cluster, {replicas} replica(s): "
+                    f"{ROWS / statistics.median(times):.0f} rows/s, {job['chunks']['total']} "
+                    f"chunks a job, finished per replica {finished}")
             if replicas == 3:
                 # the claim rate: one-batch chunks
-                small = spec({"batch_size": 256, "chunk_rows": 256})
+                small = spec("mlp", {"batch_size": 256, "chunk_rows": 256})
                 rows_small = 256 * CLAIM_CHUNKS
                 c.put_object(Bucket=s3h.bucket, Key="data/small.npy",
                              Body=(lambda b: (np.save(b, data[:rows_small]), b.getvalue())[1])(
@@ -223,11 +248,13 @@ def main():
             srv.stop()
         s3h.stop()
         pg.destroy()
-    base = results["modes"]["single-host"]["rows_per_s"]
-    print(f"\n1M-row NPY job in S3 ({ROWS} rows, batch {BATCH}; median of {ROUNDS})")
-    print(f"{'mode':<14} {'rows/s':>10} {'vs single-host':>15}")
+    print(f"\n1M-row NPY job in S3 ({ROWS} rows, batch {BATCH}; median of {ROUNDS}): "
+          "mlp = tests/fixtures/mlp.pt (4 -> 3), wide = 4 -> 512 -> 512 -> 3")
+    print(f"{'mode':<20} {'rows/s':>10} {'vs single-host':>15} {'chunks':>7}  finished per replica")
     for mode, r in results["modes"].items():
-        print(f"{mode:<14} {r['rows_per_s']:>10.0f} {100 * (r['rows_per_s'] / base - 1):>+14.1f}%")
+        base = results["modes"][mode.split()[0] + " single-host"]["rows_per_s"]
+        print(f"{mode:<20} {r['rows_per_s']:>10.0f} {100 * (r['rows_per_s'] / base - 1):>+14.1f}% "
+              f"{r.get('chunks', ''):>7}  {r.get('chunks_finished_per_replica', '')}")
     if "claim" in results:
         cl = results["claim"]
         print(f"chunk claim rate: {cl['chunks_per_s']:.0f} chunks/s ({cl['chunks']} one-batch "

@@ -261,6 +261,18 @@ md_status md_s3_data_put(const char *url, const md_fetch_opts *o, const char *pa
 /* Delete the object `url` (checked as above); absent is MD_OK. Blocks. */
 md_status md_s3_data_delete(const char *url, const md_fetch_opts *o, md_err *err);
 
+/* As md_s3_data_put with `path`, without the check that the name is free
+ * (one HEAD less): for an object whose name nobody else may take, such as
+ * a job chunk's part, named by its chunk and attempt. Blocks. */
+md_status md_s3_data_put_new(const char *url, const md_fetch_opts *o, const char *path,
+                             md_err *err);
+
+/* Delete every object under the folder `url` (s3://BUCKET/PREFIX/, checked
+ * as a folder): a listing, then one DELETE each; *deleted (may be NULL)
+ * gets their count. Blocks. */
+md_status md_s3_data_delete_prefix(const char *url, const md_fetch_opts *o, long long *deleted,
+                                   md_err *err);
+
 /* Download `url` (http, https or file) into a new blob writer: connect and
  * total timeouts, size limit, at most max_redirects redirects, each checked
  * like the URL itself; every connection refused when it goes to an internal

@@ -428,3 +428,77 @@ md_status md_s3_data_delete(const char *url, const md_fetch_opts *o, md_err *err
     md_s3_close(s3);
     return st;
 }
+
+md_status md_s3_data_put_new(const char *url, const md_fetch_opts *o, const char *path,
+                             md_err *err)
+{
+    char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
+    md_status st = md_s3_data_check(url, o, "output.path", 0, bucket, key, err);
+    if (st != MD_OK)
+        return st;
+    md_s3 *s3 = NULL;
+    if ((st = client_open(o, bucket, &s3, err)) != MD_OK)
+        return st;
+    st = md_s3_put_file_multipart(s3, key, path,
+                                  env_ll("MD_TEST_S3_PART_BYTES", MD_S3_PART_BYTES_DEFAULT), err);
+    coded(st == MD_ENOTFOUND ? MD_EIO : st, err);
+    md_s3_close(s3);
+    return st;
+}
+
+/* The keys of a listing, to delete once it is over (a deletion during the
+ * listing could move its continuation). */
+typedef struct key_list {
+    char **keys;
+    size_t n, cap;
+    int failed;
+} key_list;
+
+static int collect_key(void *ctx, const md_s3_object *obj)
+{
+    key_list *l = ctx;
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 64;
+        char **grown = realloc(l->keys, cap * sizeof *grown);
+        if (!grown) {
+            l->failed = 1;
+            return 1;
+        }
+        l->keys = grown;
+        l->cap = cap;
+    }
+    if (!(l->keys[l->n] = strdup(obj->key))) {
+        l->failed = 1;
+        return 1;
+    }
+    l->n++;
+    return 0;
+}
+
+md_status md_s3_data_delete_prefix(const char *url, const md_fetch_opts *o, long long *deleted,
+                                   md_err *err)
+{
+    if (deleted)
+        *deleted = 0;
+    char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
+    md_status st = md_s3_data_check(url, o, "output.path", 1, bucket, key, err);
+    if (st != MD_OK)
+        return st;
+    md_s3 *s3 = NULL;
+    if ((st = client_open(o, bucket, &s3, err)) != MD_OK)
+        return st;
+    key_list l = {0};
+    st = md_s3_list(s3, key, 0, collect_key, &l, err);
+    if (st == MD_OK && l.failed)
+        st = md_err_set(err, MD_ENOMEM, "out of memory for a listing of %.200s", url);
+    for (size_t i = 0; i < l.n; i++) {
+        /* the listing's keys are relative to the handle's (the bucket's root) */
+        if (st == MD_OK && (st = md_s3_delete(s3, l.keys[i], err)) == MD_OK && deleted)
+            (*deleted)++;
+        free(l.keys[i]);
+    }
+    free(l.keys);
+    coded(st, err);
+    md_s3_close(s3);
+    return st;
+}

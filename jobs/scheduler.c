@@ -52,6 +52,7 @@
 #include <unistd.h>
 
 #include "../config/md_metrics.h"
+#include "filerange.h"
 #include "jobs.h"
 #include "writers.h"
 
@@ -522,7 +523,9 @@ static void s3_input_close(md_jobs *J, const char *id, s3_input *in)
 
 #define CHUNK_DEPTH 4          /* batches of one chunk in flight */
 #define CHUNKS_TARGET 32       /* a plan aims at this many chunks at most */
-#define CHUNK_MIN_BATCHES 16   /* ... of this many batches at least (no chunk_rows) */
+#define CHUNK_MIN_BATCHES 16   /* ... when neither bound below is known */
+#define CHUNK_MIN_BYTES (32LL << 20) /* a default chunk: this much input, or */
+#define CHUNK_MIN_SECONDS 1.0        /* ... this much compute (chunk_min_rows) */
 
 static atomic_llong chunks_claimed, chunks_finished, chunks_taken_over, chunks_refused,
     chunk_rows;
@@ -555,10 +558,8 @@ static int chunkable(json_t *spec)
     const char *path = json_string_value(json_object_get(input, "path"));
     const char *fmt = json_string_value(json_object_get(input, "format"));
     const char *out = json_string_value(json_object_get(json_object_get(spec, "output"), "path"));
-    const char *label = json_string_value(json_object_get(input, "label"));
-    if (!is_s3(path) || !is_s3(out) || !fmt)
-        return 0;
-    if (!strcmp(fmt, "idx") && label && !is_s3(label))
+    /* an input in S3 or a local file (not a URL: no ranges); an output in S3 */
+    if (!path || !is_s3(out) || !fmt || json_object_get(input, "url"))
         return 0;
     return !strcmp(fmt, "npy") || !strcmp(fmt, "csv") || !strcmp(fmt, "jsonl") ||
            !strcmp(fmt, "idx");
@@ -567,7 +568,8 @@ static int chunkable(json_t *spec)
 /* The reader of a chunk's rows (or of the whole input, to plan): streams of
  * the header and [from, to) of the data (and of the labels file). */
 typedef struct chunk_input {
-    md_s3_stream *data, *labels;
+    md_s3_stream *data, *labels;     /* an input in S3 */
+    md_filerange *fdata, *flabels;   /* a local one (the same path on every replica) */
     int fd, label_fd;
     md_reader *r;
 } chunk_input;
@@ -581,6 +583,8 @@ static void chunk_input_close(chunk_input *in)
         close(in->label_fd);
     md_s3_stream_close(in->data);
     md_s3_stream_close(in->labels);
+    md_filerange_close(in->fdata);
+    md_filerange_close(in->flabels);
     memset(in, 0, sizeof *in);
     in->fd = in->label_fd = -1;
 }
@@ -590,7 +594,30 @@ static void chunk_input_close(chunk_input *in)
 static int chunk_streams_failed(chunk_input *in, md_err *err)
 {
     return (in->data && md_s3_stream_status(in->data, err) != MD_OK) ||
-           (in->labels && md_s3_stream_status(in->labels, err) != MD_OK);
+           (in->labels && md_s3_stream_status(in->labels, err) != MD_OK) ||
+           (in->fdata && md_filerange_status(in->fdata, err) != MD_OK) ||
+           (in->flabels && md_filerange_status(in->flabels, err) != MD_OK);
+}
+
+/* [0, head) and [from, to) of `path`: in S3, or a local file under
+ * allowed_paths, which in cluster mode every replica must see at the same
+ * path (a replica that does not fails the job naming the path). */
+static md_status range_open(md_jobs *J, const char *path, const char *what, long long head,
+                            long long from, long long to, int *fd, md_s3_stream **s3,
+                            md_filerange **local, md_err *err)
+{
+    if (is_s3(path))
+        return md_s3_stream_open_range(path, &J->fetch, what, head, from, to, fd, s3, err);
+    int src = -1;
+    md_err oerr;
+    md_status st = md_path_open_file(J->fetch.allowed_paths, what, path, "input_not_found", &src,
+                                     &oerr);
+    if (st != MD_OK) /* not this replica's to do: given back for one that sees it */
+        return md_err_setc(err, MD_EUNAVAIL, "input_not_on_replica",
+                           "%s %.200s cannot be read on this replica (%s: %s): in cluster mode a "
+                           "local input must be at the same path, under allowed_paths, on every "
+                           "replica (a shared volume), or in S3", what, path, J->host, oerr.msg);
+    return md_filerange_open(src, head, from, to, fd, local, err);
 }
 
 /* plan NULL: the whole input. */
@@ -619,11 +646,11 @@ static md_status chunk_input_open(md_jobs *J, json_t *input, json_t *plan, const
             to = c->end_byte;
         }
     }
-    md_status st = md_s3_stream_open_range(path, &J->fetch, "input.path", head, from, to, &in->fd,
-                                           &in->data, err);
+    md_status st = range_open(J, path, "input.path", head, from, to, &in->fd, &in->data,
+                              &in->fdata, err);
     if (st == MD_OK && label && !strcmp(fmt, "idx"))
-        st = md_s3_stream_open_range(label, &J->fetch, "input.label", lhead, lfrom, lto,
-                                     &in->label_fd, &in->labels, err);
+        st = range_open(J, label, "input.label", lhead, lfrom, lto, &in->label_fd, &in->labels,
+                        &in->flabels, err);
     if (st != MD_OK)
         return st;
     char input_path[64], label_path[64];
@@ -642,6 +669,67 @@ static md_status chunk_input_open(md_jobs *J, json_t *input, json_t *plan, const
     if (st != MD_OK) /* a stream that failed cut the file short: its own failure, not the data's */
         st = chunk_streams_failed(in, err) ? err->status : st;
     return st;
+}
+
+/* The fewest rows a default chunk holds: enough that its fixed cost (a
+ * claim, a few index round trips, a HEAD and Range GET of its input, the
+ * PUT of its part, its GET and DELETE at assembly: some 10-20 round trips,
+ * 0.1-0.3 s against a real S3) stays near a tenth of what the chunk does,
+ * which is the lesser of
+ *   - CHUNK_MIN_BYTES of input (moving them takes a few tenths of a second
+ *     at S3's per-stream rate, whatever the model), and
+ *   - CHUNK_MIN_SECONDS of the model's compute, from the time of one batch
+ *     of zeros timed here (the second of two: the first may warm up);
+ * so a cheap model over narrow rows gets few, large chunks and a costly
+ * one many. Whole batches, one at least. A plan that must not depend on
+ * the machine's speed (a test) gives chunk_rows. */
+static int64_t chunk_min_rows(md_jobs *J, md_model *m, int batch, int64_t width,
+                              json_t *row_shape, int64_t bytes_per_row)
+{
+    int64_t by_bytes = bytes_per_row > 0 ? CHUNK_MIN_BYTES / bytes_per_row : INT64_MAX;
+    int64_t by_time = INT64_MAX;
+    size_t vals;
+    if (m && width > 0 && !__builtin_mul_overflow((size_t)batch, (size_t)width, &vals) &&
+        vals <= (1u << 26)) {
+        double took = -1;
+        for (int run = 0; run < 2 && !atomic_load(&J->stopping); run++) {
+            float *zeros = calloc(vals, sizeof(float)); /* the submit takes it */
+            if (!zeros) {
+                took = -1;
+                break;
+            }
+            chunk c;
+            memset(&c, 0, sizeof c);
+            pthread_mutex_init(&c.mu, NULL);
+            pthread_cond_init(&c.cv, NULL);
+            md_tensor t = {.ndim = 2, .shape = {batch, width}, .data = zeros, .count = vals};
+            if (json_array_size(row_shape) > 0 && json_array_size(row_shape) < MD_MAX_DIMS) {
+                t.ndim = 1 + (int)json_array_size(row_shape);
+                for (size_t i = 0; i < json_array_size(row_shape); i++)
+                    t.shape[i + 1] = json_integer_value(json_array_get(row_shape, i));
+            }
+            md_err err;
+            double t0 = mono();
+            if (md_model_submit(m, &t, MD_PRIO_BATCH, chunk_cb, &c, &err) == MD_OK) {
+                chunk_wait(&c);
+                took = c.st == MD_OK ? mono() - t0 : -1;
+            } else {
+                took = -1;
+            }
+            chunk_reset(&c);
+            pthread_mutex_destroy(&c.mu);
+            pthread_cond_destroy(&c.cv);
+            if (took < 0)
+                break;
+        }
+        if (took > 0)
+            by_time = (int64_t)(CHUNK_MIN_SECONDS / took + 1) * batch;
+    }
+    int64_t rows = by_bytes < by_time ? by_bytes : by_time;
+    if (rows == INT64_MAX)
+        rows = (int64_t)batch * CHUNK_MIN_BATCHES;
+    rows = (rows + batch - 1) / batch * batch;
+    return rows < batch ? batch : rows;
 }
 
 /* Plan the job: chunks of whole batches; one pass of the reader for the
@@ -700,18 +788,26 @@ static md_status chunk_plan(md_jobs *J, slot_ref *sref, const char *id, json_t *
         }
         free(row);
         total = md_reader_position(in.r);
-        if (st == MD_OK && md_s3_stream_status(in.data, err) != MD_OK)
+        if (st == MD_OK && chunk_streams_failed(&in, err))
             st = err->status;
         json_object_set_new(plan, "end_byte", json_integer(start_of_next));
     }
     if (st == MD_OK) {
-        /* by default at most CHUNKS_TARGET chunks, each at least
-         * CHUNK_MIN_BATCHES batches: a chunk costs a few S3 and database
-         * round trips, which must stay small beside its compute */
-        int64_t per = chunk_rows_asked > 0 ? chunk_rows_asked
-                                           : (total + CHUNKS_TARGET - 1) / CHUNKS_TARGET;
-        if (chunk_rows_asked <= 0 && per < (int64_t)batch * CHUNK_MIN_BATCHES)
-            per = (int64_t)batch * CHUNK_MIN_BATCHES;
+        /* by default at most CHUNKS_TARGET chunks, and none smaller than
+         * what is worth its fixed cost (chunk_min_rows) */
+        int64_t per = chunk_rows_asked;
+        if (per <= 0) {
+            int64_t bytes_per_row = fixed ? row_bytes : 0;
+            if (text && total > 0) {
+                int64_t span = json_integer_value(json_object_get(plan, "end_byte")) -
+                               json_integer_value(json_object_get(plan, "head_bytes"));
+                bytes_per_row = span > 0 ? (span + total - 1) / total : 1;
+            }
+            per = chunk_min_rows(J, m, batch, md_reader_row_width(in.r),
+                                 json_object_get(input, "shape"), bytes_per_row);
+            if (per < (total + CHUNKS_TARGET - 1) / CHUNKS_TARGET)
+                per = (total + CHUNKS_TARGET - 1) / CHUNKS_TARGET;
+        }
         per = (per + batch - 1) / batch * batch; /* whole batches */
         if (per < batch)
             per = batch;
@@ -972,8 +1068,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         }
     }
     /* every row of the chunk, and the data behind them whole */
-    if (md_s3_stream_status(in.data, err) != MD_OK ||
-        (in.labels && md_s3_stream_status(in.labels, err) != MD_OK)) {
+    if (chunk_streams_failed(&in, err)) {
         st = err->status;
         goto out;
     }
@@ -1011,7 +1106,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
     }
     /* no fsync: the part is durable once S3 has it, and only then named */
     chunk_object_url(out_url, c, obj_url, sizeof obj_url);
-    st = md_s3_data_put(obj_url, &J->fetch, tmp, err);
+    st = md_s3_data_put_new(obj_url, &J->fetch, tmp, err); /* its name is this attempt's */
     int all_done = 0;
     if (st == MD_OK) {
         const char *key = obj_url + 5 + strcspn(obj_url + 5, "/") + 1;
@@ -1216,18 +1311,17 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
         unlink(tmp);
     if (st == MD_OK)
         st = md_s3_data_put(out_url, &J->fetch, out_path, err);
-    if (st == MD_OK) { /* the parts are in the output now */
-        json_array_foreach(chunks, i, c)
-        {
-            const char *key = json_string_value(json_object_get(c, "output_key"));
-            if (!key)
-                continue;
-            char url[2200];
-            snprintf(url, sizeof url, "s3://%.*s/%s", (int)strcspn(out_url + 5, "/"), out_url + 5,
-                     key);
-            md_err derr;
-            md_s3_data_delete(url, &J->fetch, &derr);
-        }
+    if (st == MD_OK) {
+        /* the parts are in the output now: every object under
+         * <output>.chunks/, those of attempts that never finished (their
+         * runner lost the chunk, or the index was away at its finish) too */
+        char prefix[2200];
+        snprintf(prefix, sizeof prefix, "%s.chunks/", out_url);
+        md_err derr;
+        long long gone = 0;
+        if (md_s3_data_delete_prefix(prefix, &J->fetch, &gone, &derr) != MD_OK)
+            md_log(MD_LOG_WARN, "job %s: deleting its chunks' parts under %s: %s", id, prefix,
+                   derr.msg);
     }
     *rows_out = rows;
     if (st == MD_OK)
@@ -2132,6 +2226,13 @@ void md_jobs_enqueue(md_jobs *J, const char *id)
     (void)id; /* the row is in the store; a runner here claims it now */
     pthread_mutex_lock(&J->mu);
     pthread_cond_signal(&J->cv);
+    pthread_mutex_unlock(&J->mu);
+}
+
+void md_jobs_wake(md_jobs *J)
+{
+    pthread_mutex_lock(&J->mu);
+    pthread_cond_broadcast(&J->cv);
     pthread_mutex_unlock(&J->mu);
 }
 

@@ -15,7 +15,12 @@ dataset boto3 put there and the output:
 - a CSV dataset with quoted newlines splits into chunks at whole rows only,
   and the job's accuracy is PyTorch's own count;
 - cancel reaches every replica; the partial output is the longest contiguous
-  prefix of done chunks.
+  prefix of done chunks;
+- a local input at the same path on every replica (a shared volume) is split
+  over them as an S3 one is; a replica that cannot read it gives its chunks
+  back to the others;
+- every part object, those of attempts that never finished too, is gone once
+  the output is assembled.
 
 Pacing: --test-job-chunk-delay-ms makes each batch of a chunk pause, so "a
 replica holds a chunk" is a state that lasts, however fast the machine is;
@@ -275,6 +280,8 @@ def test_postgresql_restarted_mid_job_finishes_exactly_once(start_server, s3, pg
     assert job["rows_done"] == ROWS and job["chunks"]["done"] == ROWS // CHUNK_ROWS, job
     want = reference(start_server, s3, tmp_path, npy_spec(s3, "pg-single.npy"))
     assert s3_get(s3, "out/pg.npy") == want
+    # a part whose finish met the outage names no chunk: swept at assembly all the same
+    assert s3_keys(s3, "out/pg.npy.chunks/") == []
 
 
 def test_s3_stalled_mid_chunk_finishes_exactly_once(start_server, s3, pg_url, tmp_path, big_npy):
@@ -291,3 +298,52 @@ def test_s3_stalled_mid_chunk_finishes_exactly_once(start_server, s3, pg_url, tm
     assert job["rows_done"] == ROWS and job["chunks"]["done"] == ROWS // CHUNK_ROWS, job
     want = reference(start_server, s3, tmp_path, npy_spec(s3, "stall-single.npy"))
     assert s3_get(s3, "out/stall.npy") == want
+    assert s3_keys(s3, "out/stall.npy.chunks/") == []
+
+
+def test_a_local_input_every_replica_sees_is_split_over_them(start_server, s3, pg_url, tmp_path,
+                                                             big_npy):
+    # one host here: the same path on both replicas stands in for a shared volume
+    s3.client().upload_file(str(big_npy), s3.bucket, "data/big.npy")
+    want = reference(start_server, s3, tmp_path, npy_spec(s3, "local-single.npy"))
+    spec = npy_spec(s3, "local.npy")
+    spec["input"]["path"] = str(big_npy)
+    reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}", "--allowed-paths",
+                    str(big_npy.parent), pace_ms=50) for i in range(2)]
+    deploy_fashion(reps[0])
+    jid = create_job(reps[0], spec)
+    pids, seen = {r.proc.pid for r in reps}, set()
+
+    def all_held():
+        job = get_job(reps[1], jid)
+        seen.update(holder_pid(h) for h in (job.get("chunks") or {}).get("holders", []))
+        return seen >= pids or job["status"] not in ("running", "queued")
+    poll(all_held, "both replicas hold a chunk of the local file")
+    assert seen >= pids, f"chunk holders {seen}, replicas {pids}"
+    job = wait_job(reps[1], jid, timeout=300)
+    assert job["chunks"]["total"] == ROWS // CHUNK_ROWS and job["rows_done"] == ROWS, job
+    assert s3_get(s3, "out/local.npy") == want
+    assert s3_keys(s3, "out/local.npy.chunks/") == []
+
+
+def test_a_replica_that_cannot_see_a_local_input_leaves_its_chunks_to_the_others(
+        start_server, s3, pg_url, tmp_path, big_npy):
+    s3.client().upload_file(str(big_npy), s3.bucket, "data/big.npy")
+    want = reference(start_server, s3, tmp_path, npy_spec(s3, "blind-single.npy"))
+    spec = npy_spec(s3, "blind.npy")
+    spec["input"]["path"] = str(big_npy)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    a = replica(start_server, s3, pg_url, tmp_path / "a", "--allowed-paths", str(big_npy.parent),
+                pace_ms=50)
+    # B's allowed_paths do not hold the file: a misconfigured replica
+    b = replica(start_server, s3, pg_url, tmp_path / "b", "--allowed-paths", str(elsewhere),
+                pace_ms=50)
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    poll(lambda: "input_not_on_replica" in b.stderr or "cannot be read on this replica" in
+         b.stderr, "B tries a chunk, cannot read the file and gives the chunk back")
+    job = wait_job(a, jid, timeout=300)
+    assert job["rows_done"] == ROWS and job["chunks"]["done"] == ROWS // CHUNK_ROWS, job
+    assert metric(b, "modeld_job_chunks_finished_total") == 0
+    assert s3_get(s3, "out/blind.npy") == want
