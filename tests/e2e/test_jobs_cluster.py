@@ -347,3 +347,32 @@ def test_a_replica_that_cannot_see_a_local_input_leaves_its_chunks_to_the_others
     assert job["rows_done"] == ROWS and job["chunks"]["done"] == ROWS // CHUNK_ROWS, job
     assert metric(b, "modeld_job_chunks_finished_total") == 0
     assert s3_get(s3, "out/blind.npy") == want
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_idx_with_labels_in_s3_splits_by_its_header(start_server, s3, pg_url, tmp_path, fmnist,
+                                                    gz):
+    import gzip
+    from test_jobs import LABELS_GZ
+    images = IMAGES_GZ.read_bytes() if gz else gzip.decompress(IMAGES_GZ.read_bytes())
+    labels = gzip.decompress(LABELS_GZ.read_bytes())
+    c = s3.client()
+    c.put_object(Bucket=s3.bucket, Key="data/images.idx", Body=images)
+    c.put_object(Bucket=s3.bucket, Key="data/labels.idx", Body=labels)
+    name = "gz" if gz else "plain"
+    spec = {"model": "fashion", "batch_size": 100, "chunk_rows": 1500,
+            "input": {"path": f"s3://{s3.bucket}/data/images.idx", "format": "idx",
+                      "label": f"s3://{s3.bucket}/data/labels.idx"},
+            "output": {"path": f"s3://{s3.bucket}/out/{name}.jsonl", "format": "jsonl"}}
+    a = replica(start_server, s3, pg_url, tmp_path / "a")
+    b = replica(start_server, s3, pg_url, tmp_path / "b")
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    job = wait_job(b, jid, timeout=300)
+    # plain IDX: rows of a fixed size from the header; gzip: no random access, one chunk
+    assert job["chunks"]["total"] == (1 if gz else (N + 1499) // 1500), job
+    assert job["rows_done"] == N and job["labeled"] == N, job
+    assert job["correct"] == fmnist.correct, job
+    got = s3_get(s3, f"out/{name}.jsonl")
+    spec["output"]["path"] = f"s3://{s3.bucket}/out/{name}-single.jsonl"
+    assert got == reference(start_server, s3, tmp_path, spec)
