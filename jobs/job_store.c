@@ -730,6 +730,11 @@ md_status md_store_chunk_finish(md_store *s, const md_job_chunk *c, const char *
             rc = db_fail(s, err, "count a job's chunks");
     }
     ix_finalize(st);
+    /* the UPDATE of the job's row above holds its lock to the commit, so
+     * finishers of one job pass here one at a time and exactly one sees
+     * the last chunk done: it wakes the job's coordinator, wherever it runs */
+    if (rc == MD_OK && *all_done)
+        rc = ix_notify_change(s->ix, err);
     rc = txn_end(s, rc, TXN_KEEP, err);
     if (rc != MD_OK)
         *all_done = 0;
