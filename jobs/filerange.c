@@ -47,11 +47,16 @@ static void *range_main(void *arg)
             ssize_t got = pread(r->src, buf, want, (off_t)off);
             if (got < 0 && errno == EINTR)
                 continue;
-            if (got <= 0) {
+            if (got < 0) {
                 st = md_err_set(&err, MD_EIO, "reading the job's input at byte %lld failed: %s",
-                                off, got < 0 ? strerror(errno)
-                                             : "the file is shorter than when the job was "
-                                               "planned; run the job again");
+                                off, strerror(errno));
+                break;
+            }
+            if (got == 0) { /* the data changed under the plan: as an S3 If-Match */
+                st = md_err_setc(&err, MD_ECONFLICT, "input_changed",
+                                 "the job's input ends at byte %lld, before the %lld its plan "
+                                 "read: it changed since the job was planned; run the job again",
+                                 off, r->to[seg]);
                 break;
             }
             for (ssize_t done = 0; done < got;) {
@@ -95,11 +100,10 @@ md_status md_filerange_open(int src, long long head, long long from, long long t
     r->src = src;
     r->wfd = -1;
     pthread_mutex_init(&r->mu, NULL);
-    long long size = (long long)sb.st_size;
-    if (to < 0 || to > size)
-        to = size;
-    if (head > size)
-        head = size;
+    /* a range past the end is not cut to it: the reads then find the end
+     * early, and say the file changed since its plan */
+    if (to < 0)
+        to = (long long)sb.st_size;
     if (from < head)
         from = head; /* [0, to) read once */
     if (head > 0) {

@@ -20,8 +20,9 @@ typedef struct md_filerange md_filerange;
 md_status md_filerange_open(int src, long long head, long long from, long long to, int *fd,
                             md_filerange **out, md_err *err);
 
-/* MD_OK once every byte was written; MD_EIO (in `err`) when a read failed
- * or the file ended early (changed since the job was planned). */
+/* MD_OK once every byte was written; MD_EIO (in `err`) when a read failed,
+ * MD_ECONFLICT input_changed when the file ended early (it changed since
+ * the job was planned). */
 md_status md_filerange_status(md_filerange *r, md_err *err);
 
 /* Stop (a reader that stopped early) and free. Accepts NULL. */

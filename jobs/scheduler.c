@@ -923,7 +923,8 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
     if (batch <= 0)
         batch = md_model_max_batch(m);
     if ((st = chunk_input_open(J, input, plan, c, m, &in, err)) != MD_OK) {
-        data_failed = st == MD_EINVAL || st == MD_ENOTFOUND; /* the data, not S3 being away */
+        /* the data (missing, malformed, changed since the plan), not S3 being away */
+        data_failed = st == MD_EINVAL || st == MD_ENOTFOUND || st == MD_ECONFLICT;
         goto out;
     }
     int64_t width = md_reader_row_width(in.r);
@@ -984,9 +985,11 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
                 if (st != MD_OK) {
                     free(buf);
                     if (chunk_streams_failed(&in, err))
-                        st = err->status; /* S3 failed: the chunk is given back */
-                    else
-                        data_failed = st == MD_EINVAL;
+                        /* S3 away: the chunk is given back; the input
+                         * changed since the plan: no attempt can do it */
+                        data_failed = (st = err->status) == MD_ECONFLICT;
+                    else /* the bytes came whole and do not hold the planned rows */
+                        data_failed = 1;
                     goto out;
                 }
                 /* the dataset's row number: the chunk's first plus the row within it */
@@ -1078,7 +1081,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
     }
     /* every row of the chunk, and the data behind them whole */
     if (chunk_streams_failed(&in, err)) {
-        st = err->status;
+        data_failed = (st = err->status) == MD_ECONFLICT; /* changed since the plan */
         goto out;
     }
     /* rows_done counts good and bad rows, as the single runner's does */
@@ -1213,6 +1216,23 @@ static md_status append_object(md_jobs *J, const char *url, int fd, md_err *err)
     return st;
 }
 
+/* Delete every object under <output>.chunks/: the parts of a job whose
+ * output is assembled or which failed, those of attempts that never
+ * finished (their runner lost the chunk, or the index was away at its
+ * finish) too. */
+static void sweep_parts(md_jobs *J, const char *id, const char *out_url)
+{
+    if (!out_url)
+        return;
+    char prefix[2200];
+    snprintf(prefix, sizeof prefix, "%s.chunks/", out_url);
+    md_err derr;
+    long long gone = 0;
+    if (md_s3_data_delete_prefix(prefix, &J->fetch, &gone, &derr) != MD_OK)
+        md_log(MD_LOG_WARN, "job %s: deleting its chunks' parts under %s: %s", id, prefix,
+               derr.msg);
+}
+
 /* The job's output from its done chunks, in order, up to the first one not
  * done (a cancelled job: the longest contiguous prefix): the store's copy
  * at out_path, then the object in S3. Counts come from those chunks. */
@@ -1320,18 +1340,8 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
         unlink(tmp);
     if (st == MD_OK)
         st = md_s3_data_put(out_url, &J->fetch, out_path, err);
-    if (st == MD_OK) {
-        /* the parts are in the output now: every object under
-         * <output>.chunks/, those of attempts that never finished (their
-         * runner lost the chunk, or the index was away at its finish) too */
-        char prefix[2200];
-        snprintf(prefix, sizeof prefix, "%s.chunks/", out_url);
-        md_err derr;
-        long long gone = 0;
-        if (md_s3_data_delete_prefix(prefix, &J->fetch, &gone, &derr) != MD_OK)
-            md_log(MD_LOG_WARN, "job %s: deleting its chunks' parts under %s: %s", id, prefix,
-                   derr.msg);
-    }
+    if (st == MD_OK) /* the parts are in the output now */
+        sweep_parts(J, id, out_url);
     *rows_out = rows;
     if (st == MD_OK)
         *confusion = conf;
@@ -1431,8 +1441,11 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
         long long total = json_integer_value(json_object_get(ch, "total"));
         long long done = json_integer_value(json_object_get(ch, "done"));
         json_decref(now_job);
-        if (failed_now)
-            goto out; /* a chunk's data failed the job: its runner recorded why */
+        if (failed_now) { /* a chunk's data failed the job: its runner recorded why */
+            sweep_parts(J, id, json_string_value(json_object_get(json_object_get(spec, "output"),
+                                                                 "path")));
+            goto out;
+        }
         if (atomic_load(&J->cancel[slot])) {
             cancelled = 1;
             break;
@@ -1500,6 +1513,8 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
 failed:
     keeper_stop(&kp);
     fail_job(J, slot, id, &err);
+    sweep_parts(J, id, json_string_value(json_object_get(json_object_get(spec, "output"),
+                                                         "path")));
 out:
     keeper_stop(&kp);
     md_model_release(m);

@@ -376,3 +376,25 @@ def test_idx_with_labels_in_s3_splits_by_its_header(start_server, s3, pg_url, tm
     got = s3_get(s3, f"out/{name}.jsonl")
     spec["output"]["path"] = f"s3://{s3.bucket}/out/{name}-single.jsonl"
     assert got == reference(start_server, s3, tmp_path, spec)
+
+
+def test_a_local_input_cut_short_after_planning_fails_the_job(start_server, s3, pg_url, tmp_path,
+                                                              big_npy):
+    data = tmp_path / "data"
+    data.mkdir()
+    path = data / "big.npy"
+    path.write_bytes(big_npy.read_bytes())
+    spec = npy_spec(s3, "cut.npy")
+    spec["input"]["path"] = str(path)
+    a = replica(start_server, s3, pg_url, tmp_path / "a", "--allowed-paths", str(data),
+                pace_ms=100)
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    poll(lambda: (get_job(a, jid).get("chunks") or {}).get("done", 0) >= 1, "a chunk is done")
+    with open(path, "r+b") as f:  # the second half of the rows is gone
+        f.truncate(path.stat().st_size // 2)
+    job = wait_job(a, jid, "failed", timeout=300)
+    assert "changed since the job was planned" in job["error"], job
+    assert "out/cut.npy" not in s3_keys(s3, "out/cut.npy"), "a failed job wrote an output"
+    # and its chunks' parts are swept
+    poll(lambda: s3_keys(s3, "out/cut.npy.chunks/") == [], "the failed job's parts deleted")
