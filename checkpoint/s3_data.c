@@ -386,14 +386,23 @@ md_status md_s3_fetch_folder(const char *url, const md_fetch_opts *o, int dirfd,
  * path NULL: only check that the object is not there yet (a job checks
  * before it computes, so a taken name fails it at once, not at the end). */
 
+/* The output path `url` checked (an object, or with folder a prefix), its
+ * key, and a client for its bucket. */
+static md_status output_open(const char *url, const md_fetch_opts *o, int folder,
+                             char key[MD_S3_KEY_MAX + 1], md_s3 **s3, md_err *err)
+{
+    char bucket[MD_S3_BUCKET_MAX + 1];
+    *s3 = NULL;
+    md_status st = md_s3_data_check(url, o, "output.path", folder, bucket, key, err);
+    return st == MD_OK ? client_open(o, bucket, s3, err) : st;
+}
+
 md_status md_s3_data_put(const char *url, const md_fetch_opts *o, const char *path, md_err *err)
 {
-    char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
-    md_status st = md_s3_data_check(url, o, "output.path", 0, bucket, key, err);
-    if (st != MD_OK)
-        return st;
+    char key[MD_S3_KEY_MAX + 1];
     md_s3 *s3 = NULL;
-    if ((st = client_open(o, bucket, &s3, err)) != MD_OK)
+    md_status st = output_open(url, o, 0, key, &s3, err);
+    if (st != MD_OK)
         return st;
     md_s3_object info;
     md_err herr;
@@ -417,12 +426,10 @@ md_status md_s3_data_put(const char *url, const md_fetch_opts *o, const char *pa
 
 md_status md_s3_data_delete(const char *url, const md_fetch_opts *o, md_err *err)
 {
-    char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
-    md_status st = md_s3_data_check(url, o, "output.path", 0, bucket, key, err);
-    if (st != MD_OK)
-        return st;
+    char key[MD_S3_KEY_MAX + 1];
     md_s3 *s3 = NULL;
-    if ((st = client_open(o, bucket, &s3, err)) != MD_OK)
+    md_status st = output_open(url, o, 0, key, &s3, err);
+    if (st != MD_OK)
         return st;
     st = coded(md_s3_delete(s3, key, err), err);
     md_s3_close(s3);
@@ -432,12 +439,10 @@ md_status md_s3_data_delete(const char *url, const md_fetch_opts *o, md_err *err
 md_status md_s3_data_put_new(const char *url, const md_fetch_opts *o, const char *path,
                              md_err *err)
 {
-    char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
-    md_status st = md_s3_data_check(url, o, "output.path", 0, bucket, key, err);
-    if (st != MD_OK)
-        return st;
+    char key[MD_S3_KEY_MAX + 1];
     md_s3 *s3 = NULL;
-    if ((st = client_open(o, bucket, &s3, err)) != MD_OK)
+    md_status st = output_open(url, o, 0, key, &s3, err);
+    if (st != MD_OK)
         return st;
     st = md_s3_put_file_multipart(s3, key, path,
                                   env_ll("MD_TEST_S3_PART_BYTES", MD_S3_PART_BYTES_DEFAULT), err);
@@ -480,12 +485,10 @@ md_status md_s3_data_delete_prefix(const char *url, const md_fetch_opts *o, long
 {
     if (deleted)
         *deleted = 0;
-    char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
-    md_status st = md_s3_data_check(url, o, "output.path", 1, bucket, key, err);
-    if (st != MD_OK)
-        return st;
+    char key[MD_S3_KEY_MAX + 1];
     md_s3 *s3 = NULL;
-    if ((st = client_open(o, bucket, &s3, err)) != MD_OK)
+    md_status st = output_open(url, o, 1, key, &s3, err);
+    if (st != MD_OK)
         return st;
     key_list l = {0};
     st = md_s3_list(s3, key, 0, collect_key, &l, err);
