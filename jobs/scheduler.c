@@ -53,6 +53,7 @@
 
 #include "../config/md_metrics.h"
 #include "jobs.h"
+#include "s3_images.h"
 #include "writers.h"
 
 /* Chunks in flight: enough queued work to keep the workers busy through an
@@ -560,6 +561,8 @@ static int chunkable(json_t *spec)
         return 0;
     if (!strcmp(fmt, "idx") && label && !is_s3(label))
         return 0;
+    if (!strcmp(fmt, "images"))
+        return 1; /* an s3:// folder: split by index (s3_images.h) */
     return !strcmp(fmt, "npy") || !strcmp(fmt, "csv") || !strcmp(fmt, "jsonl") ||
            !strcmp(fmt, "idx");
 }
@@ -570,11 +573,27 @@ typedef struct chunk_input {
     md_s3_stream *data, *labels;
     int fd, label_fd;
     md_reader *r;
+    /* images: the listing (planning: a new reference, for the plan) and
+     * the directory under <store>/jobs holding this chunk's images */
+    json_t *listing;
+    int64_t files_skipped;
+    char images_dir[160];
+    md_jobs *J;
 } chunk_input;
 
 static void chunk_input_close(chunk_input *in)
 {
     md_reader_close(in->r);
+    json_decref(in->listing);
+    if (in->images_dir[0]) {
+        char dir[4200];
+        snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(in->J->store));
+        int jobs_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (jobs_fd >= 0) {
+            remove_tree(jobs_fd, in->images_dir, 0);
+            close(jobs_fd);
+        }
+    }
     if (in->fd >= 0)
         close(in->fd);
     if (in->label_fd >= 0)
@@ -593,15 +612,90 @@ static int chunk_streams_failed(chunk_input *in, md_err *err)
            (in->labels && md_s3_stream_status(in->labels, err) != MD_OK);
 }
 
+static int not_stopping(void *ctx) { return !atomic_load(&((md_jobs *)ctx)->stopping); }
+
+/* An s3:// image folder (s3_images.h). plan NULL: list it (in->listing,
+ * in->files_skipped) and open the reader over the listing, which reads no
+ * image. Else download chunk c's images into a directory of its own and
+ * open the reader over the plan's listing there, at the chunk's first row:
+ * md_reader_position is then the row's number in the whole folder. */
+static md_status chunk_images_open(md_jobs *J, json_t *input, json_t *plan, const md_job_chunk *c,
+                                   md_model *m, chunk_input *in, md_err *err)
+{
+    const char *url = json_string_value(json_object_get(input, "path"));
+    const md_image_opts *image = m ? md_model_image(m) : NULL;
+    if (!image)
+        return md_err_setc(err, MD_EUNPROC, "no_image_preprocess",
+                           "this model version declares no preprocess.image, so it cannot read "
+                           "images: deploy a version whose config has preprocess.image, e.g. "
+                           "{\"mode\": \"RGB\"}");
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(J->store));
+    json_t *listing = NULL;
+    md_status st = MD_OK;
+    if (!plan) {
+        st = md_job_s3_images_list(url, &J->fetch, J->image_max_files, J->image_max_bytes,
+                                   not_stopping, J, &in->listing, &in->files_skipped, err);
+        listing = in->listing;
+    } else {
+        listing = json_object_get(plan, "images");
+        if (!json_is_object(listing))
+            return md_err_set(err, MD_EINTERNAL, "job %s: its plan has no image listing",
+                              c->job_id);
+        int jobs_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (jobs_fd < 0)
+            return md_err_set(err, MD_EIO, "cannot open %s: %s", dir, strerror(errno));
+        snprintf(in->images_dir, sizeof in->images_dir, "%s.c%lld-%lld.%ld.images", c->job_id,
+                 (long long)c->seq, (long long)c->attempt, (long)getpid());
+        remove_tree(jobs_fd, in->images_dir, 0);
+        int fd = -1;
+        if (mkdirat(jobs_fd, in->images_dir, 0700) != 0 ||
+            (fd = openat(jobs_fd, in->images_dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW |
+                         O_CLOEXEC)) < 0)
+            st = md_err_set(err, MD_EIO, "cannot make %s/%s: %s", dir, in->images_dir,
+                            strerror(errno));
+        close(jobs_fd);
+        if (st == MD_OK)
+            st = md_job_s3_images_fetch(url, &J->fetch, listing, c->start_row, c->end_row, fd,
+                                        not_stopping, J, err);
+        if (fd >= 0)
+            close(fd);
+        snprintf(dir + strlen(dir), sizeof dir - strlen(dir), "/%s", in->images_dir);
+    }
+    if (st != MD_OK)
+        return st;
+    md_reader_opts ro = {
+        .path = dir, /* planning: any directory; the listing is what is read */
+        .format = "images",
+        .features = json_object_get(input, "features"),
+        .image = image,
+        .label_from = json_object_get(input, "label_from"),
+        .class_names = md_model_labels(m),
+        .max_files = J->image_max_files,
+        .max_file_bytes = J->image_max_bytes,
+        .image_list = json_object_get(listing, "paths"),
+    };
+    st = md_reader_open(&ro, &in->r, err);
+    if (st == MD_OK && c)
+        st = md_reader_skip_to(in->r, c->start_row, err);
+    return st;
+}
+
 /* plan NULL: the whole input. */
 static md_status chunk_input_open(md_jobs *J, json_t *input, json_t *plan, const md_job_chunk *c,
                                   md_model *m, chunk_input *in, md_err *err)
 {
     memset(in, 0, sizeof *in);
     in->fd = in->label_fd = -1;
+    in->J = J;
     const char *path = json_string_value(json_object_get(input, "path"));
     const char *label = json_string_value(json_object_get(input, "label"));
     const char *fmt = json_string_value(json_object_get(input, "format"));
+    if (fmt && !strcmp(fmt, "images"))
+        return chunk_images_open(J, input, plan, c, m, in, err);
+    /* the ETags the plan recorded: every read of a chunk is of that object */
+    const char *etag = json_string_value(json_object_get(plan, "etag"));
+    const char *label_etag = json_string_value(json_object_get(plan, "label_etag"));
     long long head = 0, from = 0, to = -1, lhead = 0, lfrom = 0, lto = -1;
     if (plan && c) {
         long long data_off = json_integer_value(json_object_get(plan, "data_off"));
@@ -619,11 +713,11 @@ static md_status chunk_input_open(md_jobs *J, json_t *input, json_t *plan, const
             to = c->end_byte;
         }
     }
-    md_status st = md_s3_stream_open_range(path, &J->fetch, "input.path", head, from, to, &in->fd,
-                                           &in->data, err);
+    md_status st = md_s3_stream_open_pinned(path, &J->fetch, "input.path", etag, head, from, to,
+                                            &in->fd, &in->data, err);
     if (st == MD_OK && label && !strcmp(fmt, "idx"))
-        st = md_s3_stream_open_range(label, &J->fetch, "input.label", lhead, lfrom, lto,
-                                     &in->label_fd, &in->labels, err);
+        st = md_s3_stream_open_pinned(label, &J->fetch, "input.label", label_etag, lhead, lfrom,
+                                      lto, &in->label_fd, &in->labels, err);
     if (st != MD_OK)
         return st;
     char input_path[64], label_path[64];
@@ -659,6 +753,7 @@ static md_status chunk_plan(md_jobs *J, slot_ref *sref, const char *id, json_t *
     int64_t data_off = 0, row_bytes = 0, label_off = -1, total = md_reader_total_rows(in.r);
     int fixed = md_reader_layout(in.r, &data_off, &row_bytes, &label_off);
     int text = md_reader_byte_offset(in.r) >= 0;
+    int by_index = in.listing != NULL; /* an image listing splits by index */
     /* text: the byte offset before every batch-th row, found by the reader */
     int64_t *marks = NULL;
     size_t nmarks = 0, cap_marks = 0;
@@ -715,7 +810,7 @@ static md_status chunk_plan(md_jobs *J, slot_ref *sref, const char *id, json_t *
         per = (per + batch - 1) / batch * batch; /* whole batches */
         if (per < batch)
             per = batch;
-        if (!fixed && !text)
+        if (!fixed && !text && !by_index)
             per = total > 0 ? total : 1; /* gzip: one chunk */
         int64_t end_byte = json_integer_value(json_object_get(plan, "end_byte"));
         for (int64_t a = 0; a < total || (a == 0 && total == 0); a += per) {
@@ -736,6 +831,15 @@ static md_status chunk_plan(md_jobs *J, slot_ref *sref, const char *id, json_t *
         json_object_set_new(plan, "rows_total", json_integer(total));
         json_object_set_new(plan, "has_labels", json_boolean(md_reader_has_labels(in.r)));
         json_object_set_new(plan, "chunk_rows", json_integer(per));
+        /* the input pinned: every chunk reads these versions or fails */
+        if (in.data)
+            json_object_set_new(plan, "etag", json_string(md_s3_stream_etag(in.data)));
+        if (in.labels)
+            json_object_set_new(plan, "label_etag", json_string(md_s3_stream_etag(in.labels)));
+        if (by_index) {
+            json_object_set(plan, "images", in.listing);
+            json_object_set_new(plan, "files_skipped", json_integer(in.files_skipped));
+        }
         int planned = 0;
         st = md_store_chunks_plan(J->store, id, J->owner, chunks, plan, &planned, err);
         if (st == MD_OK)
@@ -834,6 +938,11 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
     o.inc_scores = md_job_include_has(include, "scores", 0);
     o.top_k = (int)json_integer_value(json_object_get(spec, "top_k"));
     json_t *row_shape = json_object_get(input, "shape");
+    /* images: the reader stands at the chunk's first row of the whole
+     * listing, so its position is the row's number; others start at 0 */
+    int images = in.images_dir[0] != '\0';
+    int64_t index_base = images ? 0 : c->start_row;
+    o.inc_path = images && md_job_include_has(include, "path", 1);
 
     snprintf(tmp, sizeof tmp, "%s/jobs/%s.c%lld-%lld.%ld.part", md_store_dir(J->store), c->job_id,
              (long long)c->seq, (long long)c->attempt, (long)getpid());
@@ -885,7 +994,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
                     goto out;
                 }
                 /* the dataset's row number: the chunk's first plus the row within it */
-                b->index[b->rows++] = c->start_row + pos;
+                b->index[b->rows++] = index_base + pos;
             }
             if (b->rows == 0) {
                 free(buf);
@@ -942,8 +1051,9 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
                     conf[b->labels[i] * classes + top]++;
             }
             if (o.kind != 2)
-                md_job_format_row(&text, &len, &text_cap, &o, m, b->index[i], NULL, y, &cls,
-                                  has_labels, b->labels[i], NULL);
+                md_job_format_row(&text, &len, &text_cap, &o, m, b->index[i],
+                                  md_reader_row_name(in.r, b->index[i]), y, &cls, has_labels,
+                                  b->labels[i], NULL);
         }
         if (o.kind != 2 && md_job_write_all(fd, text, len) != 0) {
             st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));
@@ -972,8 +1082,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         }
     }
     /* every row of the chunk, and the data behind them whole */
-    if (md_s3_stream_status(in.data, err) != MD_OK ||
-        (in.labels && md_s3_stream_status(in.labels, err) != MD_OK)) {
+    if (chunk_streams_failed(&in, err)) { /* (images: no stream, each file whole) */
         st = err->status;
         goto out;
     }
@@ -1046,6 +1155,8 @@ out:
     if (tmp[0])
         unlink(tmp);
     chunk_input_close(&in);
+    if (st != MD_OK && !lost && !strcmp(err->code, "input_changed"))
+        data_failed = 1; /* the input was replaced since the plan: never mixed, the job fails */
     if (st != MD_OK && lost) {
         atomic_fetch_add(&chunks_refused, 1);
         md_log(MD_LOG_WARN, "job %s chunk %lld (attempt %lld): %s", c->job_id, (long long)c->seq,
@@ -1303,6 +1414,8 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
         goto failed;
     f = json_pack("{s:I}", "rows_total",
                   (json_int_t)json_integer_value(json_object_get(plan, "rows_total")));
+    if (json_is_integer(json_object_get(plan, "files_skipped"))) /* images, as the single runner */
+        json_object_set(f, "files_skipped", json_object_get(plan, "files_skipped"));
     json_decref(plan);
     jupdate(J, slot, id, f, NULL);
     json_decref(f);
