@@ -614,6 +614,32 @@ static int chunk_streams_failed(chunk_input *in, md_err *err)
 
 static int not_stopping(void *ctx) { return !atomic_load(&((md_jobs *)ctx)->stopping); }
 
+/* A chunk downloading its images holds its lease meanwhile (a chunk of
+ * thousands of images may take longer than one lease): renewed every
+ * quarter lease; 0 (stop) once lost, cancelled or the server stops. */
+typedef struct chunk_hold {
+    md_jobs *J;
+    const md_job_chunk *c;
+    double renewed;
+} chunk_hold;
+
+static int chunk_keep_going(void *ctx)
+{
+    chunk_hold *h = ctx;
+    if (atomic_load(&h->J->stopping))
+        return 0;
+    if (mono() - h->renewed > h->J->lease_s / 4) {
+        int cancel = 0;
+        md_err rerr;
+        if (md_store_chunk_renew(h->J->store, h->c, h->J->owner, h->J->lease_s, &cancel, &rerr) !=
+                MD_OK ||
+            cancel)
+            return 0;
+        h->renewed = mono();
+    }
+    return 1;
+}
+
 /* An s3:// image folder (s3_images.h). plan NULL: list it (in->listing,
  * in->files_skipped) and open the reader over the listing, which reads no
  * image. Else download chunk c's images into a directory of its own and
@@ -655,9 +681,10 @@ static md_status chunk_images_open(md_jobs *J, json_t *input, json_t *plan, cons
             st = md_err_set(err, MD_EIO, "cannot make %s/%s: %s", dir, in->images_dir,
                             strerror(errno));
         close(jobs_fd);
+        chunk_hold hold = {J, c, mono()};
         if (st == MD_OK)
             st = md_job_s3_images_fetch(url, &J->fetch, listing, c->start_row, c->end_row, fd,
-                                        not_stopping, J, err);
+                                        chunk_keep_going, &hold, err);
         if (fd >= 0)
             close(fd);
         snprintf(dir + strlen(dir), sizeof dir - strlen(dir), "/%s", in->images_dir);

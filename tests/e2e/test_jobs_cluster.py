@@ -380,3 +380,25 @@ def test_an_input_replaced_mid_job_fails_it_and_is_never_mixed(start_server, s3,
     # nothing is presented as the job's output
     assert "out/replaced.npy" not in s3_keys(s3, "out/replaced.npy"), s3_keys(s3, "out/")
     assert a.get(f"/jobs/{jid}/output").status_code != 200
+
+
+def test_an_image_replaced_mid_job_fails_it(start_server, s3, pg_url, tmp_path, folders):
+    root, _ = folders
+    local = root / "fashion"
+    files = sorted(local.rglob("*.png"))
+    c = s3.client()
+    for f in files:
+        c.upload_file(str(f), s3.bucket, "data/rimgs/" + str(f.relative_to(local)))
+    a = replica(start_server, s3, pg_url, tmp_path / "a", pace_ms=300)
+    deploy_images(a)
+    jid = create_job(a, {"model": "fashion", "batch_size": 16, "chunk_rows": 32,
+                         "input": {"format": "images", "path": f"s3://{s3.bucket}/data/rimgs/"},
+                         "output": {"path": f"s3://{s3.bucket}/out/rimgs.jsonl"}})
+    poll(lambda: (get_job(a, jid).get("chunks") or {}).get("done", 0) >= 1, "a chunk is done")
+    # the last image (the last chunk's, which no runner took yet) becomes another picture
+    last = str(files[-1].relative_to(local))
+    c.upload_file(str(files[0]), s3.bucket, "data/rimgs/" + last)
+    job = wait_job(a, jid, "failed", timeout=300)
+    assert f"data/rimgs/{last} changed since the job was planned" in job["error"], job
+    assert "run the job again" in job["error"], job
+    assert "out/rimgs.jsonl" not in s3_keys(s3, "out/rimgs.jsonl")
