@@ -502,8 +502,15 @@ static void s3_input_close(md_jobs *J, const char *id, s3_input *in)
  * that claims the job (its coordinator, under the job's own lease) plans it
  * once: chunks of whole batches, by rows for NPY and plain IDX (offsets from
  * the header), by the byte offsets one pass of the real reader finds for CSV
- * and JSON Lines (so a quoted newline never splits a row), one chunk for a
+ * and JSON Lines (so a quoted newline never splits a row), by index for an
+ * s3:// image folder (the listing, with each key's ETag, is in the plan and
+ * a chunk downloads only its own images: s3_images.h), one chunk for a
  * gzip stream; the plan is recorded with the chunks in one transaction.
+ * The plan pins the input: it records the object's ETag (and the IDX
+ * labels'), and every chunk opens its streams with that ETag (refused at
+ * the HEAD when it differs, If-Match on every Range GET). A replaced input
+ * fails the job (input_changed) instead of mixing two versions in one
+ * output; plans recorded before the pinning read unpinned.
  * Every runner of every replica then claims chunks (job_store.c: SKIP
  * LOCKED, leases on the database clock), reads its rows with Range GETs of
  * the header and the chunk's bytes, computes them, uploads its output as
