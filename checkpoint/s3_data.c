@@ -466,6 +466,13 @@ md_status md_s3_folder_list(md_s3_folder *f, md_s3_folder_fn fn, void *ctx, md_e
  * when too long (a listing never gives one). */
 static md_status folder_key(md_s3_folder *f, const char *rel, char *key, md_err *err)
 {
+    /* a path from a plan becomes a local file: no segment may climb out */
+    for (const char *seg = rel; seg; seg = strchr(seg, '/') ? strchr(seg, '/') + 1 : NULL) {
+        size_t n = strcspn(seg, "/");
+        if (n == 0 || (n == 1 && seg[0] == '.') || (n == 2 && seg[0] == '.' && seg[1] == '.'))
+            return md_err_setc(err, MD_EINVAL, "invalid_path", "the listed path %.300s has an "
+                               "empty, \".\" or \"..\" segment", rel);
+    }
     int n = snprintf(key, MD_S3_KEY_MAX + 1, "%s%s", f->prefix, rel);
     if (n < 0 || n > MD_S3_KEY_MAX)
         return md_err_setc(err, MD_EINVAL, "invalid_path", "the key %.200s%.200s is longer "
