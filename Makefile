@@ -96,6 +96,8 @@ endif
 LIB_C   += predictor/weights.c handlers/training.c handlers/metrics.c
 # jobs over image folders (issue 15)
 LIB_C   += jobs/images.c
+# S3 image folders split by index over every replica (issue 26)
+LIB_C   += jobs/s3_images.c
 # npz datasets: one array per named input (issue 27)
 LIB_C   += jobs/npzset.c
 # IDX.gz inflated by ISA-L (issue 14: the runner's cost of an IDX.gz row)

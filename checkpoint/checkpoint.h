@@ -227,6 +227,19 @@ md_status md_s3_stream_open(const char *url, const md_fetch_opts *o, const char 
 md_status md_s3_stream_open_range(const char *url, const md_fetch_opts *o, const char *what,
                                   long long head_bytes, long long from, long long to, int *fd,
                                   md_s3_stream **out, md_err *err);
+/* As md_s3_stream_open_range, pinned to the ETag a job's plan recorded
+ * (NULL or "": the HEAD's, as md_s3_stream_open_range): an object whose
+ * HEAD names another ETag is refused before any byte is read, and every
+ * piece is read with "If-Match: etag", so a chunk never mixes two versions
+ * of the input. Both are MD_ECONFLICT with the code input_changed and a
+ * message "<what> s3://... changed since the job was planned (ETag ...);
+ * run the job again". */
+md_status md_s3_stream_open_pinned(const char *url, const md_fetch_opts *o, const char *what,
+                                   const char *etag, long long head_bytes, long long from,
+                                   long long to, int *fd, md_s3_stream **out, md_err *err);
+/* The object's ETag from the HEAD (with its quotes); borrowed, valid until
+ * md_s3_stream_close. */
+const char *md_s3_stream_etag(const md_s3_stream *s);
 /* MD_OK while the stream is whole so far (or complete); else the failure
  * (MD_EUNAVAIL s3_unavailable, MD_ECONFLICT when the object changed,
  * MD_EIO), with its message into `err`. */
@@ -250,6 +263,32 @@ void md_s3_stream_close(md_s3_stream *s);
 md_status md_s3_fetch_folder(const char *url, const md_fetch_opts *o, int dirfd, int64_t max_files,
                              long long max_file_bytes, int (*keep_going)(void *ctx), void *ctx,
                              int64_t *files, md_err *err);
+
+/* A folder of objects (s3://BUCKET/PREFIX/, checked with md_s3_data_check
+ * as an images input.path) listed once and read object by object: what a
+ * chunked image job plans and each chunk fetches (jobs/s3_images.c). One
+ * handle per thread; md_s3_folder_close accepts NULL. */
+typedef struct md_s3_folder md_s3_folder;
+md_status md_s3_folder_open(const char *url, const md_fetch_opts *o, md_s3_folder **out,
+                            md_err *err);
+/* Called per object in key order with its key relative to the folder
+ * (borrowed for the call), size and ETag; non-zero stops the listing. */
+typedef int (*md_s3_folder_fn)(void *ctx, const char *rel, int64_t size, const char *etag);
+/* List the folder page by page; folder markers and keys with an empty, "."
+ * or ".." segment are left out, as md_s3_fetch_folder leaves them. */
+md_status md_s3_folder_list(md_s3_folder *f, md_s3_folder_fn fn, void *ctx, md_err *err);
+/* The first `len` bytes (at most MD_S3_RANGE_MAX) of the object `rel` into
+ * buf, *got of them, read with If-Match `etag`: MD_ECONFLICT input_changed
+ * when it was replaced. */
+md_status md_s3_folder_read(md_s3_folder *f, const char *rel, const char *etag, size_t len,
+                            char *buf, size_t *got, md_err *err);
+/* Download the object `rel` into a new file at the same relative path under
+ * dirfd (folders made as needed, no symlink followed, an existing file is
+ * an error). An answer whose ETag is not `etag` (NULL: any), or an object
+ * gone, is MD_ECONFLICT input_changed. Blocks. */
+md_status md_s3_folder_get(md_s3_folder *f, const char *rel, const char *etag, int dirfd,
+                           md_err *err);
+void md_s3_folder_close(md_s3_folder *f);
 
 /* Upload the file at `path` as the object `url` (s3://BUCKET/KEY, checked
  * with md_s3_data_check): refused with MD_ECONFLICT output_exists when the

@@ -85,6 +85,8 @@ struct md_s3_stream {
     md_s3 *s3;
     char key[MD_S3_KEY_MAX + 1];
     char etag[128];
+    char what[32];   /* the job field it reads, for messages */
+    int pinned;      /* etag is the one a job's plan recorded */
     long long size;
     /* the byte ranges read, in order: [from[i], to[i]) */
     long long from[2], to[2];
@@ -142,7 +144,11 @@ static void *stream_main(void *arg)
                 break;
             pause_ms(200L << attempt);
         }
-        if (st == MD_ECONFLICT)
+        if (st == MD_ECONFLICT && s->pinned)
+            md_err_setc(&err, MD_ECONFLICT, "input_changed", "%s s3://%s/%s changed since the "
+                        "job was planned (ETag %.64s); run the job again", s->what,
+                        md_s3_bucket(s->s3), s->key, s->etag);
+        else if (st == MD_ECONFLICT)
             md_err_set(&err, MD_ECONFLICT, "s3://%s/%s changed while the job read it; run the job "
                        "again on the new object", md_s3_bucket(s->s3), s->key);
         for (size_t done = 0; st == MD_OK && done < got;) {
@@ -178,6 +184,13 @@ md_status md_s3_stream_open_range(const char *url, const md_fetch_opts *o, const
                                   long long head_bytes, long long from, long long to, int *fd,
                                   md_s3_stream **out, md_err *err)
 {
+    return md_s3_stream_open_pinned(url, o, what, NULL, head_bytes, from, to, fd, out, err);
+}
+
+md_status md_s3_stream_open_pinned(const char *url, const md_fetch_opts *o, const char *what,
+                                   const char *etag, long long head_bytes, long long from,
+                                   long long to, int *fd, md_s3_stream **out, md_err *err)
+{
     *fd = -1;
     *out = NULL;
     char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
@@ -201,6 +214,14 @@ md_status md_s3_stream_open_range(const char *url, const md_fetch_opts *o, const
         coded(st, err);
         goto fail;
     }
+    snprintf(s->what, sizeof s->what, "%s", what);
+    if (etag && etag[0] && strcmp(etag, info.etag) != 0) {
+        /* replaced since the plan: no byte of it is read */
+        st = md_err_setc(err, MD_ECONFLICT, "input_changed", "%s %.200s changed since the job "
+                         "was planned (ETag %.64s); run the job again", what, url, etag);
+        goto fail;
+    }
+    s->pinned = etag && etag[0];
     s->size = info.size;
     snprintf(s->etag, sizeof s->etag, "%s", info.etag);
     if (to < 0 || to > s->size)
@@ -248,6 +269,8 @@ md_status md_s3_stream_status(md_s3_stream *s, md_err *err)
 }
 
 long long md_s3_stream_size(const md_s3_stream *s) { return s->size; }
+
+const char *md_s3_stream_etag(const md_s3_stream *s) { return s->etag; }
 
 void md_s3_stream_close(md_s3_stream *s)
 {
@@ -380,6 +403,142 @@ md_status md_s3_fetch_folder(const char *url, const md_fetch_opts *o, int dirfd,
     md_s3_close(s3);
     *files = f.files;
     return st;
+}
+
+/* ---- a folder listed once, its objects read one by one (chunked image
+ * jobs: jobs/s3_images.c) ---- */
+
+struct md_s3_folder {
+    md_s3 *s3;
+    char prefix[MD_S3_KEY_MAX + 1]; /* the folder's key prefix, "" or ending in '/' */
+    char url[MD_S3_BUCKET_MAX + MD_S3_KEY_MAX + 8];
+};
+
+md_status md_s3_folder_open(const char *url, const md_fetch_opts *o, md_s3_folder **out,
+                            md_err *err)
+{
+    *out = NULL;
+    char bucket[MD_S3_BUCKET_MAX + 1], key[MD_S3_KEY_MAX + 1];
+    md_status st = md_s3_data_check(url, o, "input.path", 1, bucket, key, err);
+    if (st != MD_OK)
+        return st;
+    md_s3_folder *f = calloc(1, sizeof *f);
+    if (!f)
+        return md_err_set(err, MD_ENOMEM, "no memory for an S3 folder");
+    snprintf(f->prefix, sizeof f->prefix, "%s", key);
+    snprintf(f->url, sizeof f->url, "%s", url);
+    if ((st = client_open(o, bucket, &f->s3, err)) != MD_OK) {
+        free(f);
+        return st;
+    }
+    *out = f;
+    return MD_OK;
+}
+
+typedef struct list_ctx {
+    size_t prefix_len;
+    md_s3_folder_fn fn;
+    void *ctx;
+} list_ctx;
+
+static int list_object(void *ud, const md_s3_object *obj)
+{
+    list_ctx *l = ud;
+    const char *rel = obj->key + l->prefix_len;
+    size_t len = strlen(rel);
+    if (len == 0 || rel[len - 1] == '/')
+        return 0; /* a "folder" marker */
+    for (const char *seg = rel; seg; seg = strchr(seg, '/') ? strchr(seg, '/') + 1 : NULL) {
+        size_t n = strcspn(seg, "/");
+        if (n == 0 || (n == 1 && seg[0] == '.') || (n == 2 && seg[0] == '.' && seg[1] == '.'))
+            return 0; /* as md_s3_fetch_folder: no such name on disk */
+    }
+    return l->fn(l->ctx, rel, obj->size, obj->etag);
+}
+
+md_status md_s3_folder_list(md_s3_folder *f, md_s3_folder_fn fn, void *ctx, md_err *err)
+{
+    list_ctx l = {.prefix_len = strlen(f->prefix), .fn = fn, .ctx = ctx};
+    return coded(md_s3_list(f->s3, f->prefix, 1000, list_object, &l, err), err);
+}
+
+/* The object of `rel` under the folder: its full key into `key`; MD_EINVAL
+ * when too long (a listing never gives one). */
+static md_status folder_key(md_s3_folder *f, const char *rel, char *key, md_err *err)
+{
+    /* a path from a plan becomes a local file: no segment may climb out */
+    for (const char *seg = rel; seg; seg = strchr(seg, '/') ? strchr(seg, '/') + 1 : NULL) {
+        size_t n = strcspn(seg, "/");
+        if (n == 0 || (n == 1 && seg[0] == '.') || (n == 2 && seg[0] == '.' && seg[1] == '.'))
+            return md_err_setc(err, MD_EINVAL, "invalid_path", "the listed path %.300s has an "
+                               "empty, \".\" or \"..\" segment", rel);
+    }
+    int n = snprintf(key, MD_S3_KEY_MAX + 1, "%s%s", f->prefix, rel);
+    if (n < 0 || n > MD_S3_KEY_MAX)
+        return md_err_setc(err, MD_EINVAL, "invalid_path", "the key %.200s%.200s is longer "
+                           "than S3 allows", f->prefix, rel);
+    return MD_OK;
+}
+
+static md_status changed(md_s3_folder *f, const char *rel, const char *etag, md_err *err)
+{
+    return md_err_setc(err, MD_ECONFLICT, "input_changed", "input.path %.200s%.300s changed "
+                       "since the job was planned (ETag %.64s); run the job again", f->url, rel,
+                       etag);
+}
+
+md_status md_s3_folder_read(md_s3_folder *f, const char *rel, const char *etag, size_t len,
+                            char *buf, size_t *got, md_err *err)
+{
+    char key[MD_S3_KEY_MAX + 1];
+    md_status st = folder_key(f, rel, key, err);
+    if (st != MD_OK)
+        return st;
+    *got = 0;
+    st = md_s3_get_range(f->s3, key, 0, len, etag, buf, got, err);
+    if (st == MD_ECONFLICT)
+        return changed(f, rel, etag, err);
+    return coded(st, err);
+}
+
+md_status md_s3_folder_get(md_s3_folder *f, const char *rel, const char *etag, int dirfd,
+                           md_err *err)
+{
+    char key[MD_S3_KEY_MAX + 1];
+    md_status st = folder_key(f, rel, key, err);
+    if (st != MD_OK)
+        return st;
+    const char *slash = strrchr(rel, '/');
+    int dfd = slash ? open_subdir(dirfd, rel, (size_t)(slash - rel)) : dup(dirfd);
+    const char *leaf = slash ? slash + 1 : rel;
+    int fd = dfd < 0 ? -1
+                     : openat(dfd, leaf, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        st = md_err_set(err, MD_EIO, "cannot make a local copy of %.300s: %s", rel,
+                        strerror(errno));
+        if (dfd >= 0)
+            close(dfd);
+        return st;
+    }
+    md_s3_object info;
+    memset(&info, 0, sizeof info);
+    st = md_s3_get_fd(f->s3, key, fd, &info, err);
+    close(fd);
+    close(dfd);
+    if (st == MD_ECONFLICT || (st == MD_OK && etag && etag[0] && strcmp(info.etag, etag) != 0))
+        return changed(f, rel, etag, err); /* the answer's ETag names the bytes it sent */
+    if (st == MD_ENOTFOUND)
+        return md_err_setc(err, MD_ECONFLICT, "input_changed", "input.path %.200s%.300s was "
+                           "deleted since the job was planned; run the job again", f->url, rel);
+    return coded(st, err);
+}
+
+void md_s3_folder_close(md_s3_folder *f)
+{
+    if (!f)
+        return;
+    md_s3_close(f->s3);
+    free(f);
 }
 
 /* ---- an output ----

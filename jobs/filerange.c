@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,7 @@
 
 struct md_filerange {
     int src, wfd;
+    char tag[64]; /* size and mtime at open */
     long long from[2], to[2];
     int nseg;
     pthread_t thread;
@@ -99,6 +101,8 @@ md_status md_filerange_open(int src, long long head, long long from, long long t
     }
     r->src = src;
     r->wfd = -1;
+    snprintf(r->tag, sizeof r->tag, "%lld:%lld.%09ld", (long long)sb.st_size,
+             (long long)sb.st_mtim.tv_sec, (long)sb.st_mtim.tv_nsec);
     pthread_mutex_init(&r->mu, NULL);
     /* a range past the end is not cut to it: the reads then find the end
      * early, and say the file changed since its plan */
@@ -131,6 +135,8 @@ md_status md_filerange_open(int src, long long head, long long from, long long t
     *out = r;
     return MD_OK;
 }
+
+const char *md_filerange_tag(const md_filerange *r) { return r->tag; }
 
 md_status md_filerange_status(md_filerange *r, md_err *err)
 {

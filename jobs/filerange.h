@@ -20,6 +20,11 @@ typedef struct md_filerange md_filerange;
 md_status md_filerange_open(int src, long long head, long long from, long long to, int *fd,
                             md_filerange **out, md_err *err);
 
+/* The file's size and modification time when it was opened ("SIZE:MTIME"):
+ * a plan records it, and a chunk that finds another one was planned on a
+ * different file (as an S3 ETag). */
+const char *md_filerange_tag(const md_filerange *r);
+
 /* MD_OK once every byte was written; MD_EIO (in `err`) when a read failed,
  * MD_ECONFLICT input_changed when the file ended early (it changed since
  * the job was planned). */

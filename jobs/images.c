@@ -355,8 +355,28 @@ md_status md_images_open(const md_reader_opts *opts, const char *name, md_images
     }
     fcntl(fd, F_SETFD, FD_CLOEXEC);
     char rel[PATH_MAX] = "";
-    if ((st = walk(im, fd, rel, 0, err)) != MD_OK)
+    if (opts->image_list) {
+        /* a chunk of a job whose plan listed the folder (s3_images.c): the
+         * same rows and labels as that listing, whichever files are here */
+        close(fd);
+        size_t n = json_array_size(opts->image_list);
+        if ((int64_t)n > im->max_files) {
+            st = dataset_error(err, MD_ETOOBIG, "%s lists more than %lld files, the limit of one "
+                               "job (setting job_max_files)", name, (long long)im->max_files);
+            goto fail;
+        }
+        for (size_t i = 0; i < n; i++) {
+            const char *p = json_string_value(json_array_get(opts->image_list, i));
+            if (!p || !p[0]) {
+                st = dataset_error(err, MD_EINVAL, "%s: entry %zu of the listing is not a "
+                                   "path", name, i);
+                goto fail;
+            }
+            add_file(im, p);
+        }
+    } else if ((st = walk(im, fd, rel, 0, err)) != MD_OK) {
         goto fail;
+    }
     qsort(im->files, im->n, sizeof *im->files, by_rel);
     /* a label_from left out means folder labels only when there are class
      * folders: known after the listing */

@@ -60,6 +60,10 @@ typedef struct md_reader_opts {
                             * directory has subdirectories, else none (borrowed) */
     json_t *class_names;   /* the version's labels (array of strings, borrowed) or NULL */
     int64_t max_files;     /* most directory entries listed; past it MD_ETOOBIG */
+    json_t *image_list;    /* or NULL. A listing made already (an array of paths relative to
+                            * `path`, sorted by strcmp: a chunked job's plan, s3_images.h)
+                            * read instead of walking `path`, which need hold only the files
+                            * read; labels and rows are the listing's (borrowed) */
     /* named inputs (csv and jsonl): the version's declared inputs
      * (md_model_input, borrowed) and input.columns, {"input": "column" or
      * ["column", ...]} (borrowed; NULL: each input's column or field has its

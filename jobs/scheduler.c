@@ -54,6 +54,7 @@
 #include "../config/md_metrics.h"
 #include "filerange.h"
 #include "jobs.h"
+#include "s3_images.h"
 #include "writers.h"
 
 /* Chunks in flight: enough queued work to keep the workers busy through an
@@ -502,8 +503,15 @@ static void s3_input_close(md_jobs *J, const char *id, s3_input *in)
  * that claims the job (its coordinator, under the job's own lease) plans it
  * once: chunks of whole batches, by rows for NPY and plain IDX (offsets from
  * the header), by the byte offsets one pass of the real reader finds for CSV
- * and JSON Lines (so a quoted newline never splits a row), one chunk for a
+ * and JSON Lines (so a quoted newline never splits a row), by index for an
+ * s3:// image folder (the listing, with each key's ETag, is in the plan and
+ * a chunk downloads only its own images: s3_images.h), one chunk for a
  * gzip stream; the plan is recorded with the chunks in one transaction.
+ * The plan pins the input: it records the object's ETag (and the IDX
+ * labels'), and every chunk opens its streams with that ETag (refused at
+ * the HEAD when it differs, If-Match on every Range GET). A replaced input
+ * fails the job (input_changed) instead of mixing two versions in one
+ * output; plans recorded before the pinning read unpinned.
  * Every runner of every replica then claims chunks (job_store.c: SKIP
  * LOCKED, leases on the database clock), reads its rows with Range GETs of
  * the header and the chunk's bytes, computes them, uploads its output as
@@ -562,6 +570,8 @@ static int chunkable(json_t *spec)
     /* an input in S3 or a local file (not a URL: no ranges); an output in S3 */
     if (!path || !is_s3(out) || !fmt || json_object_get(input, "url"))
         return 0;
+    if (!strcmp(fmt, "images"))
+        return is_s3(path); /* an s3:// folder: split by index (s3_images.h) */
     return !strcmp(fmt, "npy") || !strcmp(fmt, "csv") || !strcmp(fmt, "jsonl") ||
            !strcmp(fmt, "idx");
 }
@@ -573,11 +583,27 @@ typedef struct chunk_input {
     md_filerange *fdata, *flabels;   /* a local one (the same path on every replica) */
     int fd, label_fd;
     md_reader *r;
+    /* images: the listing (planning: a new reference, for the plan) and
+     * the directory under <store>/jobs holding this chunk's images */
+    json_t *listing;
+    int64_t files_skipped;
+    char images_dir[160];
+    md_jobs *J;
 } chunk_input;
 
 static void chunk_input_close(chunk_input *in)
 {
     md_reader_close(in->r);
+    json_decref(in->listing);
+    if (in->images_dir[0]) {
+        char dir[4200];
+        snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(in->J->store));
+        int jobs_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (jobs_fd >= 0) {
+            remove_tree(jobs_fd, in->images_dir, 0);
+            close(jobs_fd);
+        }
+    }
     if (in->fd >= 0)
         close(in->fd);
     if (in->label_fd >= 0)
@@ -603,12 +629,13 @@ static int chunk_streams_failed(chunk_input *in, md_err *err)
 /* [0, head) and [from, to) of `path`: in S3, or a local file under
  * allowed_paths, which in cluster mode every replica must see at the same
  * path (a replica that does not fails the job naming the path). */
-static md_status range_open(md_jobs *J, const char *path, const char *what, long long head,
-                            long long from, long long to, int *fd, md_s3_stream **s3,
-                            md_filerange **local, md_err *err)
+static md_status range_open(md_jobs *J, const char *path, const char *what, const char *etag,
+                            long long head, long long from, long long to, int *fd,
+                            md_s3_stream **s3, md_filerange **local, md_err *err)
 {
     if (is_s3(path))
-        return md_s3_stream_open_range(path, &J->fetch, what, head, from, to, fd, s3, err);
+        return md_s3_stream_open_pinned(path, &J->fetch, what, etag, head, from, to, fd, s3,
+                                        err);
     int src = -1;
     md_err oerr;
     md_status st = md_path_open_file(J->fetch.allowed_paths, what, path, "input_not_found", &src,
@@ -618,7 +645,109 @@ static md_status range_open(md_jobs *J, const char *path, const char *what, long
                            "%s %.200s cannot be read on this replica (%s: %s): in cluster mode a "
                            "local input must be at the same path, under allowed_paths, on every "
                            "replica (a shared volume), or in S3", what, path, J->host, oerr.msg);
-    return md_filerange_open(src, head, from, to, fd, local, err);
+    if ((st = md_filerange_open(src, head, from, to, fd, local, err)) != MD_OK)
+        return st;
+    if (etag && strcmp(etag, md_filerange_tag(*local)) != 0) /* size:mtime, as an ETag */
+        return md_err_setc(err, MD_ECONFLICT, "input_changed",
+                           "%s %.200s changed since the job was planned (size:mtime %s, now %s); "
+                           "run the job again", what, path, etag, md_filerange_tag(*local));
+    return MD_OK;
+}
+
+static int not_stopping(void *ctx) { return !atomic_load(&((md_jobs *)ctx)->stopping); }
+
+/* A chunk downloading its images holds its lease meanwhile (a chunk of
+ * thousands of images may take longer than one lease): renewed every
+ * quarter lease; 0 (stop) once lost, cancelled or the server stops. */
+typedef struct chunk_hold {
+    md_jobs *J;
+    const md_job_chunk *c;
+    double renewed;
+} chunk_hold;
+
+static int chunk_keep_going(void *ctx)
+{
+    chunk_hold *h = ctx;
+    if (atomic_load(&h->J->stopping))
+        return 0;
+    if (mono() - h->renewed > h->J->lease_s / 4) {
+        int cancel = 0;
+        md_err rerr;
+        if (md_store_chunk_renew(h->J->store, h->c, h->J->owner, h->J->lease_s, &cancel, &rerr) !=
+                MD_OK ||
+            cancel)
+            return 0;
+        h->renewed = mono();
+    }
+    return 1;
+}
+
+/* An s3:// image folder (s3_images.h). plan NULL: list it (in->listing,
+ * in->files_skipped) and open the reader over the listing, which reads no
+ * image. Else download chunk c's images into a directory of its own and
+ * open the reader over the plan's listing there, at the chunk's first row:
+ * md_reader_position is then the row's number in the whole folder. */
+static md_status chunk_images_open(md_jobs *J, json_t *input, json_t *plan, const md_job_chunk *c,
+                                   md_model *m, chunk_input *in, md_err *err)
+{
+    const char *url = json_string_value(json_object_get(input, "path"));
+    const md_image_opts *image = m ? md_model_image(m) : NULL;
+    if (!image)
+        return md_err_setc(err, MD_EUNPROC, "no_image_preprocess",
+                           "this model version declares no preprocess.image, so it cannot read "
+                           "images: deploy a version whose config has preprocess.image, e.g. "
+                           "{\"mode\": \"RGB\"}");
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(J->store));
+    json_t *listing = NULL;
+    md_status st = MD_OK;
+    if (!plan) {
+        st = md_job_s3_images_list(url, &J->fetch, J->image_max_files, J->image_max_bytes,
+                                   not_stopping, J, &in->listing, &in->files_skipped, err);
+        listing = in->listing;
+    } else {
+        listing = json_object_get(plan, "images");
+        if (!json_is_object(listing))
+            return md_err_set(err, MD_EINTERNAL, "job %s: its plan has no image listing",
+                              c->job_id);
+        int jobs_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (jobs_fd < 0)
+            return md_err_set(err, MD_EIO, "cannot open %s: %s", dir, strerror(errno));
+        snprintf(in->images_dir, sizeof in->images_dir, "%s.c%lld-%lld.%ld.images", c->job_id,
+                 (long long)c->seq, (long long)c->attempt, (long)getpid());
+        remove_tree(jobs_fd, in->images_dir, 0);
+        int fd = -1;
+        if (mkdirat(jobs_fd, in->images_dir, 0700) != 0 ||
+            (fd = openat(jobs_fd, in->images_dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW |
+                         O_CLOEXEC)) < 0)
+            st = md_err_set(err, MD_EIO, "cannot make %s/%s: %s", dir, in->images_dir,
+                            strerror(errno));
+        close(jobs_fd);
+        chunk_hold hold = {J, c, mono()};
+        if (st == MD_OK)
+            st = md_job_s3_images_fetch(url, &J->fetch, listing, c->start_row, c->end_row, fd,
+                                        chunk_keep_going, &hold, err);
+        if (fd >= 0)
+            close(fd);
+        snprintf(dir + strlen(dir), sizeof dir - strlen(dir), "/%s", in->images_dir);
+    }
+    if (st != MD_OK)
+        return st;
+    md_reader_opts ro = {
+        .path = dir, /* planning: any directory; the listing is what is read */
+        .format = "images",
+        .features = json_object_get(input, "features"),
+        .image = image,
+        .label_from = json_object_get(input, "label_from"),
+        .class_names = md_model_labels(m),
+        .max_files = J->image_max_files,
+        .max_file_bytes = J->image_max_bytes,
+        .image_list = json_object_get(listing, "paths"),
+    };
+    st = md_reader_open(&ro, &in->r, err);
+    if (st == MD_OK && c)
+        st = md_reader_skip_to(in->r, c->start_row, err);
+    return st;
 }
 
 /* plan NULL: the whole input. */
@@ -627,9 +756,15 @@ static md_status chunk_input_open(md_jobs *J, json_t *input, json_t *plan, const
 {
     memset(in, 0, sizeof *in);
     in->fd = in->label_fd = -1;
+    in->J = J;
     const char *path = json_string_value(json_object_get(input, "path"));
     const char *label = json_string_value(json_object_get(input, "label"));
     const char *fmt = json_string_value(json_object_get(input, "format"));
+    if (fmt && !strcmp(fmt, "images"))
+        return chunk_images_open(J, input, plan, c, m, in, err);
+    /* the ETags the plan recorded: every read of a chunk is of that object */
+    const char *etag = json_string_value(json_object_get(plan, "etag"));
+    const char *label_etag = json_string_value(json_object_get(plan, "label_etag"));
     long long head = 0, from = 0, to = -1, lhead = 0, lfrom = 0, lto = -1;
     if (plan && c) {
         long long data_off = json_integer_value(json_object_get(plan, "data_off"));
@@ -651,11 +786,11 @@ static md_status chunk_input_open(md_jobs *J, json_t *input, json_t *plan, const
          * IDX's too: one chunk, its rows from the header) */
         to = lto = PLAN_PEEK_BYTES;
     }
-    md_status st = range_open(J, path, "input.path", head, from, to, &in->fd, &in->data,
+    md_status st = range_open(J, path, "input.path", etag, head, from, to, &in->fd, &in->data,
                               &in->fdata, err);
     if (st == MD_OK && label && !strcmp(fmt, "idx"))
-        st = range_open(J, label, "input.label", lhead, lfrom, lto, &in->label_fd, &in->labels,
-                        &in->flabels, err);
+        st = range_open(J, label, "input.label", label_etag, lhead, lfrom, lto, &in->label_fd,
+                        &in->labels, &in->flabels, err);
     if (st != MD_OK)
         return st;
     char input_path[64], label_path[64];
@@ -756,6 +891,7 @@ static md_status chunk_plan(md_jobs *J, slot_ref *sref, const char *id, json_t *
     int64_t data_off = 0, row_bytes = 0, label_off = -1, total = md_reader_total_rows(in.r);
     int fixed = md_reader_layout(in.r, &data_off, &row_bytes, &label_off);
     int text = md_reader_byte_offset(in.r) >= 0;
+    int by_index = in.listing != NULL; /* an image listing splits by index */
     /* text: the byte offset before every batch-th row, found by the reader */
     int64_t *marks = NULL;
     size_t nmarks = 0, cap_marks = 0;
@@ -820,7 +956,7 @@ static md_status chunk_plan(md_jobs *J, slot_ref *sref, const char *id, json_t *
         per = (per + batch - 1) / batch * batch; /* whole batches */
         if (per < batch)
             per = batch;
-        if (!fixed && !text)
+        if (!fixed && !text && !by_index)
             per = total > 0 ? total : 1; /* gzip: one chunk */
         int64_t end_byte = json_integer_value(json_object_get(plan, "end_byte"));
         for (int64_t a = 0; a < total || (a == 0 && total == 0); a += per) {
@@ -841,6 +977,19 @@ static md_status chunk_plan(md_jobs *J, slot_ref *sref, const char *id, json_t *
         json_object_set_new(plan, "rows_total", json_integer(total));
         json_object_set_new(plan, "has_labels", json_boolean(md_reader_has_labels(in.r)));
         json_object_set_new(plan, "chunk_rows", json_integer(per));
+        /* the input pinned: every chunk reads these versions or fails */
+        if (in.data)
+            json_object_set_new(plan, "etag", json_string(md_s3_stream_etag(in.data)));
+        if (in.labels)
+            json_object_set_new(plan, "label_etag", json_string(md_s3_stream_etag(in.labels)));
+        if (in.fdata)
+            json_object_set_new(plan, "etag", json_string(md_filerange_tag(in.fdata)));
+        if (in.flabels)
+            json_object_set_new(plan, "label_etag", json_string(md_filerange_tag(in.flabels)));
+        if (by_index) {
+            json_object_set(plan, "images", in.listing);
+            json_object_set_new(plan, "files_skipped", json_integer(in.files_skipped));
+        }
         int planned = 0;
         st = md_store_chunks_plan(J->store, id, J->owner, chunks, plan, &planned, err);
         if (st == MD_OK)
@@ -940,6 +1089,11 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
     o.inc_scores = md_job_include_has(include, "scores", 0);
     o.top_k = (int)json_integer_value(json_object_get(spec, "top_k"));
     json_t *row_shape = json_object_get(input, "shape");
+    /* images: the reader stands at the chunk's first row of the whole
+     * listing, so its position is the row's number; others start at 0 */
+    int images = in.images_dir[0] != '\0';
+    int64_t index_base = images ? 0 : c->start_row;
+    o.inc_path = images && md_job_include_has(include, "path", 1);
 
     snprintf(tmp, sizeof tmp, "%s/jobs/%s.c%lld-%lld.%ld.part", md_store_dir(J->store), c->job_id,
              (long long)c->seq, (long long)c->attempt, (long)getpid());
@@ -993,7 +1147,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
                     goto out;
                 }
                 /* the dataset's row number: the chunk's first plus the row within it */
-                b->index[b->rows++] = c->start_row + pos;
+                b->index[b->rows++] = index_base + pos;
             }
             if (b->rows == 0) {
                 free(buf);
@@ -1050,8 +1204,9 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
                     conf[b->labels[i] * classes + top]++;
             }
             if (o.kind != 2)
-                md_job_format_row(&text, &len, &text_cap, &o, m, b->index[i], NULL, y, &cls,
-                                  has_labels, b->labels[i], NULL);
+                md_job_format_row(&text, &len, &text_cap, &o, m, b->index[i],
+                                  md_reader_row_name(in.r, b->index[i]), y, &cls, has_labels,
+                                  b->labels[i], NULL);
         }
         if (o.kind != 2 && md_job_write_all(fd, text, len) != 0) {
             st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));
@@ -1080,7 +1235,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         }
     }
     /* every row of the chunk, and the data behind them whole */
-    if (chunk_streams_failed(&in, err)) {
+    if (chunk_streams_failed(&in, err)) { /* (images: no stream, each file whole) */
         data_failed = (st = err->status) == MD_ECONFLICT; /* changed since the plan */
         goto out;
     }
@@ -1153,6 +1308,8 @@ out:
     if (tmp[0])
         unlink(tmp);
     chunk_input_close(&in);
+    if (st != MD_OK && !lost && !strcmp(err->code, "input_changed"))
+        data_failed = 1; /* the input was replaced since the plan: never mixed, the job fails */
     if (st != MD_OK && lost) {
         atomic_fetch_add(&chunks_refused, 1);
         md_log(MD_LOG_WARN, "job %s chunk %lld (attempt %lld): %s", c->job_id, (long long)c->seq,
@@ -1416,6 +1573,8 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
         goto failed;
     f = json_pack("{s:I}", "rows_total",
                   (json_int_t)json_integer_value(json_object_get(plan, "rows_total")));
+    if (json_is_integer(json_object_get(plan, "files_skipped"))) /* images, as the single runner */
+        json_object_set(f, "files_skipped", json_object_get(plan, "files_skipped"));
     json_decref(plan);
     jupdate(J, slot, id, f, NULL);
     json_decref(f);

@@ -1546,6 +1546,52 @@ static void make_img_tree(void)
     assert_int_equal(symlink(target, p), 0);
 }
 
+/* A chunk of a job whose plan listed the folder (image_list, issue 26):
+ * its directory holds only the chunk's files, yet the rows, their names and
+ * their labels are the whole listing's, as the walk of the whole folder
+ * gives them. */
+static void test_images_listing(void **state)
+{
+    (void)state;
+    strcpy(img_dir, "/tmp/modeld_test_images_XXXXXX");
+    assert_non_null(mkdtemp(img_dir));
+    char p[256];
+    snprintf(p, sizeof p, "%s/b", img_dir);
+    assert_int_equal(mkdir(p, 0755), 0);
+    write_png("b/1.png", 40); /* this chunk's one file: row 3 */
+    md_image_opts io = {.channels = 1, .height = 4, .width = 4, .max_pixels = 1000};
+    json_t *names = json_pack("[sss]", "b", "zz", "a");
+    json_t *list = json_pack("[sssss]", "a/1.png", "a/2.png", "a/sub/3.png", "b/1.png", "top.png");
+    md_reader_opts o = {.path = img_dir, .format = "images", .image = &io, .class_names = names,
+                        .image_list = list};
+    md_reader *r = NULL;
+    md_err err;
+    md_err_clear(&err);
+    assert_int_equal(md_reader_open(&o, &r, &err), MD_OK);
+    assert_int_equal(md_reader_total_rows(r), 5);
+    assert_true(md_reader_has_labels(r));
+    assert_string_equal(md_reader_row_name(r, 2), "a/sub/3.png");
+    assert_int_equal(md_reader_skip_to(r, 3, &err), MD_OK);
+    float row[16];
+    int64_t label = -7;
+    assert_int_equal(md_reader_next(r, row, &label, &err), MD_OK);
+    assert_int_equal(label, 0); /* "b" is the version's label 0, as in the whole folder */
+    assert_true(fabsf(row[5] - 40 / 255.0f) < 1e-6f);
+    assert_int_equal(md_reader_position(r), 4);
+    md_reader_close(r);
+    /* a listed file that is not here is a bad row naming it, never another file */
+    assert_int_equal(md_reader_open(&o, &r, &err), MD_OK);
+    assert_int_equal(md_reader_next(r, row, &label, &err), MD_EINVAL);
+    assert_msg_has(err.msg, "row 0", "a/1.png", "cannot be opened", NULL);
+    md_reader_close(r);
+    /* the listing is bounded as the walk is */
+    o.max_files = 4;
+    assert_int_equal(md_reader_open(&o, &r, &err), MD_ETOOBIG);
+    assert_msg_has(err.msg, "job_max_files", NULL);
+    json_decref(list);
+    json_decref(names);
+}
+
 static void test_images_folder(void **state)
 {
     (void)state;
@@ -1814,6 +1860,7 @@ int main(void)
         cmocka_unit_test_teardown(test_row_too_long, remove_temps),
         cmocka_unit_test_teardown(test_row_width_limit, remove_temps),
         cmocka_unit_test_teardown(test_images_folder, remove_img_dir),
+        cmocka_unit_test_teardown(test_images_listing, remove_img_dir),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

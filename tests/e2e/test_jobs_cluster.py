@@ -20,7 +20,12 @@ dataset boto3 put there and the output:
   over them as an S3 one is; a replica that cannot read it gives its chunks
   back to the others;
 - every part object, those of attempts that never finished too, is gone once
-  the output is assembled.
+  the output is assembled;
+- an image folder s3://BUCKET/PREFIX/ of PNGs in class folders splits by
+  index over two replicas: the output is byte for byte one replica's, and the
+  accuracy torchvision's ImageFolder with the model in this process;
+- the input object replaced (boto3) in the middle of a chunked job: the job
+  fails saying so, and no output is presented as its result.
 
 Pacing: --test-job-chunk-delay-ms makes each batch of a chunk pause, so "a
 replica holds a chunk" is a state that lasts, however fast the machine is;
@@ -36,8 +41,9 @@ import numpy as np
 import pytest
 
 from conftest import TSCALE
-from test_jobs import (N, create_job, deploy_fashion, fmnist, get_job, output, read_idx_gz,
-                       IMAGES_GZ, wait_job)
+from test_jobs import (N, create_job, deploy_fashion, fmnist, get_job, jsonl_rows, output,
+                       read_idx_gz, IMAGES_GZ, wait_job)
+from test_images_jobs import IMAGE_CONFIG, check_against_torch, folders  # noqa: F401 (fixture)
 
 assert fmnist  # a fixture, used by name
 ROWS = 60000
@@ -398,3 +404,108 @@ def test_a_local_input_cut_short_after_planning_fails_the_job(start_server, s3, 
     assert "out/cut.npy" not in s3_keys(s3, "out/cut.npy"), "a failed job wrote an output"
     # and its chunks' parts are swept
     poll(lambda: s3_keys(s3, "out/cut.npy.chunks/") == [], "the failed job's parts deleted")
+
+
+def deploy_images(srv):
+    from test_jobs import FASHION_PT
+    with open(FASHION_PT, "rb") as f:
+        r = srv.request("POST", "/models/fashion/versions", files={"checkpoint": f},
+                        data={"config": json.dumps(IMAGE_CONFIG)})
+    assert r.status_code == 201, r.text
+
+
+def test_an_s3_image_folder_splits_by_index_over_two_replicas(start_server, s3, pg_url, tmp_path,
+                                                             folders):
+    root, expected = folders
+    local = root / "fashion"
+    c = s3.client()
+    for f in sorted(local.rglob("*.png")):
+        c.upload_file(str(f), s3.bucket, "data/cimgs/" + str(f.relative_to(local)))
+    # not rows: a file that is no image (files_skipped), a hidden file and a
+    # hidden folder (never read, as on disk)
+    c.put_object(Bucket=s3.bucket, Key="data/cimgs/README.txt", Body=b"not an image")
+    first = sorted(local.rglob("*.png"))[0]
+    c.upload_file(str(first), s3.bucket, "data/cimgs/.hidden.png")
+    c.upload_file(str(first), s3.bucket, "data/cimgs/0/.thumbs/x.png")
+    inc = ["index", "path", "prediction", "label"]
+
+    def spec(out_key):
+        return {"model": "fashion", "batch_size": 16, "chunk_rows": 32,
+                "input": {"format": "images", "path": f"s3://{s3.bucket}/data/cimgs/"},
+                "output": {"path": f"s3://{s3.bucket}/out/{out_key}", "include": inc}}
+    single = start_server("--allowed-s3", f"{s3.bucket}/data,{s3.bucket}/out", env=s3.env(),
+                          store=tmp_path / "single")
+    deploy_images(single)
+    jid = create_job(single, spec("imgs-single.jsonl"))
+    want_job = wait_job(single, jid, timeout=300)
+    want = output(single, jid).content
+    single.stop()
+
+    # 200 images, 7 chunks of 2 batches; each batch pauses 300 ms, so one
+    # replica alone would take seconds: the other claims chunks meanwhile
+    reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}", pace_ms=300) for i in range(2)]
+    deploy_images(reps[0])
+    jid = create_job(reps[0], spec("imgs-cluster.jsonl"))
+    job = wait_job(reps[1], jid, timeout=300)
+    n = len(expected["fashion"])
+    assert job["chunks"]["total"] == (n + 31) // 32, job
+    finished = [metric(r, "modeld_job_chunks_finished_total") for r in reps]
+    assert all(f >= 1 for f in finished), f"chunks finished per replica {finished}"
+    assert sum(finished) == job["chunks"]["total"], finished
+    got = s3_get(s3, "out/imgs-cluster.jsonl")
+    assert got == want, "the cluster's output differs from one replica's"
+    for k in ("rows_total", "rows_done", "correct", "labeled", "confusion", "accuracy",
+              "files_skipped"):
+        assert job[k] == want_job[k], (k, job, want_job)
+    assert job["files_skipped"] == 1, job
+    check_against_torch(job, jsonl_rows(output(reps[0], jid)), expected["fashion"])
+    # each chunk's copy of its images goes with the chunk
+    for r in reps:
+        assert not list((r.store / "jobs").glob("*.images")), list((r.store / "jobs").iterdir())
+
+
+def test_an_input_replaced_mid_job_fails_it_and_is_never_mixed(start_server, s3, pg_url, tmp_path,
+                                                              big_npy):
+    c = s3.client()
+    c.upload_file(str(big_npy), s3.bucket, "data/replaced.npy")
+    spec = npy_spec(s3, "replaced.npy")
+    spec["input"]["path"] = f"s3://{s3.bucket}/data/replaced.npy"
+    a = replica(start_server, s3, pg_url, tmp_path / "a", pace_ms=100)
+    b = replica(start_server, s3, pg_url, tmp_path / "b", pace_ms=100)
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    poll(lambda: (get_job(a, jid).get("chunks") or {}).get("done", 0) >= 1, "a chunk is done")
+    # the same shape, other pixels: only the ETag tells the versions apart
+    data = np.load(big_npy)
+    buf = io.BytesIO()
+    np.save(buf, 255 - data)
+    c.put_object(Bucket=s3.bucket, Key="data/replaced.npy", Body=buf.getvalue())
+    job = wait_job(b, jid, "failed", timeout=300)
+    assert "data/replaced.npy changed since the job was planned" in job["error"], job
+    assert "run the job again" in job["error"], job
+    assert job["chunks"]["done"] < ROWS // CHUNK_ROWS, job
+    # nothing is presented as the job's output
+    assert "out/replaced.npy" not in s3_keys(s3, "out/replaced.npy"), s3_keys(s3, "out/")
+    assert a.get(f"/jobs/{jid}/output").status_code != 200
+
+
+def test_an_image_replaced_mid_job_fails_it(start_server, s3, pg_url, tmp_path, folders):
+    root, _ = folders
+    local = root / "fashion"
+    files = sorted(local.rglob("*.png"))
+    c = s3.client()
+    for f in files:
+        c.upload_file(str(f), s3.bucket, "data/rimgs/" + str(f.relative_to(local)))
+    a = replica(start_server, s3, pg_url, tmp_path / "a", pace_ms=300)
+    deploy_images(a)
+    jid = create_job(a, {"model": "fashion", "batch_size": 16, "chunk_rows": 32,
+                         "input": {"format": "images", "path": f"s3://{s3.bucket}/data/rimgs/"},
+                         "output": {"path": f"s3://{s3.bucket}/out/rimgs.jsonl"}})
+    poll(lambda: (get_job(a, jid).get("chunks") or {}).get("done", 0) >= 1, "a chunk is done")
+    # the last image (the last chunk's, which no runner took yet) becomes another picture
+    last = str(files[-1].relative_to(local))
+    c.upload_file(str(files[0]), s3.bucket, "data/rimgs/" + last)
+    job = wait_job(a, jid, "failed", timeout=300)
+    assert f"data/rimgs/{last} changed since the job was planned" in job["error"], job
+    assert "run the job again" in job["error"], job
+    assert "out/rimgs.jsonl" not in s3_keys(s3, "out/rimgs.jsonl")
