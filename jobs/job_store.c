@@ -680,27 +680,13 @@ md_status md_store_chunk_finish(md_store *s, const md_job_chunk *c, const char *
                              (long long)c->seq, c->job_id, (long long)c->attempt);
     }
     ix_finalize(st);
-    /* a cancelled (or ended) job takes no more chunks: its output is being
-     * assembled from what was done before */
-    st = rc == MD_OK ? prep(s, "SELECT 1 FROM jobs WHERE id = ?1 AND status IN ('queued','running') "
-                               "AND cancel_requested = 0", err)
-                     : NULL;
-    if (rc == MD_OK && !st)
-        rc = MD_EIO;
-    if (rc == MD_OK) {
-        ix_bind_text(st, 1, c->job_id);
-        int r = ix_step(st);
-        if (r == MD_IX_DONE)
-            rc = md_err_setc(err, MD_ECONFLICT, "job_not_running",
-                             "job %s was cancelled or has ended: chunk %lld is not taken", c->job_id,
-                             (long long)c->seq);
-        else if (r != MD_IX_ROW)
-            rc = db_fail(s, err, "check the job of a chunk");
-    }
-    ix_finalize(st);
     st = rc == MD_OK ? prep(s, "UPDATE jobs SET rows_done = rows_done + ?1, rows_skipped = "
                                "rows_skipped + ?2, correct = correct + ?3, labeled = labeled + ?4, "
-                               "output_bytes = output_bytes + ?5, updated_at = ?6 WHERE id = ?7",
+                               "output_bytes = output_bytes + ?5, updated_at = ?6 WHERE id = ?7 "
+                               /* a cancelled (or ended) job takes no more chunks: its
+                                * output is assembled from what was done before; checked
+                                * under the row's lock, which this UPDATE takes */
+                               "AND status IN ('queued','running') AND cancel_requested = 0",
                             err)
                      : NULL;
     if (rc == MD_OK && !st)
@@ -715,6 +701,10 @@ md_status md_store_chunk_finish(md_store *s, const md_job_chunk *c, const char *
         ix_bind_text(st, 7, c->job_id);
         if (ix_step(st) != MD_IX_DONE)
             rc = db_fail(s, err, "count a job chunk");
+        else if (ix_changes(s->ix) != 1)
+            rc = md_err_setc(err, MD_ECONFLICT, "job_not_running",
+                             "job %s was cancelled or has ended: chunk %lld is not taken", c->job_id,
+                             (long long)c->seq);
     }
     ix_finalize(st);
     st = rc == MD_OK ? prep(s, "SELECT count(*) FROM job_chunks WHERE job_id = ?1 AND status != "

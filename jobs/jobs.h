@@ -188,7 +188,8 @@ md_status md_store_job_update(md_store *store, const char *id, json_t *fields, m
 /*
  * Leases: a process runs a job only while it holds it (jobs.owner), so
  * replicas sharing a store run each job once, and take over the jobs of one
- * that died once its lease (jobs.lease_until, wall-clock seconds) runs out.
+ * that died once its lease (jobs.lease_until: seconds since the epoch on the
+ * index's clock, PostgreSQL's for every replica) runs out.
  */
 /* Claim the oldest queued or running job that nobody holds, whose lease ran
  * out, or whose holder `owner_dead` says is gone; lease it to `owner` for

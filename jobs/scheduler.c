@@ -224,18 +224,20 @@ static const char *log_escape(const char *in, char *out, size_t size)
     return out;
 }
 
-static void fail_job(md_jobs *J, int slot, const char *id, const md_err *err)
+/* 1 when the job is failed by this process (it still held it). */
+static int fail_job(md_jobs *J, int slot, const char *id, const md_err *err)
 {
     if (atomic_load(&J->lost[slot]))
-        return;
+        return 0;
     char now[32];
     md_now_iso(now);
     json_t *f = json_pack("{s:s,s:s,s:s}", "status", "failed", "error", err->msg, "finished_at",
                           now);
-    jupdate(J, slot, id, f, NULL);
+    md_status st = jupdate(J, slot, id, f, NULL);
     json_decref(f);
     char shown[4 * MD_ERR_MSG_MAX + 1];
     md_log(MD_LOG_WARN, "job %s failed: %s", id, log_escape(err->msg, shown, sizeof shown));
+    return st == MD_OK;
 }
 
 /* ---- the lease while nothing is written: downloads, model loads ---- */
@@ -1003,15 +1005,17 @@ static md_status chunk_plan(md_jobs *J, slot_ref *sref, const char *id, json_t *
     return st;
 }
 
-/* <output key>.chunks/<seq>-<attempt>: beside the output, so under the
- * same allowed_s3 entry. */
+/* <output key>.chunks/<job id>/<seq>-<attempt>: beside the output, so
+ * under the same allowed_s3 entry, and the job's own (two jobs naming one
+ * output never share a part; the later one's output is refused). */
 static void chunk_object_url(const char *out_url, const md_job_chunk *c, char *url, size_t size)
 {
-    snprintf(url, size, "%s.chunks/%06lld-%lld", out_url, (long long)c->seq,
+    snprintf(url, size, "%s.chunks/%s/%06lld-%lld", out_url, c->job_id, (long long)c->seq,
              (long long)c->attempt);
 }
 
-/* Sleep `ms`, ended early when the server stops. */
+/* Sleep `ms` (a back-off), ended early only when the server stops: the
+ * wakes of idle runners (a NOTIFY, a chunk given back) do not end it. */
 static void test_pause_ms(md_jobs *J, long ms)
 {
     struct timespec ts;
@@ -1020,8 +1024,9 @@ static void test_pause_ms(md_jobs *J, long ms)
     ts.tv_sec += (time_t)(ns / 1000000000LL);
     ts.tv_nsec = (long)(ns % 1000000000LL);
     pthread_mutex_lock(&J->mu);
-    if (!atomic_load(&J->stopping))
-        pthread_cond_timedwait(&J->cv, &J->mu, &ts);
+    while (!atomic_load(&J->stopping) &&
+           pthread_cond_timedwait(&J->cv, &J->mu, &ts) != ETIMEDOUT) {
+    }
     pthread_mutex_unlock(&J->mu);
 }
 
@@ -1143,7 +1148,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
                          * changed since the plan: no attempt can do it */
                         data_failed = (st = err->status) == MD_ECONFLICT;
                     else /* the bytes came whole and do not hold the planned rows */
-                        data_failed = 1;
+                        data_failed = st != MD_ENOMEM;
                     goto out;
                 }
                 /* the dataset's row number: the chunk's first plus the row within it */
@@ -1310,6 +1315,9 @@ out:
     chunk_input_close(&in);
     if (st != MD_OK && !lost && !strcmp(err->code, "input_changed"))
         data_failed = 1; /* the input was replaced since the plan: never mixed, the job fails */
+    if (st != MD_OK && !lost && !strcmp(err->code, "input_not_on_replica") &&
+        !strcmp(J->running[slot], c->job_id))
+        data_failed = 1; /* the replica that planned it cannot read it now: nobody will */
     if (st != MD_OK && lost) {
         atomic_fetch_add(&chunks_refused, 1);
         md_log(MD_LOG_WARN, "job %s chunk %lld (attempt %lld): %s", c->job_id, (long long)c->seq,
@@ -1373,16 +1381,17 @@ static md_status append_object(md_jobs *J, const char *url, int fd, md_err *err)
     return st;
 }
 
-/* Delete every object under <output>.chunks/: the parts of a job whose
- * output is assembled or which failed, those of attempts that never
+/* Delete every object under <output>.chunks/<job id>/: the parts of a job
+ * whose output is assembled or which failed, those of attempts that never
  * finished (their runner lost the chunk, or the index was away at its
- * finish) too. */
+ * finish) too. Needs the right to list; without it only the named parts
+ * (deleted by the assembly, key by key) go. */
 static void sweep_parts(md_jobs *J, const char *id, const char *out_url)
 {
     if (!out_url)
         return;
     char prefix[2200];
-    snprintf(prefix, sizeof prefix, "%s.chunks/", out_url);
+    snprintf(prefix, sizeof prefix, "%s.chunks/%s/", out_url, id);
     md_err derr;
     long long gone = 0;
     if (md_s3_data_delete_prefix(prefix, &J->fetch, &gone, &derr) != MD_OK)
@@ -1413,7 +1422,12 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
     }
     /* has_labels as the chunks saw it: from the plan */
     json_t *plan = NULL;
-    md_store_chunk_plan_get(J->store, id, &plan, err);
+    if ((st = md_store_chunk_plan_get(J->store, id, &plan, err)) != MD_OK) {
+        close(fd);
+        unlink(tmp);
+        json_decref(chunks);
+        return st;
+    }
     int has_labels = json_is_true(json_object_get(plan, "has_labels"));
     json_decref(plan);
     char head[MD_JOB_NPY_HEADER + 1] = "";
@@ -1497,8 +1511,20 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
         unlink(tmp);
     if (st == MD_OK)
         st = md_s3_data_put(out_url, &J->fetch, out_path, err);
-    if (st == MD_OK) /* the parts are in the output now */
-        sweep_parts(J, id, out_url);
+    if (st == MD_OK) { /* the parts are in the output now */
+        json_array_foreach(chunks, i, c)
+        {
+            const char *key = json_string_value(json_object_get(c, "output_key"));
+            if (!key)
+                continue;
+            char url[2200];
+            snprintf(url, sizeof url, "s3://%.*s/%s", (int)strcspn(out_url + 5, "/"), out_url + 5,
+                     key);
+            md_err derr;
+            md_s3_data_delete(url, &J->fetch, &derr);
+        }
+        sweep_parts(J, id, out_url); /* and those of attempts that did not finish */
+    }
     *rows_out = rows;
     if (st == MD_OK)
         *confusion = conf;
@@ -1640,7 +1666,10 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
     json_t *confusion = NULL;
     if (jupdate(J, slot, id, NULL, NULL) != MD_OK)
         goto out;
-    if (chunk_assemble(J, id, spec, out_path, cancelled, &rows, &confusion, &err) != MD_OK)
+    keeper_start(&kp, J, slot, id); /* the job's lease, while its parts are read and put */
+    md_status ast = chunk_assemble(J, id, spec, out_path, cancelled, &rows, &confusion, &err);
+    keeper_stop(&kp);
+    if (ast != MD_OK || atomic_load(&J->lost[slot]))
         goto failed;
     json_t *final = NULL;
     if (md_store_job_get(J->store, id, &final, &err) != MD_OK)
@@ -1671,9 +1700,21 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
     goto out;
 failed:
     keeper_stop(&kp);
-    fail_job(J, slot, id, &err);
-    sweep_parts(J, id, json_string_value(json_object_get(json_object_get(spec, "output"),
-                                                         "path")));
+    if (err.status == MD_EUNAVAIL && !atomic_load(&J->lost[slot]) &&
+        !atomic_load(&J->stopping)) {
+        /* the index or S3 away: nothing is wrong with the job; it is
+         * claimed again (here or elsewhere) once its lease is given back */
+        md_log(MD_LOG_WARN, "job %s: %s; trying again", id, err.msg);
+        md_err rerr;
+        md_store_job_release(J->store, id, J->owner, &rerr);
+        test_pause_ms(J, 1000);
+        goto out;
+    }
+    /* only the holder that failed it sweeps: one that lost the job (paused
+     * past its lease) leaves the parts to the job's new coordinator */
+    if (fail_job(J, slot, id, &err))
+        sweep_parts(J, id, json_string_value(json_object_get(json_object_get(spec, "output"),
+                                                             "path")));
 out:
     keeper_stop(&kp);
     md_model_release(m);

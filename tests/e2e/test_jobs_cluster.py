@@ -509,3 +509,50 @@ def test_an_image_replaced_mid_job_fails_it(start_server, s3, pg_url, tmp_path, 
     assert f"data/rimgs/{last} changed since the job was planned" in job["error"], job
     assert "run the job again" in job["error"], job
     assert "out/rimgs.jsonl" not in s3_keys(s3, "out/rimgs.jsonl")
+
+
+def test_a_local_input_deleted_after_planning_fails_the_job(start_server, s3, pg_url, tmp_path,
+                                                            big_npy):
+    data = tmp_path / "data"
+    data.mkdir()
+    path = data / "big.npy"
+    path.write_bytes(big_npy.read_bytes())
+    spec = npy_spec(s3, "gone.npy")
+    spec["input"]["path"] = str(path)
+    a = replica(start_server, s3, pg_url, tmp_path / "a", "--allowed-paths", str(data),
+                pace_ms=100)
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    poll(lambda: (get_job(a, jid).get("chunks") or {}).get("done", 0) >= 1, "a chunk is done")
+    path.unlink()
+    # the replica that planned the job cannot read it any more: nobody will, so it fails
+    job = wait_job(a, jid, "failed", timeout=300)
+    assert "cannot be read on this replica" in job["error"], job
+    poll(lambda: s3_keys(s3, "out/gone.npy.chunks/") == [], "the failed job's parts deleted")
+
+
+def test_two_jobs_naming_one_output_never_share_a_part(start_server, s3, pg_url, tmp_path,
+                                                       big_npy):
+    c = s3.client()
+    c.upload_file(str(big_npy), s3.bucket, "data/big.npy")
+    rev = tmp_path / "rev.npy"
+    np.save(rev, np.load(big_npy)[::-1])
+    c.upload_file(str(rev), s3.bucket, "data/rev.npy")
+    forward, backward = npy_spec(s3, "f-single.npy"), npy_spec(s3, "b-single.npy")
+    backward["input"]["path"] = f"s3://{s3.bucket}/data/rev.npy"
+    want = {reference(start_server, s3, tmp_path / "f", forward),
+            reference(start_server, s3, tmp_path / "b", backward)}
+    a = replica(start_server, s3, pg_url, tmp_path / "a", pace_ms=20)
+    b = replica(start_server, s3, pg_url, tmp_path / "b2", pace_ms=20)
+    deploy_fashion(a)
+    one, two = npy_spec(s3, "same.npy"), npy_spec(s3, "same.npy")
+    two["input"]["path"] = f"s3://{s3.bucket}/data/rev.npy"
+    jobs = [create_job(a, one), create_job(b, two)]
+    ends = [poll(lambda j=j: get_job(a, j)["status"] in ("succeeded", "failed") and
+                 get_job(a, j), f"job {j} ends", 300) for j in jobs]
+    assert sorted(e["status"] for e in ends) == ["failed", "succeeded"], ends
+    failed = next(e for e in ends if e["status"] == "failed")
+    assert "already exists" in failed["error"], failed
+    # the output is one job's rows, whole: never parts of both
+    assert s3_get(s3, "out/same.npy") in want
+    poll(lambda: s3_keys(s3, "out/same.npy.chunks/") == [], "every part deleted")
