@@ -65,7 +65,8 @@
 
 struct md_jobs {
     md_store *store;
-    md_fetch_opts fetch;
+    md_fetch_opts fetch;  /* allowed_s3 with the server's own jobs/ area added */
+    md_strlist fetch_s3;  /* ... that list (md_job_fetch_opts) */
     md_model_resolver resolve;
     md_default_moved moved;
     void *resolve_ctx;
@@ -549,14 +550,16 @@ void md_jobs_write_chunk_metrics(FILE *f)
     md_prom_sample(f, "modeld_job_chunk_rows_total", "", (double)atomic_load(&chunk_rows));
 }
 
-static int chunkable(json_t *spec)
+/* An s3:// input and an output in S3: output.path, or in cluster mode the
+ * server's own object (job_output.c) when there is none. */
+static int chunkable(md_jobs *J, const char *id, json_t *spec)
 {
     json_t *input = json_object_get(spec, "input");
     const char *path = json_string_value(json_object_get(input, "path"));
     const char *fmt = json_string_value(json_object_get(input, "format"));
-    const char *out = json_string_value(json_object_get(json_object_get(spec, "output"), "path"));
+    char out[1200];
     const char *label = json_string_value(json_object_get(input, "label"));
-    if (!is_s3(path) || !is_s3(out) || !fmt)
+    if (!is_s3(path) || !md_job_output_url(J->store, id, spec, out, sizeof out) || !fmt)
         return 0;
     if (!strcmp(fmt, "idx") && label && !is_s3(label))
         return 0;
@@ -804,7 +807,8 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         goto out;
     json_t *spec = json_object_get(job, "spec");
     json_t *input = json_object_get(spec, "input"), *output = json_object_get(spec, "output");
-    const char *out_url = json_string_value(json_object_get(output, "path"));
+    char out_url[1200]; /* output.path, or the server's own object (job_output.c) */
+    md_job_output_url(J->store, c->job_id, spec, out_url, sizeof out_url);
     const char *model_name = json_string_value(json_object_get(job, "model"));
     int version = (int)json_integer_value(json_object_get(job, "version"));
     int batch = (int)json_integer_value(json_object_get(spec, "batch_size"));
@@ -1116,7 +1120,8 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
                                 int cancelled, int64_t *rows_out, json_t **confusion, md_err *err)
 {
     json_t *output = json_object_get(spec, "output");
-    const char *out_url = json_string_value(json_object_get(output, "path"));
+    char out_url[1200]; /* output.path, or the server's own object (job_output.c) */
+    md_job_output_url(J->store, id, spec, out_url, sizeof out_url);
     const char *ofmt = json_string_value(json_object_get(output, "format"));
     int kind = !ofmt || !strcmp(ofmt, "jsonl") ? 0 : !strcmp(ofmt, "csv") ? 1 : 2;
     json_t *chunks = NULL;
@@ -1285,8 +1290,8 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
         json_decref(f);
     }
     if (json_is_null(json_object_get(job, "chunks_total"))) {
-        const char *s3_out = json_string_value(json_object_get(json_object_get(spec, "output"),
-                                                               "path"));
+        char s3_out[1200];
+        md_job_output_url(J->store, id, spec, s3_out, sizeof s3_out);
         if (md_s3_data_put(s3_out, &J->fetch, NULL, &err) != MD_OK)
             goto failed; /* an output that exists already: before any work */
         md_status st = chunk_plan(J, &sref, id, json_object_get(spec, "input"), batch,
@@ -1417,14 +1422,18 @@ static void run_job(md_jobs *J, int slot, const char *id)
         json_decref(job);
         return;
     }
-    if (md_store_jobs_chunked(J->store) && chunkable(json_object_get(job, "spec")) &&
+    if (md_store_jobs_chunked(J->store) && chunkable(J, id, json_object_get(job, "spec")) &&
         run_chunked_job(J, slot, id, job)) { /* one job over every replica */
         json_decref(job);
         return;
     }
     json_t *spec = json_object_get(job, "spec");
     json_t *input = json_object_get(spec, "input"), *output = json_object_get(spec, "output");
-    const char *s3_out = json_string_value(json_object_get(output, "path"));
+    /* where the output goes besides the store's copy: output.path in S3, or
+     * in cluster mode with no output.path the server's own object, so any
+     * replica can serve it (job_output.c); "" when it stays a local file */
+    char s3_out[1200];
+    md_job_output_url(J->store, id, spec, s3_out, sizeof s3_out);
     const char *model_name = json_string_value(json_object_get(job, "model"));
     int version = (int)json_integer_value(json_object_get(spec, "version"));
     int skip_bad = json_is_string(json_object_get(spec, "on_error")) &&
@@ -2179,7 +2188,10 @@ md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_
         return md_err_set(err, MD_EIO, "cannot create %s: %s", dir, strerror(errno));
     md_jobs *J = md_xcalloc(1, sizeof *J);
     J->store = store;
-    J->fetch = *fetch;
+    if (md_job_fetch_opts(store, fetch, &J->fetch, &J->fetch_s3, err) != MD_OK) {
+        free(J);
+        return err->status;
+    }
     J->resolve = resolve;
     J->moved = moved;
     J->resolve_ctx = ctx;
@@ -2234,6 +2246,7 @@ void md_jobs_stop(md_jobs *J)
     free(J->lost);
     free((void *)J->renewed);
     free(J->threads);
+    md_job_fetch_free(&J->fetch_s3);
     pthread_mutex_destroy(&J->mu);
     pthread_cond_destroy(&J->cv);
 }
