@@ -498,7 +498,9 @@ static void s3_input_close(md_jobs *J, const char *id, s3_input *in)
  *
  * DESIGN
  * With the PostgreSQL index, a job whose input and output are in S3 (so
- * every replica reads and writes the same bytes) runs in chunks. The runner
+ * every replica reads and writes the same bytes) runs in chunks; with no
+ * output.path its output is the blob store's jobs/<id>/output.<ext>
+ * (job_output.c), so such a job with an s3:// input is chunked too. The runner
  * that claims the job (its coordinator, under the job's own lease) plans it
  * once: chunks of whole batches, by rows for NPY and plain IDX (offsets from
  * the header), by the byte offsets one pass of the real reader finds for CSV

@@ -26,6 +26,7 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -370,7 +371,11 @@ def test_no_output_path_single_runner_uploads_and_any_replica_serves_it(
     other = reps[1] if ran[0] is reps[0] else reps[0]
     assert output(ran[0], jid, "application/x-ndjson").content == want  # the local copy
     r = output(other, jid, "application/x-ndjson")  # streamed from S3
-    assert r.content == want
+    assert r.content == want and r.headers["Content-Length"] == str(len(want))
+    # several at once, each its own stream: every one whole
+    with ThreadPoolExecutor(6) as pool:
+        bodies = list(pool.map(lambda _: output(other, jid).content, range(6)))
+    assert all(b == want for b in bodies)
     # the object gone: the replica without a copy names the problem
     s3.client().delete_object(Bucket=s3.bucket, Key=jobs_key(jid, "jsonl"))
     assert s3_keys(s3, f"modeld/jobs/{jid}/") == [], "the object is deleted"
