@@ -546,10 +546,9 @@ void md_handle_job_output(md_req *req)
     const char *ct = fmt && !strcmp(fmt, "npy")   ? "application/x-npy"
                      : fmt && !strcmp(fmt, "csv") ? "text/csv"
                                                   : "application/x-ndjson";
-    output_s3 *o = calloc(1, sizeof *o);
-    if (fd < 0 && o &&
-        md_job_output_url(app->store, json_string_value(json_object_get(job, "id")),
-                          json_object_get(job, "spec"), o->url, sizeof o->url)) {
+    output_s3 *o = fd < 0 ? calloc(1, sizeof *o) : NULL;
+    if (o && md_job_output_url(app->store, json_string_value(json_object_get(job, "id")),
+                               json_object_get(job, "spec"), o->url, sizeof o->url)) {
         /* not on this replica (another one ran or assembled it): from S3 */
         snprintf(o->content_type, sizeof o->content_type, "%s", ct);
         o->partial = json_is_true(json_object_get(job, "partial"));
