@@ -383,3 +383,30 @@ def test_no_output_path_single_runner_uploads_and_any_replica_serves_it(
     assert r.status_code == 404, r.text[:300]
     err = r.json()["error"]
     assert err["code"] == "output_missing" and jobs_key(jid, "jsonl") in err["message"], err
+
+
+def test_no_output_path_cancelled_keeps_the_done_prefix_and_says_partial_on_any_replica(
+        start_server, s3, pg_url, tmp_path, fmnist):
+    s3.client().upload_file(str(fmnist.npy), s3.bucket, "data/cancel-nopath.npy")
+    spec = {"model": "fashion", "batch_size": 100, "chunk_rows": 1000,
+            "input": {"path": f"s3://{s3.bucket}/data/cancel-nopath.npy", "format": "npy"},
+            "output": {"format": "npy"}}
+    a = replica(start_server, s3, pg_url, tmp_path / "a", pace_ms=100)
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    poll(lambda: get_job(a, jid).get("owner"), "a coordinator holds the job")
+    b = replica(start_server, s3, pg_url, tmp_path / "b", pace_ms=100)
+    assert holder_pid(get_job(a, jid)["owner"]) == a.proc.pid  # B only runs chunks
+    poll(lambda: get_job(a, jid)["chunks"]["done"] >= 1, "a chunk is done")
+    r = b.request("DELETE", f"/jobs/{jid}")
+    assert r.status_code == 202, r.text
+    job = wait_job(a, jid, "cancelled", timeout=120)
+    assert job["partial"] is True, job
+    got = s3_get(s3, jobs_key(jid, "npy"))
+    out = np.load(io.BytesIO(got))
+    # whole chunks from the first (none, if the done one was not chunk 0)
+    assert out.shape[0] % 1000 == 0 and out.shape[0] < N, out.shape
+    # B never assembled it: it streams the object, and says it is partial
+    assert not (tmp_path / "b" / "jobs" / f"{jid}.npy").exists()
+    r = output(b, jid, "application/x-npy")
+    assert r.content == got and r.headers.get("X-Partial") == "true", r.headers
