@@ -64,6 +64,26 @@ int md_job_output_url(md_store *store, const char *id, json_t *spec, char *url, 
     return n > 0 && (size_t)n < size;
 }
 
+md_status md_job_output_put(md_store *store, const md_fetch_opts *o, const char *id,
+                            json_t *spec, const char *path, md_err *err)
+{
+    char url[1200];
+    if (!md_job_output_url(store, id, spec, url, sizeof url))
+        return md_err_set(err, MD_EINTERNAL, "job %s has no output object in S3", id);
+    int own = !json_string_value(json_object_get(json_object_get(spec, "output"), "path"));
+    if (own) {
+        /* this job's own key: what is there is an earlier run's upload of
+         * the same job (a runner stopped between its put and "succeeded") */
+        md_err derr;
+        md_status dst = md_s3_data_delete(url, o, &derr);
+        if (dst != MD_OK && dst != MD_ENOTFOUND) {
+            *err = derr;
+            return dst;
+        }
+    }
+    return md_s3_data_put(url, o, path, err);
+}
+
 md_status md_job_fetch_opts(md_store *store, const md_fetch_opts *in, md_fetch_opts *out,
                             md_strlist *list, md_err *err)
 {

@@ -271,6 +271,14 @@ md_status md_store_chunks_list(md_store *store, const char *job_id, json_t **out
  * when the output is a local file only (a local output.path; single host).
  * Thread-safe. */
 int md_job_output_url(md_store *store, const char *id, json_t *spec, char *url, size_t size);
+/* Put the finished output file `path` as job `id`'s object (see
+ * md_job_output_url): a user's s3:// output.path never over an existing
+ * object (md_s3_data_put: output_exists); the server's own object, whose
+ * key only this job uses, replacing what an earlier run of the job left
+ * (a runner stopped between its upload and recording success). Blocks.
+ * Thread-safe. */
+md_status md_job_output_put(md_store *store, const md_fetch_opts *o, const char *id,
+                            json_t *spec, const char *path, md_err *err);
 /* `in` with allowed_s3 extended by the server's own BUCKET/PREFIX/jobs/
  * (cluster mode; else `in` as it is) into *out, for the runners and for
  * GET /jobs/ID/output. `list` holds the new list (it borrows in's entries:

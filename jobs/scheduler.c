@@ -1948,7 +1948,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
             if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped,
                            partial, &err) != MD_OK)
                 goto failed;
-            if (is_s3(s3_out) && md_s3_data_put(s3_out, &J->fetch, out_path, &err) != MD_OK)
+            if (is_s3(s3_out) &&
+                md_job_output_put(J->store, &J->fetch, id, spec, out_path, &err) != MD_OK)
                 goto failed;
             md_now_iso(now);
             f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
@@ -1975,7 +1976,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped, partial,
                    &err) != MD_OK)
         goto failed;
-    if (is_s3(s3_out) && md_s3_data_put(s3_out, &J->fetch, out_path, &err) != MD_OK)
+    if (is_s3(s3_out) && md_job_output_put(J->store, &J->fetch, id, spec, out_path, &err) != MD_OK)
         goto failed;
     /* record_metric (issue 12): the accuracy on the version that ran, before
      * the job reads as succeeded, so a client that saw it succeed finds it */

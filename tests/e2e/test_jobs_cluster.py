@@ -357,10 +357,15 @@ def test_no_output_path_single_runner_uploads_and_any_replica_serves_it(
     single.stop()
     # 64 KiB pieces: the streamed reply waits for S3 several times (suspended, resumed)
     reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}", "--allowed-paths",
-                    str(fmnist.dir), env={"MD_TEST_S3_PIECE_BYTES": str(64 << 10)})
+                    str(fmnist.dir), pace_ms=200, env={"MD_TEST_S3_PIECE_BYTES": str(64 << 10)})
             for i in range(2)]
     deploy_fashion(reps[0])
     jid = create_job(reps[1], spec)
+    # mid-job (paced: 20 commits of 200 ms), what an earlier run of this job
+    # could have left at its key: the job's own upload replaces it
+    poll(lambda: get_job(reps[0], jid)["rows_done"] > 0, "the job has committed rows")
+    s3.client().put_object(Bucket=s3.bucket, Key=jobs_key(jid, "jsonl"), Body=b"left over\n")
+    assert get_job(reps[0], jid)["status"] == "running"
     job = wait_job(reps[0], jid, timeout=300)
     assert job["rows_done"] == N, job
     assert not (job.get("chunks") or {}).get("total"), f"a local input is not chunked: {job}"
