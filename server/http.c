@@ -322,7 +322,9 @@ void md_reply_stream(md_req *r, int http_status, const char *content_type, int f
  * suspension on a condition variable, so it never resumes a connection
  * that is not suspended. EOF before `size` bytes ends the reply with an
  * error: the client sees a cut body (the Content-Length says so), never a
- * short one taken for whole. */
+ * short one taken for whole. The request stays in flight until its body is
+ * sent or cut, so the drain (main.c) never stops libmicrohttpd while one is
+ * suspended; the pipe's writer (s3_data.c) ends within its S3 timeouts. */
 typedef struct stream_body {
     int fd;
     uint64_t size;
