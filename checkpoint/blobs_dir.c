@@ -63,6 +63,7 @@ const md_blobs_ops md_blobs_dir_ops = {
     .pin = NULL,    /* nothing is evicted */
     .trim = NULL,          /* no bound */
     .write_metrics = NULL, /* modeld_store_* say it all */
+    .data_url = NULL,      /* job outputs stay in --store/jobs */
 };
 
 const char *md_blobs_ops_missing(const md_blobs_ops *ops)

@@ -92,6 +92,12 @@ struct md_blobs_ops {
     void (*trim)(md_blobs *b);
     /* The backend's metric families (Prometheus text) to `f`. */
     void (*write_metrics)(md_blobs *b, FILE *f);
+    /* "s3://BUCKET/PREFIX" (the prefix normalised: "" or ending in '/')
+     * into `url` (size bytes): where the server keeps objects of its own
+     * beside the blobs (job outputs under PREFIX/jobs/, which list and the
+     * orphan sweep never see: they look under PREFIX/blobs/ only). Returns
+     * 1, or 0 when the backend keeps nothing remote (absent: the same). */
+    int (*data_url)(md_blobs *b, char *url, size_t size);
 };
 
 /* The base every backend's state starts with. */
@@ -118,6 +124,10 @@ static inline void bl_close(md_blobs *b)
 {
     if (b)
         b->ops->close(b);
+}
+static inline int bl_data_url(md_blobs *b, char *url, size_t size)
+{
+    return b->ops->data_url ? b->ops->data_url(b, url, size) : 0;
 }
 static inline int bl_remote(const md_blobs *b) { return (b->caps & MD_BLOBS_CAP_REMOTE) != 0; }
 static inline md_status bl_put(md_blobs *b, const char *sha, const char *path, char *key,

@@ -424,6 +424,13 @@ static void s3b_write_metrics(md_blobs *base, FILE *f)
                    (double)atomic_load(&b->upload_errors));
 }
 
+static int s3b_data_url(md_blobs *base, char *url, size_t size)
+{
+    md_blobs_s3 *b = S3B(base);
+    int n = snprintf(url, size, "s3://%s/%s", md_s3_bucket(b->s3), md_s3_prefix(b->s3));
+    return n > 0 && (size_t)n < size;
+}
+
 const md_blobs_ops md_blobs_s3_ops = {
     .name = "s3",
     .open = s3b_open,
@@ -435,4 +442,5 @@ const md_blobs_ops md_blobs_s3_ops = {
     .pin = s3b_pin,
     .trim = s3b_trim,
     .write_metrics = s3b_write_metrics,
+    .data_url = s3b_data_url,
 };

@@ -107,6 +107,13 @@ long long md_store_generation(md_store *store);
 int md_store_wait_change(md_store *store, int timeout_ms);
 /* The store directory (borrowed, valid until md_store_close). */
 const char *md_store_dir(const md_store *store);
+/* With S3 blobs (blob_url): "s3://BUCKET/PREFIX" (the prefix "" or ending in
+ * '/') into `url`, where the server keeps objects of its own beside the
+ * blobs (jobs/<id>/... : cluster job outputs), and 1. 0 with the blobs in a
+ * directory (single host: everything stays under --store). The blobs'
+ * orphan sweep looks under PREFIX/blobs/ only, so it never touches them.
+ * Thread-safe (reads what open set). */
+int md_store_data_url(md_store *store, char *url, size_t size);
 /* Write the store's metric families (models, versions, bytes; Prometheus
  * text) to `f`. Takes the store's lock for one query. */
 void md_store_write_metrics(md_store *store, FILE *f);

@@ -230,3 +230,10 @@ int md_store_wait_change(md_store *s, int timeout_ms)
 md_index *md_store_index_for_test(md_store *s) { return s->ix; }
 
 const char *md_store_dir(const md_store *s) { return s->dir; }
+
+int md_store_data_url(md_store *s, char *url, size_t size)
+{
+    if (size)
+        url[0] = '\0';
+    return bl_data_url(s->blobs, url, size);
+}

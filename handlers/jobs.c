@@ -453,6 +453,52 @@ void md_handle_job_cancel(md_req *req)
         md_reply_json(req, 202, job_view(job));
 }
 
+/* A job output that is an S3 object and not on this replica (job_output.c:
+ * cluster mode): streamed from S3 as it is read, never whole in memory. */
+typedef struct output_s3 {
+    char url[1200];
+    char content_type[64];
+    int partial;
+} output_s3;
+
+static void output_stream_done(void *ctx) { md_s3_stream_close(ctx); }
+
+/* Deferred: the HEAD and the stream's start talk to S3. */
+static void output_s3_deferred(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    output_s3 *o = md_req_state(req);
+    md_err err;
+    md_err_clear(&err);
+    md_fetch_opts cfg_fo = md_fetch_opts_from_cfg(app->cfg), fo;
+    md_strlist own;
+    if (md_job_fetch_opts(app->store, &cfg_fo, &fo, &own, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    int fd = -1;
+    md_s3_stream *s = NULL;
+    md_status st = md_s3_stream_open(o->url, &fo, "the job output", &fd, &s, &err);
+    md_job_fetch_free(&own);
+    if (st == MD_ENOTFOUND) {
+        md_err_setc(&err, MD_ENOTFOUND, "output_missing",
+                    "the job's output %.300s is not in S3 (deleted, or its upload never "
+                    "finished); run the job again",
+                    o->url);
+    } else if (st != MD_OK && st != MD_EUNAVAIL) {
+        /* the message names the object and the problem; the code says where */
+        snprintf(err.code, sizeof err.code, "output_missing");
+    }
+    if (st != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    if (o->partial)
+        md_reply_header(req, "X-Partial", "true");
+    md_reply_stream(req, 200, o->content_type, fd, (size_t)md_s3_stream_size(s),
+                    output_stream_done, s);
+}
+
 void md_handle_job_output(md_req *req)
 {
     md_app *app = md_req_app(req);
@@ -476,6 +522,7 @@ void md_handle_job_output(md_req *req)
     json_t *spec_out = json_object_get(json_object_get(job, "spec"), "output");
     int fd = -1;
     struct stat sb;
+    char own[4200];
     const char *spec_path = json_string_value(json_object_get(spec_out, "path"));
     if (spec_path && strncmp(spec_path, "s3://", 5) != 0) { /* s3://: the store's copy */
         md_err_clear(&err);
@@ -483,12 +530,34 @@ void md_handle_job_output(md_req *req)
                               &fd, &err) != MD_OK)
             fd = -1;
     } else {
+        /* this replica's own copy: the same name in its store (output_path
+         * names the store of the replica that took the request) */
+        const char *leaf = strrchr(path, '/');
+        snprintf(own, sizeof own, "%s/jobs/%s", md_store_dir(app->store), leaf ? leaf + 1 : path);
+        path = own;
         fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
         if (fd >= 0 && (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode))) {
             close(fd);
             fd = -1;
         }
     }
+    const char *fmt = json_string_value(
+        json_object_get(json_object_get(json_object_get(job, "spec"), "output"), "format"));
+    const char *ct = fmt && !strcmp(fmt, "npy")   ? "application/x-npy"
+                     : fmt && !strcmp(fmt, "csv") ? "text/csv"
+                                                  : "application/x-ndjson";
+    output_s3 *o = fd < 0 ? calloc(1, sizeof *o) : NULL;
+    if (o && md_job_output_url(app->store, json_string_value(json_object_get(job, "id")),
+                               json_object_get(job, "spec"), o->url, sizeof o->url)) {
+        /* not on this replica (another one ran or assembled it): from S3 */
+        snprintf(o->content_type, sizeof o->content_type, "%s", ct);
+        o->partial = json_is_true(json_object_get(job, "partial"));
+        json_decref(job);
+        md_req_set_state(req, o, free);
+        md_req_defer(req, output_s3_deferred);
+        return;
+    }
+    free(o);
     if (fd < 0 || fstat(fd, &sb) != 0) {
         if (fd >= 0)
             close(fd);
@@ -500,11 +569,6 @@ void md_handle_job_output(md_req *req)
         md_reply_error(req, &err);
         return;
     }
-    const char *fmt = json_string_value(
-        json_object_get(json_object_get(json_object_get(job, "spec"), "output"), "format"));
-    const char *ct = fmt && !strcmp(fmt, "npy")   ? "application/x-npy"
-                     : fmt && !strcmp(fmt, "csv") ? "text/csv"
-                                                  : "application/x-ndjson";
     if (json_is_true(json_object_get(job, "partial")))
         md_reply_header(req, "X-Partial", "true");
     json_decref(job);

@@ -272,6 +272,33 @@ void md_jobs_write_chunk_metrics(FILE *f);
  * output_key, output_bytes, confusion}], a new reference. */
 md_status md_store_chunks_list(md_store *store, const char *job_id, json_t **out, md_err *err);
 
+/* ---- where a job's output lives (job_output.c; its DESIGN) ---- */
+
+/* The S3 object that holds job `id`'s output (spec: the job's spec,
+ * borrowed) into `url` (size bytes): output.path when it is s3://; with no
+ * output.path in cluster mode (S3 blobs) the server's own object
+ * s3://BUCKET/PREFIX/jobs/<id>/output.<jsonl|csv|npy>. Returns 1, or 0
+ * when the output is a local file only (a local output.path; single host).
+ * Thread-safe. */
+int md_job_output_url(md_store *store, const char *id, json_t *spec, char *url, size_t size);
+/* Put the finished output file `path` as job `id`'s object (see
+ * md_job_output_url): a user's s3:// output.path never over an existing
+ * object (md_s3_data_put: output_exists); the server's own object, whose
+ * key only this job uses, replacing what an earlier run of the job left
+ * (a runner stopped between its upload and recording success). Blocks.
+ * Thread-safe. */
+md_status md_job_output_put(md_store *store, const md_fetch_opts *o, const char *id,
+                            json_t *spec, const char *path, md_err *err);
+/* `in` with allowed_s3 extended by the server's own BUCKET/PREFIX/jobs/
+ * (cluster mode; else `in` as it is) into *out, for the runners and for
+ * GET /jobs/ID/output. `list` holds the new list (it borrows in's entries:
+ * keep `in`'s lists alive while *out is used); free it with
+ * md_job_fetch_free. MD_ENOMEM only. Thread-safe. */
+md_status md_job_fetch_opts(md_store *store, const md_fetch_opts *in, md_fetch_opts *out,
+                            md_strlist *list, md_err *err);
+/* Free what md_job_fetch_opts made. Accepts NULL and an empty list. */
+void md_job_fetch_free(md_strlist *list);
+
 #ifdef __cplusplus
 }
 #endif

@@ -67,7 +67,8 @@
 
 struct md_jobs {
     md_store *store;
-    md_fetch_opts fetch;
+    md_fetch_opts fetch;  /* allowed_s3 with the server's own jobs/ area added */
+    md_strlist fetch_s3;  /* ... that list (md_job_fetch_opts) */
     md_model_resolver resolve;
     md_default_moved moved;
     void *resolve_ctx;
@@ -501,7 +502,9 @@ static void s3_input_close(md_jobs *J, const char *id, s3_input *in)
  *
  * DESIGN
  * With the PostgreSQL index, a job whose input and output are in S3 (so
- * every replica reads and writes the same bytes) runs in chunks. The runner
+ * every replica reads and writes the same bytes) runs in chunks; with no
+ * output.path its output is the blob store's jobs/<id>/output.<ext>
+ * (job_output.c), so such a job with an s3:// input is chunked too. The runner
  * that claims the job (its coordinator, under the job's own lease) plans it
  * once: chunks of whole batches, by rows for NPY and plain IDX (offsets from
  * the header), by the byte offsets one pass of the real reader finds for CSV
@@ -563,14 +566,18 @@ void md_jobs_write_chunk_metrics(FILE *f)
     md_prom_sample(f, "modeld_job_chunk_rows_total", "", (double)atomic_load(&chunk_rows));
 }
 
-static int chunkable(json_t *spec)
+/* An input in S3 or a local file every replica sees, and an output in S3:
+ * output.path, or in cluster mode the server's own object (job_output.c)
+ * when there is none. */
+static int chunkable(md_jobs *J, const char *id, json_t *spec)
 {
     json_t *input = json_object_get(spec, "input");
     const char *path = json_string_value(json_object_get(input, "path"));
     const char *fmt = json_string_value(json_object_get(input, "format"));
-    const char *out = json_string_value(json_object_get(json_object_get(spec, "output"), "path"));
+    char out[1200];
     /* an input in S3 or a local file (not a URL: no ranges); an output in S3 */
-    if (!path || !is_s3(out) || !fmt || json_object_get(input, "url"))
+    if (!path || !fmt || json_object_get(input, "url") ||
+        !md_job_output_url(J->store, id, spec, out, sizeof out))
         return 0;
     if (!strcmp(fmt, "images"))
         return is_s3(path); /* an s3:// folder: split by index (s3_images.h) */
@@ -1063,7 +1070,8 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         goto out;
     json_t *spec = json_object_get(job, "spec");
     json_t *input = json_object_get(spec, "input"), *output = json_object_get(spec, "output");
-    const char *out_url = json_string_value(json_object_get(output, "path"));
+    char out_url[1200]; /* output.path, or the server's own object (job_output.c) */
+    md_job_output_url(J->store, c->job_id, spec, out_url, sizeof out_url);
     const char *model_name = json_string_value(json_object_get(job, "model"));
     int version = (int)json_integer_value(json_object_get(job, "version"));
     int batch = (int)json_integer_value(json_object_get(spec, "batch_size"));
@@ -1399,6 +1407,15 @@ static void sweep_parts(md_jobs *J, const char *id, const char *out_url)
                derr.msg);
 }
 
+/* sweep_parts of the job's output object (its output.path, or the
+ * server's own in cluster mode). */
+static void sweep_job_parts(md_jobs *J, const char *id, json_t *spec)
+{
+    char out_url[1200];
+    if (md_job_output_url(J->store, id, spec, out_url, sizeof out_url))
+        sweep_parts(J, id, out_url);
+}
+
 /* The job's output from its done chunks, in order, up to the first one not
  * done (a cancelled job: the longest contiguous prefix): the store's copy
  * at out_path, then the object in S3. Counts come from those chunks. */
@@ -1406,7 +1423,8 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
                                 int cancelled, int64_t *rows_out, json_t **confusion, md_err *err)
 {
     json_t *output = json_object_get(spec, "output");
-    const char *out_url = json_string_value(json_object_get(output, "path"));
+    char out_url[1200]; /* output.path, or the server's own object (job_output.c) */
+    md_job_output_url(J->store, id, spec, out_url, sizeof out_url);
     const char *ofmt = json_string_value(json_object_get(output, "format"));
     int kind = !ofmt || !strcmp(ofmt, "jsonl") ? 0 : !strcmp(ofmt, "csv") ? 1 : 2;
     json_t *chunks = NULL;
@@ -1509,8 +1527,9 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
         st = md_err_set(err, MD_EIO, "cannot rename %s: %s", tmp, strerror(errno));
     if (st != MD_OK)
         unlink(tmp);
-    if (st == MD_OK)
-        st = md_s3_data_put(out_url, &J->fetch, out_path, err);
+    if (st == MD_OK) /* a user's output.path never over an object; the server's own key
+                      * over an earlier holder's upload of this very job */
+        st = md_job_output_put(J->store, &J->fetch, id, spec, out_path, err);
     if (st == MD_OK) { /* the parts are in the output now */
         json_array_foreach(chunks, i, c)
         {
@@ -1548,7 +1567,14 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
     md_model *m = NULL;
     json_t *spec = json_object_get(job, "spec");
     const char *model_name = json_string_value(json_object_get(job, "model"));
-    const char *out_path = json_string_value(json_object_get(job, "output_path"));
+    /* the store's copy of the output in this replica's own store: the job's
+     * output_path names the store of the replica that took the request,
+     * which another host does not see (GET /jobs/ID/output looks here too) */
+    const char *named = json_string_value(json_object_get(job, "output_path"));
+    const char *leaf = named ? strrchr(named, '/') : NULL;
+    char out_path[4200];
+    snprintf(out_path, sizeof out_path, "%s/jobs/%s", md_store_dir(J->store),
+             leaf ? leaf + 1 : id);
     int version = (int)json_integer_value(json_object_get(spec, "version"));
     char now[32];
     json_t *f;
@@ -1581,8 +1607,8 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
         json_decref(f);
     }
     if (json_is_null(json_object_get(job, "chunks_total"))) {
-        const char *s3_out = json_string_value(json_object_get(json_object_get(spec, "output"),
-                                                               "path"));
+        char s3_out[1200];
+        md_job_output_url(J->store, id, spec, s3_out, sizeof s3_out);
         if (md_s3_data_put(s3_out, &J->fetch, NULL, &err) != MD_OK)
             goto failed; /* an output that exists already: before any work */
         md_status st = chunk_plan(J, &sref, id, json_object_get(spec, "input"), batch,
@@ -1627,8 +1653,7 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
         long long done = json_integer_value(json_object_get(ch, "done"));
         json_decref(now_job);
         if (failed_now) { /* a chunk's data failed the job: its runner recorded why */
-            sweep_parts(J, id, json_string_value(json_object_get(json_object_get(spec, "output"),
-                                                                 "path")));
+            sweep_job_parts(J, id, spec);
             goto out;
         }
         if (atomic_load(&J->cancel[slot])) {
@@ -1713,8 +1738,7 @@ failed:
     /* only the holder that failed it sweeps: one that lost the job (paused
      * past its lease) leaves the parts to the job's new coordinator */
     if (fail_job(J, slot, id, &err))
-        sweep_parts(J, id, json_string_value(json_object_get(json_object_get(spec, "output"),
-                                                             "path")));
+        sweep_job_parts(J, id, spec);
 out:
     keeper_stop(&kp);
     md_model_release(m);
@@ -1735,14 +1759,18 @@ static void run_job(md_jobs *J, int slot, const char *id)
         json_decref(job);
         return;
     }
-    if (md_store_jobs_chunked(J->store) && chunkable(json_object_get(job, "spec")) &&
+    if (md_store_jobs_chunked(J->store) && chunkable(J, id, json_object_get(job, "spec")) &&
         run_chunked_job(J, slot, id, job)) { /* one job over every replica */
         json_decref(job);
         return;
     }
     json_t *spec = json_object_get(job, "spec");
     json_t *input = json_object_get(spec, "input"), *output = json_object_get(spec, "output");
-    const char *s3_out = json_string_value(json_object_get(output, "path"));
+    /* where the output goes besides the store's copy: output.path in S3, or
+     * in cluster mode with no output.path the server's own object, so any
+     * replica can serve it (job_output.c); "" when it stays a local file */
+    char s3_out[1200];
+    md_job_output_url(J->store, id, spec, s3_out, sizeof s3_out);
     const char *model_name = json_string_value(json_object_get(job, "model"));
     int version = (int)json_integer_value(json_object_get(spec, "version"));
     int skip_bad = json_is_string(json_object_get(spec, "on_error")) &&
@@ -2255,7 +2283,8 @@ static void run_job(md_jobs *J, int slot, const char *id)
             if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped,
                            partial, &err) != MD_OK)
                 goto failed;
-            if (is_s3(s3_out) && md_s3_data_put(s3_out, &J->fetch, out_path, &err) != MD_OK)
+            if (is_s3(s3_out) &&
+                md_job_output_put(J->store, &J->fetch, id, spec, out_path, &err) != MD_OK)
                 goto failed;
             md_now_iso(now);
             f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
@@ -2282,7 +2311,7 @@ static void run_job(md_jobs *J, int slot, const char *id)
     if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped, partial,
                    &err) != MD_OK)
         goto failed;
-    if (is_s3(s3_out) && md_s3_data_put(s3_out, &J->fetch, out_path, &err) != MD_OK)
+    if (is_s3(s3_out) && md_job_output_put(J->store, &J->fetch, id, spec, out_path, &err) != MD_OK)
         goto failed;
     /* record_metric (issue 12): the accuracy on the version that ran, before
      * the job reads as succeeded, so a client that saw it succeed finds it */
@@ -2504,7 +2533,10 @@ md_status md_jobs_start(md_store *store, int max_jobs, double lease_s, int test_
         return md_err_set(err, MD_EIO, "cannot create %s: %s", dir, strerror(errno));
     md_jobs *J = md_xcalloc(1, sizeof *J);
     J->store = store;
-    J->fetch = *fetch;
+    if (md_job_fetch_opts(store, fetch, &J->fetch, &J->fetch_s3, err) != MD_OK) {
+        free(J);
+        return err->status;
+    }
     J->resolve = resolve;
     J->moved = moved;
     J->resolve_ctx = ctx;
@@ -2559,6 +2591,7 @@ void md_jobs_stop(md_jobs *J)
     free(J->lost);
     free((void *)J->renewed);
     free(J->threads);
+    md_job_fetch_free(&J->fetch_s3);
     pthread_mutex_destroy(&J->mu);
     pthread_cond_destroy(&J->cv);
 }

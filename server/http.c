@@ -34,6 +34,7 @@
 #include <openssl/crypto.h>
 #include <openssl/sha.h>
 #include <netdb.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -84,7 +85,7 @@ static md_hist *route_hist(md_http *h, size_t route, int status)
     return &h->route_hist[route * N_CLASSES + (size_t)c];
 }
 
-typedef enum { REPLY_NONE, REPLY_BUFFER, REPLY_FD } reply_kind;
+typedef enum { REPLY_NONE, REPLY_BUFFER, REPLY_FD, REPLY_STREAM } reply_kind;
 
 struct md_req {
     md_http *http;
@@ -120,6 +121,8 @@ struct md_req {
     char *data;
     size_t len;
     int fd;
+    void (*stream_done)(void *); /* REPLY_STREAM: run once the reply is over */
+    void *stream_ctx;
     int n_headers;
     char *header_names[MAX_REPLY_HEADERS];
     char *header_values[MAX_REPLY_HEADERS];
@@ -294,6 +297,152 @@ void md_reply_fd(md_req *r, int http_status, const char *content_type, int fd, s
     r->len = size;
 }
 
+void md_reply_stream(md_req *r, int http_status, const char *content_type, int fd, size_t size,
+                     void (*done)(void *ctx), void *ctx)
+{
+    md_assert(r->reply == REPLY_NONE);
+    r->reply = REPLY_STREAM;
+    r->status = http_status;
+    snprintf(r->content_type, sizeof r->content_type, "%s", content_type);
+    r->fd = fd;
+    r->len = size;
+    r->stream_done = done;
+    r->stream_ctx = ctx;
+}
+
+/* ---- a streamed body ----
+ * DESIGN
+ * The body comes from a pipe another thread fills (an S3 object read in
+ * pieces), so a read may have to wait for the network. libmicrohttpd's
+ * threads serve many connections each and must never block, so the pipe is
+ * non-blocking: stream_read hands over what is there; when it is empty the
+ * connection is suspended (allowed from a content reader callback) and
+ * returns 0, and the body's watcher thread poll()s the pipe and resumes the
+ * connection once bytes or the end arrive. The watcher waits for the next
+ * suspension on a condition variable, so it never resumes a connection
+ * that is not suspended. EOF before `size` bytes ends the reply with an
+ * error: the client sees a cut body (the Content-Length says so), never a
+ * short one taken for whole. The request stays in flight until its body is
+ * sent or cut, so the drain (main.c) never stops libmicrohttpd while one is
+ * suspended; the pipe's writer (s3_data.c) ends within its S3 timeouts. */
+typedef struct stream_body {
+    int fd;
+    uint64_t size;
+    struct MHD_Connection *conn;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int waiting; /* the connection is suspended until fd is readable */
+    int stop;
+    pthread_t watcher;
+    void (*done)(void *);
+    void *ctx;
+} stream_body;
+
+static void *stream_watch(void *arg)
+{
+    stream_body *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->waiting && !s->stop)
+            pthread_cond_wait(&s->cv, &s->mu);
+        if (s->stop)
+            break;
+        pthread_mutex_unlock(&s->mu);
+        struct pollfd p = {.fd = s->fd, .events = POLLIN};
+        int n = poll(&p, 1, 1000); /* readable, at its end (POLLHUP), or look again */
+        pthread_mutex_lock(&s->mu);
+        if (n != 0 && s->waiting && !s->stop) {
+            s->waiting = 0;
+            MHD_resume_connection(s->conn);
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    stream_body *s = cls;
+    ssize_t n = read(s->fd, buf, max);
+    if (n > 0)
+        return n;
+    if (n == 0) /* the end: whole only at its size */
+        return pos >= s->size ? MHD_CONTENT_READER_END_OF_STREAM
+                              : MHD_CONTENT_READER_END_WITH_ERROR;
+    if (errno != EAGAIN && errno != EINTR)
+        return MHD_CONTENT_READER_END_WITH_ERROR;
+    pthread_mutex_lock(&s->mu);
+    if (!s->waiting) {
+        s->waiting = 1;
+        MHD_suspend_connection(s->conn);
+        pthread_cond_signal(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+/* The response is done with (sent, cut, or the client left): the
+ * connection is not suspended then, so the watcher is idle. */
+static void stream_free(void *cls)
+{
+    stream_body *s = cls;
+    pthread_mutex_lock(&s->mu);
+    s->stop = 1;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->watcher, NULL);
+    close(s->fd);
+    if (s->done)
+        s->done(s->ctx);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+}
+
+static struct MHD_Response *stream_response(md_req *r)
+{
+    stream_body *s = calloc(1, sizeof *s);
+    if (!s)
+        return NULL;
+    int fl = fcntl(r->fd, F_GETFL);
+    if (fl < 0 || fcntl(r->fd, F_SETFL, fl | O_NONBLOCK) != 0) {
+        free(s);
+        return NULL;
+    }
+    s->fd = r->fd;
+    s->size = (uint64_t)r->len;
+    s->conn = r->conn;
+    s->done = r->stream_done;
+    s->ctx = r->stream_ctx;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    if (pthread_create(&s->watcher, NULL, stream_watch, s) != 0) {
+        pthread_mutex_destroy(&s->mu);
+        pthread_cond_destroy(&s->cv);
+        free(s);
+        return NULL;
+    }
+    struct MHD_Response *resp =
+        MHD_create_response_from_callback(s->size, 64 * 1024, stream_read, s, stream_free);
+    if (!resp) {
+        s->done = NULL; /* still the request's to clean up */
+        s->fd = -1;
+        pthread_mutex_lock(&s->mu);
+        s->stop = 1;
+        pthread_cond_signal(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        pthread_join(s->watcher, NULL);
+        pthread_mutex_destroy(&s->mu);
+        pthread_cond_destroy(&s->cv);
+        free(s);
+        return NULL;
+    }
+    /* the response owns the pipe and the stream now */
+    r->fd = -1;
+    r->stream_done = NULL;
+    return resp;
+}
+
 void md_reply_json(md_req *r, int http_status, json_t *body)
 {
     char *text = body ? json_dumps(body, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(15)) : NULL;
@@ -332,6 +481,8 @@ static enum MHD_Result queue_reply(md_req *r)
     if (r->reply == REPLY_FD) {
         resp = MHD_create_response_from_fd((uint64_t)r->len, r->fd);
         r->fd = -1; /* the response owns it now */
+    } else if (r->reply == REPLY_STREAM) {
+        resp = stream_response(r);
     } else {
         resp = MHD_create_response_from_buffer(r->len, r->data, MHD_RESPMEM_MUST_FREE);
         if (resp)
@@ -684,6 +835,8 @@ static void req_free(md_req *r)
     free(r->data);
     if (r->fd >= 0)
         close(r->fd);
+    if (r->stream_done) /* a stream reply never handed to libmicrohttpd */
+        r->stream_done(r->stream_ctx);
     free(r->path);
     free(r);
 }

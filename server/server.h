@@ -268,6 +268,16 @@ void md_reply_bytes(md_req *req, int http_status, const char *content_type, char
                     size_t len);
 /* Reply with `size` bytes of open file `fd` from offset 0; takes ownership of fd. */
 void md_reply_fd(md_req *req, int http_status, const char *content_type, int fd, size_t size);
+/* Reply with `size` bytes read from `fd`, the read end of a pipe another
+ * thread fills (an S3 object: md_s3_stream_open). No server thread ever
+ * blocks on it: while the pipe is empty the connection is suspended and a
+ * watcher thread resumes it when bytes arrive (http.c, "a streamed body").
+ * A pipe that ends before `size` bytes cuts the reply off (the client sees
+ * a body shorter than its Content-Length, never a short one as whole).
+ * Takes ownership of fd; done(ctx) (may be NULL) runs once, after fd is
+ * closed, when the reply is over or was never sent: close the writer there. */
+void md_reply_stream(md_req *req, int http_status, const char *content_type, int fd, size_t size,
+                     void (*done)(void *ctx), void *ctx);
 
 /* Multipart form bodies, for streaming routes: feed each chunk given to the
  * route's md_body_fn; `field_fn` receives every piece of every field in

@@ -152,6 +152,23 @@ static void test_ops_complete(void **state)
     assert_int_equal(bl_remote(f->b), blob_url[0] != '\0');
 }
 
+/* Where the server keeps objects of its own (cluster job outputs under
+ * jobs/): blob_url with the prefix normalised to end in '/', for S3; none
+ * for the directory. */
+static void test_data_url(void **state)
+{
+    fx *f = *state;
+    char url[1200];
+    int has = bl_data_url(f->b, url, sizeof url);
+    assert_int_equal(has, blob_url[0] != '\0');
+    if (has) {
+        char want[sizeof blob_url + 2];
+        snprintf(want, sizeof want, "%s/", blob_url);
+        assert_string_equal(url, want);
+    }
+    assert_int_equal(bl_data_url(f->b, url, 8), 0); /* no room: none, never a cut URL */
+}
+
 /* Put, then fetch: from the cache as it is, and (S3) from the object once
  * the cache lost it, checked and named. */
 static void test_put_then_fetch(void **state)
@@ -267,6 +284,7 @@ int main(void)
     fprintf(stderr, "blobs backend: %s\n", blob_url[0] ? blob_url : "directory");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_ops_complete, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_data_url, setup, teardown),
         cmocka_unit_test_setup_teardown(test_put_then_fetch, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unknown_bytes_not_found, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wrong_bytes_never_named, setup, teardown),

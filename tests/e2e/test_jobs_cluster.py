@@ -36,11 +36,13 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from conftest import TSCALE
+from loopback import LoopbackServer, send_file
 from test_jobs import (N, create_job, deploy_fashion, fmnist, get_job, jsonl_rows, output,
                        read_idx_gz, IMAGES_GZ, wait_job)
 from test_images_jobs import IMAGE_CONFIG, check_against_torch, folders  # noqa: F401 (fixture)
@@ -556,3 +558,129 @@ def test_two_jobs_naming_one_output_never_share_a_part(start_server, s3, pg_url,
     # the output is one job's rows, whole: never parts of both
     assert s3_get(s3, "out/same.npy") in want
     poll(lambda: s3_keys(s3, "out/same.npy.chunks/") == [], "every part deleted")
+
+
+# ---- a job with no output.path: its output is the blob store's object ----
+# s3://BUCKET/modeld/jobs/<id>/output.<ext> (blob_url s3://BUCKET/modeld),
+# though allowed_s3 names only BUCKET/data and BUCKET/out: the bucket is the
+# server's own.
+
+def jobs_key(jid, ext):
+    return f"modeld/jobs/{jid}/output.{ext}"
+
+
+def coordinator_and_other(reps, jid):
+    owner = poll(lambda: get_job(reps[0], jid).get("owner"), "a coordinator holds the job")
+    pid = holder_pid(owner)
+    coord = [r for r in reps if r.proc.pid == pid]
+    assert coord, f"job {jid} held by {owner}, not one of the replicas"
+    return coord[0], [r for r in reps if r.proc.pid != pid][0]
+
+
+def test_no_output_path_chunks_into_the_blob_store_and_any_replica_serves_it(
+        start_server, s3, pg_url, tmp_path, fmnist):
+    s3.client().upload_file(str(fmnist.csv), s3.bucket, "data/nopath.csv")
+    spec = {"model": "fashion", "batch_size": 100, "chunk_rows": 1000,
+            "input": {"path": f"s3://{s3.bucket}/data/nopath.csv", "format": "csv",
+                      "label": "label"},
+            "output": {"format": "csv"}}
+    want = reference(start_server, s3, tmp_path, spec)  # one host: a local file
+    reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}", pace_ms=100) for i in range(2)]
+    deploy_fashion(reps[0])
+    jid = create_job(reps[0], spec)
+    coord, other = coordinator_and_other(reps, jid)
+    # the other replica computes chunks of it too (polled, not slept for)
+    poll(lambda: held_by(coord, jid, other.proc.pid) or
+         get_job(coord, jid)["status"] not in ("queued", "running"), "the other replica holds a chunk")
+    job = wait_job(other, jid, timeout=300)
+    assert job["chunks"]["total"] == N // 1000 and job["chunks"]["done"] == N // 1000, job
+    assert job["rows_done"] == N and job["correct"] == fmnist.correct, job
+    assert metric(other, "modeld_job_chunks_finished_total") >= 1
+    # the assembled output is the object under the store's jobs/ key ...
+    assert s3_get(s3, jobs_key(jid, "csv")) == want
+    assert s3_keys(s3, jobs_key(jid, "csv") + ".chunks/") == []  # parts gone once assembled
+    # ... which the replica that did not assemble streams from S3
+    assert not (tmp_path / "r0" / "jobs" / f"{jid}.csv").exists() or \
+        not (tmp_path / "r1" / "jobs" / f"{jid}.csv").exists()
+    r = output(other, jid, "text/csv")
+    assert r.content == want and r.headers["Content-Length"] == str(len(want))
+    assert "X-Partial" not in r.headers
+    assert output(coord, jid, "text/csv").content == want  # its own copy
+    # the blob store's sweep looks under modeld/blobs/ only: the checkpoint is there
+    assert s3_keys(s3, "modeld/blobs/")
+
+
+def test_no_output_path_single_runner_uploads_and_any_replica_serves_it(
+        start_server, s3, pg_url, tmp_path, fmnist):
+    # an input.url (no byte ranges to split by): one runner
+    single = start_server("--allowed-paths", str(fmnist.dir), store=tmp_path / "single")
+    deploy_fashion(single)
+    sid = create_job(single, {"model": "fashion", "batch_size": 500,
+                              "input": {"path": str(fmnist.npy), "format": "npy"}})
+    wait_job(single, sid, timeout=300)
+    want = output(single, sid, "application/x-ndjson").content
+    single.stop()
+    files = LoopbackServer(lambda h: send_file(h, fmnist.dir, h.path))
+    spec = {"model": "fashion", "batch_size": 500,
+            "input": {"url": files.url("/" + fmnist.npy.name), "format": "npy"}}
+    # 64 KiB pieces: the streamed reply waits for S3 several times (suspended, resumed)
+    reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}", "--allow-private-urls", "1",
+                    pace_ms=200, env={"MD_TEST_S3_PIECE_BYTES": str(64 << 10)})
+            for i in range(2)]
+    deploy_fashion(reps[0])
+    jid = create_job(reps[1], spec)
+    # mid-job (paced: 20 commits of 200 ms), what an earlier run of this job
+    # could have left at its key: the job's own upload replaces it
+    poll(lambda: get_job(reps[0], jid)["rows_done"] > 0, "the job has committed rows")
+    s3.client().put_object(Bucket=s3.bucket, Key=jobs_key(jid, "jsonl"), Body=b"left over\n")
+    assert get_job(reps[0], jid)["status"] == "running"
+    job = wait_job(reps[0], jid, timeout=300)
+    assert job["rows_done"] == N, job
+    files.close()
+    assert not (job.get("chunks") or {}).get("total"), f"an input.url is not chunked: {job}"
+    # uploaded before the job read as succeeded
+    assert s3_get(s3, jobs_key(jid, "jsonl")) == want
+    ran = [r for i, r in enumerate(reps) if (tmp_path / f"r{i}" / "jobs" / f"{jid}.jsonl").exists()]
+    assert len(ran) == 1, "exactly one replica ran the job and holds its local copy"
+    other = reps[1] if ran[0] is reps[0] else reps[0]
+    assert output(ran[0], jid, "application/x-ndjson").content == want  # the local copy
+    r = output(other, jid, "application/x-ndjson")  # streamed from S3
+    assert r.content == want and r.headers["Content-Length"] == str(len(want))
+    # several at once, each its own stream: every one whole
+    with ThreadPoolExecutor(6) as pool:
+        bodies = list(pool.map(lambda _: output(other, jid).content, range(6)))
+    assert all(b == want for b in bodies)
+    # the object gone: the replica without a copy names the problem
+    s3.client().delete_object(Bucket=s3.bucket, Key=jobs_key(jid, "jsonl"))
+    assert s3_keys(s3, f"modeld/jobs/{jid}/") == [], "the object is deleted"
+    r = other.get(f"/jobs/{jid}/output")
+    assert r.status_code == 404, r.text[:300]
+    err = r.json()["error"]
+    assert err["code"] == "output_missing" and jobs_key(jid, "jsonl") in err["message"], err
+
+
+def test_no_output_path_cancelled_keeps_the_done_prefix_and_says_partial_on_any_replica(
+        start_server, s3, pg_url, tmp_path, fmnist):
+    s3.client().upload_file(str(fmnist.npy), s3.bucket, "data/cancel-nopath.npy")
+    spec = {"model": "fashion", "batch_size": 100, "chunk_rows": 1000,
+            "input": {"path": f"s3://{s3.bucket}/data/cancel-nopath.npy", "format": "npy"},
+            "output": {"format": "npy"}}
+    a = replica(start_server, s3, pg_url, tmp_path / "a", pace_ms=100)
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    poll(lambda: get_job(a, jid).get("owner"), "a coordinator holds the job")
+    b = replica(start_server, s3, pg_url, tmp_path / "b", pace_ms=100)
+    assert holder_pid(get_job(a, jid)["owner"]) == a.proc.pid  # B only runs chunks
+    poll(lambda: get_job(a, jid)["chunks"]["done"] >= 1, "a chunk is done")
+    r = b.request("DELETE", f"/jobs/{jid}")
+    assert r.status_code == 202, r.text
+    job = wait_job(a, jid, "cancelled", timeout=120)
+    assert job["partial"] is True, job
+    got = s3_get(s3, jobs_key(jid, "npy"))
+    out = np.load(io.BytesIO(got))
+    # whole chunks from the first (none, if the done one was not chunk 0)
+    assert out.shape[0] % 1000 == 0 and out.shape[0] < N, out.shape
+    # B never assembled it: it streams the object, and says it is partial
+    assert not (tmp_path / "b" / "jobs" / f"{jid}.npy").exists()
+    r = output(b, jid, "application/x-npy")
+    assert r.content == got and r.headers.get("X-Partial") == "true", r.headers
