@@ -35,6 +35,7 @@
 #include "s3.h"
 
 #define PIECE_BYTES (8L << 20)
+#define FIRST_PIECE_BYTES (256L << 10)
 
 /* Tests shrink pieces and parts (MD_TEST_S3_PIECE_BYTES,
  * MD_TEST_S3_PART_BYTES) so small objects still take several requests. */
@@ -124,6 +125,7 @@ static void *stream_main(void *arg)
     md_err_clear(&err);
     md_status st = buf ? MD_OK : md_err_set(&err, MD_ENOMEM, "no memory for an S3 read buffer");
     int seg = 0;
+    size_t ramp = FIRST_PIECE_BYTES;
     long long off = s->nseg > 0 ? s->from[0] : 0;
     for (;;) {
         while (seg < s->nseg && off >= s->to[seg])
@@ -131,7 +133,12 @@ static void *stream_main(void *arg)
                 off = s->from[seg];
         if (st != MD_OK || seg >= s->nseg || atomic_load(&s->stop))
             break;
-        size_t want = (long long)piece < s->to[seg] - off ? piece : (size_t)(s->to[seg] - off);
+        /* the first pieces small, then doubling up to `piece`: the reader
+         * starts on its first rows after one short GET, not after 8 MiB
+         * (a job chunk's model waits for them) */
+        size_t step = ramp < piece ? ramp : piece;
+        ramp = ramp < piece / 2 ? ramp * 2 : piece;
+        size_t want = (long long)step < s->to[seg] - off ? step : (size_t)(s->to[seg] - off);
         size_t got = 0;
         for (int attempt = 0;; attempt++) {
             st = md_s3_get_range(s->s3, s->key, off, want, s->etag, buf, &got, &err);

@@ -1021,6 +1021,32 @@ static void chunk_object_url(const char *out_url, const md_job_chunk *c, char *u
              (long long)c->attempt);
 }
 
+/* Where a coordinator keeps its own chunks' parts until the assembly:
+ * <store>/jobs/<job id>.part-<seq>-<attempt> (the part object's name). */
+static void local_part_path(md_jobs *J, const char *job_id, const char *part_key, char *path,
+                            size_t size)
+{
+    const char *base = strrchr(part_key, '/');
+    snprintf(path, size, "%s/jobs/%s.part-%s", md_store_dir(J->store), job_id,
+             base ? base + 1 : part_key);
+}
+
+/* Remove every part a coordinator kept of job `id` (local_part_path). */
+static void drop_local_parts(md_jobs *J, const char *id)
+{
+    char dir[4200], prefix[96];
+    snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(J->store));
+    snprintf(prefix, sizeof prefix, "%s.part-", id);
+    DIR *d = opendir(dir);
+    if (!d)
+        return;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (strncmp(e->d_name, prefix, strlen(prefix)) == 0)
+            unlinkat(dirfd(d), e->d_name, 0);
+    closedir(d);
+}
+
 /* Sleep `ms` (a back-off), ended early only when the server stops: the
  * wakes of idle runners (a NOTIFY, a chunk given back) do not end it. */
 static void test_pause_ms(md_jobs *J, long ms)
@@ -1298,6 +1324,14 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         }
     }
     free(conf_text);
+    if (st == MD_OK && !strcmp(J->running[slot], c->job_id)) {
+        /* the coordinator's own chunk: its part kept on disk too, so the
+         * assembly (here) reads it back from this disk, not from S3 */
+        char keep[4400];
+        local_part_path(J, c->job_id, obj_url, keep, sizeof keep);
+        if (rename(tmp, keep) == 0)
+            tmp[0] = '\0';
+    }
     if (st == MD_OK) {
         atomic_fetch_add(&chunks_finished, 1);
         atomic_fetch_add(&chunk_rows, n.rows - n.skipped);
@@ -1358,6 +1392,24 @@ out:
     return st;
 }
 
+/* Append what is left of `in` to `out`. */
+static md_status append_fd(int in, int out, md_err *err)
+{
+    char buf[65536];
+    for (;;) {
+        ssize_t r = read(in, buf, sizeof buf);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return md_err_set(err, MD_EIO, "reading a chunk's output failed: %s",
+                              strerror(errno));
+        if (r == 0)
+            return MD_OK;
+        if (md_job_write_all(out, buf, (size_t)r) != 0)
+            return md_err_set(err, MD_EIO, "writing the job output failed: %s", strerror(errno));
+    }
+}
+
 /* Append the object `url` to fd (the assembly of a chunked job's output). */
 static md_status append_object(md_jobs *J, const char *url, int fd, md_err *err)
 {
@@ -1366,22 +1418,7 @@ static md_status append_object(md_jobs *J, const char *url, int fd, md_err *err)
     md_status st = md_s3_stream_open(url, &J->fetch, "output.path", &in, &s, err);
     if (st != MD_OK)
         return st;
-    char buf[65536];
-    for (;;) {
-        ssize_t r = read(in, buf, sizeof buf);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0) {
-            st = md_err_set(err, MD_EIO, "reading a chunk's output failed: %s", strerror(errno));
-            break;
-        }
-        if (r == 0)
-            break;
-        if (md_job_write_all(fd, buf, (size_t)r) != 0) {
-            st = md_err_set(err, MD_EIO, "writing the job output failed: %s", strerror(errno));
-            break;
-        }
-    }
+    st = append_fd(in, fd, err);
     if (st == MD_OK)
         st = md_s3_stream_status(s, err);
     close(in);
@@ -1396,6 +1433,7 @@ static md_status append_object(md_jobs *J, const char *url, int fd, md_err *err)
  * (deleted by the assembly, key by key) go. */
 static void sweep_parts(md_jobs *J, const char *id, const char *out_url)
 {
+    drop_local_parts(J, id);
     if (!out_url)
         return;
     char prefix[2200];
@@ -1431,7 +1469,7 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
     md_status st = md_store_chunks_list(J->store, id, &chunks, err);
     if (st != MD_OK)
         return st;
-    char tmp[4200];
+    char tmp[4300];
     snprintf(tmp, sizeof tmp, "%s.%ld.assembling", out_path, (long)getpid());
     int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
@@ -1487,10 +1525,21 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
                 st = md_err_set(err, MD_EINTERNAL, "chunk %zu of job %s is not done", i, id);
             break;
         }
-        char url[2200];
+        char url[2200], kept[4400];
+        const char *key = json_string_value(json_object_get(c, "output_key"));
         snprintf(url, sizeof url, "s3://%.*s/%s", (int)strcspn(out_url + 5, "/"), out_url + 5,
-                 json_string_value(json_object_get(c, "output_key")));
-        st = append_object(J, url, fd, err);
+                 key ? key : "");
+        /* a part this process made and kept (its attempt's, whole), else S3's */
+        local_part_path(J, id, key ? key : "", kept, sizeof kept);
+        struct stat ks;
+        int kfd = key ? open(kept, O_RDONLY | O_NOFOLLOW | O_CLOEXEC) : -1;
+        if (kfd >= 0 && fstat(kfd, &ks) == 0 && S_ISREG(ks.st_mode) &&
+            ks.st_size == (off_t)json_integer_value(json_object_get(c, "output_bytes")))
+            st = append_fd(kfd, fd, err);
+        else
+            st = append_object(J, url, fd, err);
+        if (kfd >= 0)
+            close(kfd);
         rows += json_integer_value(json_object_get(c, "rows"));
         skipped += json_integer_value(json_object_get(c, "skipped"));
         payload += json_integer_value(json_object_get(c, "output_bytes"));

@@ -171,8 +171,11 @@ def test_replicas_share_one_job_and_write_what_one_replica_writes(start_server, 
     assert sum(finished) == ROWS // CHUNK_ROWS, finished
     rows = [metric(r, "modeld_job_chunk_rows_total") for r in reps]
     assert sum(rows) == ROWS and all(x > 0 for x in rows), rows
-    # the chunk objects are gone once assembled
+    # the chunk objects are gone once assembled, and the coordinator's copies of its own
     assert s3_keys(s3, "out/cluster.npy.chunks/") == []
+    kept = [p.name for i in range(n_replicas) for p in (tmp_path / f"r{i}" / "jobs").glob("*")
+            if ".part" in p.name]
+    assert kept == [], kept
 
 
 def held_by(srv, jid, pid):
