@@ -515,7 +515,10 @@ md_status md_store_chunks_plan(md_store *s, const char *job_id, const char *owne
             rc = db_fail(s, err, "insert job chunk");
     }
     ix_finalize(ins);
-    if (rc == MD_OK) /* idle runners of every replica hear of the chunks at the commit */
+    /* idle runners of every replica hear of the chunks at the commit; a job
+     * of one chunk is left to its planner, which claims it next (and then
+     * assembles from its own disk, not from S3) */
+    if (rc == MD_OK && json_array_size(chunks) > 1)
         rc = ix_notify_change(s->ix, err);
     rc = txn_end(s, rc, TXN_KEEP, err);
     *planned = rc == MD_OK;

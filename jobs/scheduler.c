@@ -1084,6 +1084,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         pthread_cond_init(&ring[i].cv, NULL);
     }
     int head = 0, inflight = 0, eof = 0;
+    double t_start = mono();
     atomic_fetch_add(&chunks_claimed, 1);
     if (c->taken_over)
         atomic_fetch_add(&chunks_taken_over, 1);
@@ -1312,7 +1313,9 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
     }
     /* no fsync: the part is durable once S3 has it, and only then named */
     chunk_object_url(out_url, c, obj_url, sizeof obj_url);
+    double t_put = mono();
     st = md_s3_data_put_new(obj_url, &J->fetch, tmp, err); /* its name is this attempt's */
+    double t_finish = mono();
     int all_done = 0;
     if (st == MD_OK) {
         const char *key = obj_url + 5 + strcspn(obj_url + 5, "/") + 1;
@@ -1333,6 +1336,9 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
             tmp[0] = '\0';
     }
     if (st == MD_OK) {
+        md_log(MD_LOG_DEBUG, "job %s chunk %lld: %lld rows; %.3f s reading and computing, "
+               "%.3f s putting its part, %.3f s finishing", c->job_id, (long long)c->seq,
+               (long long)n.rows, t_put - t_start, t_finish - t_put, mono() - t_finish);
         atomic_fetch_add(&chunks_finished, 1);
         atomic_fetch_add(&chunk_rows, n.rows - n.skipped);
         pthread_mutex_lock(&J->mu);
@@ -1741,7 +1747,9 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
     if (jupdate(J, slot, id, NULL, NULL) != MD_OK)
         goto out;
     keeper_start(&kp, J, slot, id); /* the job's lease, while its parts are read and put */
+    double t_asm = mono();
     md_status ast = chunk_assemble(J, id, spec, out_path, cancelled, &rows, &confusion, &err);
+    md_log(MD_LOG_DEBUG, "job %s: assembled in %.3f s", id, mono() - t_asm);
     keeper_stop(&kp);
     if (ast != MD_OK || atomic_load(&J->lost[slot]))
         goto failed;
