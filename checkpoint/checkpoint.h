@@ -307,6 +307,11 @@ md_status md_s3_data_put(const char *url, const md_fetch_opts *o, const char *pa
 /* Delete the object `url` (checked as above); absent is MD_OK. Blocks. */
 md_status md_s3_data_delete(const char *url, const md_fetch_opts *o, md_err *err);
 
+/* Make the object `dst_url` a copy of `src_url` (same bucket) inside S3:
+ * refused with output_exists when dst is there, unless `replace`. Blocks. */
+md_status md_s3_data_copy(const char *src_url, const char *dst_url, const md_fetch_opts *o,
+                          int replace, md_err *err);
+
 /* As md_s3_data_put with `path`, without the check that the name is free
  * (one HEAD less): for an object whose name nobody else may take, such as
  * a job chunk's part, named by its chunk and attempt. Blocks. */

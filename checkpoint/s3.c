@@ -1355,6 +1355,27 @@ md_status md_s3_delete(md_s3 *s3, const char *key, md_err *err)
     return st;
 }
 
+md_status md_s3_copy(md_s3 *s3, const char *src_key, const char *dst_key, md_err *err)
+{
+    char fsrc[MD_S3_KEY_MAX + 1], enc[3 * MD_S3_KEY_MAX + 1], header[3 * MD_S3_KEY_MAX + 128];
+    md_status st = full_key(s3, src_key, fsrc, err);
+    if (st != MD_OK)
+        return st;
+    if (md_s3_uri_encode(enc, sizeof enc, fsrc, strlen(fsrc), 1) < 0)
+        return md_err_set(err, MD_EINVAL, "the S3 key %s is too long to copy", fsrc);
+    snprintf(header, sizeof header, "x-amz-copy-source: /%s/%s", md_s3_bucket(s3), enc);
+    const char *headers[] = {header, NULL};
+    md_s3_request req = {.method = "PUT", .key = dst_key, .headers = headers};
+    md_s3_response resp;
+    if ((st = md_s3_request_send(s3, &req, &resp, err)) != MD_OK)
+        return st;
+    /* a copy may fail after its 200 was sent: the error is then the body */
+    if (strstr(resp.body, "<Error>"))
+        return md_err_set(err, MD_EUNAVAIL, "copying s3://%s/%s to %s failed: %.300s",
+                          md_s3_bucket(s3), fsrc, dst_key, resp.body);
+    return MD_OK;
+}
+
 /* TOTAL of a Content-Range "bytes A-B/TOTAL" or "bytes * /TOTAL"; -1 unknown. */
 static int64_t range_total(const char *cr)
 {

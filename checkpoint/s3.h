@@ -158,6 +158,11 @@ md_status md_s3_head(md_s3 *s3, const char *key, md_s3_object *info, md_err *err
 /* DELETE `key`. Deleting a key that does not exist succeeds (S3 answers 204). */
 md_status md_s3_delete(md_s3 *s3, const char *key, md_err *err);
 
+/* Copy the object `src_key` to `dst_key` (both relative to the handle's
+ * prefix, in its bucket) inside S3 (CopyObject: no byte crosses the
+ * network; objects up to 5 GB), over what `dst_key` holds. */
+md_status md_s3_copy(md_s3 *s3, const char *src_key, const char *dst_key, md_err *err);
+
 /* Called once per listed object, in S3's (UTF-8 byte) order; `obj` is
  * borrowed for the call. Return non-zero to stop the listing early (the
  * listing then returns MD_OK). */

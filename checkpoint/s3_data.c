@@ -671,3 +671,35 @@ md_status md_s3_data_delete_prefix(const char *url, const md_fetch_opts *o, long
     md_s3_close(s3);
     return st;
 }
+
+md_status md_s3_data_copy(const char *src_url, const char *dst_url, const md_fetch_opts *o,
+                          int replace, md_err *err)
+{
+    char key[MD_S3_KEY_MAX + 1], src_bucket[MD_S3_BUCKET_MAX + 1], src_key[MD_S3_KEY_MAX + 1];
+    md_s3 *s3 = NULL;
+    md_status st = md_s3_data_check(src_url, o, "output.path", 0, src_bucket, src_key, err);
+    if (st != MD_OK)
+        return st;
+    if ((st = output_open(dst_url, o, 0, key, &s3, err)) != MD_OK)
+        return st;
+    if (strcmp(src_bucket, md_s3_bucket(s3)) != 0) {
+        md_s3_close(s3);
+        return md_err_set(err, MD_EINVAL, "a copy within S3 stays in one bucket (%s, %s)",
+                          src_url, dst_url);
+    }
+    md_s3_object info;
+    md_err herr;
+    st = replace ? MD_ENOTFOUND : md_s3_head(s3, key, &info, &herr);
+    if (st == MD_OK)
+        st = md_err_setc(err, MD_ECONFLICT, "output_exists",
+                         "the output %.200s already exists in S3; modeld never replaces an "
+                         "output: delete it or give another output.path",
+                         dst_url);
+    else if (st == MD_ENOTFOUND)
+        st = md_s3_copy(s3, src_key, key, err);
+    else
+        *err = herr;
+    coded(st, err);
+    md_s3_close(s3);
+    return st;
+}

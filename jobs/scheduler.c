@@ -986,6 +986,8 @@ static md_status chunk_plan(md_jobs *J, slot_ref *sref, const char *id, json_t *
         json_object_set_new(plan, "rows_total", json_integer(total));
         json_object_set_new(plan, "has_labels", json_boolean(md_reader_has_labels(in.r)));
         json_object_set_new(plan, "chunk_rows", json_integer(per));
+        /* one chunk: its part is the whole output, and the output a copy of it */
+        json_object_set_new(plan, "whole_part", json_boolean(json_array_size(chunks) == 1));
         /* the input pinned: every chunk reads these versions or fails */
         if (in.data)
             json_object_set_new(plan, "etag", json_string(md_s3_stream_etag(in.data)));
@@ -1062,6 +1064,8 @@ static void test_pause_ms(md_jobs *J, long ms)
     }
     pthread_mutex_unlock(&J->mu);
 }
+
+static size_t chunk_output_head(json_t *spec, int has_labels, char head[MD_JOB_NPY_HEADER + 1]);
 
 /* Run one claimed chunk to its fenced finish. MD_OK: finished; other
  * statuses: given back (or lost), with the reason in `err`. A failure of
@@ -1142,6 +1146,19 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         st = md_err_set(err, MD_EIO, "cannot create %s: %s", tmp, strerror(errno));
         goto out;
     }
+    /* the job's only chunk: its part is the whole output file, header first
+     * (an NPY one rewritten with the final shape at the end) */
+    int whole = json_is_true(json_object_get(plan, "whole_part"));
+    int64_t out_width = 0;
+    if (whole) {
+        char head[MD_JOB_NPY_HEADER + 1];
+        size_t hl = chunk_output_head(spec, json_is_true(json_object_get(plan, "has_labels")),
+                                      head);
+        if (hl && md_job_write_all(fd, head, hl) != 0) {
+            st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));
+            goto out;
+        }
+    }
     double renewed = mono();
     int64_t read_rows = 0; /* rows consumed of this chunk, good and bad */
     for (;;) {
@@ -1219,6 +1236,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         int64_t ow = 1;
         for (int d = 1; d < b->out_ndim; d++)
             ow *= b->out_shape[d];
+        out_width = ow;
         md_classes cls = md_model_classes(m, ow);
         int scored = has_labels && (cls.kind == MD_CLASSES_ARGMAX || cls.kind == MD_CLASSES_BINARY);
         if (scored && !conf && cls.classes > 1 && cls.classes <= 1000) {
@@ -1278,6 +1296,15 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
     if (chunk_streams_failed(&in, err)) { /* (images: no stream, each file whole) */
         data_failed = (st = err->status) == MD_ECONFLICT; /* changed since the plan */
         goto out;
+    }
+    if (whole && o.kind == 2) { /* the rows written (skipped ones write none) */
+        int64_t shape[2] = {n.rows, out_width};
+        char h[MD_JOB_NPY_HEADER];
+        md_job_npy_header(h, n.rows, shape, n.rows > 0 ? 2 : 1);
+        if (pwrite(fd, h, MD_JOB_NPY_HEADER, 0) != MD_JOB_NPY_HEADER) {
+            st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));
+            goto out;
+        }
     }
     /* rows_done counts good and bad rows, as the single runner's does */
     n.rows += n.skipped;
@@ -1398,6 +1425,41 @@ out:
     return st;
 }
 
+/* The start of a chunked job's output file (an NPY header for 0 rows,
+ * rewritten with the final shape at the end; a CSV header line; nothing for
+ * JSON Lines) in `head` (MD_JOB_NPY_HEADER + 1 bytes); its length. */
+static size_t chunk_output_head(json_t *spec, int has_labels, char head[MD_JOB_NPY_HEADER + 1])
+{
+    json_t *output = json_object_get(spec, "output");
+    const char *ofmt = json_string_value(json_object_get(output, "format"));
+    const char *ifmt = json_string_value(json_object_get(json_object_get(spec, "input"), "format"));
+    head[0] = '\0';
+    if (ofmt && !strcmp(ofmt, "npy")) {
+        int64_t s1[1] = {0};
+        md_job_npy_header(head, 0, s1, 1);
+        return MD_JOB_NPY_HEADER;
+    }
+    if (!ofmt || strcmp(ofmt, "csv") != 0)
+        return 0;
+    json_t *include = json_object_get(output, "include");
+    int images = ifmt && !strcmp(ifmt, "images");
+    const char *names[] = {"index", "path", "prediction", "label", "scores"};
+    int on[] = {md_job_include_has(include, "index", 1),
+                images && md_job_include_has(include, "path", 1),
+                md_job_include_has(include, "prediction", 1),
+                md_job_include_has(include, "label", has_labels),
+                md_job_include_has(include, "scores", 0)};
+    int first = 1;
+    for (int i = 0; i < 5; i++)
+        if (on[i]) {
+            strcat(head, first ? "" : ",");
+            strcat(head, names[i]);
+            first = 0;
+        }
+    strcat(head, "\n");
+    return strlen(head);
+}
+
 /* Append what is left of `in` to `out`. */
 static md_status append_fd(int in, int out, md_err *err)
 {
@@ -1460,6 +1522,59 @@ static void sweep_job_parts(md_jobs *J, const char *id, json_t *spec)
         sweep_parts(J, id, out_url);
 }
 
+/* The output of a job of one chunk whose part is the whole file (its
+ * header in it, whole_part in the plan): the store's copy is the part (kept
+ * on this disk, else downloaded) and the output in S3 a copy of the part
+ * made inside S3 (CopyObject), so its bytes cross the network once, as a
+ * single-host job's do. `fd` is the store's copy being made, at `tmp`. */
+static md_status assemble_whole(md_jobs *J, const char *id, json_t *spec, const char *out_path,
+                                const char *out_url, json_t *chunks, int fd, const char *tmp,
+                                size_t head_len, int64_t *rows_out, json_t **confusion,
+                                md_err *err)
+{
+    json_t *c = json_array_get(chunks, 0);
+    const char *key = json_string_value(json_object_get(c, "output_key"));
+    if (!key) {
+        close(fd);
+        unlink(tmp);
+        return md_err_set(err, MD_EINTERNAL, "chunk 0 of job %s names no part", id);
+    }
+    char url[2200], kept[4400];
+    snprintf(url, sizeof url, "s3://%.*s/%s", (int)strcspn(out_url + 5, "/"), out_url + 5, key);
+    local_part_path(J, id, key, kept, sizeof kept);
+    struct stat ks;
+    int kfd = open(kept, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    long long size = (long long)head_len + json_integer_value(json_object_get(c, "output_bytes"));
+    md_status st;
+    if (kfd >= 0 && fstat(kfd, &ks) == 0 && S_ISREG(ks.st_mode) && (long long)ks.st_size == size)
+        st = append_fd(kfd, fd, err);
+    else
+        st = append_object(J, url, fd, err);
+    if (kfd >= 0)
+        close(kfd);
+    if (st == MD_OK && fsync(fd) != 0)
+        st = md_err_set(err, MD_EIO, "fsync of %s failed: %s", tmp, strerror(errno));
+    close(fd);
+    if (st == MD_OK && rename(tmp, out_path) != 0)
+        st = md_err_set(err, MD_EIO, "cannot rename %s: %s", tmp, strerror(errno));
+    if (st != MD_OK)
+        unlink(tmp);
+    /* a user's output.path never over an object; the server's own key over
+     * an earlier holder's copy of this very job */
+    int own = !json_string_value(json_object_get(json_object_get(spec, "output"), "path"));
+    if (st == MD_OK)
+        st = md_s3_data_copy(url, out_url, &J->fetch, own, err);
+    if (st != MD_OK)
+        return st;
+    md_err derr;
+    md_s3_data_delete(url, &J->fetch, &derr);
+    sweep_parts(J, id, out_url);
+    *rows_out = json_integer_value(json_object_get(c, "rows"));
+    json_t *cm = json_object_get(c, "confusion");
+    *confusion = json_is_array(cm) ? json_deep_copy(cm) : NULL;
+    return MD_OK;
+}
+
 /* The job's output from its done chunks, in order, up to the first one not
  * done (a cancelled job: the longest contiguous prefix): the store's copy
  * at out_path, then the object in S3. Counts come from those chunks. */
@@ -1491,29 +1606,18 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
         return st;
     }
     int has_labels = json_is_true(json_object_get(plan, "has_labels"));
+    /* one chunk whose part is the whole file: the output is a copy of it */
+    int whole = json_is_true(json_object_get(plan, "whole_part")) && json_array_size(chunks) == 1 &&
+                !strcmp(json_string_value(json_object_get(json_array_get(chunks, 0), "status")),
+                        "done");
     json_decref(plan);
     char head[MD_JOB_NPY_HEADER + 1] = "";
-    size_t head_len = 0;
-    if (kind == 2) {
-        int64_t s1[1] = {0};
-        md_job_npy_header(head, 0, s1, 1);
-        head_len = MD_JOB_NPY_HEADER;
-    } else if (kind == 1) {
-        json_t *include = json_object_get(output, "include");
-        int first = 1;
-        const char *names[] = {"index", "prediction", "label", "scores"};
-        int on[] = {md_job_include_has(include, "index", 1),
-                    md_job_include_has(include, "prediction", 1),
-                    md_job_include_has(include, "label", has_labels),
-                    md_job_include_has(include, "scores", 0)};
-        for (int i = 0; i < 4; i++)
-            if (on[i]) {
-                strcat(head, first ? "" : ",");
-                strcat(head, names[i]);
-                first = 0;
-            }
-        strcat(head, "\n");
-        head_len = strlen(head);
+    size_t head_len = chunk_output_head(spec, has_labels, head);
+    if (whole) {
+        st = assemble_whole(J, id, spec, out_path, out_url, chunks, fd, tmp, head_len, rows_out,
+                            confusion, err);
+        json_decref(chunks);
+        return st;
     }
     if (head_len && md_job_write_all(fd, head, head_len) != 0)
         st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));

@@ -687,3 +687,51 @@ def test_no_output_path_cancelled_keeps_the_done_prefix_and_says_partial_on_any_
     assert not (tmp_path / "b" / "jobs" / f"{jid}.npy").exists()
     r = output(b, jid, "application/x-npy")
     assert r.content == got and r.headers.get("X-Partial") == "true", r.headers
+
+
+def test_a_job_of_one_chunk_with_no_output_path_is_copied_to_the_blob_store(
+        start_server, s3, pg_url, tmp_path, fmnist):
+    s3.client().upload_file(str(fmnist.csv), s3.bucket, "data/own.csv")
+    spec = {"model": "fashion", "batch_size": 500, "chunk_rows": 2 * N,
+            "input": {"path": f"s3://{s3.bucket}/data/own.csv", "format": "csv",
+                      "label": "label"}, "output": {"format": "csv"}}
+    a = replica(start_server, s3, pg_url, tmp_path / "a")
+    b = replica(start_server, s3, pg_url, tmp_path / "b")
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    job = wait_job(b, jid, timeout=300)
+    assert job["chunks"]["total"] == 1, job
+    got = s3_get(s3, jobs_key(jid, "csv"))
+    single = json.loads(json.dumps(spec))
+    single["output"]["path"] = f"s3://{s3.bucket}/out/own-single.csv"
+    assert got == reference(start_server, s3, tmp_path, single)
+    assert output(b, jid, "text/csv").content == got  # streamed from S3 by the other replica
+    assert s3_keys(s3, jobs_key(jid, "csv") + ".chunks/") == []
+
+
+@pytest.mark.parametrize("ofmt", ["npy", "csv", "jsonl"])
+def test_a_job_of_one_chunk_is_a_copy_of_its_part_and_what_one_replica_writes(
+        start_server, s3, pg_url, tmp_path, fmnist, ofmt):
+    s3.client().upload_file(str(fmnist.csv), s3.bucket, "data/one.csv")
+    spec = {"model": "fashion", "batch_size": 500, "chunk_rows": 2 * N,
+            "input": {"path": f"s3://{s3.bucket}/data/one.csv", "format": "csv",
+                      "label": "label"},
+            "output": {"path": f"s3://{s3.bucket}/out/one.{ofmt}", "format": ofmt}}
+    a = replica(start_server, s3, pg_url, tmp_path / "a")
+    b = replica(start_server, s3, pg_url, tmp_path / "b")
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    job = wait_job(b, jid, timeout=300)
+    assert job["chunks"]["total"] == 1 and job["rows_done"] == N, job
+    assert job["labeled"] == N and job["correct"] == fmnist.correct, job
+    got = s3_get(s3, f"out/one.{ofmt}")
+    single = json.loads(json.dumps(spec))
+    single["output"]["path"] = f"s3://{s3.bucket}/out/one-single.{ofmt}"
+    assert got == reference(start_server, s3, tmp_path, single)
+    assert output(a, jid).content == got  # the store's copy, the part kept on its disk
+    assert s3_keys(s3, f"out/one.{ofmt}.chunks/") == []
+    # a second job naming the same output is refused, not written over
+    again = create_job(a, spec)
+    failed = wait_job(a, again, "failed", timeout=120)
+    assert "already exists" in failed["error"], failed
+    assert s3_get(s3, f"out/one.{ofmt}") == got
