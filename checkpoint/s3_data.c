@@ -334,18 +334,27 @@ static int open_subdir(int dirfd, const char *rel, size_t len)
     return cur;
 }
 
+/* 1 when `rel` (a key below a folder's prefix) names a file on disk: not a
+ * "folder" marker (ending in '/'), no empty, "." or ".." segment. */
+static int folder_key_ok(const char *rel)
+{
+    size_t len = strlen(rel);
+    if (len == 0 || rel[len - 1] == '/')
+        return 0;
+    for (const char *seg = rel; seg; seg = strchr(seg, '/') ? strchr(seg, '/') + 1 : NULL) {
+        size_t n = strcspn(seg, "/");
+        if (n == 0 || (n == 1 && seg[0] == '.') || (n == 2 && seg[0] == '.' && seg[1] == '.'))
+            return 0;
+    }
+    return 1;
+}
+
 static int folder_object(void *ud, const md_s3_object *obj)
 {
     folder_ctx *f = ud;
     const char *rel = obj->key + f->prefix_len;
-    size_t len = strlen(rel);
-    if (len == 0 || rel[len - 1] == '/')
-        return 0; /* a "folder" marker */
-    for (const char *seg = rel; seg; seg = strchr(seg, '/') ? strchr(seg, '/') + 1 : NULL) {
-        size_t n = strcspn(seg, "/");
-        if (n == 0 || (n == 1 && seg[0] == '.') || (n == 2 && seg[0] == '.' && seg[1] == '.'))
-            return 0; /* no such name on disk: not a file of the folder */
-    }
+    if (!folder_key_ok(rel))
+        return 0; /* a marker, or no such name on disk: not a file of the folder */
     if (f->keep_going && !f->keep_going(f->kg_ctx)) {
         f->st = md_err_set(f->err, MD_ECONFLICT, "the job stopped while its images were fetched");
         return 1;
@@ -452,14 +461,8 @@ static int list_object(void *ud, const md_s3_object *obj)
 {
     list_ctx *l = ud;
     const char *rel = obj->key + l->prefix_len;
-    size_t len = strlen(rel);
-    if (len == 0 || rel[len - 1] == '/')
-        return 0; /* a "folder" marker */
-    for (const char *seg = rel; seg; seg = strchr(seg, '/') ? strchr(seg, '/') + 1 : NULL) {
-        size_t n = strcspn(seg, "/");
-        if (n == 0 || (n == 1 && seg[0] == '.') || (n == 2 && seg[0] == '.' && seg[1] == '.'))
-            return 0; /* as md_s3_fetch_folder: no such name on disk */
-    }
+    if (!folder_key_ok(rel))
+        return 0; /* as md_s3_fetch_folder */
     return l->fn(l->ctx, rel, obj->size, obj->etag);
 }
 

@@ -1522,6 +1522,22 @@ static void sweep_job_parts(md_jobs *J, const char *id, json_t *spec)
         sweep_parts(J, id, out_url);
 }
 
+/* The store's copy of a job's output, written at `tmp` on `fd` (closed
+ * here), made durable and named `out_path`; removed when `st` (what came
+ * before) or this fails. */
+static md_status store_copy_commit(int fd, const char *tmp, const char *out_path, md_status st,
+                                   md_err *err)
+{
+    if (st == MD_OK && fsync(fd) != 0)
+        st = md_err_set(err, MD_EIO, "fsync of %s failed: %s", tmp, strerror(errno));
+    close(fd);
+    if (st == MD_OK && rename(tmp, out_path) != 0)
+        st = md_err_set(err, MD_EIO, "cannot rename %s: %s", tmp, strerror(errno));
+    if (st != MD_OK)
+        unlink(tmp);
+    return st;
+}
+
 /* The output of a job of one chunk whose part is the whole file (its
  * header in it, whole_part in the plan): the store's copy is the part (kept
  * on this disk, else downloaded) and the output in S3 a copy of the part
@@ -1552,13 +1568,7 @@ static md_status assemble_whole(md_jobs *J, const char *id, json_t *spec, const 
         st = append_object(J, url, fd, err);
     if (kfd >= 0)
         close(kfd);
-    if (st == MD_OK && fsync(fd) != 0)
-        st = md_err_set(err, MD_EIO, "fsync of %s failed: %s", tmp, strerror(errno));
-    close(fd);
-    if (st == MD_OK && rename(tmp, out_path) != 0)
-        st = md_err_set(err, MD_EIO, "cannot rename %s: %s", tmp, strerror(errno));
-    if (st != MD_OK)
-        unlink(tmp);
+    st = store_copy_commit(fd, tmp, out_path, st, err);
     /* a user's output.path never over an object; the server's own key over
      * an earlier holder's copy of this very job */
     int own = !json_string_value(json_object_get(json_object_get(spec, "output"), "path"));
@@ -1679,13 +1689,7 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
         if (pwrite(fd, h, MD_JOB_NPY_HEADER, 0) != MD_JOB_NPY_HEADER)
             st = md_err_set(err, MD_EIO, "writing %s failed: %s", tmp, strerror(errno));
     }
-    if (st == MD_OK && fsync(fd) != 0)
-        st = md_err_set(err, MD_EIO, "fsync of %s failed: %s", tmp, strerror(errno));
-    close(fd);
-    if (st == MD_OK && rename(tmp, out_path) != 0)
-        st = md_err_set(err, MD_EIO, "cannot rename %s: %s", tmp, strerror(errno));
-    if (st != MD_OK)
-        unlink(tmp);
+    st = store_copy_commit(fd, tmp, out_path, st, err);
     if (st == MD_OK) /* a user's output.path never over an object; the server's own key
                       * over an earlier holder's upload of this very job */
         st = md_job_output_put(J->store, &J->fetch, id, spec, out_path, err);

@@ -389,19 +389,27 @@ def test_idx_with_labels_in_s3_splits_by_its_header(start_server, s3, pg_url, tm
     assert got == reference(start_server, s3, tmp_path, spec)
 
 
-def test_a_local_input_cut_short_after_planning_fails_the_job(start_server, s3, pg_url, tmp_path,
-                                                              big_npy):
+def local_job_with_a_chunk_done(start_server, s3, pg_url, tmp_path, big_npy, out_key):
+    """A paced job over a local copy of big_npy on one replica, once its first chunk is
+    done: (the replica, the job's id, the input's path)."""
     data = tmp_path / "data"
     data.mkdir()
     path = data / "big.npy"
     path.write_bytes(big_npy.read_bytes())
-    spec = npy_spec(s3, "cut.npy")
+    spec = npy_spec(s3, out_key)
     spec["input"]["path"] = str(path)
     a = replica(start_server, s3, pg_url, tmp_path / "a", "--allowed-paths", str(data),
                 pace_ms=100)
     deploy_fashion(a)
     jid = create_job(a, spec)
     poll(lambda: (get_job(a, jid).get("chunks") or {}).get("done", 0) >= 1, "a chunk is done")
+    return a, jid, path
+
+
+def test_a_local_input_cut_short_after_planning_fails_the_job(start_server, s3, pg_url, tmp_path,
+                                                              big_npy):
+    a, jid, path = local_job_with_a_chunk_done(start_server, s3, pg_url, tmp_path, big_npy,
+                                               "cut.npy")
     with open(path, "r+b") as f:  # the second half of the rows is gone
         f.truncate(path.stat().st_size // 2)
     job = wait_job(a, jid, "failed", timeout=300)
@@ -518,17 +526,8 @@ def test_an_image_replaced_mid_job_fails_it(start_server, s3, pg_url, tmp_path, 
 
 def test_a_local_input_deleted_after_planning_fails_the_job(start_server, s3, pg_url, tmp_path,
                                                             big_npy):
-    data = tmp_path / "data"
-    data.mkdir()
-    path = data / "big.npy"
-    path.write_bytes(big_npy.read_bytes())
-    spec = npy_spec(s3, "gone.npy")
-    spec["input"]["path"] = str(path)
-    a = replica(start_server, s3, pg_url, tmp_path / "a", "--allowed-paths", str(data),
-                pace_ms=100)
-    deploy_fashion(a)
-    jid = create_job(a, spec)
-    poll(lambda: (get_job(a, jid).get("chunks") or {}).get("done", 0) >= 1, "a chunk is done")
+    a, jid, path = local_job_with_a_chunk_done(start_server, s3, pg_url, tmp_path, big_npy,
+                                               "gone.npy")
     path.unlink()
     # the replica that planned the job cannot read it any more: nobody will, so it fails
     job = wait_job(a, jid, "failed", timeout=300)
