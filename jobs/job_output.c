@@ -64,13 +64,34 @@ int md_job_output_url(md_store *store, const char *id, json_t *spec, char *url, 
     return n > 0 && (size_t)n < size;
 }
 
+/* The job's output object in `url`; *own: 1 for the server's own key (no
+ * output.path), which an earlier run of this very job may have written. */
+static md_status output_target(md_store *store, const char *id, json_t *spec, char *url,
+                               size_t size, int *own, md_err *err)
+{
+    if (!md_job_output_url(store, id, spec, url, size))
+        return md_err_set(err, MD_EINTERNAL, "job %s has no output object in S3", id);
+    *own = !json_string_value(json_object_get(json_object_get(spec, "output"), "path"));
+    return MD_OK;
+}
+
+md_status md_job_output_copy(md_store *store, const md_fetch_opts *o, const char *id,
+                             json_t *spec, const char *part_url, md_err *err)
+{
+    char url[1200];
+    int own = 0;
+    md_status st = output_target(store, id, spec, url, sizeof url, &own, err);
+    return st == MD_OK ? md_s3_data_copy(part_url, url, o, own, err) : st;
+}
+
 md_status md_job_output_put(md_store *store, const md_fetch_opts *o, const char *id,
                             json_t *spec, const char *path, md_err *err)
 {
     char url[1200];
-    if (!md_job_output_url(store, id, spec, url, sizeof url))
-        return md_err_set(err, MD_EINTERNAL, "job %s has no output object in S3", id);
-    int own = !json_string_value(json_object_get(json_object_get(spec, "output"), "path"));
+    int own = 0;
+    md_status st = output_target(store, id, spec, url, sizeof url, &own, err);
+    if (st != MD_OK)
+        return st;
     if (own) {
         /* this job's own key: what is there is an earlier run's upload of
          * the same job (a runner stopped between its put and "succeeded") */

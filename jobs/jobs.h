@@ -289,6 +289,10 @@ int md_job_output_url(md_store *store, const char *id, json_t *spec, char *url, 
  * Thread-safe. */
 md_status md_job_output_put(md_store *store, const md_fetch_opts *o, const char *id,
                             json_t *spec, const char *path, md_err *err);
+/* As md_job_output_put, the output made a copy of the object `part_url`
+ * (same bucket) inside S3 (CopyObject), under the same rule. Blocks. */
+md_status md_job_output_copy(md_store *store, const md_fetch_opts *o, const char *id,
+                             json_t *spec, const char *part_url, md_err *err);
 /* `in` with allowed_s3 extended by the server's own BUCKET/PREFIX/jobs/
  * (cluster mode; else `in` as it is) into *out, for the runners and for
  * GET /jobs/ID/output. `list` holds the new list (it borrows in's entries:

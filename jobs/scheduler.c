@@ -1569,11 +1569,8 @@ static md_status assemble_whole(md_jobs *J, const char *id, json_t *spec, const 
     if (kfd >= 0)
         close(kfd);
     st = store_copy_commit(fd, tmp, out_path, st, err);
-    /* a user's output.path never over an object; the server's own key over
-     * an earlier holder's copy of this very job */
-    int own = !json_string_value(json_object_get(json_object_get(spec, "output"), "path"));
-    if (st == MD_OK)
-        st = md_s3_data_copy(url, out_url, &J->fetch, own, err);
+    if (st == MD_OK) /* under md_job_output_put's rule for what may be replaced */
+        st = md_job_output_copy(J->store, &J->fetch, id, spec, url, err);
     if (st != MD_OK)
         return st;
     md_err derr;
