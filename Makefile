@@ -105,6 +105,8 @@ LIB_C   += jobs/gzstream.c
 LIB_C   += jobs/filerange.c
 # where a job's output lives: cluster jobs' outputs in the blob store's bucket (issue 26)
 LIB_C   += jobs/job_output.c
+# removing ended jobs: job_retention_s, DELETE /jobs/ID?purge=true
+LIB_C   += jobs/job_retention.c
 # one rule for how an output row reads as classes (issue 29: binary, multi-label)
 LIB_C   += predictor/classes.c
 # several named inputs and outputs (issue 27)

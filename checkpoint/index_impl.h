@@ -107,7 +107,7 @@ struct md_index {
 };
 
 /* The schema version both backends reach (store.c checks the tables agree). */
-#define MD_INDEX_SCHEMA 9
+#define MD_INDEX_SCHEMA 10
 
 /* The backends' tables (index_sqlite.c, index_pg.c). */
 extern const md_index_ops md_index_sqlite_ops;

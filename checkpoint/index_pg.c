@@ -144,6 +144,10 @@ static const char *const migrations[MD_INDEX_SCHEMA] = {
     "CREATE INDEX job_chunks_claim ON job_chunks(status, job_id, seq);"
     "ALTER TABLE jobs ADD COLUMN chunks_total BIGINT;"
     "ALTER TABLE jobs ADD COLUMN chunk_plan TEXT;",
+    /* 10: removed jobs: as index_sqlite.c's 10 */
+    "CREATE TABLE jobs_removed ("
+    "  id TEXT COLLATE \"C\" PRIMARY KEY,"
+    "  removed_at TEXT NOT NULL);",
 };
 
 typedef struct md_index_pg {

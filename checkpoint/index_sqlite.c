@@ -121,6 +121,12 @@ static const char *const migrations[] = {
     "CREATE INDEX job_chunks_claim ON job_chunks(status, job_id, seq);"
     "ALTER TABLE jobs ADD COLUMN chunks_total INTEGER;"
     "ALTER TABLE jobs ADD COLUMN chunk_plan TEXT;",
+    /* 10: removed jobs (job_retention_s, DELETE ?purge=true): the ids of
+     * jobs whose rows are gone, so every replica removes its own copy of
+     * their outputs from its store (kept 30 days) */
+    "CREATE TABLE jobs_removed ("
+    "  id TEXT PRIMARY KEY,"
+    "  removed_at TEXT NOT NULL);",
 };
 
 typedef struct md_index_sqlite {

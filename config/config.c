@@ -145,6 +145,11 @@ static const setting settings[] = {
      "nice of the workers computing batch jobs: 0 = equal to online work, 19 = spare CPU only"},
     {"job_max_files", T_INT, OFF(job_max_files), 1, 100000000, "1000000", NULL,
      "most files and folders a job over an image folder (input.format images) lists"},
+    {"job_retention_s", T_INT, OFF(job_retention_s), 0, 315360000, "0", NULL,
+     "remove a job this many seconds after it ended (604800 = 7 days), with the output the "
+     "server wrote for it: its copy in --store/jobs and, with blob_url in S3, its object "
+     "under PREFIX/jobs/; an output.path the job was given is never removed. 0 = keep jobs "
+     "until DELETE /jobs/ID?purge=true"},
     {"job_max_image_bytes", T_SIZE, OFF(job_max_image_bytes), 1, 64 * GiB, "67108864", NULL,
      "largest image file a job over an image folder reads (a larger one is a bad row)"},
     {"admin_token", T_LIST, OFF(admin_token), 0, 0, "", NULL,

@@ -76,6 +76,7 @@ typedef struct md_cfg {
     int max_jobs;               /* jobs running at once */
     int job_nice;               /* nice of the job workers (0..19) */
     int job_lease_s;            /* a silent job runner's jobs are taken over after this */
+    int job_retention_s;        /* remove ended jobs this long after they ended; 0 = never */
     int job_max_files;          /* images inputs: most files and folders listed */
     long long job_max_image_bytes; /* images inputs: largest image file read */
     int store_poll_ms;          /* converge on other replicas' changes this often; 0 = never */

@@ -1,6 +1,7 @@
 /*
  * jobs.c - batch-predict jobs as a REST resource: POST /jobs, GET /jobs,
- * GET /jobs/{id}, DELETE /jobs/{id} (cancel), GET /jobs/{id}/output.
+ * GET /jobs/{id}, DELETE /jobs/{id} (cancel; ?purge=true removes an ended job),
+ * GET /jobs/{id}/output.
  * Everything a job needs is checked here, before its row is inserted.
  */
 #define _GNU_SOURCE
@@ -434,6 +435,19 @@ void md_handle_jobs_list(md_req *req)
     md_reply_json(req, 200, out);
 }
 
+/* DELETE /jobs/ID?purge=true, deferred: S3 and the index. */
+static void job_purge_deferred(md_req *req)
+{
+    md_app *app = md_req_app(req);
+    md_err err;
+    const char *id = md_req_param(req, "id");
+    if (md_jobs_purge(app->jobs, id, &err) != MD_OK) {
+        md_reply_error(req, &err);
+        return;
+    }
+    md_reply_json(req, 200, json_pack("{s:{s:s}}", "deleted", "job", id));
+}
+
 void md_handle_job_cancel(md_req *req)
 {
     md_app *app = md_req_app(req);
@@ -442,6 +456,19 @@ void md_handle_job_cancel(md_req *req)
     if (!app->jobs) {
         jobs_unavailable(&err);
         md_reply_error(req, &err);
+        return;
+    }
+    const char *purge = md_req_query(req, "purge");
+    if (purge && strcmp(purge, "true") && strcmp(purge, "false")) {
+        md_err_setc(&err, MD_EINVAL, "invalid_query",
+                    "purge=%.20s: use purge=true to remove an ended job and the output the "
+                    "server wrote for it, or leave it out to cancel",
+                    purge);
+        md_reply_error(req, &err);
+        return;
+    }
+    if (purge && !strcmp(purge, "true")) {
+        md_req_defer(req, job_purge_deferred);
         return;
     }
     if (md_jobs_cancel(app->jobs, id, &err) != MD_OK) {

@@ -35,7 +35,7 @@ const md_route md_routes[] = {
     {"POST", "/jobs", md_handle_jobs_create, NULL, NULL, MD_AUTH_ADMIN},
     {"GET", "/jobs", md_handle_jobs_list, NULL, "status model limit before", MD_AUTH_READ},
     {"GET", "/jobs/{id}", md_handle_job_get, NULL, NULL, MD_AUTH_READ},
-    {"DELETE", "/jobs/{id}", md_handle_job_cancel, NULL, NULL, MD_AUTH_ADMIN},
+    {"DELETE", "/jobs/{id}", md_handle_job_cancel, NULL, "purge", MD_AUTH_ADMIN},
     {"GET", "/jobs/{id}/output", md_handle_job_output, NULL, NULL, MD_AUTH_READ},
     {"POST", "/predict", md_handle_predict_default, NULL, "top_k", MD_AUTH_PREDICT},
     {"POST", "/models/{name}/predict", md_handle_predict_model, NULL, "top_k", MD_AUTH_PREDICT},

@@ -413,6 +413,169 @@ md_status md_store_job_request_cancel(md_store *s, const char *id, int *cancelle
     return rc;
 }
 
+/* ---- removing ended jobs (job_retention.c) ---- */
+
+/* Run `sql` with the text parameter ?1, the lock held. */
+static md_status exec1(md_store *s, const char *sql, const char *p1, const char *what,
+                       md_err *err)
+{
+    md_ixstmt *st = prep(s, sql, err);
+    if (!st)
+        return MD_EIO;
+    ix_bind_text(st, 1, p1);
+    md_status rc = ix_step(st) == MD_IX_DONE ? MD_OK : db_fail(s, err, what);
+    ix_finalize(st);
+    return rc;
+}
+
+#define ENDED "('succeeded','failed','cancelled')"
+
+md_status md_store_jobs_ended_before(md_store *s, const char *before, int limit, json_t **out,
+                                     md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    md_ixstmt *st = prep(s,
+                         "SELECT id FROM jobs WHERE status IN " ENDED " AND "
+                         "COALESCE(finished_at, updated_at) < ?1 "
+                         "ORDER BY COALESCE(finished_at, updated_at) LIMIT ?2",
+                         err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    ix_bind_text(st, 1, before);
+    ix_bind_int64(st, 2, limit);
+    json_t *ids = json_array();
+    int step;
+    while ((step = ix_step(st)) == MD_IX_ROW)
+        json_array_append_new(ids, json_string(ix_column_text(st, 0)));
+    ix_finalize(st);
+    if (step == MD_IX_ERROR) {
+        rc = db_fail(s, err, "list ended jobs");
+        json_decref(ids);
+        goto out;
+    }
+    *out = ids;
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_job_delete(md_store *s, const char *id, md_err *err)
+{
+    char now[32];
+    now_iso(now);
+    pthread_mutex_lock(&s->mu);
+    md_status rc = txn_begin(s, err);
+    if (rc != MD_OK)
+        goto out;
+    md_ixstmt *st = prep(s, "SELECT status FROM jobs WHERE id = ?1", err);
+    if (!st)
+        rc = MD_EIO;
+    if (rc == MD_OK) {
+        ix_bind_text(st, 1, id);
+        int step = ix_step(st);
+        const char *status = step == MD_IX_ROW ? ix_column_text(st, 0) : NULL;
+        if (step == MD_IX_ERROR)
+            rc = db_fail(s, err, "read the job");
+        else if (step != MD_IX_ROW)
+            rc = md_err_setc(err, MD_ENOTFOUND, "job_not_found",
+                             "job %s does not exist; GET /jobs lists the jobs", id);
+        else if (!status || (strcmp(status, "succeeded") && strcmp(status, "failed") &&
+                             strcmp(status, "cancelled")))
+            rc = md_err_setc(err, MD_ECONFLICT, "job_not_finished",
+                             "job %s is %s: only an ended job is removed; cancel it with "
+                             "DELETE /jobs/%s, then purge it once it reads cancelled",
+                             id, status ? status : "?", id);
+    }
+    ix_finalize(st);
+    if (rc == MD_OK)
+        rc = exec1(s, "DELETE FROM job_chunks WHERE job_id = ?1", id, "remove the job's chunks",
+                   err);
+    if (rc == MD_OK)
+        rc = exec1(s, "DELETE FROM jobs WHERE id = ?1", id, "remove the job", err);
+    /* every replica removes its own copy of the output when it reads this
+     * (md_store_jobs_removed_among), at once when it hears the NOTIFY */
+    if (rc == MD_OK)
+        rc = exec2(s, "INSERT INTO jobs_removed (id, removed_at) VALUES (?1, ?2)", id, now,
+                   "record the removal", NULL, err);
+    if (rc == MD_OK)
+        rc = ix_notify_change(s->ix, err);
+    rc = txn_end(s, rc, TXN_KEEP, err);
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_jobs_removed_among(md_store *s, json_t *ids, json_t **removed, md_err *err)
+{
+    enum { BATCH = 100 };
+    json_t *found = json_array();
+    md_status rc = MD_OK;
+    pthread_mutex_lock(&s->mu);
+    for (size_t at = 0; rc == MD_OK && at < json_array_size(ids); at += BATCH) {
+        size_t n = json_array_size(ids) - at;
+        if (n > BATCH)
+            n = BATCH;
+        char sql[64 + BATCH * 8];
+        size_t len = (size_t)snprintf(sql, sizeof sql, "SELECT id FROM jobs_removed WHERE id IN (");
+        for (size_t i = 0; i < n; i++)
+            len += (size_t)snprintf(sql + len, sizeof sql - len, "%s?%zu", i ? "," : "", i + 1);
+        snprintf(sql + len, sizeof sql - len, ")");
+        md_ixstmt *st = prep(s, sql, err);
+        if (!st) {
+            rc = MD_EIO;
+            break;
+        }
+        for (size_t i = 0; i < n; i++)
+            ix_bind_text(st, (int)i + 1, json_string_value(json_array_get(ids, at + i)));
+        int step;
+        while ((step = ix_step(st)) == MD_IX_ROW)
+            json_array_append_new(found, json_string(ix_column_text(st, 0)));
+        ix_finalize(st);
+        if (step == MD_IX_ERROR)
+            rc = db_fail(s, err, "read removed jobs");
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (rc != MD_OK) {
+        json_decref(found);
+        return rc;
+    }
+    *removed = found;
+    return MD_OK;
+}
+
+md_status md_store_jobs_removed_mark(md_store *s, char mark[64], md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    md_ixstmt *st = prep(s, "SELECT count(*), max(removed_at) FROM jobs_removed", err);
+    if (!st)
+        rc = MD_EIO;
+    else if (ix_step(st) != MD_IX_ROW)
+        rc = db_fail(s, err, "read removed jobs");
+    else
+        snprintf(mark, 64, "%lld|%s", (long long)ix_column_int64(st, 0),
+                 ix_column_type(st, 1) == MD_IXT_NULL ? "" : ix_column_text(st, 1));
+    ix_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_jobs_removed_prune(md_store *s, const char *before, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = txn_begin(s, err);
+    if (rc == MD_OK) {
+        rc = exec1(s, "DELETE FROM jobs_removed WHERE removed_at < ?1", before,
+                   "prune removed jobs", err);
+        rc = txn_end(s, rc, TXN_KEEP, err);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
 void md_jobs_write_metrics(md_store *s, FILE *f)
 {
     static const char *const states[] = {"queued", "running", "succeeded", "failed",
@@ -448,6 +611,7 @@ void md_jobs_write_metrics(md_store *s, FILE *f)
         md_prom_sample(f, "modeld_job_rows_done", l, (double)rows[i]);
     }
     md_jobs_write_chunk_metrics(f);
+    md_jobs_write_removed_metrics(f);
 }
 
 /* ---- chunks of one job over every replica (issue 26) ----

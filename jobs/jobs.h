@@ -162,6 +162,13 @@ void md_jobs_wake(md_jobs *jobs);
 /* Cancel: a queued job at once, a running one after its current chunk; the
  * output so far is kept and marked partial. Thread-safe. */
 md_status md_jobs_cancel(md_jobs *jobs, const char *id, md_err *err);
+/* Start removing jobs that ended retention_s ago (0: none, but this
+ * replica's files of jobs removed elsewhere still go): job_retention.c's
+ * janitor thread, stopped by md_jobs_stop. Call once, after md_jobs_start. */
+void md_jobs_set_retention(md_jobs *jobs, int retention_s);
+/* Remove the ended job `id` now (DELETE /jobs/ID?purge=true): see
+ * md_job_remove. Blocks on S3 and the index. Thread-safe. */
+md_status md_jobs_purge(md_jobs *jobs, const char *id, md_err *err);
 /* Stop the runners; running jobs stop after their current chunk and stay
  * "running" in the store, so the next start resumes them. Accepts NULL. */
 void md_jobs_stop(md_jobs *jobs);
@@ -213,6 +220,52 @@ md_status md_store_job_release(md_store *store, const char *id, const char *owne
 void md_jobs_write_metrics(md_store *store, FILE *f);
 md_status md_store_job_request_cancel(md_store *store, const char *id, int *cancelled_now,
                                       md_err *err);
+
+/* ---- removing ended jobs (job_store.c; job_retention.c does it) ---- */
+
+/* Ids of ended jobs (succeeded, failed, cancelled) that ended before
+ * `before` (an ISO time as the store writes them: md_now_iso), oldest first,
+ * at most `limit`: a new JSON array. */
+md_status md_store_jobs_ended_before(md_store *store, const char *before, int limit,
+                                     json_t **out, md_err *err);
+/* Delete an ended job's row and its chunks, and record its id in
+ * jobs_removed, in one transaction (NOTIFY modeld_change at its commit).
+ * MD_ENOTFOUND job_not_found; MD_ECONFLICT job_not_finished while it is
+ * queued or running. */
+md_status md_store_job_delete(md_store *store, const char *id, md_err *err);
+/* Those of `ids` (a JSON array of strings) recorded as removed: a new
+ * array. */
+md_status md_store_jobs_removed_among(md_store *store, json_t *ids, json_t **removed,
+                                      md_err *err);
+/* A mark of jobs_removed's contents (its count and newest removal) that
+ * changes whenever a job is removed. */
+md_status md_store_jobs_removed_mark(md_store *store, char mark[64], md_err *err);
+/* Forget the removals recorded before `before` (an ISO time). */
+md_status md_store_jobs_removed_prune(md_store *store, const char *before, md_err *err);
+
+/* ---- the janitor (job_retention.c; its DESIGN) ---- */
+
+typedef struct md_job_janitor md_job_janitor;
+/* Remove the ended job `id`: the server's S3 objects of it, its rows (its
+ * id recorded in jobs_removed), this replica's files of it; `why` for the
+ * log. MD_ENOTFOUND job_not_found, MD_ECONFLICT job_not_finished, or the
+ * S3 or index failure (the row is then kept). Blocks. Thread-safe. */
+md_status md_job_remove(md_store *store, const md_fetch_opts *fetch, const char *id,
+                        const char *why, md_err *err);
+/* The thread that removes jobs ended retention_s ago (0: none) and this
+ * replica's files of jobs removed by any replica; NULL if it cannot start.
+ * `fetch` must outlive it. */
+md_job_janitor *md_job_janitor_start(md_store *store, const md_fetch_opts *fetch,
+                                     int retention_s);
+/* Look for removed jobs' files now (a NOTIFY was heard). Accepts NULL. */
+void md_job_janitor_wake(md_job_janitor *janitor);
+/* Stop and free. Accepts NULL. */
+void md_job_janitor_stop(md_job_janitor *janitor);
+/* Remove the folder `name` under the directory `parent` and what it holds,
+ * never following a symlink; depth: 0 at the top. */
+void md_job_remove_tree(int parent, const char *name, int depth);
+/* modeld_jobs_removed_total (Prometheus text) to `f`. Thread-safe. */
+void md_jobs_write_removed_metrics(FILE *f);
 
 /* ---- one job over every replica: its chunks (job_store.c) ----
  * With the PostgreSQL index only: see the DESIGN in job_store.c. Every

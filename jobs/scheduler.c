@@ -88,6 +88,7 @@ struct md_jobs {
     int n_runners;
     pthread_t *threads;
     atomic_int stopping;
+    md_job_janitor *janitor; /* job_retention.c */
 };
 
 /* ---- one chunk in flight ---- */
@@ -410,30 +411,6 @@ typedef struct s3_input {
     int images_copied;
 } s3_input;
 
-/* Remove the directory `name` under dirfd and everything in it (no symlink
- * followed: each level is opened with O_NOFOLLOW). */
-static void remove_tree(int parent, const char *name, int depth)
-{
-    int fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd >= 0 && depth < MD_IMAGES_MAX_DEPTH + 2) {
-        DIR *d = fdopendir(fd);
-        if (d) {
-            struct dirent *e;
-            while ((e = readdir(d)) != NULL) {
-                if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-                    continue;
-                if (unlinkat(dirfd(d), e->d_name, 0) != 0 && (errno == EISDIR || errno == EPERM))
-                    remove_tree(dirfd(d), e->d_name, depth + 1);
-            }
-            closedir(d);
-            fd = -1;
-        }
-    }
-    if (fd >= 0)
-        close(fd);
-    unlinkat(parent, name, AT_REMOVEDIR);
-}
-
 /* A folder of images in S3 (input.path s3://BUCKET/PREFIX/): copied afresh
  * into <store>/jobs/<id>.images, which the reader then walks as any
  * directory, so the listing, its order and the label rules are the
@@ -447,7 +424,7 @@ static md_status s3_images_open(md_jobs *J, const char *id, const char *url, slo
     int jobs_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (jobs_fd < 0)
         return md_err_set(err, MD_EIO, "cannot open %s: %s", dir, strerror(errno));
-    remove_tree(jobs_fd, name, 0); /* a copy an earlier run left half made */
+    md_job_remove_tree(jobs_fd, name, 0); /* a copy an earlier run left half made */
     in->images_copied = 1;
     md_status st = MD_OK;
     if (mkdirat(jobs_fd, name, 0700) != 0)
@@ -491,7 +468,7 @@ static void s3_input_close(md_jobs *J, const char *id, s3_input *in)
         snprintf(name, sizeof name, "%s.images", id);
         int jobs_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (jobs_fd >= 0) {
-            remove_tree(jobs_fd, name, 0);
+            md_job_remove_tree(jobs_fd, name, 0);
             close(jobs_fd);
         }
     }
@@ -609,7 +586,7 @@ static void chunk_input_close(chunk_input *in)
         snprintf(dir, sizeof dir, "%s/jobs", md_store_dir(in->J->store));
         int jobs_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (jobs_fd >= 0) {
-            remove_tree(jobs_fd, in->images_dir, 0);
+            md_job_remove_tree(jobs_fd, in->images_dir, 0);
             close(jobs_fd);
         }
     }
@@ -724,7 +701,7 @@ static md_status chunk_images_open(md_jobs *J, json_t *input, json_t *plan, cons
             return md_err_set(err, MD_EIO, "cannot open %s: %s", dir, strerror(errno));
         snprintf(in->images_dir, sizeof in->images_dir, "%s.c%lld-%lld.%ld.images", c->job_id,
                  (long long)c->seq, (long long)c->attempt, (long)getpid());
-        remove_tree(jobs_fd, in->images_dir, 0);
+        md_job_remove_tree(jobs_fd, in->images_dir, 0);
         int fd = -1;
         if (mkdirat(jobs_fd, in->images_dir, 0700) != 0 ||
             (fd = openat(jobs_fd, in->images_dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW |
@@ -2649,6 +2626,18 @@ void md_jobs_wake(md_jobs *J)
     pthread_mutex_lock(&J->mu);
     pthread_cond_broadcast(&J->cv);
     pthread_mutex_unlock(&J->mu);
+    md_job_janitor_wake(J->janitor);
+}
+
+void md_jobs_set_retention(md_jobs *J, int retention_s)
+{
+    if (J && !J->janitor)
+        J->janitor = md_job_janitor_start(J->store, &J->fetch, retention_s);
+}
+
+md_status md_jobs_purge(md_jobs *J, const char *id, md_err *err)
+{
+    return md_job_remove(J->store, &J->fetch, id, "DELETE ?purge=true", err);
 }
 
 md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
@@ -2742,6 +2731,7 @@ void md_jobs_stop(md_jobs *J)
 {
     if (!J)
         return;
+    md_job_janitor_stop(J->janitor);
     pthread_mutex_lock(&J->mu);
     atomic_store(&J->stopping, 1);
     pthread_cond_broadcast(&J->cv);

@@ -248,6 +248,7 @@ int main(int argc, char **argv)
                       cfg.job_max_files, cfg.job_max_image_bytes, &job_fetch, md_app_resolve, md_app_default_moved, &app, &app.jobs, &err) !=
         MD_OK)
         md_log(MD_LOG_ERROR, "batch jobs are unavailable: %s", err.msg);
+    md_jobs_set_retention(app.jobs, cfg.job_retention_s);
     md_http *http = NULL;
     md_metrics_mark_start();
     if (md_http_start(&cfg, md_routes, md_n_routes, &app, &http, &err) != MD_OK) {

@@ -73,7 +73,7 @@ static const char *const all_keys[] = {
     "workers", "intra_op_threads", "max_batch_size", "max_delay_us", "coalesce_us", "queue_limit", "timeout_ms",
     "default_model", "max_request_images", "max_jobs", "job_lease_s", "job_nice",
     "max_image_pixels", "max_jpeg_scans", "max_large_decodes", "prepack_max_bytes", "max_loaded_bytes",
-    "job_max_files", "job_max_image_bytes",
+    "job_max_files", "job_retention_s", "job_max_image_bytes",
     "store_poll_ms",
     "allow_private_urls", "test_job_chunk_delay_ms", "admin_token", "admin_token_file",
     "predict_token", "predict_token_file", "metrics_token", "metrics_token_file", "open_admin",

@@ -734,3 +734,45 @@ def test_a_job_of_one_chunk_is_a_copy_of_its_part_and_what_one_replica_writes(
     failed = wait_job(a, again, "failed", timeout=120)
     assert "already exists" in failed["error"], failed
     assert s3_get(s3, f"out/one.{ofmt}") == got
+
+
+def test_purge_on_any_replica_removes_the_blob_store_output_and_every_copy(
+        start_server, s3, pg_url, tmp_path, fmnist):
+    s3.client().upload_file(str(fmnist.csv), s3.bucket, "data/purge.csv")
+    own_spec = {"model": "fashion", "batch_size": 500, "chunk_rows": 2000,
+                "input": {"path": f"s3://{s3.bucket}/data/purge.csv", "format": "csv",
+                          "label": "label"}, "output": {"format": "csv"}}
+    user_spec = json.loads(json.dumps(own_spec))
+    user_spec["output"]["path"] = f"s3://{s3.bucket}/out/purge-kept.csv"
+    reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}") for i in range(2)]
+    deploy_fashion(reps[0])
+    jid = create_job(reps[0], own_spec)
+    coord, other = coordinator_and_other(reps, jid)
+    job = wait_job(other, jid, timeout=300)
+    assert job["chunks"]["total"] == N // 2000, job
+    want = s3_get(s3, jobs_key(jid, "csv"))
+    store = tmp_path / (f"r{reps.index(coord)}")
+    assert (store / "jobs" / f"{jid}.csv").read_bytes() == want  # the assembler's copy
+    # a part an unfinished attempt could have left beside the output
+    s3.client().put_object(Bucket=s3.bucket, Key=jobs_key(jid, "csv") + f".chunks/{jid}/0-9",
+                           Body=b"left over")
+    # purged through the replica that did not assemble it
+    r = other.request("DELETE", f"/jobs/{jid}?purge=true")
+    assert r.status_code == 200, r.text
+    assert s3_keys(s3, f"modeld/jobs/{jid}/") == []
+    for srv in reps:
+        r = srv.get(f"/jobs/{jid}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found", r.text
+    # the assembler hears of it (NOTIFY) and removes its own copy
+    poll(lambda: not list((store / "jobs").glob(f"{jid}.*")), "the assembler's copy is removed")
+    assert f"job {jid} was removed" in coord.stderr
+    assert metric(other, "modeld_jobs_removed_total") == 1
+    assert s3_keys(s3, "modeld/blobs/"), "the checkpoints are untouched"
+
+    # a user's output.path in S3 is never removed
+    kid = create_job(reps[1], user_spec)
+    wait_job(reps[0], kid, timeout=300)
+    assert s3_get(s3, "out/purge-kept.csv") == want
+    assert reps[0].request("DELETE", f"/jobs/{kid}?purge=true").status_code == 200
+    assert s3_get(s3, "out/purge-kept.csv") == want
+    assert reps[1].get(f"/jobs/{kid}").status_code == 404
