@@ -144,10 +144,12 @@ static const char *const migrations[MD_INDEX_SCHEMA] = {
     "CREATE INDEX job_chunks_claim ON job_chunks(status, job_id, seq);"
     "ALTER TABLE jobs ADD COLUMN chunks_total BIGINT;"
     "ALTER TABLE jobs ADD COLUMN chunk_plan TEXT;",
-    /* 10: removed jobs: as index_sqlite.c's 10 */
+    /* 10: removing ended jobs: as index_sqlite.c's 10 */
+    "ALTER TABLE jobs ADD COLUMN removing_until DOUBLE PRECISION;"
     "CREATE TABLE jobs_removed ("
     "  id TEXT COLLATE \"C\" PRIMARY KEY,"
-    "  removed_at TEXT NOT NULL);",
+    "  removed_at TEXT COLLATE \"C\" NOT NULL);"
+    "CREATE INDEX jobs_removed_at ON jobs_removed(removed_at);",
 };
 
 typedef struct md_index_pg {

@@ -121,12 +121,16 @@ static const char *const migrations[] = {
     "CREATE INDEX job_chunks_claim ON job_chunks(status, job_id, seq);"
     "ALTER TABLE jobs ADD COLUMN chunks_total INTEGER;"
     "ALTER TABLE jobs ADD COLUMN chunk_plan TEXT;",
-    /* 10: removed jobs (job_retention_s, DELETE ?purge=true): the ids of
-     * jobs whose rows are gone, so every replica removes its own copy of
-     * their outputs from its store (kept 30 days) */
+    /* 10: removing ended jobs (job_retention_s, DELETE ?purge=true; see
+     * jobs/job_retention.c): the replica removing a job holds it until
+     * removing_until (seconds on the index's clock), so one replica removes
+     * it; jobs_removed names the jobs whose rows are gone, so every replica
+     * removes its own copies of their outputs from its store (kept 30 days) */
+    "ALTER TABLE jobs ADD COLUMN removing_until REAL;"
     "CREATE TABLE jobs_removed ("
     "  id TEXT PRIMARY KEY,"
-    "  removed_at TEXT NOT NULL);",
+    "  removed_at TEXT NOT NULL);"
+    "CREATE INDEX jobs_removed_at ON jobs_removed(removed_at);",
 };
 
 typedef struct md_index_sqlite {

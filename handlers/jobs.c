@@ -48,15 +48,52 @@ static md_status check_input(const md_cfg *cfg, const char *what, const char *pa
     return st;
 }
 
-/* An output file: its directory under allowed_paths without following
- * symlinks, and nothing there yet (a job never replaces a file). */
-static md_status check_output(const md_cfg *cfg, const char *path, md_err *err)
+/* 1 when the local `path` lies in the directory `dir` (both resolved). */
+static int path_in_dir(const char *path, const char *dir)
 {
+    char parent[PATH_MAX], rp[PATH_MAX], rd[PATH_MAX];
+    snprintf(parent, sizeof parent, "%s", path);
+    char *slash = strrchr(parent, '/');
+    if (slash == parent)
+        slash[1] = '\0';
+    else if (slash)
+        *slash = '\0';
+    else
+        snprintf(parent, sizeof parent, ".");
+    if (!realpath(parent, rp) || !realpath(dir, rd))
+        return 0;
+    size_t n = strlen(rd);
+    return strncmp(rp, rd, n) == 0 && (rp[n] == '\0' || rp[n] == '/' || rd[n - 1] == '/');
+}
+
+/* The server's own area, never an output.path: a job's removal deletes
+ * what lies there (job_retention.c). */
+static md_status output_reserved(const char *path, const char *area, md_err *err)
+{
+    return md_err_setc(err, MD_EINVAL, "invalid_job",
+                       "output.path %.200s lies in the server's own store (%.200s: checkpoints "
+                       "and the outputs it keeps, removed with their jobs); give a path outside "
+                       "it, or leave output.path out to have the server keep the output",
+                       path, area);
+}
+
+/* An output file: its directory under allowed_paths without following
+ * symlinks, outside the server's own store, and nothing there yet (a job
+ * never replaces a file). */
+static md_status check_output(md_app *app, const char *path, md_err *err)
+{
+    const md_cfg *cfg = app->cfg;
     if (!strncmp(path, "s3://", 5)) { /* whether it exists is the runner's check */
+        char root[1200];
+        if (md_store_data_url(app->store, root, sizeof root) &&
+            !strncmp(path, root, strlen(root)))
+            return output_reserved(path, root, err);
         md_fetch_opts fo = md_fetch_opts_from_cfg(cfg);
         char bucket[MD_S3_BUCKET_CHARS], key[MD_S3_KEY_CHARS];
         return md_s3_data_check(path, &fo, "output.path", 0, bucket, key, err);
     }
+    if (path_in_dir(path, md_store_dir(app->store)))
+        return output_reserved(path, md_store_dir(app->store), err);
     int dirfd;
     const char *leaf;
     md_status st = md_path_open_dir(&cfg->allowed_paths, "output.path", path, "invalid_path",
@@ -267,7 +304,7 @@ static md_status validate(md_app *app, json_t *spec, const char *id, char *out_p
     }
     const char *opath = json_string_value(json_object_get(out, "path"));
     if (opath) {
-        if ((st = check_output(app->cfg, opath, err)) != MD_OK)
+        if ((st = check_output(app, opath, err)) != MD_OK)
             return st;
         snprintf(out_path, out_size, "%s", opath);
         if (!strncmp(opath, "s3://", 5)) /* written in the store, then put in S3 */

@@ -415,15 +415,18 @@ md_status md_store_job_request_cancel(md_store *s, const char *id, int *cancelle
 
 /* ---- removing ended jobs (job_retention.c) ---- */
 
-/* Run `sql` with the text parameter ?1, the lock held. */
+/* Run `sql` with the text parameter ?1, the lock held; *changes (may be
+ * NULL) gets the number of rows it changed. */
 static md_status exec1(md_store *s, const char *sql, const char *p1, const char *what,
-                       md_err *err)
+                       int *changes, md_err *err)
 {
     md_ixstmt *st = prep(s, sql, err);
     if (!st)
         return MD_EIO;
     ix_bind_text(st, 1, p1);
     md_status rc = ix_step(st) == MD_IX_DONE ? MD_OK : db_fail(s, err, what);
+    if (rc == MD_OK && changes)
+        *changes = ix_changes(s->ix);
     ix_finalize(st);
     return rc;
 }
@@ -433,13 +436,16 @@ static md_status exec1(md_store *s, const char *sql, const char *p1, const char 
 md_status md_store_jobs_ended_before(md_store *s, const char *before, int limit, json_t **out,
                                      md_err *err)
 {
+    char sql[512];
+    snprintf(sql, sizeof sql,
+             "SELECT id FROM jobs WHERE status IN " ENDED " AND "
+             "COALESCE(finished_at, updated_at) < ?1 AND "
+             "(removing_until IS NULL OR removing_until < %s) "
+             "ORDER BY COALESCE(finished_at, updated_at) LIMIT ?2",
+             db_now_sql(s));
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    md_ixstmt *st = prep(s,
-                         "SELECT id FROM jobs WHERE status IN " ENDED " AND "
-                         "COALESCE(finished_at, updated_at) < ?1 "
-                         "ORDER BY COALESCE(finished_at, updated_at) LIMIT ?2",
-                         err);
+    md_ixstmt *st = prep(s, sql, err);
     if (!st) {
         rc = MD_EIO;
         goto out;
@@ -462,15 +468,20 @@ out:
     return rc;
 }
 
-md_status md_store_job_delete(md_store *s, const char *id, md_err *err)
+md_status md_store_job_removal_claim(md_store *s, const char *id, double lease_s,
+                                     json_t **part_keys, md_err *err)
 {
-    char now[32];
-    now_iso(now);
+    char sql[512];
+    json_t *keys = json_array();
     pthread_mutex_lock(&s->mu);
     md_status rc = txn_begin(s, err);
     if (rc != MD_OK)
         goto out;
-    md_ixstmt *st = prep(s, "SELECT status FROM jobs WHERE id = ?1", err);
+    snprintf(sql, sizeof sql,
+             "SELECT status, CASE WHEN removing_until > %s THEN 1 ELSE 0 END FROM jobs "
+             "WHERE id = ?1",
+             db_now_sql(s));
+    md_ixstmt *st = prep(s, sql, err);
     if (!st)
         rc = MD_EIO;
     if (rc == MD_OK) {
@@ -488,15 +499,89 @@ md_status md_store_job_delete(md_store *s, const char *id, md_err *err)
                              "job %s is %s: only an ended job is removed; cancel it with "
                              "DELETE /jobs/%s, then purge it once it reads cancelled",
                              id, status ? status : "?", id);
+        else if (ix_column_int64(st, 1))
+            rc = md_err_setc(err, MD_ECONFLICT, "job_removing",
+                             "job %s is being removed (by this or another replica); GET "
+                             "/jobs/%s answers 404 once it is gone",
+                             id, id);
     }
     ix_finalize(st);
+    /* the parts its chunks named: deleted by key if S3 refuses the listing */
+    st = rc == MD_OK ? prep(s, "SELECT output_key FROM job_chunks WHERE job_id = ?1 AND "
+                               "output_key IS NOT NULL", err)
+                     : NULL;
+    if (rc == MD_OK && !st)
+        rc = MD_EIO;
+    if (rc == MD_OK) {
+        ix_bind_text(st, 1, id);
+        int step;
+        while ((step = ix_step(st)) == MD_IX_ROW)
+            json_array_append_new(keys, json_string(ix_column_text(st, 0)));
+        if (step == MD_IX_ERROR)
+            rc = db_fail(s, err, "read the job's parts");
+    }
+    ix_finalize(st);
+    /* the fence: a runner still on one of its chunks (of a job that failed
+     * elsewhere, or was cancelled) finishes nothing from now on, and
+     * deletes the part it put (scheduler.c) */
+    if (rc == MD_OK)
+        rc = exec1(s, "DELETE FROM job_chunks WHERE job_id = ?1", id, "fence the job's chunks",
+                   NULL, err);
+    if (rc == MD_OK) {
+        snprintf(sql, sizeof sql, "UPDATE jobs SET removing_until = %s + ?1 WHERE id = ?2",
+                 db_now_sql(s));
+        st = prep(s, sql, err);
+        if (!st)
+            rc = MD_EIO;
+        else {
+            ix_bind_double(st, 1, lease_s);
+            ix_bind_text(st, 2, id);
+            if (ix_step(st) != MD_IX_DONE)
+                rc = db_fail(s, err, "hold the job for its removal");
+            ix_finalize(st);
+        }
+    }
+    rc = txn_end(s, rc, TXN_KEEP, err);
+out:
+    pthread_mutex_unlock(&s->mu);
+    if (rc == MD_OK)
+        *part_keys = keys;
+    else
+        json_decref(keys);
+    return rc;
+}
+
+md_status md_store_job_removal_release(md_store *s, const char *id, md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = txn_begin(s, err);
+    if (rc == MD_OK) {
+        rc = exec1(s, "UPDATE jobs SET removing_until = NULL WHERE id = ?1", id,
+                   "give the job's removal back", NULL, err);
+        rc = txn_end(s, rc, TXN_KEEP, err);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+md_status md_store_job_delete(md_store *s, const char *id, md_err *err)
+{
+    char now[32];
+    now_iso(now);
+    pthread_mutex_lock(&s->mu);
+    md_status rc = txn_begin(s, err);
+    if (rc != MD_OK)
+        goto out;
+    int changed = 0;
+    rc = exec1(s, "DELETE FROM jobs WHERE id = ?1", id, "remove the job", &changed, err);
+    if (rc == MD_OK && changed != 1)
+        rc = md_err_setc(err, MD_ENOTFOUND, "job_not_found",
+                         "job %s does not exist; GET /jobs lists the jobs", id);
     if (rc == MD_OK)
         rc = exec1(s, "DELETE FROM job_chunks WHERE job_id = ?1", id, "remove the job's chunks",
-                   err);
-    if (rc == MD_OK)
-        rc = exec1(s, "DELETE FROM jobs WHERE id = ?1", id, "remove the job", err);
+                   NULL, err);
     /* every replica removes its own copy of the output when it reads this
-     * (md_store_jobs_removed_among), at once when it hears the NOTIFY */
+     * (md_store_jobs_removed_since), at once when it hears the NOTIFY */
     if (rc == MD_OK)
         rc = exec2(s, "INSERT INTO jobs_removed (id, removed_at) VALUES (?1, ?2)", id, now,
                    "record the removal", NULL, err);
@@ -513,7 +598,7 @@ md_status md_store_jobs_removed_among(md_store *s, json_t *ids, json_t **removed
     enum { BATCH = 100 };
     json_t *found = json_array();
     md_status rc = MD_OK;
-    pthread_mutex_lock(&s->mu);
+    /* the lock per batch: a long list never holds up leases and loads */
     for (size_t at = 0; rc == MD_OK && at < json_array_size(ids); at += BATCH) {
         size_t n = json_array_size(ids) - at;
         if (n > BATCH)
@@ -523,21 +608,20 @@ md_status md_store_jobs_removed_among(md_store *s, json_t *ids, json_t **removed
         for (size_t i = 0; i < n; i++)
             len += (size_t)snprintf(sql + len, sizeof sql - len, "%s?%zu", i ? "," : "", i + 1);
         snprintf(sql + len, sizeof sql - len, ")");
+        pthread_mutex_lock(&s->mu);
         md_ixstmt *st = prep(s, sql, err);
-        if (!st) {
+        if (!st)
             rc = MD_EIO;
-            break;
-        }
-        for (size_t i = 0; i < n; i++)
+        for (size_t i = 0; st && i < n; i++)
             ix_bind_text(st, (int)i + 1, json_string_value(json_array_get(ids, at + i)));
-        int step;
-        while ((step = ix_step(st)) == MD_IX_ROW)
+        int step = MD_IX_DONE;
+        while (st && (step = ix_step(st)) == MD_IX_ROW)
             json_array_append_new(found, json_string(ix_column_text(st, 0)));
         ix_finalize(st);
-        if (step == MD_IX_ERROR)
+        if (st && step == MD_IX_ERROR)
             rc = db_fail(s, err, "read removed jobs");
+        pthread_mutex_unlock(&s->mu);
     }
-    pthread_mutex_unlock(&s->mu);
     if (rc != MD_OK) {
         json_decref(found);
         return rc;
@@ -546,19 +630,32 @@ md_status md_store_jobs_removed_among(md_store *s, json_t *ids, json_t **removed
     return MD_OK;
 }
 
-md_status md_store_jobs_removed_mark(md_store *s, char mark[64], md_err *err)
+md_status md_store_jobs_removed_since(md_store *s, const char *since, int limit, json_t **out,
+                                      md_err *err)
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = MD_OK;
-    md_ixstmt *st = prep(s, "SELECT count(*), max(removed_at) FROM jobs_removed", err);
-    if (!st)
+    md_ixstmt *st = prep(s, "SELECT id, removed_at FROM jobs_removed WHERE removed_at >= ?1 "
+                            "ORDER BY removed_at LIMIT ?2", err);
+    if (!st) {
         rc = MD_EIO;
-    else if (ix_step(st) != MD_IX_ROW)
-        rc = db_fail(s, err, "read removed jobs");
-    else
-        snprintf(mark, 64, "%lld|%s", (long long)ix_column_int64(st, 0),
-                 ix_column_type(st, 1) == MD_IXT_NULL ? "" : ix_column_text(st, 1));
+        goto out;
+    }
+    ix_bind_text(st, 1, since);
+    ix_bind_int64(st, 2, limit);
+    json_t *rows = json_array();
+    int step;
+    while ((step = ix_step(st)) == MD_IX_ROW)
+        json_array_append_new(rows, json_pack("[s,s]", ix_column_text(st, 0),
+                                              ix_column_text(st, 1)));
     ix_finalize(st);
+    if (step == MD_IX_ERROR) {
+        rc = db_fail(s, err, "read removed jobs");
+        json_decref(rows);
+        goto out;
+    }
+    *out = rows;
+out:
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -569,7 +666,7 @@ md_status md_store_jobs_removed_prune(md_store *s, const char *before, md_err *e
     md_status rc = txn_begin(s, err);
     if (rc == MD_OK) {
         rc = exec1(s, "DELETE FROM jobs_removed WHERE removed_at < ?1", before,
-                   "prune removed jobs", err);
+                   "prune removed jobs", NULL, err);
         rc = txn_end(s, rc, TXN_KEEP, err);
     }
     pthread_mutex_unlock(&s->mu);
@@ -773,7 +870,8 @@ md_status md_store_chunk_renew(md_store *s, const md_job_chunk *c, const char *o
     md_ixstmt *st = prep(s,
                          "UPDATE job_chunks SET lease_until = " DB_NOW " + ?1 WHERE job_id = ?2 "
                          "AND seq = ?3 AND owner = ?4 AND attempt = ?5 AND status = 'running' "
-                         "RETURNING (SELECT cancel_requested FROM jobs WHERE id = ?2)",
+                         "RETURNING COALESCE((SELECT CASE WHEN cancel_requested = 1 OR status "
+                         "NOT IN ('queued','running') THEN 1 ELSE 0 END FROM jobs WHERE id = ?2), 1)",
                          err);
     if (!st) {
         rc = MD_EIO;

@@ -224,22 +224,31 @@ md_status md_store_job_request_cancel(md_store *store, const char *id, int *canc
 /* ---- removing ended jobs (job_store.c; job_retention.c does it) ---- */
 
 /* Ids of ended jobs (succeeded, failed, cancelled) that ended before
- * `before` (an ISO time as the store writes them: md_now_iso), oldest first,
- * at most `limit`: a new JSON array. */
+ * `before` (an ISO time as the store writes them: md_now_iso) and that no
+ * replica is removing, oldest first, at most `limit`: a new JSON array. */
 md_status md_store_jobs_ended_before(md_store *store, const char *before, int limit,
                                      json_t **out, md_err *err);
-/* Delete an ended job's row and its chunks, and record its id in
+/* Take the ended job `id` for removal for lease_s seconds (on the index's
+ * clock), in one transaction: its chunk rows are deleted (the fence: no
+ * late runner finishes one), and *part_keys gets the S3 keys they named (a
+ * new array). MD_ENOTFOUND job_not_found; MD_ECONFLICT job_not_finished
+ * while it is queued or running, job_removing while another holds it. */
+md_status md_store_job_removal_claim(md_store *store, const char *id, double lease_s,
+                                     json_t **part_keys, md_err *err);
+/* Give a removal taken by md_store_job_removal_claim back (it failed). */
+md_status md_store_job_removal_release(md_store *store, const char *id, md_err *err);
+/* Delete the job's row (and any chunk row), and record its id in
  * jobs_removed, in one transaction (NOTIFY modeld_change at its commit).
- * MD_ENOTFOUND job_not_found; MD_ECONFLICT job_not_finished while it is
- * queued or running. */
+ * MD_ENOTFOUND job_not_found. */
 md_status md_store_job_delete(md_store *store, const char *id, md_err *err);
 /* Those of `ids` (a JSON array of strings) recorded as removed: a new
- * array. */
+ * array. Takes the store's lock per 100 ids. */
 md_status md_store_jobs_removed_among(md_store *store, json_t *ids, json_t **removed,
                                       md_err *err);
-/* A mark of jobs_removed's contents (its count and newest removal) that
- * changes whenever a job is removed. */
-md_status md_store_jobs_removed_mark(md_store *store, char mark[64], md_err *err);
+/* Removals recorded at or after `since` (an ISO time), oldest first, at
+ * most `limit`: a new array of [id, removed_at]. */
+md_status md_store_jobs_removed_since(md_store *store, const char *since, int limit,
+                                      json_t **out, md_err *err);
 /* Forget the removals recorded before `before` (an ISO time). */
 md_status md_store_jobs_removed_prune(md_store *store, const char *before, md_err *err);
 

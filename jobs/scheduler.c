@@ -1264,7 +1264,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
             }
             renewed = mono();
             if (cancel) {
-                st = md_err_set(err, MD_ECONFLICT, "job %s was cancelled", c->job_id);
+                st = md_err_set(err, MD_ECONFLICT, "job %s was cancelled or has ended", c->job_id);
                 goto out;
             }
         }
@@ -1311,7 +1311,7 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         cancel_now) {
         lost = st == MD_ECONFLICT;
         if (cancel_now)
-            st = md_err_set(err, MD_ECONFLICT, "job %s was cancelled", c->job_id);
+            st = md_err_set(err, MD_ECONFLICT, "job %s was cancelled or has ended", c->job_id);
         free(conf_text);
         goto out;
     }
@@ -2731,11 +2731,12 @@ void md_jobs_stop(md_jobs *J)
 {
     if (!J)
         return;
-    md_job_janitor_stop(J->janitor);
     pthread_mutex_lock(&J->mu);
     atomic_store(&J->stopping, 1);
     pthread_cond_broadcast(&J->cv);
     pthread_mutex_unlock(&J->mu);
+    md_job_janitor_stop(J->janitor); /* while the runners wind down */
+    J->janitor = NULL;
     for (int i = 0; i < J->n_runners; i++)
         pthread_join(J->threads[i], NULL);
     free(J->running);

@@ -18,6 +18,8 @@ The proxy has one fault knob, for the download-resume tests: a POST to
 and only N bytes of body, then close the connection. GET /__harness__/stats
 answers "refused=N forwarded=N cuts=N lists=N parts=N ranges=N" (lists:
 ListObjectsV2 pages; parts: UploadPart requests; ranges: GETs with a Range).
+S3Harness.deny_listing(prefix) makes listings under a prefix answer 403
+AccessDenied, as for a credential without s3:ListBucket.
 
 Used three ways:
   - the pytest fixture `s3` (tests/e2e/conftest.py imports it): an S3Harness
@@ -232,8 +234,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.server.refused += 1
             self._answer(problem[0], _xml_error(problem[1], problem[2]))
             return
+        listing = self.command == "GET" and "list-type=2" in urllib.parse.urlsplit(self.path).query
+        deny = self.server.deny_list_prefix
+        if listing and deny is not None:
+            q = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query))
+            if q.get("prefix", "").startswith(deny):
+                if body is not None:
+                    body.close()
+                self._refuse(403, "AccessDenied", "not authorized to perform: s3:ListBucket")
+                return
         self.server.forwarded += 1
-        if self.command == "GET" and "list-type=2" in urllib.parse.urlsplit(self.path).query:
+        if listing:
             self.server.lists += 1
         query = urllib.parse.urlsplit(self.path).query
         if self.command == "PUT" and "partNumber=" in query and "uploadId=" in query:
@@ -307,6 +318,7 @@ class SigV4Proxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.region = region
         self.spool_dir = spool_dir
         self.cut_after = None
+        self.deny_list_prefix = None
         self.refused = self.forwarded = self.cuts = self.lists = self.parts = self.ranges = 0
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
                                        daemon=True)
@@ -430,6 +442,11 @@ class S3Harness:
 
     def cut_next_get(self, after):
         self.proxy.cut_after = after
+
+    def deny_listing(self, prefix):
+        """ListObjectsV2 under `prefix` answers 403 AccessDenied, as for a
+        credential without s3:ListBucket there; None lifts it."""
+        self.proxy.deny_list_prefix = prefix
 
     def stop(self):
         if self.proxy:

@@ -10,8 +10,11 @@ in a directory), against the real binary:
   cancel it first), and keeps running; once cancelled it is;
 - a bad purge= value is a 400 naming the fix; an unknown job a 404;
 - --job-retention-s removes what ended that long ago, with its output,
-  never the output.path of another job; a server started later with a
-  retention removes what expired while it was down.
+  never the output.path of another job, and keeps a job younger than that
+  through many sweeps; a server started later with a retention removes
+  what expired while it was down;
+- an output.path inside the server's store is refused: a removal deletes
+  what lies there.
 
 The cluster side (the blob store's object, every replica's copy) is in
 test_jobs_cluster.py. Nothing here sleeps to synchronise: a retention's
@@ -22,8 +25,8 @@ import time
 import pytest
 
 from conftest import TSCALE
-from test_jobs import (PACED, create_job, deploy_fashion, fmnist, get_job, server_args,  # noqa: F401
-                       wait_job, wait_rows)
+from test_jobs import (create_job, deploy_fashion, fmnist, get_job, post_job,  # noqa: F401
+                       server_args, wait_job, wait_rows)
 
 
 def purge(srv, jid, value="true"):
@@ -97,10 +100,11 @@ def test_purge_removes_an_ended_job_and_the_servers_output_only(start_server, fm
 
 
 def test_a_running_job_is_not_purged_until_it_ended(start_server, fmnist, tmp_path):
-    srv = start_server(*server_args(fmnist, tmp_path), *PACED)
+    # 1 s after each of its 20 chunks: still running through the purge's 409
+    srv = start_server(*server_args(fmnist, tmp_path), "--test-job-chunk-delay-ms", "1000")
     deploy_fashion(srv)
     jid = create_job(srv, csv_job(fmnist))
-    wait_rows(srv, jid)  # paced: many chunks of 200 ms each are still to come
+    wait_rows(srv, jid)  # paced: many chunks of 1 s each are still to come
     r = purge(srv, jid)
     assert r.status_code == 409, r.text
     err = r.json()["error"]
@@ -132,7 +136,35 @@ def test_retention_removes_what_ended_that_long_ago(start_server, fmnist, tmp_pa
     jid = create_job(srv, csv_job(fmnist))
     job = wait_job(srv, jid)
     assert job["rows_done"] == 10000
-    poll(lambda: srv.get(f"/jobs/{jid}").status_code == 404, "the job is removed")
-    assert job_files(srv.store, jid) == []
-    assert metric(srv, "modeld_jobs_removed_total") == 2
-    assert "(job_retention_s)" in srv.stderr
+    # the row goes first, then the files, then the count and the log line
+    poll(lambda: srv.get(f"/jobs/{jid}").status_code == 404 and not job_files(srv.store, jid)
+         and metric(srv, "modeld_jobs_removed_total") == 2, "the job is removed")
+    poll(lambda: f"job {jid} removed (job_retention_s)" in srv.stderr, "the removal is logged")
+
+
+def test_retention_keeps_a_job_younger_than_it(start_server, fmnist, tmp_path):
+    # sweeps every 0.2 s (a test knob), so many of them see the young job
+    srv = start_server(*server_args(fmnist, tmp_path), "--job-retention-s", "3600",
+                       env={"MD_TEST_JOB_SWEEP_S": "0.2"})
+    deploy_fashion(srv)
+    jid = create_job(srv, csv_job(fmnist))
+    wait_job(srv, jid)
+    swept = metric(srv, "modeld_job_retention_sweeps_total")
+    poll(lambda: metric(srv, "modeld_job_retention_sweeps_total") >= swept + 3,
+         "three sweeps after the job ended")
+    assert get_job(srv, jid)["status"] == "succeeded"
+    assert job_files(srv.store, jid) == [f"{jid}.csv"]
+    assert metric(srv, "modeld_jobs_removed_total") == 0
+
+
+def test_an_output_path_in_the_store_is_refused(start_server, fmnist, tmp_path):
+    store = tmp_path / "store"
+    # allowed_paths covers the store here (tmp_path): the job is still refused
+    srv = start_server(*server_args(fmnist, tmp_path), store=store)
+    deploy_fashion(srv)
+    for path in (store / "jobs" / "mine.csv", store / "mine.csv"):
+        r = post_job(srv, csv_job(fmnist, path=str(path)))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_job" and "server's own store" in err["message"], err
+    assert srv.get("/jobs").json()["jobs"] == []

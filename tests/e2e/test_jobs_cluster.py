@@ -686,6 +686,11 @@ def test_no_output_path_cancelled_keeps_the_done_prefix_and_says_partial_on_any_
     assert not (tmp_path / "b" / "jobs" / f"{jid}.npy").exists()
     r = output(b, jid, "application/x-npy")
     assert r.content == got and r.headers.get("X-Partial") == "true", r.headers
+    # purged: nothing of it stays in S3, not even a part a runner still on
+    # a chunk at the cancel puts late (the purge fences its chunks: that
+    # runner's finish is refused and it deletes its part)
+    assert b.request("DELETE", f"/jobs/{jid}?purge=true").status_code == 200
+    poll(lambda: s3_keys(s3, f"modeld/jobs/{jid}/") == [], "no object of the purged job left")
 
 
 def test_a_job_of_one_chunk_with_no_output_path_is_copied_to_the_blob_store(
@@ -744,15 +749,21 @@ def test_purge_on_any_replica_removes_the_blob_store_output_and_every_copy(
                           "label": "label"}, "output": {"format": "csv"}}
     user_spec = json.loads(json.dumps(own_spec))
     user_spec["output"]["path"] = f"s3://{s3.bucket}/out/purge-kept.csv"
-    reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}") for i in range(2)]
+    # the janitor's own sweep an hour away (a test knob): only the NOTIFY
+    # of the removal can make the assembler remove its copy in this test
+    reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}",
+                    env={"MD_TEST_JOB_SWEEP_S": "3600"}) for i in range(2)]
     deploy_fashion(reps[0])
     jid = create_job(reps[0], own_spec)
-    coord, other = coordinator_and_other(reps, jid)
-    job = wait_job(other, jid, timeout=300)
+    job = wait_job(reps[1], jid, timeout=300)
     assert job["chunks"]["total"] == N // 2000, job
     want = s3_get(s3, jobs_key(jid, "csv"))
-    store = tmp_path / (f"r{reps.index(coord)}")
-    assert (store / "jobs" / f"{jid}.csv").read_bytes() == want  # the assembler's copy
+    # the assembler (the coordinator, or one that took the job over) keeps a copy
+    copies = [i for i in range(2) if (tmp_path / f"r{i}" / "jobs" / f"{jid}.csv").exists()]
+    assert len(copies) == 1, copies
+    coord, other = reps[copies[0]], reps[1 - copies[0]]
+    store = tmp_path / f"r{copies[0]}"
+    assert (store / "jobs" / f"{jid}.csv").read_bytes() == want
     # a part an unfinished attempt could have left beside the output
     s3.client().put_object(Bucket=s3.bucket, Key=jobs_key(jid, "csv") + f".chunks/{jid}/0-9",
                            Body=b"left over")
@@ -765,7 +776,8 @@ def test_purge_on_any_replica_removes_the_blob_store_output_and_every_copy(
         assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found", r.text
     # the assembler hears of it (NOTIFY) and removes its own copy
     poll(lambda: not list((store / "jobs").glob(f"{jid}.*")), "the assembler's copy is removed")
-    assert f"job {jid} was removed" in coord.stderr
+    poll(lambda: f"removed elsewhere taken from this store ({jid})" in coord.stderr,
+         "the assembler logs it")
     assert metric(other, "modeld_jobs_removed_total") == 1
     assert s3_keys(s3, "modeld/blobs/"), "the checkpoints are untouched"
 
@@ -776,3 +788,60 @@ def test_purge_on_any_replica_removes_the_blob_store_output_and_every_copy(
     assert reps[0].request("DELETE", f"/jobs/{kid}?purge=true").status_code == 200
     assert s3_get(s3, "out/purge-kept.csv") == want
     assert reps[1].get(f"/jobs/{kid}").status_code == 404
+    # and none may be put where the server keeps its own
+    r = reps[0].request("POST", "/jobs", json={**user_spec, "output": {
+        "path": f"s3://{s3.bucket}/modeld/jobs/mine.csv", "format": "csv"}})
+    assert r.status_code == 400 and "server's own store" in r.json()["error"]["message"], r.text
+
+
+def test_retention_on_every_replica_removes_each_job_once(start_server, s3, pg_url, tmp_path,
+                                                           fmnist):
+    s3.client().upload_file(str(fmnist.csv), s3.bucket, "data/keep.csv")
+    spec = {"model": "fashion", "batch_size": 500, "chunk_rows": 2000,
+            "input": {"path": f"s3://{s3.bucket}/data/keep.csv", "format": "csv",
+                      "label": "label"}, "output": {"format": "csv"}}
+    reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}", "--job-retention-s", "2",
+                    env={"MD_TEST_JOB_SWEEP_S": "0.2"}) for i in range(3)]
+    deploy_fashion(reps[0])
+    jids = [create_job(reps[i], spec) for i in range(3)]
+    for jid in jids:
+        job = wait_job(reps[0], jid, timeout=300)
+        assert job["chunks"]["total"] == N // 2000, job
+    for jid in jids:
+        poll(lambda: reps[1].get(f"/jobs/{jid}").status_code == 404, f"job {jid} is removed")
+    # every replica swept; each job was removed by exactly one of them (a
+    # removal counts once its rows are gone: polled, then it must stay so)
+    poll(lambda: sum(metric(r, "modeld_jobs_removed_total") for r in reps) >= len(jids),
+         "three removals counted")
+    assert sum(metric(r, "modeld_jobs_removed_total") for r in reps) == len(jids)
+    assert all(metric(r, "modeld_job_retention_sweeps_total") >= 1 for r in reps)
+    assert s3_keys(s3, "modeld/jobs/") == []
+    for i in range(3):
+        poll(lambda: not list((tmp_path / f"r{i}" / "jobs").glob("j*")),
+             f"replica {i} holds no file of the removed jobs")
+
+
+def test_purge_without_the_right_to_list_deletes_the_output_and_parts_by_key(
+        start_server, s3, pg_url, tmp_path, fmnist):
+    s3.client().upload_file(str(fmnist.csv), s3.bucket, "data/nolist.csv")
+    spec = {"model": "fashion", "batch_size": 500, "chunk_rows": 2000,
+            "input": {"path": f"s3://{s3.bucket}/data/nolist.csv", "format": "csv",
+                      "label": "label"}, "output": {"format": "csv"}}
+    reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}") for i in range(2)]
+    deploy_fashion(reps[0])
+    jid = create_job(reps[0], spec)
+    wait_job(reps[1], jid, timeout=300)
+    assert s3_keys(s3, f"modeld/jobs/{jid}/") == [jobs_key(jid, "csv")]
+    # a part its chunk 0 names (as one whose delete failed after assembly)
+    chunks = reps[0].get(f"/jobs/{jid}").json()["chunks"]
+    assert chunks["done"] == N // 2000
+    left = jobs_key(jid, "csv") + f".chunks/{jid}/000000-1"
+    s3.client().put_object(Bucket=s3.bucket, Key=left, Body=b"part")
+    s3.deny_listing(f"modeld/jobs/{jid}/")
+    try:
+        r = reps[1].request("DELETE", f"/jobs/{jid}?purge=true")
+        assert r.status_code == 200, r.text
+    finally:
+        s3.deny_listing(None)
+    assert "S3 refused to list" in reps[1].stderr
+    assert s3_keys(s3, f"modeld/jobs/{jid}/") == [], "the output and the named part deleted"
