@@ -910,20 +910,28 @@ void md_store_write_metrics(md_store *s, FILE *f)
                             "SELECT (SELECT count(*) FROM models), count(*), "
                             "coalesce(sum(size), 0) FROM versions",
                             &err);
-    if (st && ix_step(st) == MD_IX_ROW) {
+    int up = st && ix_step(st) == MD_IX_ROW;
+    if (up) {
         models = ix_column_int64(st, 0);
         versions = ix_column_int64(st, 1);
         bytes = ix_column_int64(st, 2);
     }
     ix_finalize(st);
     pthread_mutex_unlock(&s->mu);
-    md_prom_family(f, "modeld_store_models", "gauge", "Models in the store.");
-    md_prom_sample(f, "modeld_store_models", "", (double)models);
-    md_prom_family(f, "modeld_store_versions", "gauge", "Versions in the store.");
-    md_prom_sample(f, "modeld_store_versions", "", (double)versions);
-    md_prom_family(f, "modeld_store_version_bytes", "gauge",
-                   "Bytes of the versions' checkpoints (a blob shared by versions counts for "
-                   "each).");
-    md_prom_sample(f, "modeld_store_version_bytes", "", (double)bytes);
+    md_prom_family(f, "modeld_index_up", "gauge",
+                   "1 when the index (SQLite or PostgreSQL) answered this scrape's query; 0 "
+                   "when it did not, and the gauges read from it are left out.");
+    md_prom_sample(f, "modeld_index_up", "", up);
+    /* unknown is not zero: a scrape without them, not a drop to 0 */
+    if (up) {
+        md_prom_family(f, "modeld_store_models", "gauge", "Models in the store.");
+        md_prom_sample(f, "modeld_store_models", "", (double)models);
+        md_prom_family(f, "modeld_store_versions", "gauge", "Versions in the store.");
+        md_prom_sample(f, "modeld_store_versions", "", (double)versions);
+        md_prom_family(f, "modeld_store_version_bytes", "gauge",
+                       "Bytes of the versions' checkpoints (a blob shared by versions counts "
+                       "for each).");
+        md_prom_sample(f, "modeld_store_version_bytes", "", (double)bytes);
+    }
     bl_write_metrics(s->blobs, f); /* S3: the cache's */
 }

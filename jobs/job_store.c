@@ -683,7 +683,8 @@ void md_jobs_write_metrics(md_store *s, FILE *f)
     md_ixstmt *st =
         prep(s, "SELECT status, count(*), coalesce(sum(rows_done), 0) FROM jobs GROUP BY status",
              &err);
-    while (st && ix_step(st) == MD_IX_ROW) {
+    int step = MD_IX_ERROR;
+    while (st && (step = ix_step(st)) == MD_IX_ROW) {
         const char *status = ix_column_text(st, 0);
         for (int i = 0; status && i < 5; i++)
             if (!strcmp(status, states[i])) {
@@ -694,6 +695,11 @@ void md_jobs_write_metrics(md_store *s, FILE *f)
     ix_finalize(st);
     pthread_mutex_unlock(&s->mu);
     char l[64];
+    if (step != MD_IX_DONE) { /* the index did not answer (modeld_index_up): not zeros */
+        md_jobs_write_chunk_metrics(f);
+        md_jobs_write_removed_metrics(f);
+        return;
+    }
     md_prom_family(f, "modeld_jobs", "gauge", "Batch jobs in the store, by state.");
     for (int i = 0; i < 5; i++) {
         l[0] = '\0';

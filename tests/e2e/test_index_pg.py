@@ -237,6 +237,13 @@ def test_postgresql_down_writes_503_reads_keep_serving(start_server, pg_cluster,
             assert ok, f"prediction failed while PostgreSQL was down: {r.status_code} {r.text!r}"
         # health stays up (the predict path does not need the index)
         assert srv.get("/healthz").status_code == 200
+        # the scrape says the index is down, and reports no store gauge as 0
+        text = srv.get("/metrics").text
+        assert "\nmodeld_index_up 0\n" in text, text[:2000]
+        for gone in ("modeld_store_models ", "modeld_store_versions ", "modeld_jobs{",
+                     "modeld_job_rows_done{"):
+            assert gone not in text, f"{gone.strip()} reported while the index is down"
+        assert "\nmodeld_http_requests_in_flight " in text  # the rest is there
     finally:
         pg_cluster.start()
 
@@ -249,6 +256,8 @@ def test_postgresql_down_writes_503_reads_keep_serving(start_server, pg_cluster,
     assert versions_in_db(pg_cluster, pg_url, "m") == [1, 2]
     ok, r = predict_ok(srv)
     assert ok, r.text
+    text = srv.get("/metrics").text
+    assert "\nmodeld_index_up 1\n" in text and "\nmodeld_store_versions 2\n" in text
 
 
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
