@@ -566,6 +566,71 @@ static md_status output_open(const char *url, const md_fetch_opts *o, int folder
     return st == MD_OK ? client_open(o, bucket, s3, err) : st;
 }
 
+/* Read up to n bytes (fewer only at EOF); -1 on an error. */
+static ssize_t read_full(int fd, char *buf, size_t n)
+{
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return -1;
+        if (r == 0)
+            break;
+        got += (size_t)r;
+    }
+    return (ssize_t)got;
+}
+
+/* *same = 1 when the object `url` holds exactly the bytes that `fd` (a
+ * file, or another object's stream) reads to its end: an output already
+ * there that an earlier run of the same job put (its runner stopped
+ * between the upload and recording success) is that run's, not a name
+ * taken by someone else. Reads the object once, in pieces. */
+static md_status object_equals(const char *url, const md_fetch_opts *o, int fd, md_err *err)
+{
+    int ofd = -1;
+    md_s3_stream *s = NULL;
+    md_status st = md_s3_stream_open(url, o, "output.path", &ofd, &s, err);
+    if (st != MD_OK)
+        return st;
+    enum { PIECE = 64 * 1024 };
+    char *a = malloc(PIECE), *b = malloc(PIECE);
+    int same = a && b;
+    while (same) {
+        ssize_t na = read_full(ofd, a, PIECE), nb = read_full(fd, b, PIECE);
+        if (na < 0 || nb < 0 || na != nb || memcmp(a, b, (size_t)na) != 0)
+            same = 0;
+        else if (na == 0)
+            break;
+    }
+    free(a);
+    free(b);
+    close(ofd);
+    md_err serr;
+    if (same && md_s3_stream_status(s, &serr) != MD_OK)
+        same = 0; /* cut short: not known to be the same */
+    md_s3_stream_close(s);
+    return same ? MD_OK : md_err_setc(err, MD_ECONFLICT, "output_exists", "differs");
+}
+
+/* The answer to an output that exists: MD_OK when its bytes are those of
+ * `fd` (see object_equals), else output_exists. */
+static md_status output_taken(const char *url, const md_fetch_opts *o, int fd, md_err *err)
+{
+    md_err cerr;
+    if (fd >= 0 && object_equals(url, o, fd, &cerr) == MD_OK) {
+        md_log(MD_LOG_INFO, "the output %.200s is in S3 already, byte for byte this job's: an "
+               "earlier run of it put it", url);
+        return MD_OK;
+    }
+    return md_err_setc(err, MD_ECONFLICT, "output_exists",
+                       "the output %.200s already exists in S3; modeld never replaces an "
+                       "output: delete it or give another output.path",
+                       url);
+}
+
 md_status md_s3_data_put(const char *url, const md_fetch_opts *o, const char *path, md_err *err)
 {
     char key[MD_S3_KEY_MAX + 1];
@@ -576,12 +641,17 @@ md_status md_s3_data_put(const char *url, const md_fetch_opts *o, const char *pa
     md_s3_object info;
     md_err herr;
     st = md_s3_head(s3, key, &info, &herr);
-    if (st == MD_OK)
-        st = md_err_setc(err, MD_ECONFLICT, "output_exists",
-                         "the output %.200s already exists in S3; modeld never replaces an "
-                         "output: delete it or give another output.path",
-                         url);
-    else if (st == MD_ENOTFOUND && !path)
+    if (st == MD_OK) {
+        struct stat sb;
+        int fd = path ? open(path, O_RDONLY | O_CLOEXEC) : -1;
+        if (fd >= 0 && (fstat(fd, &sb) != 0 || sb.st_size != info.size)) {
+            close(fd); /* another size: not this job's */
+            fd = -1;
+        }
+        st = output_taken(url, o, fd, err);
+        if (fd >= 0)
+            close(fd);
+    } else if (st == MD_ENOTFOUND && !path)
         st = MD_OK; /* only asked whether the name is free */
     else if (st == MD_ENOTFOUND)
         st = md_s3_put_file_multipart(s3, key, path,
@@ -693,12 +763,20 @@ md_status md_s3_data_copy(const char *src_url, const char *dst_url, const md_fet
     md_s3_object info;
     md_err herr;
     st = replace ? MD_ENOTFOUND : md_s3_head(s3, key, &info, &herr);
-    if (st == MD_OK)
-        st = md_err_setc(err, MD_ECONFLICT, "output_exists",
-                         "the output %.200s already exists in S3; modeld never replaces an "
-                         "output: delete it or give another output.path",
-                         dst_url);
-    else if (st == MD_ENOTFOUND)
+    if (st == MD_OK) {
+        int fd = -1;
+        md_s3_stream *src = NULL;
+        md_err serr;
+        if (md_s3_stream_open(src_url, o, "output.path", &fd, &src, &serr) == MD_OK &&
+            md_s3_stream_size(src) != info.size) {
+            close(fd); /* another size: not this job's */
+            fd = -1;
+        }
+        st = output_taken(dst_url, o, fd, err);
+        if (fd >= 0)
+            close(fd);
+        md_s3_stream_close(src);
+    } else if (st == MD_ENOTFOUND)
         st = md_s3_copy(s3, src_key, key, err);
     else
         *err = herr;

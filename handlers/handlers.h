@@ -278,6 +278,8 @@ void md_handle_jobs_list(md_req *req);
 void md_handle_job_get(md_req *req);
 void md_handle_job_cancel(md_req *req);
 void md_handle_job_output(md_req *req);
+/* modeld_job_output_streams (Prometheus text) to `f`. Thread-safe. */
+void md_jobs_write_output_metrics(FILE *f);
 /* training.c (issue 12) */
 md_status md_architecture_body(md_req *req, const char *data, size_t len, md_err *err);
 void md_handle_architecture_put(md_req *req);

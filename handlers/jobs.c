@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <regex.h>
+#include <stdatomic.h>
 
 /* md_s3_data_check's buffers (checkpoint.h) */
 #define MD_S3_BUCKET_CHARS 64
@@ -525,7 +526,25 @@ typedef struct output_s3 {
     int partial;
 } output_s3;
 
-static void output_stream_done(void *ctx) { md_s3_stream_close(ctx); }
+/* Job outputs streaming from S3 at once: each holds an S3 reader thread
+ * and a watcher thread (server/http.c) until its client has read it, so a
+ * crowd of slow clients is bounded; past it 503 overloaded, Retry-After. */
+#define OUTPUT_STREAMS_MAX 64 /* (the metric's help says it too) */
+static atomic_int output_streams;
+
+static void output_stream_done(void *ctx)
+{
+    md_s3_stream_close(ctx);
+    atomic_fetch_sub(&output_streams, 1);
+}
+
+void md_jobs_write_output_metrics(FILE *f)
+{
+    md_prom_family(f, "modeld_job_output_streams", "gauge",
+                   "Job outputs this replica streams from S3 now (GET /jobs/ID/output of a job "
+                   "another replica assembled); past 64 at once, more answer 503.");
+    md_prom_sample(f, "modeld_job_output_streams", "", atomic_load(&output_streams));
+}
 
 /* Deferred: the HEAD and the stream's start talk to S3. */
 static void output_s3_deferred(md_req *req)
@@ -534,9 +553,23 @@ static void output_s3_deferred(md_req *req)
     output_s3 *o = md_req_state(req);
     md_err err;
     md_err_clear(&err);
+    int max = OUTPUT_STREAMS_MAX;
+    const char *test_max = getenv("MD_TEST_OUTPUT_STREAMS_MAX"); /* for tests only */
+    if (test_max && atoi(test_max) > 0)
+        max = atoi(test_max);
+    if (atomic_fetch_add(&output_streams, 1) >= max) {
+        atomic_fetch_sub(&output_streams, 1);
+        md_err_setc(&err, MD_EBUSY, "overloaded",
+                    "%d job outputs are streaming from S3 already, the most at once; retry, "
+                    "or read %.300s from S3 directly",
+                    max, o->url);
+        md_reply_error(req, &err);
+        return;
+    }
     md_fetch_opts cfg_fo = md_fetch_opts_from_cfg(app->cfg), fo;
     md_strlist own;
     if (md_job_fetch_opts(app->store, &cfg_fo, &fo, &own, &err) != MD_OK) {
+        atomic_fetch_sub(&output_streams, 1);
         md_reply_error(req, &err);
         return;
     }
@@ -554,11 +587,13 @@ static void output_s3_deferred(md_req *req)
         snprintf(err.code, sizeof err.code, "output_missing");
     }
     if (st != MD_OK) {
+        atomic_fetch_sub(&output_streams, 1);
         md_reply_error(req, &err);
         return;
     }
     if (o->partial)
         md_reply_header(req, "X-Partial", "true");
+    /* output_stream_done closes the stream and gives the slot back */
     md_reply_stream(req, 200, o->content_type, fd, (size_t)md_s3_stream_size(s),
                     output_stream_done, s);
 }

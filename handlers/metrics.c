@@ -85,6 +85,7 @@ void md_handle_metrics(md_req *req)
     md_shadow_write_metrics(f);
     md_store_write_metrics(app->store, f);
     md_jobs_write_metrics(app->store, f);
+    md_jobs_write_output_metrics(f);
     if (fclose(f) != 0 || !buf) {
         free(buf);
         md_err err;

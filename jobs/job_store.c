@@ -551,17 +551,24 @@ out:
     return rc;
 }
 
-md_status md_store_job_removal_release(md_store *s, const char *id, md_err *err)
+/* exec1 as one write transaction of its own, taking the lock. */
+static md_status write1(md_store *s, const char *sql, const char *p1, const char *what,
+                        md_err *err)
 {
     pthread_mutex_lock(&s->mu);
     md_status rc = txn_begin(s, err);
     if (rc == MD_OK) {
-        rc = exec1(s, "UPDATE jobs SET removing_until = NULL WHERE id = ?1", id,
-                   "give the job's removal back", NULL, err);
+        rc = exec1(s, sql, p1, what, NULL, err);
         rc = txn_end(s, rc, TXN_KEEP, err);
     }
     pthread_mutex_unlock(&s->mu);
     return rc;
+}
+
+md_status md_store_job_removal_release(md_store *s, const char *id, md_err *err)
+{
+    return write1(s, "UPDATE jobs SET removing_until = NULL WHERE id = ?1", id,
+                  "give the job's removal back", err);
 }
 
 md_status md_store_job_delete(md_store *s, const char *id, md_err *err)
@@ -662,15 +669,8 @@ out:
 
 md_status md_store_jobs_removed_prune(md_store *s, const char *before, md_err *err)
 {
-    pthread_mutex_lock(&s->mu);
-    md_status rc = txn_begin(s, err);
-    if (rc == MD_OK) {
-        rc = exec1(s, "DELETE FROM jobs_removed WHERE removed_at < ?1", before,
-                   "prune removed jobs", NULL, err);
-        rc = txn_end(s, rc, TXN_KEEP, err);
-    }
-    pthread_mutex_unlock(&s->mu);
-    return rc;
+    return write1(s, "DELETE FROM jobs_removed WHERE removed_at < ?1", before,
+                  "prune removed jobs", err);
 }
 
 void md_jobs_write_metrics(md_store *s, FILE *f)

@@ -1550,13 +1550,39 @@ static md_status assemble_whole(md_jobs *J, const char *id, json_t *spec, const 
         st = md_job_output_copy(J->store, &J->fetch, id, spec, url, err);
     if (st != MD_OK)
         return st;
-    md_err derr;
-    md_s3_data_delete(url, &J->fetch, &derr);
-    sweep_parts(J, id, out_url);
     *rows_out = json_integer_value(json_object_get(c, "rows"));
     json_t *cm = json_object_get(c, "confusion");
     *confusion = json_is_array(cm) ? json_deep_copy(cm) : NULL;
     return MD_OK;
+}
+
+/* The parts of an assembled job, once its success is recorded: those its
+ * chunks named, then (sweep_parts) any other attempt's. Not before: a
+ * coordinator that stops between its upload and that record leaves them to
+ * the one that takes the job over, which assembles the same bytes again
+ * and finds the output already there, byte for byte (s3_data.c). */
+static void drop_assembled_parts(md_jobs *J, const char *id, json_t *spec)
+{
+    char out_url[1200];
+    if (!md_job_output_url(J->store, id, spec, out_url, sizeof out_url))
+        return;
+    json_t *chunks = NULL, *c;
+    md_err derr;
+    size_t i;
+    if (md_store_chunks_list(J->store, id, &chunks, &derr) == MD_OK) {
+        json_array_foreach(chunks, i, c)
+        {
+            const char *key = json_string_value(json_object_get(c, "output_key"));
+            if (!key)
+                continue;
+            char url[2200];
+            snprintf(url, sizeof url, "s3://%.*s/%s", (int)strcspn(out_url + 5, "/"), out_url + 5,
+                     key);
+            md_s3_data_delete(url, &J->fetch, &derr);
+        }
+        json_decref(chunks);
+    }
+    sweep_parts(J, id, out_url);
 }
 
 /* The job's output from its done chunks, in order, up to the first one not
@@ -1667,20 +1693,6 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
     if (st == MD_OK) /* a user's output.path never over an object; the server's own key
                       * over an earlier holder's upload of this very job */
         st = md_job_output_put(J->store, &J->fetch, id, spec, out_path, err);
-    if (st == MD_OK) { /* the parts are in the output now */
-        json_array_foreach(chunks, i, c)
-        {
-            const char *key = json_string_value(json_object_get(c, "output_key"));
-            if (!key)
-                continue;
-            char url[2200];
-            snprintf(url, sizeof url, "s3://%.*s/%s", (int)strcspn(out_url + 5, "/"), out_url + 5,
-                     key);
-            md_err derr;
-            md_s3_data_delete(url, &J->fetch, &derr);
-        }
-        sweep_parts(J, id, out_url); /* and those of attempts that did not finish */
-    }
     *rows_out = rows;
     if (st == MD_OK)
         *confusion = conf;
@@ -1832,6 +1844,12 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
     double t_asm = mono();
     md_status ast = chunk_assemble(J, id, spec, out_path, cancelled, &rows, &confusion, &err);
     md_log(MD_LOG_DEBUG, "job %s: assembled in %.3f s", id, mono() - t_asm);
+    if (ast == MD_OK && getenv("MD_TEST_PAUSE_AFTER_OUTPUT_MS")) {
+        /* for tests only: the window between the output's upload and its
+         * record, held open so that a test can stop this process in it */
+        md_log(MD_LOG_INFO, "job %s: output put; test pause before recording it", id);
+        test_pause_ms(J, atol(getenv("MD_TEST_PAUSE_AFTER_OUTPUT_MS")));
+    }
     keeper_stop(&kp);
     if (ast != MD_OK || atomic_load(&J->lost[slot]))
         goto failed;
@@ -1857,10 +1875,13 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
         json_object_set_new(f, "rows_total", json_integer(rows));
     if (confusion)
         json_object_set_new(f, "confusion", confusion);
-    jupdate(J, slot, id, f, NULL);
+    md_status rec = jupdate(J, slot, id, f, NULL);
     json_decref(f);
+    if (rec != MD_OK) /* not recorded: the parts stay for whoever holds the job now */
+        goto out;
     md_log(MD_LOG_INFO, "job %s %s: %lld rows assembled from its chunks", id,
            cancelled ? "cancelled" : "succeeded", (long long)rows);
+    drop_assembled_parts(J, id, spec);
     goto out;
 failed:
     keeper_stop(&kp);
@@ -1921,7 +1942,17 @@ static void run_job(md_jobs *J, int slot, const char *id)
     int64_t skipped = json_integer_value(json_object_get(job, "rows_skipped"));
     char accuracy_note[400] = ""; /* why a labelled job counts no accuracy */
     char out_path[4096], partial[4200], input_path[4200];
-    snprintf(out_path, sizeof out_path, "%s", json_string_value(json_object_get(job, "output_path")));
+    const char *stored = json_string_value(json_object_get(job, "output_path"));
+    const char *opath = json_string_value(json_object_get(output, "path"));
+    if (opath && !is_s3(opath)) { /* a user's file, under allowed_paths */
+        snprintf(out_path, sizeof out_path, "%s", stored);
+    } else {
+        /* the store's file (writers.c): in this replica's own store, while
+         * output_path names that of the replica that took the request */
+        const char *leaf = stored ? strrchr(stored, '/') : NULL;
+        snprintf(out_path, sizeof out_path, "%s/jobs/%s", md_store_dir(J->store),
+                 leaf ? leaf + 1 : id);
+    }
     snprintf(partial, sizeof partial, "%s.partial", out_path);
     md_model *m = NULL;
     md_reader *r = NULL;

@@ -172,10 +172,9 @@ def test_replicas_share_one_job_and_write_what_one_replica_writes(start_server, 
     rows = [metric(r, "modeld_job_chunk_rows_total") for r in reps]
     assert sum(rows) == ROWS and all(x > 0 for x in rows), rows
     # the chunk objects are gone once assembled, and the coordinator's copies of its own
-    assert s3_keys(s3, "out/cluster.npy.chunks/") == []
-    kept = [p.name for i in range(n_replicas) for p in (tmp_path / f"r{i}" / "jobs").glob("*")
-            if ".part" in p.name]
-    assert kept == [], kept
+    poll(lambda: s3_keys(s3, "out/cluster.npy.chunks/") == [], "the parts are deleted")
+    poll(lambda: not [p for i in range(n_replicas) for p in (tmp_path / f"r{i}" / "jobs").glob("*")
+                      if ".part" in p.name], "no part kept on a replica's disk")
 
 
 def held_by(srv, jid, pid):
@@ -225,7 +224,7 @@ def test_a_paused_holder_past_its_lease_finishes_nothing(start_server, s3, pg_ur
     want = reference(start_server, s3, tmp_path, npy_spec(s3, "stop-single.npy"))
     assert s3_get(s3, "out/stop.npy") == want
     # only the finishing attempt of each chunk left an object, and those are gone
-    assert s3_keys(s3, "out/stop.npy.chunks/") == []
+    poll(lambda: s3_keys(s3, "out/stop.npy.chunks/") == [], "the parts are deleted")
 
 
 def test_csv_with_quoted_newlines_splits_at_whole_rows(start_server, s3, pg_url, tmp_path, fmnist):
@@ -292,7 +291,7 @@ def test_postgresql_restarted_mid_job_finishes_exactly_once(start_server, s3, pg
     want = reference(start_server, s3, tmp_path, npy_spec(s3, "pg-single.npy"))
     assert s3_get(s3, "out/pg.npy") == want
     # a part whose finish met the outage names no chunk: swept at assembly all the same
-    assert s3_keys(s3, "out/pg.npy.chunks/") == []
+    poll(lambda: s3_keys(s3, "out/pg.npy.chunks/") == [], "the parts are deleted")
 
 
 def test_s3_stalled_mid_chunk_finishes_exactly_once(start_server, s3, pg_url, tmp_path, big_npy):
@@ -309,7 +308,7 @@ def test_s3_stalled_mid_chunk_finishes_exactly_once(start_server, s3, pg_url, tm
     assert job["rows_done"] == ROWS and job["chunks"]["done"] == ROWS // CHUNK_ROWS, job
     want = reference(start_server, s3, tmp_path, npy_spec(s3, "stall-single.npy"))
     assert s3_get(s3, "out/stall.npy") == want
-    assert s3_keys(s3, "out/stall.npy.chunks/") == []
+    poll(lambda: s3_keys(s3, "out/stall.npy.chunks/") == [], "the parts are deleted")
 
 
 def test_a_local_input_every_replica_sees_is_split_over_them(start_server, s3, pg_url, tmp_path,
@@ -334,7 +333,7 @@ def test_a_local_input_every_replica_sees_is_split_over_them(start_server, s3, p
     job = wait_job(reps[1], jid, timeout=300)
     assert job["chunks"]["total"] == ROWS // CHUNK_ROWS and job["rows_done"] == ROWS, job
     assert s3_get(s3, "out/local.npy") == want
-    assert s3_keys(s3, "out/local.npy.chunks/") == []
+    poll(lambda: s3_keys(s3, "out/local.npy.chunks/") == [], "the parts are deleted")
 
 
 def test_a_replica_that_cannot_see_a_local_input_leaves_its_chunks_to_the_others(
@@ -600,7 +599,7 @@ def test_no_output_path_chunks_into_the_blob_store_and_any_replica_serves_it(
     assert metric(other, "modeld_job_chunks_finished_total") >= 1
     # the assembled output is the object under the store's jobs/ key ...
     assert s3_get(s3, jobs_key(jid, "csv")) == want
-    assert s3_keys(s3, jobs_key(jid, "csv") + ".chunks/") == []  # parts gone once assembled
+    poll(lambda: s3_keys(s3, jobs_key(jid, "csv") + ".chunks/") == [], "the parts are deleted")
     # ... which the replica that did not assemble streams from S3
     assert not (tmp_path / "r0" / "jobs" / f"{jid}.csv").exists() or \
         not (tmp_path / "r1" / "jobs" / f"{jid}.csv").exists()
@@ -710,7 +709,7 @@ def test_a_job_of_one_chunk_with_no_output_path_is_copied_to_the_blob_store(
     single["output"]["path"] = f"s3://{s3.bucket}/out/own-single.csv"
     assert got == reference(start_server, s3, tmp_path, single)
     assert output(b, jid, "text/csv").content == got  # streamed from S3 by the other replica
-    assert s3_keys(s3, jobs_key(jid, "csv") + ".chunks/") == []
+    poll(lambda: s3_keys(s3, jobs_key(jid, "csv") + ".chunks/") == [], "the parts are deleted")
 
 
 @pytest.mark.parametrize("ofmt", ["npy", "csv", "jsonl"])
@@ -733,7 +732,7 @@ def test_a_job_of_one_chunk_is_a_copy_of_its_part_and_what_one_replica_writes(
     single["output"]["path"] = f"s3://{s3.bucket}/out/one-single.{ofmt}"
     assert got == reference(start_server, s3, tmp_path, single)
     assert output(a, jid).content == got  # the store's copy, the part kept on its disk
-    assert s3_keys(s3, f"out/one.{ofmt}.chunks/") == []
+    poll(lambda: s3_keys(s3, f"out/one.{ofmt}.chunks/") == [], "the parts are deleted")
     # a second job naming the same output is refused, not written over
     again = create_job(a, spec)
     failed = wait_job(a, again, "failed", timeout=120)
@@ -741,12 +740,17 @@ def test_a_job_of_one_chunk_is_a_copy_of_its_part_and_what_one_replica_writes(
     assert s3_get(s3, f"out/one.{ofmt}") == got
 
 
+def csv_job_in_s3(s3, fmnist, key, **output):
+    """A chunked job (5 chunks) over the FashionMNIST CSV put at data/KEY."""
+    s3.client().upload_file(str(fmnist.csv), s3.bucket, f"data/{key}")
+    return {"model": "fashion", "batch_size": 500, "chunk_rows": 2000,
+            "input": {"path": f"s3://{s3.bucket}/data/{key}", "format": "csv",
+                      "label": "label"}, "output": {"format": "csv", **output}}
+
+
 def test_purge_on_any_replica_removes_the_blob_store_output_and_every_copy(
         start_server, s3, pg_url, tmp_path, fmnist):
-    s3.client().upload_file(str(fmnist.csv), s3.bucket, "data/purge.csv")
-    own_spec = {"model": "fashion", "batch_size": 500, "chunk_rows": 2000,
-                "input": {"path": f"s3://{s3.bucket}/data/purge.csv", "format": "csv",
-                          "label": "label"}, "output": {"format": "csv"}}
+    own_spec = csv_job_in_s3(s3, fmnist, "purge.csv")
     user_spec = json.loads(json.dumps(own_spec))
     user_spec["output"]["path"] = f"s3://{s3.bucket}/out/purge-kept.csv"
     # the janitor's own sweep an hour away (a test knob): only the NOTIFY
@@ -796,10 +800,7 @@ def test_purge_on_any_replica_removes_the_blob_store_output_and_every_copy(
 
 def test_retention_on_every_replica_removes_each_job_once(start_server, s3, pg_url, tmp_path,
                                                            fmnist):
-    s3.client().upload_file(str(fmnist.csv), s3.bucket, "data/keep.csv")
-    spec = {"model": "fashion", "batch_size": 500, "chunk_rows": 2000,
-            "input": {"path": f"s3://{s3.bucket}/data/keep.csv", "format": "csv",
-                      "label": "label"}, "output": {"format": "csv"}}
+    spec = csv_job_in_s3(s3, fmnist, "keep.csv")
     reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}", "--job-retention-s", "2",
                     env={"MD_TEST_JOB_SWEEP_S": "0.2"}) for i in range(3)]
     deploy_fashion(reps[0])
@@ -823,10 +824,7 @@ def test_retention_on_every_replica_removes_each_job_once(start_server, s3, pg_u
 
 def test_purge_without_the_right_to_list_deletes_the_output_and_parts_by_key(
         start_server, s3, pg_url, tmp_path, fmnist):
-    s3.client().upload_file(str(fmnist.csv), s3.bucket, "data/nolist.csv")
-    spec = {"model": "fashion", "batch_size": 500, "chunk_rows": 2000,
-            "input": {"path": f"s3://{s3.bucket}/data/nolist.csv", "format": "csv",
-                      "label": "label"}, "output": {"format": "csv"}}
+    spec = csv_job_in_s3(s3, fmnist, "nolist.csv")
     reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}") for i in range(2)]
     deploy_fashion(reps[0])
     jid = create_job(reps[0], spec)
@@ -845,3 +843,84 @@ def test_purge_without_the_right_to_list_deletes_the_output_and_parts_by_key(
         s3.deny_listing(None)
     assert "S3 refused to list" in reps[1].stderr
     assert s3_keys(s3, f"modeld/jobs/{jid}/") == [], "the output and the named part deleted"
+
+
+def test_job_outputs_streaming_at_once_are_bounded(start_server, s3, pg_url, tmp_path, fmnist):
+    spec = csv_job_in_s3(s3, fmnist, "streams.csv")
+    # one stream at most (a test knob; 64 by default); S3 calls wait a minute
+    env = {"MD_TEST_OUTPUT_STREAMS_MAX": "1", "MD_TEST_S3_STALL_S": "60"}
+    reps = [replica(start_server, s3, pg_url, tmp_path / f"r{i}", env=env) for i in range(2)]
+    deploy_fashion(reps[0])
+    jid = create_job(reps[0], spec)
+    wait_job(reps[1], jid, timeout=300)
+    want = s3_get(s3, jobs_key(jid, "csv"))
+    copies = [i for i in range(2) if (tmp_path / f"r{i}" / "jobs" / f"{jid}.csv").exists()]
+    other = reps[1 - copies[0]]  # no copy: it streams the output from S3
+    os.kill(s3.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(lambda: other.get(f"/jobs/{jid}/output", timeout=120 * TSCALE))
+            poll(lambda: metric(other, "modeld_job_output_streams") == 1, "one stream open")
+            r = other.get(f"/jobs/{jid}/output")
+            assert r.status_code == 503, r.text[:300]
+            assert r.json()["error"]["code"] == "overloaded" and r.headers.get("Retry-After")
+            assert "streaming from S3" in r.json()["error"]["message"]
+            os.kill(s3.pid, signal.SIGCONT)
+            r = first.result()
+    finally:
+        os.kill(s3.pid, signal.SIGCONT)
+    assert r.status_code == 200 and r.content == want
+    poll(lambda: metric(other, "modeld_job_output_streams") == 0, "the stream's slot given back")
+    assert output(other, jid).content == want
+
+
+@pytest.mark.parametrize("chunk_rows", [2000, 2 * N], ids=["5 chunks", "one chunk"])
+def test_a_coordinator_stopped_after_its_upload_leaves_the_job_to_finish_elsewhere(
+        start_server, s3, pg_url, tmp_path, fmnist, chunk_rows):
+    spec = csv_job_in_s3(s3, fmnist, "takeover.csv", path=f"s3://{s3.bucket}/out/takeover.csv")
+    spec["chunk_rows"] = chunk_rows
+    # A holds the window between its upload and the record of it open (a
+    # test knob) until it is killed there
+    a = replica(start_server, s3, pg_url, tmp_path / "a",
+                env={"MD_TEST_PAUSE_AFTER_OUTPUT_MS": "600000"})
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    poll(lambda: f"job {jid}: output put; test pause" in a.stderr, "A put the output and waits")
+    want = s3_get(s3, "out/takeover.csv")
+    os.kill(a.proc.pid, signal.SIGKILL)
+    b = replica(start_server, s3, pg_url, tmp_path / "b")
+    job = wait_job(b, jid, timeout=300)  # B takes the job over once A's lease ran out
+    assert job["rows_done"] == N and job["correct"] == fmnist.correct, job
+    # the output A put is the job's (B assembled the same bytes): kept, not refused
+    assert s3_get(s3, "out/takeover.csv") == want
+    assert "byte for byte this job's" in b.stderr
+    assert output(b, jid).content == want
+    # the parts stayed for B, and went once B recorded the job
+    poll(lambda: s3_keys(s3, "out/takeover.csv.chunks/") == [], "the parts are deleted")
+
+
+def test_a_single_runner_job_run_by_another_replica_than_took_it(start_server, s3, pg_url,
+                                                                tmp_path, fmnist):
+    files = LoopbackServer(lambda h: send_file(h, fmnist.dir, h.path))
+    spec = {"model": "fashion", "batch_size": 500,  # an input.url: one runner
+            "input": {"url": files.url("/" + fmnist.npy.name), "format": "npy"}}
+    # B's one runner is busy with X (paced: 1 s per committed batch) ...
+    b = replica(start_server, s3, pg_url, tmp_path / "b", "--allow-private-urls", "1",
+                pace_ms=1000)
+    deploy_fashion(b)
+    x = create_job(b, spec)
+    poll(lambda: get_job(b, x)["rows_done"] > 0, "B runs X")
+    # ... so the job B takes next is run by A, in A's own store
+    a = replica(start_server, s3, pg_url, tmp_path / "a", "--allow-private-urls", "1")
+    y = create_job(b, spec)
+    job = wait_job(a, y, timeout=300)
+    assert job["rows_done"] == N, job
+    assert holder_pid(job["owner"]) == a.proc.pid, job
+    assert get_job(b, x)["status"] == "running"
+    got = s3_get(s3, jobs_key(y, "jsonl"))
+    assert got.count(b"\n") == N
+    assert (tmp_path / "a" / "jobs" / f"{y}.jsonl").read_bytes() == got
+    assert output(b, y).content == got  # B has no copy: from S3
+    assert b.request("DELETE", f"/jobs/{x}").status_code == 202
+    wait_job(b, x, "cancelled", timeout=120)
+    files.close()
