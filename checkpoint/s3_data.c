@@ -583,47 +583,75 @@ static ssize_t read_full(int fd, char *buf, size_t n)
     return (ssize_t)got;
 }
 
-/* *same = 1 when the object `url` holds exactly the bytes that `fd` (a
- * file, or another object's stream) reads to its end: an output already
- * there that an earlier run of the same job put (its runner stopped
- * between the upload and recording success) is that run's, not a name
- * taken by someone else. Reads the object once, in pieces. */
-static md_status object_equals(const char *url, const md_fetch_opts *o, int fd, md_err *err)
+/* Whether the object `url` holds exactly the bytes that `fd` (a file, or
+ * another object's stream, `fd_stream`: checked whole too) reads to its
+ * end: an output already there that an earlier run of the same job put
+ * (its runner stopped between the upload and recording success) is that
+ * run's, not a name taken by someone else. Reads the object once, in
+ * pieces. MD_OK: the same; MD_ECONFLICT: they differ; any other status:
+ * it could not tell (S3 away or cut short: 503, retried by the caller). */
+static md_status object_equals(const char *url, const md_fetch_opts *o, int fd,
+                               md_s3_stream *fd_stream, md_err *err)
 {
     int ofd = -1;
     md_s3_stream *s = NULL;
     md_status st = md_s3_stream_open(url, o, "output.path", &ofd, &s, err);
+    if (st == MD_ENOTFOUND) /* gone since its HEAD: nothing to tell apart */
+        return md_err_set(err, MD_EUNAVAIL, "the output %.200s went away while it was read; "
+                          "try again", url);
     if (st != MD_OK)
         return st;
     enum { PIECE = 64 * 1024 };
     char *a = malloc(PIECE), *b = malloc(PIECE);
-    int same = a && b;
-    while (same) {
+    int differ = 0;
+    st = a && b ? MD_OK : md_err_set(err, MD_ENOMEM, "no memory to compare %.200s", url);
+    while (st == MD_OK && !differ) {
         ssize_t na = read_full(ofd, a, PIECE), nb = read_full(fd, b, PIECE);
-        if (na < 0 || nb < 0 || na != nb || memcmp(a, b, (size_t)na) != 0)
-            same = 0;
+        if (na < 0 || nb < 0)
+            st = md_err_set(err, MD_EIO, "reading to compare with %.200s: %s", url,
+                            strerror(errno));
+        else if (na != nb || memcmp(a, b, (size_t)na) != 0)
+            differ = 1;
         else if (na == 0)
             break;
     }
     free(a);
     free(b);
     close(ofd);
+    /* a stream cut short reads as a short file: only whole ones tell */
     md_err serr;
-    if (same && md_s3_stream_status(s, &serr) != MD_OK)
-        same = 0; /* cut short: not known to be the same */
+    if (st == MD_OK && md_s3_stream_status(s, &serr) != MD_OK)
+        st = (*err = serr).status;
+    if (st == MD_OK && fd_stream && !differ && md_s3_stream_status(fd_stream, &serr) != MD_OK)
+        st = (*err = serr).status;
     md_s3_stream_close(s);
-    return same ? MD_OK : md_err_setc(err, MD_ECONFLICT, "output_exists", "differs");
+    if (st == MD_OK && differ)
+        st = md_err_setc(err, MD_ECONFLICT, "output_exists", "the bytes differ");
+    if (st != MD_OK && st != MD_ECONFLICT && st != MD_ENOMEM) {
+        /* could not tell: S3 away or cut short, to be tried again (a job's
+         * coordinator gives the job back rather than failing it) */
+        err->status = st = MD_EUNAVAIL;
+        coded(st, err);
+    }
+    return st;
 }
 
 /* The answer to an output that exists: MD_OK when its bytes are those of
- * `fd` (see object_equals), else output_exists. */
-static md_status output_taken(const char *url, const md_fetch_opts *o, int fd, md_err *err)
+ * `fd` (object_equals; fd -1: not this job's, a size that differs),
+ * output_exists when they are not, else why it could not tell. */
+static md_status output_taken(const char *url, const md_fetch_opts *o, int fd,
+                              md_s3_stream *fd_stream, md_err *err)
 {
     md_err cerr;
-    if (fd >= 0 && object_equals(url, o, fd, &cerr) == MD_OK) {
+    md_status st = fd >= 0 ? object_equals(url, o, fd, fd_stream, &cerr) : MD_ECONFLICT;
+    if (st == MD_OK) {
         md_log(MD_LOG_INFO, "the output %.200s is in S3 already, byte for byte this job's: an "
                "earlier run of it put it", url);
         return MD_OK;
+    }
+    if (st != MD_ECONFLICT) {
+        *err = cerr;
+        return st;
     }
     return md_err_setc(err, MD_ECONFLICT, "output_exists",
                        "the output %.200s already exists in S3; modeld never replaces an "
@@ -648,7 +676,7 @@ md_status md_s3_data_put(const char *url, const md_fetch_opts *o, const char *pa
             close(fd); /* another size: not this job's */
             fd = -1;
         }
-        st = output_taken(url, o, fd, err);
+        st = output_taken(url, o, fd, NULL, err);
         if (fd >= 0)
             close(fd);
     } else if (st == MD_ENOTFOUND && !path)
@@ -766,13 +794,15 @@ md_status md_s3_data_copy(const char *src_url, const char *dst_url, const md_fet
     if (st == MD_OK) {
         int fd = -1;
         md_s3_stream *src = NULL;
-        md_err serr;
-        if (md_s3_stream_open(src_url, o, "output.path", &fd, &src, &serr) == MD_OK &&
-            md_s3_stream_size(src) != info.size) {
+        st = md_s3_stream_open(src_url, o, "output.path", &fd, &src, err);
+        if (st == MD_OK && md_s3_stream_size(src) != info.size) {
             close(fd); /* another size: not this job's */
             fd = -1;
         }
-        st = output_taken(dst_url, o, fd, err);
+        if (st == MD_OK)
+            st = output_taken(dst_url, o, fd, src, err);
+        else if (st == MD_ENOTFOUND) /* the part is gone: cannot tell */
+            st = md_err_set(err, MD_EUNAVAIL, "the part %.200s went away; try again", src_url);
         if (fd >= 0)
             close(fd);
         md_s3_stream_close(src);

@@ -28,7 +28,9 @@
  * removed: it reads jobs_removed from a watermark (with a margin for clock
  * skew between the replicas that wrote removed_at) when it hears the NOTIFY
  * (md_jobs_wake) and at each sweep, and at start checks every job id its
- * store holds files of. Ids are forgotten after REMOVED_KEEP_S: a replica
+ * store holds files of. The janitor also deletes the S3 parts an ended
+ * chunked job still has (its coordinator stopped between recording the
+ * job and deleting them). Ids are forgotten after REMOVED_KEEP_S: a replica
  * down for longer keeps its copies of jobs removed meanwhile until they
  * are deleted by hand.
  */
@@ -235,6 +237,49 @@ md_status md_job_remove(md_store *store, const md_fetch_opts *fetch, const char 
     return MD_OK;
 }
 
+md_status md_job_drop_parts(md_store *store, const md_fetch_opts *fetch, const char *id,
+                            json_t *spec, md_err *err)
+{
+    char out_url[1200], prefix[1400];
+    if (!md_job_output_url(store, id, spec, out_url, sizeof out_url))
+        return md_store_job_parts_dropped(store, id, err); /* no object, no part */
+    json_t *chunks = NULL, *c;
+    md_err derr;
+    size_t i;
+    md_status st = md_store_chunks_list(store, id, &chunks, err);
+    if (st != MD_OK)
+        return st;
+    json_t *keys = json_array();
+    json_array_foreach(chunks, i, c)
+    {
+        const char *key = json_string_value(json_object_get(c, "output_key"));
+        if (key)
+            json_array_append_new(keys, json_string(key));
+    }
+    json_decref(chunks);
+    /* the named parts first: all that goes without the right to list */
+    md_status named = delete_keys(out_url, 0, keys, fetch, &derr);
+    json_decref(keys);
+    snprintf(prefix, sizeof prefix, "%s.chunks/%s/", out_url, id);
+    long long gone = 0;
+    st = md_s3_data_delete_prefix(prefix, fetch, &gone, &derr);
+    if (st == MD_EFORBIDDEN || st == MD_ENOTFOUND) {
+        /* no listing (or no bucket): the named parts are what can go */
+        if (st == MD_EFORBIDDEN)
+            md_log(MD_LOG_WARN, "job %s: S3 refused to list %s (%s); its chunks' named parts "
+                   "are deleted, parts of attempts that never finished may remain", id, prefix,
+                   derr.msg);
+        st = named;
+    }
+    if (st != MD_OK) {
+        md_log(MD_LOG_WARN, "job %s: deleting its chunks' parts under %s: %s", id, prefix,
+               derr.msg);
+        *err = derr;
+        return st;
+    }
+    return md_store_job_parts_dropped(store, id, err);
+}
+
 void md_jobs_write_removed_metrics(FILE *f)
 {
     md_prom_family(f, "modeld_jobs_removed_total", "counter",
@@ -253,6 +298,7 @@ struct md_job_janitor {
     md_store *store;
     const md_fetch_opts *fetch;
     int retention_s;
+    double lease_s;
     double sweep_every_s;
     pthread_t thread;
     pthread_mutex_t mu;
@@ -434,6 +480,32 @@ static void sweep_expired(struct md_job_janitor *w)
     }
 }
 
+/* The parts of ended chunked jobs left in S3: their coordinator stopped
+ * between recording the job and deleting them (md_job_drop_parts). Each
+ * replica looks, a few leases after the job ended; deleting is idempotent. */
+static void sweep_parts_left(struct md_job_janitor *w)
+{
+    char before[32];
+    iso_at(time(NULL) - (time_t)(4 * w->lease_s), before);
+    json_t *rows = NULL;
+    md_err err;
+    if (md_store_jobs_parts_left(w->store, before, SWEEP_BATCH, &rows, &err) != MD_OK) {
+        md_log(MD_LOG_DEBUG, "job retention: cannot list jobs with parts left: %s", err.msg);
+        return;
+    }
+    size_t i;
+    json_t *row;
+    json_array_foreach(rows, i, row)
+    {
+        if (stopping(w))
+            break;
+        const char *id = json_string_value(json_array_get(row, 0));
+        if (md_job_drop_parts(w->store, w->fetch, id, json_array_get(row, 1), &err) == MD_OK)
+            md_log(MD_LOG_INFO, "job %s: the parts its coordinator left are deleted", id);
+    }
+    json_decref(rows);
+}
+
 static double mono_s(void)
 {
     struct timespec ts;
@@ -466,6 +538,7 @@ static void *janitor_main(void *arg)
         if (stop)
             break;
         if (mono_s() >= next) {
+            sweep_parts_left(w);
             if (w->retention_s > 0)
                 sweep_expired(w);
             if (mono_s() - last_prune >= PRUNE_EVERY_S) {
@@ -486,11 +559,12 @@ static void *janitor_main(void *arg)
 }
 
 md_job_janitor *md_job_janitor_start(md_store *store, const md_fetch_opts *fetch,
-                                     int retention_s)
+                                     int retention_s, double lease_s)
 {
     md_job_janitor *w = md_xcalloc(1, sizeof *w);
     w->store = store;
     w->fetch = fetch;
+    w->lease_s = lease_s > 0 ? lease_s : 30;
     w->retention_s = retention_s > 0 ? retention_s : 0;
     w->sweep_every_s = SWEEP_MAX_S;
     if (w->retention_s > 0 && w->retention_s / 4 < SWEEP_MAX_S)

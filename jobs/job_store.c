@@ -468,6 +468,38 @@ out:
     return rc;
 }
 
+md_status md_store_jobs_parts_left(md_store *s, const char *before, int limit, json_t **out,
+                                   md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    md_ixstmt *st = prep(s,
+                         "SELECT id, spec FROM jobs WHERE status IN " ENDED " AND "
+                         "chunk_plan IS NOT NULL AND COALESCE(finished_at, updated_at) < ?1 "
+                         "ORDER BY COALESCE(finished_at, updated_at) LIMIT ?2",
+                         err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    ix_bind_text(st, 1, before);
+    ix_bind_int64(st, 2, limit);
+    json_t *rows = json_array();
+    int step;
+    while ((step = ix_step(st)) == MD_IX_ROW)
+        json_array_append_new(rows, json_pack("[s,o]", ix_column_text(st, 0), json_col(st, 1)));
+    ix_finalize(st);
+    if (step == MD_IX_ERROR) {
+        rc = db_fail(s, err, "list ended jobs' parts");
+        json_decref(rows);
+        goto out;
+    }
+    *out = rows;
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
 md_status md_store_job_removal_claim(md_store *s, const char *id, double lease_s,
                                      json_t **part_keys, md_err *err)
 {
@@ -569,6 +601,12 @@ md_status md_store_job_removal_release(md_store *s, const char *id, md_err *err)
 {
     return write1(s, "UPDATE jobs SET removing_until = NULL WHERE id = ?1", id,
                   "give the job's removal back", err);
+}
+
+md_status md_store_job_parts_dropped(md_store *s, const char *id, md_err *err)
+{
+    return write1(s, "UPDATE jobs SET chunk_plan = NULL WHERE id = ?1 AND status IN " ENDED, id,
+                  "record the job's parts dropped", err);
 }
 
 md_status md_store_job_delete(md_store *s, const char *id, md_err *err)

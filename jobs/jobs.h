@@ -228,6 +228,14 @@ md_status md_store_job_request_cancel(md_store *store, const char *id, int *canc
  * replica is removing, oldest first, at most `limit`: a new JSON array. */
 md_status md_store_jobs_ended_before(md_store *store, const char *before, int limit,
                                      json_t **out, md_err *err);
+/* Ended chunked jobs whose parts were not all dropped yet (their plan is
+ * still there: a coordinator stopped between recording the job and
+ * deleting its parts) that ended before `before` (ISO), at most `limit`:
+ * a new array of [id, spec]. */
+md_status md_store_jobs_parts_left(md_store *store, const char *before, int limit,
+                                   json_t **out, md_err *err);
+/* Record that an ended job's parts are gone (its plan cleared). */
+md_status md_store_job_parts_dropped(md_store *store, const char *id, md_err *err);
 /* Take the ended job `id` for removal for lease_s seconds (on the index's
  * clock), in one transaction: its chunk rows are deleted (the fence: no
  * late runner finishes one), and *part_keys gets the S3 keys they named (a
@@ -265,7 +273,13 @@ md_status md_job_remove(md_store *store, const md_fetch_opts *fetch, const char 
  * replica's files of jobs removed by any replica; NULL if it cannot start.
  * `fetch` must outlive it. */
 md_job_janitor *md_job_janitor_start(md_store *store, const md_fetch_opts *fetch,
-                                     int retention_s);
+                                     int retention_s, double lease_s);
+/* Delete the S3 parts of the ended chunked job `id` (spec: its spec): those
+ * its chunks named, then everything under <output>.chunks/<id>/; then
+ * record them dropped (md_store_job_parts_dropped). This replica's kept
+ * parts on disk are the caller's. Blocks. Thread-safe. */
+md_status md_job_drop_parts(md_store *store, const md_fetch_opts *fetch, const char *id,
+                            json_t *spec, md_err *err);
 /* Look for removed jobs' files now (a NOTIFY was heard). Accepts NULL. */
 void md_job_janitor_wake(md_job_janitor *janitor);
 /* Stop and free. Accepts NULL. */

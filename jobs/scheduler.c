@@ -1471,32 +1471,16 @@ static md_status append_object(md_jobs *J, const char *url, int fd, md_err *err)
     return st;
 }
 
-/* Delete every object under <output>.chunks/<job id>/: the parts of a job
- * whose output is assembled or which failed, those of attempts that never
- * finished (their runner lost the chunk, or the index was away at its
- * finish) too. Needs the right to list; without it only the named parts
- * (deleted by the assembly, key by key) go. */
-static void sweep_parts(md_jobs *J, const char *id, const char *out_url)
-{
-    drop_local_parts(J, id);
-    if (!out_url)
-        return;
-    char prefix[2200];
-    snprintf(prefix, sizeof prefix, "%s.chunks/%s/", out_url, id);
-    md_err derr;
-    long long gone = 0;
-    if (md_s3_data_delete_prefix(prefix, &J->fetch, &gone, &derr) != MD_OK)
-        md_log(MD_LOG_WARN, "job %s: deleting its chunks' parts under %s: %s", id, prefix,
-               derr.msg);
-}
-
-/* sweep_parts of the job's output object (its output.path, or the
- * server's own in cluster mode). */
+/* The parts of an ended job: this replica's kept on its disk, and in S3
+ * those its chunks named and every other under <output>.chunks/<job id>/
+ * (attempts that never finished: their runner lost the chunk, or the index
+ * was away at its finish), then recorded gone (md_job_drop_parts). What
+ * fails here is left to the janitor of any replica. */
 static void sweep_job_parts(md_jobs *J, const char *id, json_t *spec)
 {
-    char out_url[1200];
-    if (md_job_output_url(J->store, id, spec, out_url, sizeof out_url))
-        sweep_parts(J, id, out_url);
+    drop_local_parts(J, id);
+    md_err derr;
+    md_job_drop_parts(J->store, &J->fetch, id, spec, &derr);
 }
 
 /* The store's copy of a job's output, written at `tmp` on `fd` (closed
@@ -1554,35 +1538,6 @@ static md_status assemble_whole(md_jobs *J, const char *id, json_t *spec, const 
     json_t *cm = json_object_get(c, "confusion");
     *confusion = json_is_array(cm) ? json_deep_copy(cm) : NULL;
     return MD_OK;
-}
-
-/* The parts of an assembled job, once its success is recorded: those its
- * chunks named, then (sweep_parts) any other attempt's. Not before: a
- * coordinator that stops between its upload and that record leaves them to
- * the one that takes the job over, which assembles the same bytes again
- * and finds the output already there, byte for byte (s3_data.c). */
-static void drop_assembled_parts(md_jobs *J, const char *id, json_t *spec)
-{
-    char out_url[1200];
-    if (!md_job_output_url(J->store, id, spec, out_url, sizeof out_url))
-        return;
-    json_t *chunks = NULL, *c;
-    md_err derr;
-    size_t i;
-    if (md_store_chunks_list(J->store, id, &chunks, &derr) == MD_OK) {
-        json_array_foreach(chunks, i, c)
-        {
-            const char *key = json_string_value(json_object_get(c, "output_key"));
-            if (!key)
-                continue;
-            char url[2200];
-            snprintf(url, sizeof url, "s3://%.*s/%s", (int)strcspn(out_url + 5, "/"), out_url + 5,
-                     key);
-            md_s3_data_delete(url, &J->fetch, &derr);
-        }
-        json_decref(chunks);
-    }
-    sweep_parts(J, id, out_url);
 }
 
 /* The job's output from its done chunks, in order, up to the first one not
@@ -1881,7 +1836,15 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
         goto out;
     md_log(MD_LOG_INFO, "job %s %s: %lld rows assembled from its chunks", id,
            cancelled ? "cancelled" : "succeeded", (long long)rows);
-    drop_assembled_parts(J, id, spec);
+    /* the parts only now: a coordinator that stops between its upload and
+     * the record leaves them to the one that takes the job over, which
+     * assembles the same bytes again and finds the output already there,
+     * byte for byte (s3_data.c) */
+    if (getenv("MD_TEST_PAUSE_AFTER_RECORD_MS")) { /* for tests only: a stop here */
+        md_log(MD_LOG_INFO, "job %s: recorded; test pause before deleting its parts", id);
+        test_pause_ms(J, atol(getenv("MD_TEST_PAUSE_AFTER_RECORD_MS")));
+    }
+    sweep_job_parts(J, id, spec);
     goto out;
 failed:
     keeper_stop(&kp);
@@ -2128,6 +2091,28 @@ static void run_job(md_jobs *J, int slot, const char *id)
         jupdate(J, slot, id, f, NULL);
         json_decref(f);
     }
+    /* resumed where the committed output is not: a job staged in the store
+     * that another replica ran before (it stopped or lost the job) starts
+     * over here, rather than failing for a file on another host */
+    struct stat psb;
+    int restarted = 0;
+    if ((rows_done > 0 || out_bytes > 0) && (is_s3(s3_out) || !opath) &&
+        (stat(partial, &psb) != 0 || psb.st_size < out_bytes)) {
+        md_log(MD_LOG_INFO, "job %s: its %lld committed rows are written on the replica that "
+               "ran it before; starting it over here", id, (long long)rows_done);
+        rows_done = correct = labeled = skipped = written_skipped = 0;
+        out_bytes = 0;
+        json_decref(confusion);
+        confusion = NULL;
+        f = json_pack("{s:i,s:i,s:i,s:i,s:i,s:n}", "rows_done", 0, "output_bytes", 0, "correct",
+                      0, "labeled", 0, "rows_skipped", 0, "confusion");
+        md_status rst = jupdate(J, slot, id, f, &err);
+        json_decref(f);
+        if (rst != MD_OK) /* lost, or the index away: the job stays for its next holder */
+            goto out;
+        unlink(out_path); /* this store's copy of an earlier finish, if any */
+        restarted = 1;
+    }
     /* resume: skip what is committed (images by number, reading nothing) */
     if (md_reader_skip_to(r, rows_done, &err) != MD_OK)
         goto reader_failed;
@@ -2167,9 +2152,11 @@ static void run_job(md_jobs *J, int slot, const char *id)
     /* the output is touched only under a fresh lease */
     if (jupdate(J, slot, id, NULL, NULL) == MD_ECONFLICT)
         goto out;
-    if (is_s3(s3_out) && rows_done == 0 && out_bytes == 0 &&
+    if (is_s3(s3_out) && rows_done == 0 && out_bytes == 0 && !restarted &&
         md_s3_data_put(s3_out, &J->fetch, NULL, &err) != MD_OK)
-        goto failed; /* an output that exists already: before any work */
+        goto failed; /* an output that exists already: before any work (a job
+                      * started over may find its earlier run's: compared at
+                      * the end) */
     if (md_job_out_open_dir(J->fetch.allowed_paths, J->store, output, out_path, &of, &err) !=
         MD_OK)
         goto failed;
@@ -2663,7 +2650,7 @@ void md_jobs_wake(md_jobs *J)
 void md_jobs_set_retention(md_jobs *J, int retention_s)
 {
     if (J && !J->janitor)
-        J->janitor = md_job_janitor_start(J->store, &J->fetch, retention_s);
+        J->janitor = md_job_janitor_start(J->store, &J->fetch, retention_s, J->lease_s);
 }
 
 md_status md_jobs_purge(md_jobs *J, const char *id, md_err *err)

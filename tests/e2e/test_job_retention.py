@@ -127,8 +127,9 @@ def test_retention_removes_what_ended_that_long_ago(start_server, fmnist, tmp_pa
     wait_job(srv, kept_job)
     kept = user_out.read_bytes()
     srv.stop()  # ended while no server had a retention
-    srv = start_server(*server_args(fmnist, tmp_path), "--job-retention-s", "2",
-                       store=srv.store)
+    # 5 s: long enough that wait_job below sees the new job succeed first
+    srv = start_server(*server_args(fmnist, tmp_path), "--job-retention-s",
+                       str(int(5 * TSCALE)), store=srv.store)
     # the job that ended before this start is removed by its first sweep
     poll(lambda: srv.get(f"/jobs/{kept_job}").status_code == 404,
          "the job ended before the start is removed")
