@@ -433,6 +433,49 @@ static md_status exec1(md_store *s, const char *sql, const char *p1, const char 
 
 #define ENDED "('succeeded','failed','cancelled')"
 
+/* The rows of `sql` (text ?1 = p1, ?2 = limit) as a new array, each made
+ * by row(); `what` names the query in an error. Takes the lock. */
+static md_status select_rows(md_store *s, const char *sql, const char *p1, int limit,
+                             json_t *(*row)(md_ixstmt *st), const char *what, json_t **out,
+                             md_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    md_ixstmt *st = prep(s, sql, err);
+    if (!st) {
+        rc = MD_EIO;
+        goto out;
+    }
+    ix_bind_text(st, 1, p1);
+    ix_bind_int64(st, 2, limit);
+    json_t *rows = json_array();
+    int step;
+    while ((step = ix_step(st)) == MD_IX_ROW)
+        json_array_append_new(rows, row(st));
+    ix_finalize(st);
+    if (step == MD_IX_ERROR) {
+        rc = db_fail(s, err, what);
+        json_decref(rows);
+        goto out;
+    }
+    *out = rows;
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+static json_t *row_id(md_ixstmt *st) { return json_string(ix_column_text(st, 0)); }
+
+static json_t *row_id_spec(md_ixstmt *st)
+{
+    return json_pack("[s,o]", ix_column_text(st, 0), json_col(st, 1));
+}
+
+static json_t *row_id_text(md_ixstmt *st)
+{
+    return json_pack("[s,s]", ix_column_text(st, 0), ix_column_text(st, 1));
+}
+
 md_status md_store_jobs_ended_before(md_store *s, const char *before, int limit, json_t **out,
                                      md_err *err)
 {
@@ -443,61 +486,17 @@ md_status md_store_jobs_ended_before(md_store *s, const char *before, int limit,
              "(removing_until IS NULL OR removing_until < %s) "
              "ORDER BY COALESCE(finished_at, updated_at) LIMIT ?2",
              db_now_sql(s));
-    pthread_mutex_lock(&s->mu);
-    md_status rc = MD_OK;
-    md_ixstmt *st = prep(s, sql, err);
-    if (!st) {
-        rc = MD_EIO;
-        goto out;
-    }
-    ix_bind_text(st, 1, before);
-    ix_bind_int64(st, 2, limit);
-    json_t *ids = json_array();
-    int step;
-    while ((step = ix_step(st)) == MD_IX_ROW)
-        json_array_append_new(ids, json_string(ix_column_text(st, 0)));
-    ix_finalize(st);
-    if (step == MD_IX_ERROR) {
-        rc = db_fail(s, err, "list ended jobs");
-        json_decref(ids);
-        goto out;
-    }
-    *out = ids;
-out:
-    pthread_mutex_unlock(&s->mu);
-    return rc;
+    return select_rows(s, sql, before, limit, row_id, "list ended jobs", out, err);
 }
 
 md_status md_store_jobs_parts_left(md_store *s, const char *before, int limit, json_t **out,
                                    md_err *err)
 {
-    pthread_mutex_lock(&s->mu);
-    md_status rc = MD_OK;
-    md_ixstmt *st = prep(s,
-                         "SELECT id, spec FROM jobs WHERE status IN " ENDED " AND "
-                         "chunk_plan IS NOT NULL AND COALESCE(finished_at, updated_at) < ?1 "
-                         "ORDER BY COALESCE(finished_at, updated_at) LIMIT ?2",
-                         err);
-    if (!st) {
-        rc = MD_EIO;
-        goto out;
-    }
-    ix_bind_text(st, 1, before);
-    ix_bind_int64(st, 2, limit);
-    json_t *rows = json_array();
-    int step;
-    while ((step = ix_step(st)) == MD_IX_ROW)
-        json_array_append_new(rows, json_pack("[s,o]", ix_column_text(st, 0), json_col(st, 1)));
-    ix_finalize(st);
-    if (step == MD_IX_ERROR) {
-        rc = db_fail(s, err, "list ended jobs' parts");
-        json_decref(rows);
-        goto out;
-    }
-    *out = rows;
-out:
-    pthread_mutex_unlock(&s->mu);
-    return rc;
+    return select_rows(s,
+                       "SELECT id, spec FROM jobs WHERE status IN " ENDED " AND "
+                       "chunk_plan IS NOT NULL AND COALESCE(finished_at, updated_at) < ?1 "
+                       "ORDER BY COALESCE(finished_at, updated_at) LIMIT ?2",
+                       before, limit, row_id_spec, "list ended jobs' parts", out, err);
 }
 
 md_status md_store_job_removal_claim(md_store *s, const char *id, double lease_s,
@@ -678,31 +677,10 @@ md_status md_store_jobs_removed_among(md_store *s, json_t *ids, json_t **removed
 md_status md_store_jobs_removed_since(md_store *s, const char *since, int limit, json_t **out,
                                       md_err *err)
 {
-    pthread_mutex_lock(&s->mu);
-    md_status rc = MD_OK;
-    md_ixstmt *st = prep(s, "SELECT id, removed_at FROM jobs_removed WHERE removed_at >= ?1 "
-                            "ORDER BY removed_at LIMIT ?2", err);
-    if (!st) {
-        rc = MD_EIO;
-        goto out;
-    }
-    ix_bind_text(st, 1, since);
-    ix_bind_int64(st, 2, limit);
-    json_t *rows = json_array();
-    int step;
-    while ((step = ix_step(st)) == MD_IX_ROW)
-        json_array_append_new(rows, json_pack("[s,s]", ix_column_text(st, 0),
-                                              ix_column_text(st, 1)));
-    ix_finalize(st);
-    if (step == MD_IX_ERROR) {
-        rc = db_fail(s, err, "read removed jobs");
-        json_decref(rows);
-        goto out;
-    }
-    *out = rows;
-out:
-    pthread_mutex_unlock(&s->mu);
-    return rc;
+    return select_rows(s,
+                       "SELECT id, removed_at FROM jobs_removed WHERE removed_at >= ?1 "
+                       "ORDER BY removed_at LIMIT ?2",
+                       since, limit, row_id_text, "read removed jobs", out, err);
 }
 
 md_status md_store_jobs_removed_prune(md_store *s, const char *before, md_err *err)

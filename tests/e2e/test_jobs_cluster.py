@@ -914,11 +914,17 @@ def test_a_coordinator_stopped_after_its_upload_leaves_the_job_to_finish_elsewhe
     poll(lambda: s3_keys(s3, "out/takeover.csv.chunks/") == [], "the parts are deleted")
 
 
+def single_runner_job(fmnist):
+    """A job over an input.url (no byte ranges to split by: one runner), and
+    the loopback server that serves it (close it at the end)."""
+    files = LoopbackServer(lambda h: send_file(h, fmnist.dir, h.path))
+    return files, {"model": "fashion", "batch_size": 500,
+                   "input": {"url": files.url("/" + fmnist.npy.name), "format": "npy"}}
+
+
 def test_a_single_runner_job_run_by_another_replica_than_took_it(start_server, s3, pg_url,
                                                                 tmp_path, fmnist):
-    files = LoopbackServer(lambda h: send_file(h, fmnist.dir, h.path))
-    spec = {"model": "fashion", "batch_size": 500,  # an input.url: one runner
-            "input": {"url": files.url("/" + fmnist.npy.name), "format": "npy"}}
+    files, spec = single_runner_job(fmnist)
     # B's one runner is busy with X (paced: 5 s per committed batch, so X
     # outlasts all of this however slow the machine) ...
     b = replica(start_server, s3, pg_url, tmp_path / "b", "--allow-private-urls", "1",
@@ -963,9 +969,7 @@ def test_parts_a_stopped_coordinator_left_after_recording_are_swept(start_server
 
 def test_a_single_runner_job_taken_over_starts_over_on_the_new_replica(start_server, s3, pg_url,
                                                                       tmp_path, fmnist):
-    files = LoopbackServer(lambda h: send_file(h, fmnist.dir, h.path))
-    spec = {"model": "fashion", "batch_size": 500,  # an input.url: one runner
-            "input": {"url": files.url("/" + fmnist.npy.name), "format": "npy"}}
+    files, spec = single_runner_job(fmnist)
     a = replica(start_server, s3, pg_url, tmp_path / "a", "--allow-private-urls", "1",
                 pace_ms=int(2000 * TSCALE))
     deploy_fashion(a)
