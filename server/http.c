@@ -59,6 +59,16 @@ struct md_http {
     int port;
     FILE *access_log;       /* NULL when off */
     int access_log_owned;
+    /* the access log's writer thread and its queue (see "access log") */
+    struct log_queue {
+        pthread_mutex_t mu;
+        pthread_cond_t cv;
+        char *buf; /* lines waiting, ACCESS_LOG_QUEUE_BYTES at most */
+        size_t len, cap;
+        int stop, started;
+        pthread_t thread;
+        atomic_llong dropped;
+    } alog;
     atomic_long in_flight;
     atomic_int quiesced;
     atomic_int gate_closed;   /* md_http_close_gate: new requests answered 503 at once */
@@ -211,7 +221,95 @@ static void set_traceparent(md_http *h, md_req *r, const char *client)
                           (const unsigned char *)(ids + 2), 0);
 }
 
-/* ---- access log ---- */
+/* ---- access log ----
+ * A line is queued, and a thread of its own writes it: a write() to the
+ * log may block for long (the kernel throttles a process that dirtied many
+ * pages, as when a deploy writes a 200 MB blob, up to 200 ms a call), and
+ * each HTTP thread serves many connections, /healthz among them. Past
+ * ACCESS_LOG_QUEUE_BYTES waiting, lines are dropped and counted
+ * (modeld_access_log_dropped_total) rather than hold a request. */
+#define ACCESS_LOG_QUEUE_BYTES (4u << 20)
+
+static void *access_log_main(void *arg)
+{
+    md_http *h = arg;
+    struct log_queue *q = &h->alog;
+    pthread_mutex_lock(&q->mu);
+    for (;;) {
+        while (!q->stop && q->len == 0)
+            pthread_cond_wait(&q->cv, &q->mu);
+        if (q->len == 0)
+            break; /* stopping, and all written */
+        char *out = q->buf;
+        size_t n = q->len;
+        q->buf = NULL;
+        q->len = q->cap = 0;
+        pthread_mutex_unlock(&q->mu);
+        fwrite(out, 1, n, h->access_log);
+        fflush(h->access_log);
+        free(out);
+        pthread_mutex_lock(&q->mu);
+    }
+    pthread_mutex_unlock(&q->mu);
+    return NULL;
+}
+
+/* Queue `n` bytes (whole lines) for the writer; dropped when it is behind. */
+static void access_log_queue(md_http *h, const char *text, size_t n)
+{
+    struct log_queue *q = &h->alog;
+    pthread_mutex_lock(&q->mu);
+    if (q->len + n > ACCESS_LOG_QUEUE_BYTES) {
+        atomic_fetch_add(&q->dropped, 1);
+    } else {
+        if (q->len + n > q->cap) {
+            size_t cap = q->cap ? q->cap : 16384;
+            while (cap < q->len + n)
+                cap *= 2;
+            char *nb = realloc(q->buf, cap);
+            if (!nb) {
+                atomic_fetch_add(&q->dropped, 1);
+                pthread_mutex_unlock(&q->mu);
+                return;
+            }
+            q->buf = nb;
+            q->cap = cap;
+        }
+        memcpy(q->buf + q->len, text, n);
+        q->len += n;
+        pthread_cond_signal(&q->cv);
+    }
+    pthread_mutex_unlock(&q->mu);
+}
+
+/* Start the writer (the log is open); 0 when it cannot start. */
+static int access_log_start(md_http *h)
+{
+    struct log_queue *q = &h->alog;
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    q->started = pthread_create(&q->thread, NULL, access_log_main, h) == 0;
+    return q->started;
+}
+
+/* Write what is queued, stop the writer, close an owned log. */
+static void access_log_stop(md_http *h)
+{
+    struct log_queue *q = &h->alog;
+    if (q->started) {
+        pthread_mutex_lock(&q->mu);
+        q->stop = 1;
+        pthread_cond_signal(&q->cv);
+        pthread_mutex_unlock(&q->mu);
+        pthread_join(q->thread, NULL);
+        q->started = 0;
+        free(q->buf);
+        pthread_mutex_destroy(&q->mu);
+        pthread_cond_destroy(&q->cv);
+    }
+    if (h->access_log_owned)
+        fclose(h->access_log);
+}
 
 static void access_log_line(md_req *r)
 {
@@ -249,11 +347,10 @@ static void access_log_line(md_req *r)
     char *text = json_dumps(line, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(6));
     json_decref(line);
     if (text) {
-        /* one write per line so concurrent requests never interleave */
+        /* whole lines, so concurrent requests never interleave */
         size_t len = strlen(text);
         text[len] = '\n';
-        fwrite(text, 1, len + 1, f);
-        fflush(f);
+        access_log_queue(r->http, text, len + 1);
         free(text);
     }
 }
@@ -1181,6 +1278,17 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
         }
         h->access_log_owned = 1;
     }
+    if (h->access_log && !access_log_start(h)) {
+        md_err_set(err, MD_EIO, "cannot start the access log's writer thread");
+        access_log_stop(h);
+        close(fd);
+        free(h->route_hist);
+        free(h->admin.digest);
+        free(h->predict.digest);
+        free(h->metrics.digest);
+        free(h);
+        return MD_EIO;
+    }
 
     unsigned threads = (unsigned)(cfg->threads > 0 ? cfg->threads : md_cfg_cores());
     atomic_store(&pool_size, (int)threads); /* the decode pool: one thread per HTTP thread */
@@ -1201,8 +1309,7 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
         NULL, MHD_OPTION_CONNECTION_LIMIT, 10000u, MHD_OPTION_END);
     if (!h->daemon) {
         md_err_set(err, MD_EIO, "cannot start the HTTP server on %s:%d", cfg->host, cfg->port);
-        if (h->access_log_owned)
-            fclose(h->access_log);
+        access_log_stop(h);
         close(fd);
         free(h->route_hist);
         free(h->admin.digest);
@@ -1249,8 +1356,7 @@ void md_http_stop(md_http *h)
     MHD_stop_daemon(h->daemon);
     if (h->listen_fd >= 0)
         close(h->listen_fd);
-    if (h->access_log_owned)
-        fclose(h->access_log);
+    access_log_stop(h); /* after the daemon: no request completes any more */
     free(h->route_hist);
     free(h->admin.digest);
     free(h->predict.digest);
@@ -1260,6 +1366,11 @@ void md_http_stop(md_http *h)
 
 void md_http_write_metrics(md_http *h, FILE *f)
 {
+    md_prom_family(f, "modeld_access_log_dropped_total", "counter",
+                   "Access log lines dropped because its writer was 4 MiB behind (the disk "
+                   "stalled); requests never wait for the log.");
+    md_prom_sample(f, "modeld_access_log_dropped_total", "",
+                   (double)atomic_load(&h->alog.dropped));
     static const char *const cls[N_CLASSES] = {"1xx", "2xx", "3xx", "4xx", "5xx"};
     char l[400];
     for (int pass = 0; pass < 2; pass++) {

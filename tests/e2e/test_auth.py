@@ -10,10 +10,11 @@ error body.
 """
 import json
 import re
+import time
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, TSCALE, free_port
 
 FIXTURES = REPO / "tests" / "fixtures"
 ADMIN = ["admin-tok-1111111111", "admin-tok-2222222222"]   # two: a rotation in progress
@@ -137,8 +138,14 @@ def test_tokens_never_logged_or_printed(guarded, run_modeld):
     for tok in ALL_TOKENS:
         send(guarded, "GET", "/models", tok)
         send(guarded, "POST", "/models/mlp/predict", tok)
-    log = guarded.access_log.read_text() if hasattr(guarded.access_log, "read_text") else \
-        open(guarded.access_log).read()
+    def read_log():
+        return guarded.access_log.read_text() if hasattr(guarded.access_log, "read_text") else \
+            open(guarded.access_log).read()
+    # the lines are written by the server's log thread, just after each reply
+    deadline = time.monotonic() + 10 * TSCALE
+    while read_log().count("\n") <= 10 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    log = read_log()
     assert log.count("\n") > 10
     for tok in ALL_TOKENS:
         assert tok not in log, "a token in the access log"
