@@ -1236,6 +1236,16 @@ static int bind_listener(const md_cfg *cfg, md_err *err)
     return fd;
 }
 
+/* Free the server's own memory (the daemon, listener and log are gone). */
+static void http_free(md_http *h)
+{
+    free(h->route_hist);
+    free(h->admin.digest);
+    free(h->predict.digest);
+    free(h->metrics.digest);
+    free(h);
+}
+
 md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_routes, void *app,
                         md_http **out, md_err *err)
 {
@@ -1282,11 +1292,7 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
         md_err_set(err, MD_EIO, "cannot start the access log's writer thread");
         access_log_stop(h);
         close(fd);
-        free(h->route_hist);
-        free(h->admin.digest);
-        free(h->predict.digest);
-        free(h->metrics.digest);
-        free(h);
+        http_free(h);
         return MD_EIO;
     }
 
@@ -1311,11 +1317,7 @@ md_status md_http_start(const md_cfg *cfg, const md_route *routes, size_t n_rout
         md_err_set(err, MD_EIO, "cannot start the HTTP server on %s:%d", cfg->host, cfg->port);
         access_log_stop(h);
         close(fd);
-        free(h->route_hist);
-        free(h->admin.digest);
-        free(h->predict.digest);
-        free(h->metrics.digest);
-        free(h);
+        http_free(h);
         return MD_EIO;
     }
     h->listen_fd = -1; /* libmicrohttpd owns the listener now */
@@ -1357,11 +1359,7 @@ void md_http_stop(md_http *h)
     if (h->listen_fd >= 0)
         close(h->listen_fd);
     access_log_stop(h); /* after the daemon: no request completes any more */
-    free(h->route_hist);
-    free(h->admin.digest);
-    free(h->predict.digest);
-    free(h->metrics.digest);
-    free(h);
+    http_free(h);
 }
 
 void md_http_write_metrics(md_http *h, FILE *f)
