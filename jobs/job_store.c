@@ -1040,6 +1040,10 @@ md_status md_store_chunk_release(md_store *s, const md_job_chunk *c, const char 
             rc = db_fail(s, err, "release a job chunk");
         else if (ix_changes(s->ix) == 1)
             rc = ix_notify_change(s->ix, err); /* another replica may take it at once */
+        else
+            rc = md_err_setc(err, MD_ECONFLICT, "chunk_lease_lost",
+                             "chunk %lld of job %s is no longer held by this process (attempt %lld)",
+                             (long long)c->seq, c->job_id, (long long)c->attempt);
     }
     ix_finalize(st);
     pthread_mutex_unlock(&s->mu);

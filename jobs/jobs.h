@@ -337,7 +337,8 @@ md_status md_store_chunk_renew(md_store *store, const md_job_chunk *c, const cha
 md_status md_store_chunk_finish(md_store *store, const md_job_chunk *c, const char *owner,
                                 const md_job_chunk_counts *counts, const char *output_key,
                                 int *all_done, md_err *err);
-/* Give the chunk back (pending again), if owner and attempt still hold it. */
+/* Give the chunk back (pending again), if owner and attempt still hold it;
+ * MD_ECONFLICT ("chunk_lease_lost") when they do not (taken over, or done). */
 md_status md_store_chunk_release(md_store *store, const md_job_chunk *c, const char *owner,
                                  md_err *err);
 /* Write the chunk metric families (this process's counters; Prometheus

@@ -1388,9 +1388,16 @@ out:
                err->msg);
     } else if (st != MD_OK) {
         md_err rerr;
-        md_store_chunk_release(J->store, c, J->owner, &rerr); /* another may try at once */
-        md_log(MD_LOG_WARN, "job %s chunk %lld given back: %s", c->job_id, (long long)c->seq,
-               err->msg);
+        /* another may try at once; or another took it over while this one
+         * was stopped (an S3 read timed out on resuming): refused, like a
+         * renewal that learns it */
+        if (md_store_chunk_release(J->store, c, J->owner, &rerr) == MD_ECONFLICT) {
+            atomic_fetch_add(&chunks_refused, 1);
+            md_log(MD_LOG_WARN, "job %s chunk %lld (attempt %lld): %s; %s", c->job_id,
+                   (long long)c->seq, (long long)c->attempt, err->msg, rerr.msg);
+        } else
+            md_log(MD_LOG_WARN, "job %s chunk %lld given back: %s", c->job_id, (long long)c->seq,
+                   err->msg);
         if (!atomic_load(&J->stopping))
             test_pause_ms(J, 200); /* S3 or the index away: not a busy loop */
     }
