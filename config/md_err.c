@@ -2,6 +2,7 @@
 #include "md_err.h"
 
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -309,10 +310,25 @@ const char *md_suggest(const char *word, const char *const *candidates, size_t n
     return best;
 }
 
+/* MD_TEST_CLOCK_SKEW_S (a test knob): this process's wall clock read that
+ * many seconds ahead (or behind), as a host's clock off by that much. */
+static long clock_skew_s(void)
+{
+    static _Atomic int read;
+    static _Atomic long skew;
+    if (!atomic_load(&read)) {
+        const char *e = getenv("MD_TEST_CLOCK_SKEW_S");
+        atomic_store(&skew, e ? strtol(e, NULL, 10) : 0);
+        atomic_store(&read, 1);
+    }
+    return atomic_load(&skew);
+}
+
 void md_now_iso(char out[32])
 {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += clock_skew_s();
     struct tm tm;
     gmtime_r(&ts.tv_sec, &tm);
     size_t n = strftime(out, 32, "%Y-%m-%dT%H:%M:%S", &tm);

@@ -25,8 +25,9 @@
  * sweep, or purge, tries again), so no object is left without a row naming
  * it; a crash between 3 and 4 leaves files that the start's full look
  * finds. Every replica's janitor removes its own copies of jobs any replica
- * removed: it reads jobs_removed from a watermark (with a margin for clock
- * skew between the replicas that wrote removed_at) when it hears the NOTIFY
+ * removed: it reads jobs_removed from a watermark on the index's clock
+ * (removed_at is stamped by the database, not the remover; with a margin
+ * for removals committed out of order) when it hears the NOTIFY
  * (md_jobs_wake) and at each sweep, and at start checks every job id its
  * store holds files of. The janitor also deletes the S3 parts an ended
  * chunked job still has (its coordinator stopped between recording the
@@ -375,11 +376,23 @@ static int check_all_local(struct md_job_janitor *w)
 static void sweep_removed(struct md_job_janitor *w)
 {
     if (!w->checked_all) {
-        time_t t0 = time(NULL);
+        /* the watermark starts on the index's clock (removals are stamped
+         * with it), read before the full look so nothing falls between */
+        char t0[32];
+        struct tm tm = {0};
+        md_err err;
+        if (md_store_db_now_iso(w->store, t0, &err) != MD_OK) {
+            md_log(MD_LOG_DEBUG, "job retention: cannot read the index's clock: %s", err.msg);
+            return;
+        }
+        if (!strptime(t0, "%Y-%m-%dT%H:%M:%S", &tm)) {
+            md_log(MD_LOG_WARN, "job retention: the index's clock reads '%s'", t0);
+            return;
+        }
         if (!check_all_local(w))
             return;
         w->checked_all = 1;
-        iso_at(t0 - SKEW_S, w->since);
+        iso_at(timegm(&tm) - SKEW_S, w->since);
         return;
     }
     json_t *rows = NULL;

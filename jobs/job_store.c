@@ -203,6 +203,35 @@ static const char *db_now_sql(md_store *s)
                                     : "((julianday('now') - 2440587.5) * 86400.0)";
 }
 
+/* Now as an ISO time (like md_now_iso: 2026-01-31T12:00:00.000Z) on the
+ * index's clock: removals are stamped with it, so every replica reads them
+ * from a watermark on that one clock, whatever its own says. */
+static const char *db_iso_now_sql(md_store *s)
+{
+    return md_store_jobs_chunked(s)
+               ? "to_char(clock_timestamp() AT TIME ZONE 'UTC', "
+                 "'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+               : "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
+}
+
+md_status md_store_db_now_iso(md_store *s, char out[32], md_err *err)
+{
+    char sql[160];
+    snprintf(sql, sizeof sql, "SELECT %s", db_iso_now_sql(s));
+    pthread_mutex_lock(&s->mu);
+    md_status rc = MD_OK;
+    md_ixstmt *st = prep(s, sql, err);
+    if (!st)
+        rc = MD_EIO;
+    else if (ix_step(st) != MD_IX_ROW || !ix_column_text(st, 0))
+        rc = db_fail(s, err, "read the index's clock");
+    else
+        snprintf(out, 32, "%s", ix_column_text(st, 0));
+    ix_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
 /* UPDATE the columns named by `fields`; with `owner`, only while that owner
  * holds the job, extending its lease to now + lease_s (0 rows: ECONFLICT). */
 static md_status job_update(md_store *s, const char *id, const char *owner, double lease_s,
@@ -610,8 +639,9 @@ md_status md_store_job_parts_dropped(md_store *s, const char *id, md_err *err)
 
 md_status md_store_job_delete(md_store *s, const char *id, md_err *err)
 {
-    char now[32];
-    now_iso(now);
+    char record[256];
+    snprintf(record, sizeof record, "INSERT INTO jobs_removed (id, removed_at) VALUES (?1, %s)",
+             db_iso_now_sql(s));
     pthread_mutex_lock(&s->mu);
     md_status rc = txn_begin(s, err);
     if (rc != MD_OK)
@@ -627,8 +657,7 @@ md_status md_store_job_delete(md_store *s, const char *id, md_err *err)
     /* every replica removes its own copy of the output when it reads this
      * (md_store_jobs_removed_since), at once when it hears the NOTIFY */
     if (rc == MD_OK)
-        rc = exec2(s, "INSERT INTO jobs_removed (id, removed_at) VALUES (?1, ?2)", id, now,
-                   "record the removal", NULL, err);
+        rc = exec1(s, record, id, "record the removal", NULL, err);
     if (rc == MD_OK)
         rc = ix_notify_change(s->ix, err);
     rc = txn_end(s, rc, TXN_KEEP, err);

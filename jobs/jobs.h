@@ -246,8 +246,8 @@ md_status md_store_job_removal_claim(md_store *store, const char *id, double lea
 /* Give a removal taken by md_store_job_removal_claim back (it failed). */
 md_status md_store_job_removal_release(md_store *store, const char *id, md_err *err);
 /* Delete the job's row (and any chunk row), and record its id in
- * jobs_removed, in one transaction (NOTIFY modeld_change at its commit).
- * MD_ENOTFOUND job_not_found. */
+ * jobs_removed stamped with the index's clock, in one transaction (NOTIFY
+ * modeld_change at its commit). MD_ENOTFOUND job_not_found. */
 md_status md_store_job_delete(md_store *store, const char *id, md_err *err);
 /* Those of `ids` (a JSON array of strings) recorded as removed: a new
  * array. Takes the store's lock per 100 ids. */
@@ -259,6 +259,9 @@ md_status md_store_jobs_removed_since(md_store *store, const char *since, int li
                                       json_t **out, md_err *err);
 /* Forget the removals recorded before `before` (an ISO time). */
 md_status md_store_jobs_removed_prune(md_store *store, const char *before, md_err *err);
+/* Now on the index's clock (PostgreSQL's, or SQLite's host), as an ISO time
+ * in `out`: the clock removals are stamped with. */
+md_status md_store_db_now_iso(md_store *store, char out[32], md_err *err);
 
 /* ---- the janitor (job_retention.c; its DESIGN) ---- */
 

@@ -823,6 +823,30 @@ def test_retention_on_every_replica_removes_each_job_once(start_server, s3, pg_u
              f"replica {i} holds no file of the removed jobs")
 
 
+def test_a_removal_is_stamped_on_the_index_clock_not_a_skewed_hosts(start_server, s3, pg_url,
+                                                                    tmp_path, fmnist):
+    # C alone assembles two jobs: it holds a copy of each output
+    spec = csv_job_in_s3(s3, fmnist, "skew.csv")
+    c = replica(start_server, s3, pg_url, tmp_path / "c")
+    deploy_fashion(c)
+    jids = [create_job(c, spec) for _ in range(2)]
+    for jid in jids:
+        wait_job(c, jid, timeout=300)
+        assert (tmp_path / "c" / "jobs" / f"{jid}.csv").exists()
+    # A's host clock is an hour ahead, B's is right
+    a = replica(start_server, s3, pg_url, tmp_path / "a", env={"MD_TEST_CLOCK_SKEW_S": "3600"})
+    b = replica(start_server, s3, pg_url, tmp_path / "b")
+    assert a.request("DELETE", f"/jobs/{jids[0]}?purge=true").status_code == 200
+    poll(lambda: not (tmp_path / "c" / "jobs" / f"{jids[0]}.csv").exists(),
+         "C removes its copy of the job A removed")
+    # had A stamped the removal an hour ahead, C would read removals from
+    # there on, and miss B's
+    assert b.request("DELETE", f"/jobs/{jids[1]}?purge=true").status_code == 200
+    poll(lambda: not (tmp_path / "c" / "jobs" / f"{jids[1]}.csv").exists(),
+         "C removes its copy of the job B removed after")
+    poll(lambda: f"removed elsewhere taken from this store ({jids[1]})" in c.stderr, "C logs it")
+
+
 def test_purge_without_the_right_to_list_deletes_the_output_and_parts_by_key(
         start_server, s3, pg_url, tmp_path, fmnist):
     spec = csv_job_in_s3(s3, fmnist, "nolist.csv")
