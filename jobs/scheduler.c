@@ -2444,12 +2444,14 @@ static void run_job(md_jobs *J, int slot, const char *id)
             goto failed;
         if (atomic_load(&J->cancel[slot]) && inflight == 0) {
             /* keep what is written, as a valid file marked partial */
+            keeper_start(&kp, J, slot, id); /* the lease while it is synced and put */
             if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped,
                            partial, &err) != MD_OK)
                 goto failed;
             if (is_s3(s3_out) &&
                 md_job_output_put(J->store, &J->fetch, id, spec, out_path, &err) != MD_OK)
                 goto failed;
+            keeper_stop(&kp);
             md_now_iso(now);
             f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
             jupdate(J, slot, id, f, NULL);
@@ -2472,11 +2474,23 @@ static void run_job(md_jobs *J, int slot, const char *id)
     /* an S3 input's EOF is the object's end only if its stream says so */
     if (s3_input_failed(&s3in, &err))
         goto failed;
+    /* the job's lease while the file is synced and put (gigabytes to S3
+     * may take many leases): nobody starts it over meanwhile */
+    keeper_start(&kp, J, slot, id);
     if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped, partial,
                    &err) != MD_OK)
         goto failed;
     if (is_s3(s3_out) && md_job_output_put(J->store, &J->fetch, id, spec, out_path, &err) != MD_OK)
         goto failed;
+    if (is_s3(s3_out) && getenv("MD_TEST_PAUSE_AFTER_OUTPUT_MS")) {
+        /* for tests only: the window between the output's upload and its
+         * record, held open longer than a lease */
+        md_log(MD_LOG_INFO, "job %s: output put; test pause before recording it", id);
+        test_pause_ms(J, atol(getenv("MD_TEST_PAUSE_AFTER_OUTPUT_MS")));
+    }
+    keeper_stop(&kp);
+    if (atomic_load(&J->lost[slot]))
+        goto out; /* another holds it now (the keeper's renewal was refused) */
     /* record_metric (issue 12): the accuracy on the version that ran, before
      * the job reads as succeeded, so a client that saw it succeed finds it */
     const char *record = json_string_value(json_object_get(spec, "record_metric"));

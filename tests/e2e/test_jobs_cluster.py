@@ -748,6 +748,30 @@ def csv_job_in_s3(s3, fmnist, key, **output):
                       "label": "label"}, "output": {"format": "csv", **output}}
 
 
+def test_a_single_runners_final_put_holds_the_jobs_lease(start_server, s3, pg_url, tmp_path,
+                                                         fmnist):
+    # an input.url: one runner. Its upload and the record of its success are
+    # held apart for four leases (a test knob, as a put of gigabytes)
+    files = LoopbackServer(lambda h: send_file(h, fmnist.dir, h.path))
+    spec = {"model": "fashion", "batch_size": 500,
+            "input": {"url": files.url("/" + fmnist.npy.name), "format": "npy"},
+            "output": {"format": "jsonl", "path": f"s3://{s3.bucket}/out/held.jsonl"}}
+    a = replica(start_server, s3, pg_url, tmp_path / "a", "--allow-private-urls", "1",
+                env={"MD_TEST_PAUSE_AFTER_OUTPUT_MS": str(4 * LEASE_S * 1000)})
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    poll(lambda: f"job {jid}: output put; test pause" in a.stderr, "A put the output")
+    # B could run it (same model, same rights) and polls for jobs to take over
+    b = replica(start_server, s3, pg_url, tmp_path / "b", "--allow-private-urls", "1")
+    job = wait_job(b, jid, timeout=300)
+    files.close()
+    assert job["rows_done"] == N, job
+    assert f"job {jid} succeeded" in a.stderr
+    assert f"job {jid}" not in b.stderr, "B took over a job whose runner was alive"
+    assert "another process holds it now" not in a.stderr
+    assert s3_get(s3, "out/held.jsonl").count(b"\n") == N
+
+
 def test_purge_on_any_replica_removes_the_blob_store_output_and_every_copy(
         start_server, s3, pg_url, tmp_path, fmnist):
     own_spec = csv_job_in_s3(s3, fmnist, "purge.csv")
