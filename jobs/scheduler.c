@@ -1315,6 +1315,13 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         free(conf_text);
         goto out;
     }
+    if (getenv("MD_TEST_CHUNK_FINISH_HOLD")) {
+        /* for tests only: past the last renewal, held while the file exists */
+        md_log(MD_LOG_INFO, "job %s chunk %lld: test hold before putting its part", c->job_id,
+               (long long)c->seq);
+        while (!atomic_load(&J->stopping) && access(getenv("MD_TEST_CHUNK_FINISH_HOLD"), F_OK) == 0)
+            test_pause_ms(J, 20);
+    }
     /* no fsync: the part is durable once S3 has it, and only then named */
     chunk_object_url(out_url, c, obj_url, sizeof obj_url);
     double t_put = mono();
@@ -2692,6 +2699,15 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
         return st;
     }
     json_decref(job);
+    int chunked = md_store_jobs_chunked(J->store);
+    /* a job over every replica: the store first. Its chunks' runners learn
+     * it there at their next renewal, wherever they run, and a chunk
+     * finishes only while it is not set; a coordinator here must not
+     * assemble the done chunks before it is, or a chunk finishing in
+     * between would be missing from its output and not from a successor's */
+    int now = 0;
+    if (chunked && (st = md_store_job_request_cancel(J->store, id, &now, err)) != MD_OK)
+        return st;
     pthread_mutex_lock(&J->mu);
     int running = 0;
     for (int i = 0; i < J->n_runners; i++)
@@ -2702,12 +2718,9 @@ md_status md_jobs_cancel(md_jobs *J, const char *id, md_err *err)
     if (running)
         pthread_cond_broadcast(&J->cv); /* a runner pausing for tests stops pausing */
     pthread_mutex_unlock(&J->mu);
-    if (running && !md_store_jobs_chunked(J->store))
+    if (running || chunked)
         return MD_OK;
-    /* a job over every replica: its chunks' runners learn it from the store
-     * at their next renewal, wherever they run */
     /* queued, or running on another replica: through the store */
-    int now = 0;
     return md_store_job_request_cancel(J->store, id, &now, err);
 }
 

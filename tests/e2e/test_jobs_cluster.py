@@ -847,6 +847,42 @@ def test_retention_on_every_replica_removes_each_job_once(start_server, s3, pg_u
              f"replica {i} holds no file of the removed jobs")
 
 
+def test_a_cancelled_jobs_output_stays_the_same_when_its_coordinator_stops(
+        start_server, s3, pg_url, tmp_path, fmnist):
+    # A coordinates (its one runner); A and B each compute a chunk and hold
+    # it past their last renewal (test knobs: held while a file exists)
+    spec = csv_job_in_s3(s3, fmnist, "cancel.csv", path=f"s3://{s3.bucket}/out/cancelled.csv")
+    hold_a, hold_b = tmp_path / "hold-a", tmp_path / "hold-b"
+    hold_a.touch()
+    hold_b.touch()
+    a = replica(start_server, s3, pg_url, tmp_path / "a",
+                env={"MD_TEST_CHUNK_FINISH_HOLD": str(hold_a),
+                     "MD_TEST_PAUSE_AFTER_OUTPUT_MS": "600000"})
+    deploy_fashion(a)
+    jid = create_job(a, spec)
+    poll(lambda: "test hold before putting its part" in a.stderr, "A holds a computed chunk")
+    b = replica(start_server, s3, pg_url, tmp_path / "b",
+                env={"MD_TEST_CHUNK_FINISH_HOLD": str(hold_b)})
+    poll(lambda: "test hold before putting its part" in b.stderr, "B holds a computed chunk")
+    assert b.request("DELETE", f"/jobs/{jid}").status_code == 202
+    # A finishes its chunk, sees the cancel, and puts the done chunks as the output
+    hold_a.unlink()
+    poll(lambda: f"job {jid}: output put; test pause" in a.stderr, "A put the partial output")
+    first = s3_get(s3, "out/cancelled.csv")
+    # B's chunk, done after that, is refused: the output is already chosen
+    hold_b.unlink()
+    poll(lambda: metric(b, "modeld_job_chunks_refused_total") >= 1, "B's late chunk is refused")
+    assert metric(b, "modeld_job_chunks_finished_total") == 0
+    # A stops before recording it: B takes the job over, assembles the same
+    # chunks, finds its output there byte for byte, and records the cancel
+    os.kill(a.proc.pid, signal.SIGKILL)
+    job = wait_job(b, jid, want="cancelled", timeout=300)
+    assert job.get("partial") is True, job
+    assert s3_get(s3, "out/cancelled.csv") == first
+    assert first.count(b"\n") == job["rows_done"] + 1, job  # the header, and the rows counted
+    poll(lambda: s3_keys(s3, "out/cancelled.csv.chunks/") == [], "the parts are deleted")
+
+
 def test_a_removal_is_stamped_on_the_index_clock_not_a_skewed_hosts(start_server, s3, pg_url,
                                                                     tmp_path, fmnist):
     # C alone assembles two jobs: it holds a copy of each output
