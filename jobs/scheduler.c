@@ -385,17 +385,32 @@ static void reader_err_from_url(md_err *err, const char *format)
 
 /* For tests only (test_job_chunk_delay_ms): pause after a committed chunk,
  * so a test can kill, stop or cancel in the middle of a job however fast the
- * machine is. Ends early on stop and on a cancel made here. */
+ * machine is. Ends early on stop and on a cancel made here. The runner is
+ * alive meanwhile, so it keeps the job it runs (its lease renewed every
+ * quarter lease, as its pipeline does): only a stopped or dead process's
+ * job is taken over, however long the pause. */
 static void test_pause(md_jobs *J, int slot)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    long long ns = (long long)ts.tv_nsec + (long long)J->chunk_delay_ms * 1000000LL;
-    ts.tv_sec += (time_t)(ns / 1000000000LL);
-    ts.tv_nsec = (long)(ns % 1000000000LL);
+    double end = mono() + (double)J->chunk_delay_ms / 1000.0;
     pthread_mutex_lock(&J->mu);
-    while (!atomic_load(&J->stopping) && !atomic_load(&J->cancel[slot]) &&
-           pthread_cond_timedwait(&J->cv, &J->mu, &ts) != ETIMEDOUT) {
+    while (!atomic_load(&J->stopping) && !atomic_load(&J->cancel[slot])) {
+        double left = end - mono();
+        if (left <= 0)
+            break;
+        double step = left < J->lease_s / 4 ? left : J->lease_s / 4;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        double t = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 + step;
+        ts.tv_sec = (time_t)t;
+        ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+        if (pthread_cond_timedwait(&J->cv, &J->mu, &ts) == ETIMEDOUT && mono() < end) {
+            char id[64];
+            snprintf(id, sizeof id, "%s", J->running[slot]);
+            pthread_mutex_unlock(&J->mu);
+            if (id[0] && !atomic_load(&J->lost[slot]))
+                jupdate(J, slot, id, NULL, NULL);
+            pthread_mutex_lock(&J->mu);
+        }
     }
     pthread_mutex_unlock(&J->mu);
 }
