@@ -102,13 +102,17 @@ static void chunk_summary(md_store *s, const char *id, json_t *job)
     ix_bind_text(st, 1, id);
     long long done = 0, running = 0, pending = 0;
     json_t *holders = json_array();
+    /* an ended job runs nothing: a chunk a runner still held when it was
+     * cancelled (its finish is refused) is not done, not running */
+    const char *js = json_string_value(json_object_get(job, "status"));
+    int ended = js && strcmp(js, "queued") != 0 && strcmp(js, "running") != 0;
     while (ix_step(st) == MD_IX_ROW) {
         const char *status = ix_column_text(st, 0);
         const char *owner = ix_column_text(st, 1);
         long long n = ix_column_int64(st, 2);
         if (status && !strcmp(status, "done"))
             done += n;
-        else if (status && !strcmp(status, "running")) {
+        else if (status && !strcmp(status, "running") && !ended) {
             running += n;
             if (owner)
                 json_array_append_new(holders, json_string(owner));
@@ -1086,8 +1090,8 @@ md_status md_store_chunks_list(md_store *s, const char *job_id, json_t **out, md
     md_status rc = MD_OK;
     md_ixstmt *st = prep(s,
                          "SELECT seq, status, start_row, end_row, rows_done, output_key, "
-                         "output_bytes, confusion, rows_skipped FROM job_chunks WHERE job_id = ?1 "
-                         "ORDER BY seq",
+                         "output_bytes, confusion, rows_skipped, correct, labeled FROM job_chunks "
+                         "WHERE job_id = ?1 ORDER BY seq",
                          err);
     if (!st) {
         rc = MD_EIO;
@@ -1107,6 +1111,8 @@ md_status md_store_chunks_list(md_store *s, const char *job_id, json_t **out, md
                               (json_int_t)ix_column_int64(st, 6), "confusion",
                               ix_column_type(st, 7) == MD_IXT_NULL ? json_null() : json_col(st, 7));
         json_object_set_new(c, "skipped", json_integer(ix_column_int64(st, 8)));
+        json_object_set_new(c, "correct", json_integer(ix_column_int64(st, 9)));
+        json_object_set_new(c, "labeled", json_integer(ix_column_int64(st, 10)));
         json_array_append_new(a, c);
     }
     ix_finalize(st);

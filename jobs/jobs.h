@@ -349,7 +349,8 @@ md_status md_store_chunk_release(md_store *store, const md_job_chunk *c, const c
  * Called by md_jobs_write_metrics. Thread-safe (atomics). */
 void md_jobs_write_chunk_metrics(FILE *f);
 /* The job's chunks in order: [{seq, status, start_row, end_row, rows,
- * output_key, output_bytes, confusion}], a new reference. */
+ * output_key, output_bytes, confusion, skipped, correct, labeled}], a new
+ * reference. */
 md_status md_store_chunks_list(md_store *store, const char *job_id, json_t **out, md_err *err);
 
 /* ---- where a job's output lives (job_output.c; its DESIGN) ---- */

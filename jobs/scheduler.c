@@ -1057,6 +1057,29 @@ static void test_pause_ms(md_jobs *J, long ms)
     pthread_mutex_unlock(&J->mu);
 }
 
+/* For tests only (MD_TEST_CHUNK_FINISH_HOLD=DIR): a computed chunk past its
+ * last renewal waits while DIR/SEQ exists, its lease kept meanwhile (a
+ * slow part upload's, without the cancel it would learn of). */
+static void test_chunk_hold(md_jobs *J, const md_job_chunk *c, const char *dir)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%lld", dir, (long long)c->seq);
+    if (access(path, F_OK) != 0)
+        return;
+    md_log(MD_LOG_INFO, "job %s chunk %lld: test hold before putting its part", c->job_id,
+           (long long)c->seq);
+    double renewed = mono();
+    while (!atomic_load(&J->stopping) && access(path, F_OK) == 0) {
+        if (mono() - renewed > J->lease_s / 4) {
+            int cancel = 0;
+            md_err rerr;
+            md_store_chunk_renew(J->store, c, J->owner, J->lease_s, &cancel, &rerr);
+            renewed = mono();
+        }
+        test_pause_ms(J, 20);
+    }
+}
+
 static size_t chunk_output_head(json_t *spec, int has_labels, char head[MD_JOB_NPY_HEADER + 1]);
 
 /* Run one claimed chunk to its fenced finish. MD_OK: finished; other
@@ -1330,13 +1353,8 @@ static md_status run_chunk(md_jobs *J, int slot, const md_job_chunk *c, md_err *
         free(conf_text);
         goto out;
     }
-    if (getenv("MD_TEST_CHUNK_FINISH_HOLD")) {
-        /* for tests only: past the last renewal, held while the file exists */
-        md_log(MD_LOG_INFO, "job %s chunk %lld: test hold before putting its part", c->job_id,
-               (long long)c->seq);
-        while (!atomic_load(&J->stopping) && access(getenv("MD_TEST_CHUNK_FINISH_HOLD"), F_OK) == 0)
-            test_pause_ms(J, 20);
-    }
+    if (getenv("MD_TEST_CHUNK_FINISH_HOLD"))
+        test_chunk_hold(J, c, getenv("MD_TEST_CHUNK_FINISH_HOLD"));
     /* no fsync: the part is durable once S3 has it, and only then named */
     chunk_object_url(out_url, c, obj_url, sizeof obj_url);
     double t_put = mono();
@@ -1413,11 +1431,15 @@ out:
         /* another may try at once; or another took it over while this one
          * was stopped (an S3 read timed out on resuming): refused, like a
          * renewal that learns it */
-        if (md_store_chunk_release(J->store, c, J->owner, &rerr) == MD_ECONFLICT) {
+        md_status rst = md_store_chunk_release(J->store, c, J->owner, &rerr);
+        if (rst == MD_ECONFLICT) {
             atomic_fetch_add(&chunks_refused, 1);
             md_log(MD_LOG_WARN, "job %s chunk %lld (attempt %lld): %s; %s", c->job_id,
                    (long long)c->seq, (long long)c->attempt, err->msg, rerr.msg);
-        } else
+        } else if (rst != MD_OK)
+            md_log(MD_LOG_WARN, "job %s chunk %lld: %s; not given back (%s): it is taken over "
+                   "once its lease runs out", c->job_id, (long long)c->seq, err->msg, rerr.msg);
+        else
             md_log(MD_LOG_WARN, "job %s chunk %lld given back: %s", c->job_id, (long long)c->seq,
                    err->msg);
         if (!atomic_load(&J->stopping))
@@ -1573,7 +1595,8 @@ static md_status assemble_whole(md_jobs *J, const char *id, json_t *spec, const 
  * done (a cancelled job: the longest contiguous prefix): the store's copy
  * at out_path, then the object in S3. Counts come from those chunks. */
 static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const char *out_path,
-                                int cancelled, int64_t *rows_out, json_t **confusion, md_err *err)
+                                int cancelled, int64_t *rows_out, md_job_chunk_counts *prefix,
+                                json_t **confusion, md_err *err)
 {
     json_t *output = json_object_get(spec, "output");
     char out_url[1200]; /* output.path, or the server's own object (job_output.c) */
@@ -1584,6 +1607,21 @@ static md_status chunk_assemble(md_jobs *J, const char *id, json_t *spec, const 
     md_status st = md_store_chunks_list(J->store, id, &chunks, err);
     if (st != MD_OK)
         return st;
+    /* what the output holds: the done chunks from the first (all of them,
+     * unless the job was cancelled), counted for a cancelled job's record */
+    memset(prefix, 0, sizeof *prefix);
+    size_t ci;
+    json_t *cj;
+    json_array_foreach(chunks, ci, cj)
+    {
+        if (strcmp(json_string_value(json_object_get(cj, "status")), "done") != 0)
+            break;
+        prefix->rows += json_integer_value(json_object_get(cj, "rows"));
+        prefix->skipped += json_integer_value(json_object_get(cj, "skipped"));
+        prefix->correct += json_integer_value(json_object_get(cj, "correct"));
+        prefix->labeled += json_integer_value(json_object_get(cj, "labeled"));
+        prefix->output_bytes += json_integer_value(json_object_get(cj, "output_bytes"));
+    }
     char tmp[4300];
     snprintf(tmp, sizeof tmp, "%s.%ld.assembling", out_path, (long)getpid());
     int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -1826,7 +1864,9 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
         goto out;
     keeper_start(&kp, J, slot, id); /* the job's lease, while its parts are read and put */
     double t_asm = mono();
-    md_status ast = chunk_assemble(J, id, spec, out_path, cancelled, &rows, &confusion, &err);
+    md_job_chunk_counts prefix;
+    md_status ast =
+        chunk_assemble(J, id, spec, out_path, cancelled, &rows, &prefix, &confusion, &err);
     md_log(MD_LOG_DEBUG, "job %s: assembled in %.3f s", id, mono() - t_asm);
     if (ast == MD_OK && getenv("MD_TEST_PAUSE_AFTER_OUTPUT_MS")) {
         /* for tests only: the window between the output's upload and its
@@ -1853,9 +1893,16 @@ static int run_chunked_job(md_jobs *J, int slot, const char *id, json_t *job)
         J->moved(J->resolve_ctx, model_name, md_model_version(m));
     md_now_iso(now);
     f = json_pack("{s:s,s:s}", "status", cancelled ? "cancelled" : "succeeded", "finished_at", now);
-    if (cancelled)
+    if (cancelled) {
+        /* the rows of the output, not those of every chunk done: a chunk
+         * done after one that was not is not in a partial output */
         json_object_set_new(f, "partial", json_true());
-    else
+        json_object_set_new(f, "rows_done", json_integer(prefix.rows));
+        json_object_set_new(f, "rows_skipped", json_integer(prefix.skipped));
+        json_object_set_new(f, "correct", json_integer(prefix.correct));
+        json_object_set_new(f, "labeled", json_integer(prefix.labeled));
+        json_object_set_new(f, "output_bytes", json_integer(prefix.output_bytes));
+    } else
         json_object_set_new(f, "rows_total", json_integer(rows));
     if (confusion)
         json_object_set_new(f, "confusion", confusion);
@@ -2470,10 +2517,14 @@ static void run_job(md_jobs *J, int slot, const char *id)
             if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped,
                            partial, &err) != MD_OK)
                 goto failed;
+            if (atomic_load(&J->lost[slot]))
+                goto out;
             if (is_s3(s3_out) &&
                 md_job_output_put(J->store, &J->fetch, id, spec, out_path, &err) != MD_OK)
                 goto failed;
             keeper_stop(&kp);
+            if (atomic_load(&J->lost[slot]))
+                goto out;
             md_now_iso(now);
             f = json_pack("{s:s,s:b,s:s}", "status", "cancelled", "partial", 1, "finished_at", now);
             jupdate(J, slot, id, f, NULL);
@@ -2502,13 +2553,16 @@ static void run_job(md_jobs *J, int slot, const char *id)
     if (md_job_out_finish(&of, &fd, o.kind == 2, out_bytes, written_end - written_skipped, partial,
                    &err) != MD_OK)
         goto failed;
+    if (atomic_load(&J->lost[slot]))
+        goto out; /* another holds it now: its upload, not this one */
     if (is_s3(s3_out) && md_job_output_put(J->store, &J->fetch, id, spec, out_path, &err) != MD_OK)
         goto failed;
-    if (is_s3(s3_out) && getenv("MD_TEST_PAUSE_AFTER_OUTPUT_MS")) {
+    if (is_s3(s3_out) && getenv("MD_TEST_OUTPUT_HOLD")) {
         /* for tests only: the window between the output's upload and its
-         * record, held open longer than a lease */
-        md_log(MD_LOG_INFO, "job %s: output put; test pause before recording it", id);
-        test_pause_ms(J, atol(getenv("MD_TEST_PAUSE_AFTER_OUTPUT_MS")));
+         * record, held open while the file exists */
+        md_log(MD_LOG_INFO, "job %s: output put; test hold before recording it", id);
+        while (!atomic_load(&J->stopping) && access(getenv("MD_TEST_OUTPUT_HOLD"), F_OK) == 0)
+            test_pause_ms(J, 20);
     }
     keeper_stop(&kp);
     if (atomic_load(&J->lost[slot]))

@@ -748,26 +748,40 @@ def csv_job_in_s3(s3, fmnist, key, **output):
                       "label": "label"}, "output": {"format": "csv", **output}}
 
 
-def test_a_single_runners_final_put_holds_the_jobs_lease(start_server, s3, pg_url, tmp_path,
-                                                         fmnist):
+def test_a_single_runners_final_put_holds_the_jobs_lease(start_server, s3, pg_url, pg_cluster,
+                                                         tmp_path, fmnist):
     # an input.url: one runner. Its upload and the record of its success are
-    # held apart for four leases (a test knob, as a put of gigabytes)
+    # held apart (a test knob: while a file exists), as a put of gigabytes
     files = LoopbackServer(lambda h: send_file(h, fmnist.dir, h.path))
     spec = {"model": "fashion", "batch_size": 500,
             "input": {"url": files.url("/" + fmnist.npy.name), "format": "npy"},
             "output": {"format": "jsonl", "path": f"s3://{s3.bucket}/out/held.jsonl"}}
+    hold = tmp_path / "hold"
+    hold.touch()
     a = replica(start_server, s3, pg_url, tmp_path / "a", "--allow-private-urls", "1",
-                env={"MD_TEST_PAUSE_AFTER_OUTPUT_MS": str(4 * LEASE_S * 1000)})
+                env={"MD_TEST_OUTPUT_HOLD": str(hold)})
     deploy_fashion(a)
     jid = create_job(a, spec)
-    poll(lambda: f"job {jid}: output put; test pause" in a.stderr, "A put the output")
-    # B could run it (same model, same rights) and polls for jobs to take over
+    poll(lambda: f"job {jid}: output put; test hold" in a.stderr, "A put the output")
+    # B could run it (same model, same rights) and looks for jobs to take over
     b = replica(start_server, s3, pg_url, tmp_path / "b", "--allow-private-urls", "1")
+    db = pg_url.rsplit("/", 1)[1]
+
+    def lease():
+        until, now, owner = pg_cluster.psql(  # owner is host|pid|nonce: last
+            f"SELECT lease_until, extract(epoch from clock_timestamp()), owner FROM jobs "
+            f"WHERE id = '{jid}'", db=db).split("|", 2)
+        return owner, float(until), float(now)
+    t0 = lease()[2]  # the index's clock, B running
+    # on that clock, two leases on: still A's, its lease renewed meanwhile
+    poll(lambda: lease()[1] > t0 + 2 * LEASE_S, "the job's lease renewed past two leases")
+    assert holder_pid(lease()[0]) == a.proc.pid, "B took over a job whose runner was alive"
+    hold.unlink()
     job = wait_job(b, jid, timeout=300)
     files.close()
     assert job["rows_done"] == N, job
-    assert f"job {jid} succeeded" in a.stderr
-    assert f"job {jid}" not in b.stderr, "B took over a job whose runner was alive"
+    poll(lambda: f"job {jid} succeeded" in a.stderr, "A records and logs its success")
+    assert f"job {jid}" not in b.stderr, "B ran the job too"
     assert "another process holds it now" not in a.stderr
     assert s3_get(s3, "out/held.jsonl").count(b"\n") == N
 
@@ -849,37 +863,39 @@ def test_retention_on_every_replica_removes_each_job_once(start_server, s3, pg_u
 
 def test_a_cancelled_jobs_output_stays_the_same_when_its_coordinator_stops(
         start_server, s3, pg_url, tmp_path, fmnist):
-    # A coordinates (its one runner); A and B each compute a chunk and hold
-    # it past their last renewal (test knobs: held while a file exists)
+    # 5 chunks: A (the coordinator, one runner) does chunk 0, then holds
+    # chunk 1 computed, past its last renewal (a test knob: while the file
+    # holds/1 exists, its lease kept); B does chunks 2 to 4
     spec = csv_job_in_s3(s3, fmnist, "cancel.csv", path=f"s3://{s3.bucket}/out/cancelled.csv")
-    hold_a, hold_b = tmp_path / "hold-a", tmp_path / "hold-b"
-    hold_a.touch()
-    hold_b.touch()
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    (holds / "1").touch()
     a = replica(start_server, s3, pg_url, tmp_path / "a",
-                env={"MD_TEST_CHUNK_FINISH_HOLD": str(hold_a),
+                env={"MD_TEST_CHUNK_FINISH_HOLD": str(holds),
                      "MD_TEST_PAUSE_AFTER_OUTPUT_MS": "600000"})
     deploy_fashion(a)
     jid = create_job(a, spec)
-    poll(lambda: "test hold before putting its part" in a.stderr, "A holds a computed chunk")
-    b = replica(start_server, s3, pg_url, tmp_path / "b",
-                env={"MD_TEST_CHUNK_FINISH_HOLD": str(hold_b)})
-    poll(lambda: "test hold before putting its part" in b.stderr, "B holds a computed chunk")
+    poll(lambda: f"job {jid} chunk 1: test hold" in a.stderr, "A holds chunk 1")
+    b = replica(start_server, s3, pg_url, tmp_path / "b")
+    poll(lambda: get_job(b, jid)["chunks"]["done"] == 4, "B does chunks 2 to 4")
     assert b.request("DELETE", f"/jobs/{jid}").status_code == 202
-    # A finishes its chunk, sees the cancel, and puts the done chunks as the output
-    hold_a.unlink()
+    # chunk 1, done after the cancel, is refused; the output is chunk 0 alone
+    (holds / "1").unlink()
     poll(lambda: f"job {jid}: output put; test pause" in a.stderr, "A put the partial output")
+    assert metric(a, "modeld_job_chunks_refused_total") == 1
     first = s3_get(s3, "out/cancelled.csv")
-    # B's chunk, done after that, is refused: the output is already chosen
-    hold_b.unlink()
-    poll(lambda: metric(b, "modeld_job_chunks_refused_total") >= 1, "B's late chunk is refused")
-    assert metric(b, "modeld_job_chunks_finished_total") == 0
+    assert first.count(b"\n") == 2000 + 1, "the header and chunk 0's rows"
     # A stops before recording it: B takes the job over, assembles the same
     # chunks, finds its output there byte for byte, and records the cancel
     os.kill(a.proc.pid, signal.SIGKILL)
     job = wait_job(b, jid, want="cancelled", timeout=300)
     assert job.get("partial") is True, job
     assert s3_get(s3, "out/cancelled.csv") == first
-    assert first.count(b"\n") == job["rows_done"] + 1, job  # the header, and the rows counted
+    # the counts are the output's rows, not those of every chunk done
+    assert job["rows_done"] == 2000 and job["labeled"] == 2000, job
+    assert sum(map(sum, job["confusion"])) == 2000, job
+    # an ended job runs no chunk: chunk 1's refused holder is not shown
+    assert job["chunks"]["running"] == 0 and job["chunks"]["holders"] == [], job
     poll(lambda: s3_keys(s3, "out/cancelled.csv.chunks/") == [], "the parts are deleted")
 
 
