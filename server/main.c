@@ -156,6 +156,13 @@ static void tune_malloc(void)
     cpu_set_t set;
     int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
     mallopt(M_ARENA_MAX, 4 * (cores >= 1 ? cores : 1));
+    /* glibc sets its allocator up on first use, and malloc_trim's set-up
+     * races with another thread's malloc_trim (it marks the arena ready
+     * before filling it in). Its first use here, before any thread: under
+     * ASan, which takes over malloc and mallopt, malloc_trim from a worker
+     * unloading a version and from the store poller would otherwise be the
+     * first (a SEGV in mtrim, seen in make asan). */
+    malloc_trim(0);
 }
 
 int main(int argc, char **argv)
