@@ -32,10 +32,16 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, TSCALE
+from conftest import REPO, SANITIZED, TSCALE
 import test_hardening_memory as hm
 
-LIMIT = 1 << 30
+# 1 GiB as a container's limit. Under ASan (make asan) the same process
+# holds more: shadow memory, and freed blocks kept in its 256 MB quarantine;
+# at 1 GiB it ran at the limit in constant reclaim (peak 1024 MiB, failcnt
+# 220k), and in one CI run the server was gone mid-test (the likely cause the
+# OOM killer; its stderr was not kept then: it is now). 2 GiB there: every
+# hostile request below still reached 4-5 GB before its fix.
+LIMIT = (2 << 30) if SANITIZED else (1 << 30)
 BUDGET = 512 << 20  # max_loaded_bytes: two of the 192 MB models
 V1 = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
@@ -201,7 +207,10 @@ def test_a_memory_limited_server_is_never_killed(start_server, cgroup, big_model
             record(f"predict m{i // 2}", lambda i=i: requests.post(
                 srv.url + f"/models/m{i // 2}/predict", json=[[0.5] * 4096],
                 timeout=300 * TSCALE))
-        hm.put_arch(srv)
+        # (recorded, not asserted here: a server gone is reported below with its stderr)
+        record("architecture", lambda: srv.request(
+            "PUT", "/models/m/architecture", data=(hm.CK / "mlp_arch.pt").read_bytes(),
+            headers={"Content-Type": "application/octet-stream"}, timeout=60 * TSCALE))
         bomb = hm.deflate_bomb()
         hostile = [
             ("zip directories", lambda: hm.upload(srv, hm.torch_save_two_directories(bomb))),
@@ -235,7 +244,8 @@ def test_a_memory_limited_server_is_never_killed(start_server, cgroup, big_model
                                       (200 <= a[1] < 500 or a[1] == 503))]
     assert not bad, f"answers neither 2xx, 4xx nor 503: {bad}\n{summary}"
     assert all(a[2] for a in answers if a[1] == 503), f"a 503 without Retry-After:\n{summary}"
-    assert all(a[1] < 300 for a in answers if a[0].startswith("deploy")), summary
+    assert all(a[1] < 300 for a in answers if a[0].startswith("deploy") or
+               a[0] == "architecture"), summary
     for what in ("zip directories", "zip64 bomb", "torchscript bomb", "expanded view",
                  "ztxt png", "v2 junk"):
         st = next(a[1] for a in answers if a[0] == what)
