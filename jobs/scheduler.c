@@ -388,10 +388,12 @@ static void reader_err_from_url(md_err *err, const char *format)
  * machine is. Ends early on stop and on a cancel made here. The runner is
  * alive meanwhile, so it keeps the job it runs (its lease renewed every
  * quarter lease, as its pipeline does): only a stopped or dead process's
- * job is taken over, however long the pause. */
+ * job is taken over, however long the pause. (A chunk's own lease is not
+ * renewed here: chunk runners are paced far below a lease, and renew it
+ * after each pause.) */
 static void test_pause(md_jobs *J, int slot)
 {
-    double end = mono() + (double)J->chunk_delay_ms / 1000.0;
+    double end = mono() + (double)J->chunk_delay_ms / 1000.0, renewed = mono();
     pthread_mutex_lock(&J->mu);
     while (!atomic_load(&J->stopping) && !atomic_load(&J->cancel[slot])) {
         double left = end - mono();
@@ -403,7 +405,11 @@ static void test_pause(md_jobs *J, int slot)
         double t = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 + step;
         ts.tv_sec = (time_t)t;
         ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
-        if (pthread_cond_timedwait(&J->cv, &J->mu, &ts) == ETIMEDOUT && mono() < end) {
+        pthread_cond_timedwait(&J->cv, &J->mu, &ts);
+        /* by the time gone, not by timeouts: wakes for other runners (a
+         * NOTIFY, a chunk given back) may come more often than that */
+        if (mono() - renewed >= J->lease_s / 4 && mono() < end) {
+            renewed = mono();
             char id[64];
             snprintf(id, sizeof id, "%s", J->running[slot]);
             pthread_mutex_unlock(&J->mu);

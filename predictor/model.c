@@ -317,6 +317,9 @@ static void io_info(const md_io *io, md_io_info *out)
 
 void md_model_input(const md_model *m, int i, md_io_info *out) { io_info(&m->in[i], out); }
 void md_model_output(const md_model *m, int j, md_io_info *out) { io_info(&m->out[j], out); }
+static pthread_once_t trim_once = PTHREAD_ONCE_INIT;
+static void trim_first(void) { malloc_trim(0); }
+
 void md_model_destroy(md_model *m)
 {
     /* the last worker is gone: every packed copy is back in the pool */
@@ -341,7 +344,10 @@ void md_model_destroy(md_model *m)
     /* give the freed weights' pages back to the system: glibc keeps freed
      * heap memory (tensors under its mmap threshold, which grows as big
      * blocks are freed) for reuse, so without this an unloaded version's
-     * memory stays in the RSS (measured: tests/e2e/test_memory.py) */
+     * memory stays in the RSS (measured: tests/e2e/test_memory.py). The
+     * first call once (glibc's set-up of its arena races with a second
+     * first call; the server makes it in main, a unit test may not) */
+    pthread_once(&trim_once, trim_first);
     malloc_trim(0);
 }
 
